@@ -1,0 +1,55 @@
+# Two commands set up and exercise everything on a fresh Linux machine:
+#   make run    virtualenv + default data + a short real training under mpiexec
+#   make test   the whole test suite (single process, then MPI tests at 2 and 4 ranks)
+#
+# Overrides (see README, "HPC systems"):
+#   TORCH="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124"   GPU build
+#   TORCH=  VENV_FLAGS=--system-site-packages   reuse the site's torch
+#   MPI_PACKAGES="--no-binary mpi4py mpi4py"    build mpi4py against the system MPI
+#   MPIEXEC=mpiexec NP=4 ARGS="--train.max_iters=100"
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
+TORCH ?= torch==2.13.0
+MPI_PACKAGES ?= mpi4py mpich
+NP ?= 2
+ARGS ?=
+TIME_LIMIT ?= 1200
+
+PY := $(VENV)/bin/python
+MPIEXEC ?= $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec)
+STAMP := $(VENV)/.installed
+DATA := datasets/stdlib-char.h5
+# Several ranks share the cores of one machine: one thread each.
+RUN_ENV := OMP_NUM_THREADS=1
+
+.PHONY: run test install bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(if $(strip $(TORCH)),$(PY) -m pip install -q $(TORCH))
+	$(PY) -m pip install -q $(MPI_PACKAGES)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+$(DATA): | $(STAMP)
+	$(VENV)/bin/hpctrain prepare --corpus stdlib --output $@
+
+run: $(STAMP) $(DATA)
+	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train default $(ARGS)
+
+test: $(STAMP)
+	$(RUN_ENV) timeout $(TIME_LIMIT) $(PY) -m pytest -q tests
+	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi tests
+	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi tests
+
+bench: $(STAMP)
+	$(PY) perf/bench_allreduce.py
+	$(PY) perf/bench_dp.py
+	$(PY) perf/bench_convergence.py
+
+clean:
+	rm -rf $(VENV) datasets runs *.egg-info

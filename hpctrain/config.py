@@ -1,0 +1,318 @@
+"""Configuration: one dataclass per section, TOML recipes, ``--section.key=value`` overrides.
+
+Every field carries its help text (``opt(default, help)``), so ``hpctrain train RECIPE
+--help`` can list them all. Each section checks itself in ``__post_init__``; checks that
+need the number of ranks live in ``check_layout``. Every message names the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from hpctrain.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def opt(default, help: str, choices: tuple | None = None):
+    """A config field with its help text (and, optionally, its allowed values)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def _check_choices(section) -> None:
+    for f in dataclasses.fields(section):
+        choices = f.metadata.get("choices")
+        value = getattr(section, f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"{_SECTION_NAMES[type(section)]}.{f.name}={value!r} is not "
+                              f"one of {', '.join(map(str, choices))}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = opt(4, "number of transformer blocks")
+    n_head: int = opt(4, "attention heads per block")
+    n_embd: int = opt(128, "width of the residual stream")
+    block_size: int = opt(64, "context length in tokens")
+    vocab_size: int = opt(0, "vocabulary size; 0 takes it from the dataset")
+    dropout: float = opt(0.0, "dropout probability (0 keeps runs equal across world sizes)")
+    bias: bool = opt(False, "use biases in Linear and LayerNorm layers")
+
+    def __post_init__(self):
+        _require(self.n_layer >= 1, "model.n_layer must be at least 1")
+        _require(self.n_head >= 1 and self.n_embd % self.n_head == 0,
+                 f"model.n_embd={self.n_embd} must be a multiple of model.n_head="
+                 f"{self.n_head}; change one of them")
+        _require(self.block_size >= 1, "model.block_size must be at least 1")
+        _require(self.vocab_size >= 0, "model.vocab_size must be >= 0 (0 = from the data)")
+        _require(0.0 <= self.dropout < 1.0, "model.dropout must be in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("", "prepared HDF5 token file (made by `hpctrain prepare`)")
+    sampler: str = opt("epoch", "training order: 'epoch' = shuffled non-overlapping windows "
+                                "(Megatron-LM), 'random' = uniform random starts (nanoGPT)",
+                       ("epoch", "random"))
+    verify: bool = opt(True, "check the file's CRC-32 blocks (in parallel) before training")
+
+    def __post_init__(self):
+        _check_choices(self)
+
+
+@dataclass
+class ParallelConfig:
+    micro_batches: int = opt(1, "micro-batches per rank and step (gradient accumulation)")
+    bucket_mb: float = opt(25.0, "gradient bucket cap in MiB (PyTorch DDP's default)")
+    first_bucket_mb: float = opt(1.0, "cap of the first bucket reduced, so that "
+                                      "communication starts early in backward")
+
+    def __post_init__(self):
+        _require(self.micro_batches >= 1, "parallel.micro_batches must be at least 1")
+        _require(self.bucket_mb > 0 and self.first_bucket_mb > 0,
+                 "parallel.bucket_mb and parallel.first_bucket_mb must be positive")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(1e-3, "peak learning rate")
+    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
+    warmup_iters: int = opt(100, "linear warm-up steps")
+    lr_decay_iters: int = opt(0, "steps of cosine decay; 0 means train.max_iters")
+    schedule: str = opt("cosine", "learning-rate schedule", ("cosine", "constant"))
+    weight_decay: float = opt(0.1, "AdamW weight decay (matrices and embeddings only)")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.99, "AdamW beta2")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables")
+
+    def __post_init__(self):
+        _check_choices(self)
+        _require(self.lr > 0, "optim.lr must be positive")
+        _require(0 <= self.min_lr <= self.lr, "optim.min_lr must be in [0, optim.lr]")
+        _require(self.warmup_iters >= 0 and self.lr_decay_iters >= 0,
+                 "optim.warmup_iters and optim.lr_decay_iters must be >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
+        _require(self.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 disables clipping)")
+        _require(self.weight_decay >= 0, "optim.weight_decay must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = opt(12, "global batch in sequences (all ranks and micro-batches)")
+    max_iters: int = opt(2000, "optimizer steps to train")
+    log_interval: int = opt(10, "steps between log lines and metrics.jsonl records")
+    eval_interval: int = opt(250, "steps between validation estimates; 0 disables")
+    eval_iters: int = opt(20, "batches per validation estimate")
+    final_eval: bool = opt(True, "evaluate on the whole validation split at the end")
+    out_dir: str = opt("runs/default", "where metrics.jsonl, the checkpoint and the "
+                                       "sample are written")
+    seed: int = opt(1337, "seed for initialization and data order")
+    dtype: str = opt("fp32", "compute precision", ("fp32",))
+    peak_tflops: float = opt(0.0, "device peak TFLOP/s for MFU; 0 looks the device up")
+    threads: int = opt(0, "CPU threads per rank; 0 = OMP_NUM_THREADS or cores/ranks")
+    sample_tokens: int = opt(200, "tokens generated from the final model; 0 skips")
+    sample_prompt: str = opt("\n", "prompt for the final sample")
+    save_checkpoint: bool = opt(True, "write <out_dir>/final.h5 at the end")
+    progress: bool = opt(True, "show a progress bar on rank 0")
+
+    def __post_init__(self):
+        _check_choices(self)
+        _require(self.batch_size >= 1, "train.batch_size must be at least 1")
+        _require(self.max_iters >= 0, "train.max_iters must be >= 0")
+        _require(self.log_interval >= 1, "train.log_interval must be at least 1")
+        _require(self.eval_interval >= 0 and self.eval_iters >= 1,
+                 "train.eval_interval must be >= 0 and train.eval_iters >= 1")
+        _require(self.out_dir != "", "train.out_dir must name a directory")
+        _require(self.threads >= 0 and self.sample_tokens >= 0 and self.peak_tflops >= 0,
+                 "train.threads, train.sample_tokens and train.peak_tflops must be >= 0")
+
+
+@dataclass
+class CommConfig:
+    timeout: float = opt(300.0, "seconds any MPI wait may take before the job aborts")
+    cuda_aware: str = opt("auto", "hand CUDA buffers to MPI directly", ("auto", "yes", "no"))
+    device: str = opt("auto", "auto picks cuda:<local_rank % n_gpus> when CUDA exists",
+                      ("auto", "cpu", "cuda"))
+
+    def __post_init__(self):
+        _check_choices(self)
+        _require(self.timeout > 0, "comm.timeout must be positive (seconds)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+_SECTION_TYPES = typing.get_type_hints(Config)
+_SECTION_NAMES = {cls: name for name, cls in _SECTION_TYPES.items()}
+
+
+def check_layout(cfg: Config, dp: int) -> None:
+    """Checks that need the number of data-parallel ranks ``dp``."""
+    per_step = dp * cfg.parallel.micro_batches
+    if cfg.train.batch_size % per_step:
+        lower = max(per_step, cfg.train.batch_size // per_step * per_step)
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} cannot be split evenly over {dp} "
+            f"data-parallel rank(s) x {cfg.parallel.micro_batches} micro-batch(es); use a "
+            f"multiple of {per_step} (e.g. --train.batch_size={lower} or "
+            f"{lower + per_step}), or change the number of ranks")
+
+
+# ---------------------------------------------------------------------------- loading
+
+def recipe_names() -> list[str]:
+    root = resources.files("hpctrain.recipes")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def read_recipe(name_or_path: str) -> dict:
+    """A built-in recipe by name, or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"recipe file {path} does not exist")
+        text = path.read_text()
+    else:
+        resource = resources.files("hpctrain.recipes") / f"{name_or_path}.toml"
+        if not resource.is_file():
+            raise ConfigError(f"unknown recipe {name_or_path!r}; built-in recipes: "
+                              f"{', '.join(recipe_names())} (or give a path to a .toml file)")
+        text = resource.read_text()
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"recipe {name_or_path} is not valid TOML: {e}") from None
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(), n=1)
+    hint = f"; did you mean --{close[0]}?" if close else "; see `hpctrain train RECIPE --help`"
+    return ConfigError(f"unknown option --{key}{hint}")
+
+
+def _coerce(key: str, value, typ):
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"--{key} expects {typ.__name__}, got {value!r}")
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """``['--train.max_iters=5', '--model.bias', 'true']`` -> ``{'train.max_iters': '5', ...}``."""
+    out, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {arg!r}; options look like "
+                              "--section.key=value (e.g. --train.max_iters=100)")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value, e.g. {arg}=VALUE")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        out[key] = value
+    return out
+
+
+def build_config(recipe: dict, overrides: dict[str, str] | None = None) -> Config:
+    """Merge a recipe dict and dotted overrides into a validated ``Config``."""
+    values: dict[str, dict] = {name: {} for name in _SECTION_TYPES}
+    flat = {}
+    for section, entries in recipe.items():
+        if section not in _SECTION_TYPES or not isinstance(entries, dict):
+            raise ConfigError(f"recipe has unknown section [{section}]; sections are "
+                              f"{', '.join(_SECTION_TYPES)}")
+        for key, value in entries.items():
+            flat[f"{section}.{key}"] = value
+    flat.update(overrides or {})
+    for dotted, value in flat.items():
+        section, _, key = dotted.partition(".")
+        cls = _SECTION_TYPES.get(section)
+        hints = typing.get_type_hints(cls) if cls else {}
+        if key not in hints:
+            raise _unknown(dotted)
+        values[section][key] = _coerce(dotted, value, hints[key])
+    sections = {name: cls(**values[name]) for name, cls in _SECTION_TYPES.items()}
+    return Config(**sections)
+
+
+def load_config(recipe: str, overrides: list[str] | dict | None = None) -> Config:
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    return build_config(read_recipe(recipe), overrides)
+
+
+def config_from_dict(d: dict) -> Config:
+    """Rebuild a config saved with ``Config.to_dict`` (checkpoints, records)."""
+    return build_config({k: v for k, v in d.items() if isinstance(v, dict)})
+
+
+def describe_options() -> str:
+    """Every option with its default and help, for ``--help``."""
+    lines = []
+    for section, cls in _SECTION_TYPES.items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            extra = f" ({'|'.join(map(str, choices))})" if choices else ""
+            lines.append(f"  --{section}.{f.name}={f.default!r}{extra}\n      {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,23 @@
+"""Errors a user can cause and fix.
+
+A ``UserError`` is printed as one message (no traceback) that names the fix, and the
+process exits with ``EXIT_USER_ERROR``. Anything else is a bug and gets a traceback.
+"""
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """Bad input: config, files, world size, checkpoints. The message names the fix."""
+
+
+class ConfigError(UserError):
+    """A recipe or a ``--section.key=value`` override is invalid."""
+
+
+class DataError(UserError):
+    """A dataset file is missing, corrupt, or does not fit the model."""
+
+
+class CommTimeout(RuntimeError):
+    """An MPI wait passed its deadline: some rank is stuck or dead."""

@@ -1,0 +1,1 @@
+"""Built-in training recipes (TOML), shipped as package data."""
