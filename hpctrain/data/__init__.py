@@ -1,0 +1,1 @@
+"""Tokenizers, corpus preparation (text -> HDF5), the step sampler and the token reader."""

@@ -1,0 +1,1 @@
+"""The GPT model. Knows nothing about MPI."""
