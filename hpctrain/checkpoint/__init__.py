@@ -1,0 +1,1 @@
+"""Checkpoints: the single-file final checkpoint (``final.h5``)."""

@@ -1,0 +1,91 @@
+"""One-file checkpoint in HDF5: parameters, AdamW state, config, tokenizer, step.
+
+No pickle: tensors are HDF5 datasets named by parameter, metadata is JSON in attributes.
+Written to a temporary name and renamed, so a crash never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpctrain.errors import UserError
+
+FORMAT = "hpctrain-checkpoint"
+VERSION = 1
+
+
+def save_checkpoint(path: str | Path, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None, *, step: int, config: dict,
+                    tokenizer: dict) -> Path:
+    import h5py
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update(format=FORMAT, version=VERSION, step=step,
+                           config=json.dumps(config), tokenizer=json.dumps(tokenizer))
+            for name, p in model.named_parameters():
+                f.create_dataset(f"model/{name}", data=p.detach().float().cpu().numpy())
+            if optimizer is not None:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        for key, value in optimizer.state.get(p, {}).items():
+                            f.create_dataset(f"optim/{names[id(p)]}/{key}",
+                                             data=value.detach().float().cpu().numpy())
+            f.flush()
+            os.fsync(f.id.get_vfd_handle())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    config: dict
+    tokenizer: dict
+    model: dict[str, np.ndarray]
+    optim: dict[str, dict[str, np.ndarray]]
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    import h5py
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "final.h5"
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist; pass the final.h5 written by "
+                        "`hpctrain train` (or its out_dir)")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise UserError(f"checkpoint {path} is not readable HDF5 (truncated?): {e}") from None
+    with f:
+        if f.attrs.get("format") != FORMAT or int(f.attrs.get("version", -1)) != VERSION:
+            raise UserError(f"{path} is not an hpctrain v{VERSION} checkpoint")
+        model = {}
+        f["model"].visititems(lambda k, v: model.__setitem__(k, v[()])
+                              if isinstance(v, h5py.Dataset) else None)
+        optim: dict[str, dict] = {}
+        if "optim" in f:
+            def visit(key, v):
+                if isinstance(v, h5py.Dataset):
+                    name, _, stat = key.rpartition("/")
+                    optim.setdefault(name, {})[stat] = v[()]
+            f["optim"].visititems(visit)
+        return Checkpoint(int(f.attrs["step"]), json.loads(f.attrs["config"]),
+                          json.loads(f.attrs["tokenizer"]), model, optim)

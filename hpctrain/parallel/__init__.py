@@ -1,0 +1,1 @@
+"""Parallelisms that wrap the model: data parallelism (bucketed allreduce) for now."""

@@ -1,0 +1,1 @@
+"""The training loop, optimizer and schedule, metrics."""

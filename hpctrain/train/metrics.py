@@ -1,0 +1,57 @@
+"""Throughput, model FLOP utilization (MFU) and the ``metrics.jsonl`` log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Dense peak TFLOP/s per device from the vendors' data sheets, by compute dtype.
+# fp32 here is plain FP32 (no TF32). CPUs vary too much to tabulate: pass
+# --train.peak_tflops to get an MFU there.
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp32": 67.0},
+    "H100": {"bf16": 989.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp32": 19.5},
+    "V100": {"bf16": 125.0, "fp32": 15.7},  # fp16 tensor-core peak
+}
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def peak_tflops(device: str, dtype: str, override: float = 0.0) -> float | None:
+    """Peak TFLOP/s of one device, or None when unknown (MFU is then not reported)."""
+    if override > 0:
+        return override
+    name = device_name(device)
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name:
+            return peaks.get(dtype)
+    return None
+
+
+class MetricsLog:
+    """Appends one JSON object per line; only the writing rank creates the file."""
+
+    def __init__(self, path: str | Path, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(path)
+        self._f = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "w")
+
+    def write(self, record: dict) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None

@@ -1,0 +1,51 @@
+"""AdamW with decay/no-decay groups, warm-up + cosine schedule, global-norm clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hpctrain.config import OptimConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and embeddings; never biases or LayerNorm gains (as GPT-2/nanoGPT)."""
+    decay, no_decay = [], []
+    for p in model.parameters():  # tied weights appear once
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(groups: list[dict], cfg: OptimConfig, device: str) -> torch.optim.AdamW:
+    # The fused kernel updates all tensors in one pass per group (CPU and CUDA); it
+    # keeps the per-step Python overhead out of a step that may take only 50 ms.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=True)
+
+
+def learning_rate(step: int, cfg: OptimConfig, max_iters: int) -> float:
+    """Linear warm-up to ``lr`` then cosine decay to ``min_lr`` (Loshchilov & Hutter 2017)."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if step < cfg.warmup_iters:
+        return cfg.lr * (step + 1) / (cfg.warmup_iters + 1)
+    decay_iters = cfg.lr_decay_iters or max_iters
+    if step >= decay_iters:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over all gradient tensors (fp32 accumulation)."""
+    norms = torch._foreach_norm(grads)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients so their global norm is at most ``max_norm`` (no-op when below)."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef)

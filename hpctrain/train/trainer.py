@@ -1,0 +1,284 @@
+"""The training loop: sampler -> reader -> forward/backward -> bucketed allreduce ->
+clip -> AdamW -> metrics, with periodic evaluation and a final checkpoint.
+
+Every rank runs this same loop on its share of each global batch. ``World`` is passed in,
+so the single-process reference is the same code on ``MPI.COMM_SELF``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpctrain.checkpoint.single_file import save_checkpoint
+from hpctrain.comm.collectives import allreduce_array
+from hpctrain.comm.world import World, threads_per_rank
+from hpctrain.config import Config, check_layout
+from hpctrain.data.dataset import TokenDataset
+from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler
+from hpctrain.errors import DataError
+from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.parallel.data_parallel import DataParallel
+from hpctrain.profiling import nvtx_range
+from hpctrain.progress import Progress
+from hpctrain.train.metrics import MetricsLog, peak_tflops
+from hpctrain.train.optim import (build_optimizer, clip_grads_, global_grad_norm,
+                                  learning_rate, param_groups)
+
+FULL_EVAL_ROWS = 64  # windows per forward pass in the final whole-split evaluation
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    """Mean loss over the whole global batch, one per step."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """Periodic validation estimates by step."""
+    final_val_loss: float | None = None
+    """Loss over the whole validation split at the end."""
+    step_times: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, world: World, *, verbose: bool = True):
+        self.cfg, self.world = cfg, world
+        self.log_enabled = verbose and world.is_root
+        check_layout(cfg, world.size)
+        torch.set_num_threads(cfg.train.threads or threads_per_rank(world.local_size))
+        self.device = torch.device(world.device)
+
+        self.data = TokenDataset(cfg.data.path)
+        self.data.check_fits(cfg.model.block_size, cfg.model.vocab_size)
+        if cfg.data.verify:
+            self._verify_data()
+        mcfg = cfg.model
+        self.gpt_cfg = GPTConfig(vocab_size=mcfg.vocab_size or self.data.vocab_size,
+                                 block_size=mcfg.block_size, n_layer=mcfg.n_layer,
+                                 n_head=mcfg.n_head, n_embd=mcfg.n_embd,
+                                 dropout=mcfg.dropout, bias=mcfg.bias)
+        torch.manual_seed(cfg.train.seed)
+        self.model = GPT(self.gpt_cfg).to(self.device)
+        self.dp = DataParallel(self.model, world, bucket_mb=cfg.parallel.bucket_mb,
+                               first_bucket_mb=cfg.parallel.first_bucket_mb)
+        self.dp.broadcast_parameters()
+        self.optimizer = build_optimizer(param_groups(self.model, cfg.optim.weight_decay),
+                                         cfg.optim, world.device)
+
+        t = cfg.train
+        self.block = mcfg.block_size
+        self.micro = cfg.parallel.micro_batches
+        self.rows_per_rank = t.batch_size // world.size
+        self.rows_per_micro = self.rows_per_rank // self.micro
+        self.sampler = make_sampler(cfg.data.sampler, self.data.splits["train"].n_tokens,
+                                    self.block, t.batch_size, t.seed)
+        # Periodic estimates use the same fixed random windows every time.
+        self.eval_sampler = make_sampler("random", self.data.splits["val"].n_tokens,
+                                         self.block, t.batch_size, t.seed, stream=EVAL_STREAM)
+        self.tokens_per_step = t.batch_size * self.block
+        self.flops_per_token = self.model.flops_per_token()
+        self.peak = peak_tflops(world.device, t.dtype, t.peak_tflops)
+        self.out_dir = Path(t.out_dir)
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root)
+
+    # ------------------------------------------------------------------ helpers
+    def _verify_data(self) -> None:
+        """Every rank checks the CRC of a share of the blocks; all agree on the verdict."""
+        w = self.world
+        bad = self.data.verify(w.rank, w.size)
+        n_bad = int(allreduce_array(w.comm, [len(bad)], timeout=w.timeout,
+                                    what="dataset checksum verdict")[0])
+        if n_bad:
+            detail = f" ({', '.join(bad[:3])})" if bad else ""
+            raise DataError(f"{self.data.path}: {n_bad} block(s) fail their CRC-32 check"
+                            f"{detail}; the file is corrupt, re-create it with `hpctrain prepare`")
+
+    def _allreduce(self, values, what: str) -> np.ndarray:
+        return allreduce_array(self.world.comm, values, timeout=self.world.timeout, what=what)
+
+    def _batch(self, split: str, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.from_numpy(self.data.read(split, starts, self.block + 1))
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if self.device.type == "cuda":
+            x, y = x.pin_memory().to(self.device, non_blocking=True), \
+                y.pin_memory().to(self.device, non_blocking=True)
+        return x, y
+
+    def _log(self, line: str, bar: Progress | None = None) -> None:
+        if not self.log_enabled:
+            return
+        if bar is not None and bar.enabled:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
+    # ---------------------------------------------------------------- the step
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step; returns (this rank's mean loss, grad norm, data seconds)."""
+        w = self.world
+        lr = learning_rate(step, self.cfg.optim, self.cfg.train.max_iters)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        x, y = self._batch("train", self.sampler.local_starts(step, w.rank, w.size))
+        data_s = time.perf_counter() - t0
+        scale = self.dp.grad_scale / self.micro
+        loss_sum = torch.zeros((), device=self.device)
+        for m in range(self.micro):
+            rows = slice(m * self.rows_per_micro, (m + 1) * self.rows_per_micro)
+            self.dp.prepare_for_backward(sync=m == self.micro - 1)
+            with nvtx_range("forward"):
+                loss = self.model(x[rows], y[rows])
+            with nvtx_range("backward"):
+                (loss * scale).backward()
+            loss_sum += loss.detach()
+        self.dp.finish()
+        grads = self.dp.grad_tensors()
+        norm = global_grad_norm(grads)
+        if self.cfg.optim.grad_clip > 0:
+            clip_grads_(grads, self.cfg.optim.grad_clip, norm)
+        with nvtx_range("optimizer"):
+            self.optimizer.step()
+        self.dp.zero_grad()
+        return loss_sum / self.micro, norm, data_s
+
+    # -------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def estimate_val_loss(self) -> float:
+        """Mean loss over ``eval_iters`` fixed global batches of the validation split."""
+        w = self.world
+        self.model.eval()
+        local = 0.0
+        for k in range(self.cfg.train.eval_iters):
+            x, y = self._batch("val", self.eval_sampler.local_starts(k, w.rank, w.size))
+            local += self.model(x, y).item()
+        self.model.train()
+        total = self._allreduce([local / self.cfg.train.eval_iters], "validation estimate")
+        return float(total[0]) / w.size
+
+    @torch.no_grad()
+    def full_val_loss(self) -> float:
+        """Token-weighted loss over every non-overlapping window of the validation split."""
+        w = self.world
+        self.model.eval()
+        starts = all_windows(self.data.splits["val"].n_tokens, self.block)
+        mine = np.array_split(starts, w.size)[w.rank]
+        total, count = 0.0, 0
+        for i in range(0, len(mine), FULL_EVAL_ROWS):
+            x, y = self._batch("val", mine[i:i + FULL_EVAL_ROWS])
+            total += self.model(x, y).item() * y.numel()
+            count += y.numel()
+        self.model.train()
+        sums = self._allreduce([total, count], "final validation loss")
+        return float(sums[0] / sums[1])
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> TrainResult:
+        cfg, w, t = self.cfg, self.world, self.cfg.train
+        result = TrainResult()
+        self._log(f"hpctrain: {w.describe()}; {torch.get_num_threads()} thread(s) per rank")
+        self._log(f"model: {self.model.num_params() / 1e6:.2f}M parameters, "
+                  f"{len(self.dp.buckets)} gradient bucket(s); global batch {t.batch_size} x "
+                  f"{self.block} tokens = {self.rows_per_rank} row(s) per rank in "
+                  f"{self.micro} micro-batch(es)")
+        bar = Progress(t.max_iters, "train", enabled=self.log_enabled and t.progress)
+        start = time.perf_counter()
+        window_losses: list[torch.Tensor] = []
+        window_t0, window_steps, data_s = time.perf_counter(), 0, 0.0
+        wait0 = self.dp.stats.wait_s
+        for step in range(t.max_iters):
+            t0 = time.perf_counter()
+            loss, norm, d = self.train_step(step)
+            result.step_times.append(time.perf_counter() - t0)
+            window_losses.append(loss)
+            window_steps += 1
+            data_s += d
+            done = step + 1
+            is_eval = t.eval_interval > 0 and done % t.eval_interval == 0
+            if done % t.log_interval and not is_eval and done != t.max_iters:
+                bar.update(1)
+                continue
+            # Log step: one small collective turns every step's local loss since the last
+            # log into the mean over the whole global batch.
+            elapsed = time.perf_counter() - window_t0
+            local = torch.stack(window_losses).double().cpu().numpy()
+            global_losses = self._allreduce(local, "loss reduction") / w.size
+            result.losses.extend(global_losses.tolist())
+            tok_s = self.tokens_per_step * window_steps / elapsed
+            record = self._record(done, float(global_losses[-1]), tok_s, elapsed / window_steps,
+                                  float(norm), data_s / window_steps,
+                                  (self.dp.stats.wait_s - wait0) / window_steps)
+            if is_eval:
+                record["val_loss"] = result.val_losses[done] = self.estimate_val_loss()
+                self._log(f"step {done}: val loss {record['val_loss']:.4f}", bar)
+            self.metrics.write(record)
+            bar.update(1, self._bar_text(record), force=True)
+            window_losses, window_steps, data_s = [], 0, 0.0
+            wait0 = self.dp.stats.wait_s
+            window_t0 = time.perf_counter()
+        bar.close()
+        result.wall_s = time.perf_counter() - start
+        train_time = sum(result.step_times)
+        result.tokens_per_s = self.tokens_per_step * t.max_iters / train_time if train_time else 0.0
+        if t.final_eval:
+            result.final_val_loss = self.full_val_loss()
+            self.metrics.write({"step": t.max_iters, "final_val_loss": result.final_val_loss})
+            self._log(f"final validation loss over the whole split: {result.final_val_loss:.4f}")
+        self._finish(result)
+        return result
+
+    def _record(self, step, loss, tok_s, step_s, norm, data_s, wait_s) -> dict:
+        tflops = self.flops_per_token * tok_s / self.world.size / 1e12
+        return {"step": step, "loss": loss,
+                "lr": learning_rate(step - 1, self.cfg.optim, self.cfg.train.max_iters),
+                "tokens_per_s": tok_s, "step_ms": step_s * 1e3, "grad_norm": norm,
+                "tflops_per_device": tflops,
+                "mfu": tflops / self.peak if self.peak else None,
+                "data_ms": data_s * 1e3, "comm_wait_ms": wait_s * 1e3}
+
+    @staticmethod
+    def _bar_text(r: dict) -> str:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        return (f"loss {r['loss']:.4f} | {r['tokens_per_s'] / 1e3:.1f}k tok/s | "
+                f"{r['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}")
+
+    def _finish(self, result: TrainResult) -> None:
+        t = self.cfg.train
+        if not self.world.is_root:
+            self.metrics.close()
+            return
+        summary = {
+            "steps": t.max_iters, "world_size": self.world.size,
+            "final_val_loss": result.final_val_loss, "wall_s": result.wall_s,
+            "tokens_per_s": result.tokens_per_s,
+            "step_ms_median": 1e3 * statistics.median(result.step_times) if result.step_times else None,
+            "params": self.model.num_params(), "config": self.cfg.to_dict()}
+        if t.save_checkpoint:
+            path = save_checkpoint(self.out_dir / "final.h5", self.model, self.optimizer,
+                                   step=t.max_iters, config=self.cfg.to_dict(),
+                                   tokenizer=self.data.tokenizer.meta())
+            self._log(f"checkpoint: {path}")
+        if t.sample_tokens > 0:
+            text = self.sample(t.sample_prompt, t.sample_tokens)
+            (self.out_dir / "sample.txt").write_text(text)
+            self._log(f"sample ({t.sample_tokens} tokens):\n{text}")
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.metrics.close()
+        self._log(f"done: {t.max_iters} steps in {result.wall_s:.1f} s, "
+                  f"{result.tokens_per_s / 1e3:.1f}k tokens/s; outputs in {self.out_dir}/")
+
+    def sample(self, prompt: str, n_tokens: int, seed: int = 0) -> str:
+        tok = self.data.tokenizer
+        ids = torch.tensor(tok.encode(prompt or "\n").astype(np.int64), device=self.device)[None]
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.model.eval()
+        out = self.model.generate(ids, n_tokens, temperature=0.8, top_k=50, generator=gen)
+        self.model.train()
+        return tok.decode(out[0].tolist())
