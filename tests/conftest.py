@@ -1,0 +1,36 @@
+"""Shared fixtures. Under ``mpiexec ... pytest --only-mpi`` a failing test on any rank
+aborts every rank: a failure must never turn into a hang."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers import make_dataset
+
+
+def pytest_runtest_logreport(report):
+    if not report.failed:
+        return
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.COMM_WORLD.size == 1:
+        return
+    comm = mpi.COMM_WORLD
+    print(f"\n[rank {comm.rank}/{comm.size}] FAILED {report.nodeid} ({report.when})\n"
+          f"{report.longreprtext}", file=sys.stderr, flush=True)
+    comm.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def dataset_path(tmp_path_factory):
+    """A small real token file (char tokenizer) prepared from standard-library sources."""
+    return make_dataset(tmp_path_factory.mktemp("data") / "tiny.h5")
+
+
+@pytest.fixture
+def shared_tmp(tmp_path):
+    """A directory every rank sees: rank 0 picks it and broadcasts the name."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.bcast(str(tmp_path) if MPI.COMM_WORLD.rank == 0 else None, root=0)

@@ -1,0 +1,73 @@
+"""Config: recipes, overrides, and validation messages that name the fix (no MPI)."""
+
+import pytest
+
+from hpctrain.config import (Config, build_config, check_layout, load_config, parse_overrides,
+                             recipe_names)
+from hpctrain.errors import ConfigError
+
+
+def test_builtin_recipes_load_and_match_nanogpt_cpu_config():
+    assert {"default", "shakespeare-char"} <= set(recipe_names())
+    cfg = load_config("shakespeare-char")
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout) == (4, 4, 128, 64, 0.0)
+    assert (t.batch_size, t.max_iters) == (12, 2000)
+    assert (o.lr, o.min_lr, o.warmup_iters, o.lr_decay_iters) == (1e-3, 1e-4, 100, 2000)
+    assert (o.beta2, o.weight_decay, o.grad_clip) == (0.99, 0.1, 1.0)
+    load_config("default")
+
+
+def test_overrides_are_typed_in_both_spellings():
+    cfg = load_config("default", ["--train.max_iters=7", "--model.bias", "true",
+                                  "--optim.lr=5e-4", "--train.out_dir", "x/y"])
+    assert cfg.train.max_iters == 7 and cfg.model.bias is True
+    assert cfg.optim.lr == 5e-4 and cfg.train.out_dir == "x/y"
+
+
+def test_unknown_option_suggests_the_close_one():
+    with pytest.raises(ConfigError, match=r"did you mean --train.max_iters\?"):
+        load_config("default", ["--train.max_iter=5"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train.max_iters=ten"], "--train.max_iters expects int"),
+    (["--model.n_embd=100", "--model.n_head=3"], "must be a multiple of model.n_head"),
+    (["--optim.schedule=linear"], "not one of cosine, constant"),
+    (["--optim.min_lr=1"], r"optim.min_lr must be in \[0, optim.lr\]"),
+    (["--train.batch_size=0"], "train.batch_size must be at least 1"),
+    (["train.max_iters=5"], "options look like --section.key=value"),
+    (["--train.max_iters"], "needs a value"),
+])
+def test_bad_values_name_the_fix(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("default", args)
+
+
+def test_unknown_recipe_lists_the_builtin_ones(tmp_path):
+    with pytest.raises(ConfigError, match="built-in recipes: default, shakespeare-char"):
+        load_config("no-such-recipe")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(bad))
+    bad.write_text("[modle]\nn_layer = 2\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[modle\]"):
+        load_config(str(bad))
+
+
+def test_batch_must_split_over_ranks_and_micro_batches():
+    cfg = build_config({"train": {"batch_size": 12}, "parallel": {"micro_batches": 2}})
+    check_layout(cfg, 2)  # 12 = 2 ranks x 2 micro x 3 rows
+    with pytest.raises(ConfigError, match="use a multiple of 8 .*--train.batch_size=8 or 16"):
+        check_layout(cfg, 4)
+
+
+def test_config_round_trips_through_a_dict():
+    cfg = load_config("shakespeare-char", ["--train.seed=3"])
+    again = build_config(cfg.to_dict())
+    assert again == cfg and isinstance(again, Config)
+
+
+def test_parse_overrides():
+    assert parse_overrides(["--a.b=1", "--c.d", "x=y"]) == {"a.b": "1", "c.d": "x=y"}

@@ -1,0 +1,67 @@
+"""The GPT model alone (no MPI)."""
+
+import math
+
+import torch
+
+from hpctrain.model.gpt import GPT, GPTConfig
+
+
+def small(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, **kw))
+
+
+def test_shapes_loss_and_tied_embeddings():
+    m = small()
+    x, y = torch.randint(0, 50, (2, 3, 16))
+    loss = m(x, y)
+    assert loss.shape == () and abs(loss.item() - math.log(50)) < 0.3  # near uniform at init
+    assert m(x).shape == (3, 1, 50)
+    assert m.lm_head.weight is m.wte.weight
+    names = [n for n, _ in m.named_parameters()]
+    assert "lm_head.weight" not in names  # tied: counted and reduced once
+
+
+def test_residual_projections_use_scaled_init():
+    m = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=8, n_head=2, n_embd=256))
+    std = m.h[0].attn.c_proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(16)) < 1e-3
+    assert abs(m.h[0].mlp.c_fc.weight.std().item() - 0.02) < 1e-3
+
+
+def test_param_count_and_flops_follow_the_formulas():
+    m = small(bias=True)
+    c = m.cfg
+    per_block = 12 * c.n_embd ** 2 + 13 * c.n_embd  # weights + biases + 2 LayerNorms
+    expected = c.vocab_size * c.n_embd + c.n_layer * per_block + 2 * c.n_embd
+    assert m.num_params() == expected
+    assert m.flops_per_token() == 6 * expected + 12 * c.n_layer * c.n_embd * c.block_size
+
+
+def test_causality_future_tokens_do_not_change_past_logits():
+    m = small()
+    m.eval()
+    x = torch.randint(0, 50, (1, 16))
+    y = x.clone()
+    y[0, 10:] = (y[0, 10:] + 1) % 50
+    hx = m.logits(m.h[1](m.h[0](m.embed(x))))
+    hy = m.logits(m.h[1](m.h[0](m.embed(y))))
+    torch.testing.assert_close(hx[:, :10], hy[:, :10])
+    assert not torch.allclose(hx[:, 10:], hy[:, 10:])
+
+
+def test_generate_extends_and_respects_block_size():
+    m = small()
+    out = m.generate(torch.zeros(2, 3, dtype=torch.long), 20, top_k=5,
+                     generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 23) and int(out.max()) < 50
+
+
+def test_dropout_only_in_training():
+    m = small(dropout=0.5)
+    x = torch.randint(0, 50, (2, 16))
+    m.eval()
+    assert torch.equal(m(x, x), m(x, x))
+    m.train()
+    assert not torch.equal(m(x, x), m(x, x))

@@ -1,0 +1,66 @@
+"""The trainer in one process: equal to the plain PyTorch loop, accumulation, outputs."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpctrain.checkpoint.single_file import load_checkpoint
+from hpctrain.comm.world import World
+from hpctrain.errors import ConfigError
+from hpctrain.train.trainer import Trainer
+from tests.helpers import tiny_config
+from tests.reference import plain_torch_run
+
+
+def _train(cfg):
+    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    return trainer, trainer.fit()
+
+
+def test_trainer_matches_the_plain_pytorch_loop(dataset_path, tmp_path):
+    cfg = tiny_config(dataset_path, tmp_path)
+    ref_losses, ref_params = plain_torch_run(cfg)
+    trainer, result = _train(cfg)
+    assert len(result.losses) == cfg.train.max_iters
+    np.testing.assert_allclose(result.losses, ref_losses, atol=1e-5, rtol=0)
+    assert result.losses[-1] < result.losses[0] - 0.3  # it learns
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_params[name], atol=1e-5, rtol=0)
+
+
+def test_gradient_accumulation_equals_the_full_batch(dataset_path, tmp_path):
+    _, full = _train(tiny_config(dataset_path, tmp_path / "a"))
+    _, accum = _train(tiny_config(dataset_path, tmp_path / "b", **{"parallel.micro_batches": 4}))
+    np.testing.assert_allclose(accum.losses, full.losses, atol=1e-5, rtol=0)
+
+
+def test_outputs_metrics_checkpoint_and_sample(dataset_path, tmp_path):
+    cfg = tiny_config(dataset_path, tmp_path, **{
+        "train.eval_interval": 10, "train.final_eval": True, "train.save_checkpoint": True,
+        "train.sample_tokens": 20, "train.eval_iters": 2})
+    trainer, result = _train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss" in r]
+    assert [r["step"] for r in logged] == [5, 10, 15, 20]
+    for r in logged:
+        assert {"step", "loss", "lr", "tokens_per_s"} <= r.keys() and r["tokens_per_s"] > 0
+        assert r["loss"] == pytest.approx(result.losses[r["step"] - 1])
+    assert [r["step"] for r in logged if "val_loss" in r] == [10, 20]
+    assert records[-1]["final_val_loss"] == pytest.approx(result.final_val_loss)
+    assert 0 < result.final_val_loss < 6
+    assert len((tmp_path / "sample.txt").read_text()) >= 20
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.step == 20 and ckpt.config == cfg.to_dict()
+    for name, p in trainer.model.named_parameters():
+        np.testing.assert_array_equal(ckpt.model[name], p.detach().numpy())
+    assert set(ckpt.optim["wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_batch_that_does_not_split_is_refused(dataset_path, tmp_path):
+    cfg = tiny_config(dataset_path, tmp_path, **{"train.batch_size": 6,
+                                                 "parallel.micro_batches": 4})
+    with pytest.raises(ConfigError, match="use a multiple of 4"):
+        _train(cfg)
