@@ -1,0 +1,170 @@
+"""Data-parallel training throughput at a fixed per-rank batch, on this 2-core machine.
+
+For each model, in one run:
+  hpctrain DP=2      2 ranks x 1 thread, per-rank batch b (global 2b)
+  hpctrain DP=1      1 rank  x 1 thread, batch b            (weak-scaling anchor)
+  torch DDP (gloo)   2 ranks x 1 thread, per-rank batch b, same model, data and optimizer
+  1 process          2 threads, batch 2b, the nanoGPT-style loop (what a user would
+                     otherwise run on this machine)
+
+Weak-scaling efficiency = tok/s(DP=2) / (2 x tok/s(DP=1)). Targets: >= 0.95 and >= 1.0x
+torch DDP. Step time is the median over steps after warm-up; each configuration runs
+twice, alternating, and the faster run counts (noise on a shared machine only slows).
+
+    python perf/bench_dp.py [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.common import (ROOT, print_table, run_worker, shakespeare_dataset,  # noqa: E402
+                         timed_command, worker_args, write_result)
+
+# name -> (n_layer, n_head, n_embd, block_size, per-rank batch, steps)
+MODELS = {
+    "shakespeare-char": (4, 4, 128, 64, 6, 200),
+    "gpt-10M": (6, 6, 384, 256, 4, 30),
+}
+WARMUP = 5
+
+
+def _overrides(spec, data, global_batch, steps) -> list[str]:
+    L, H, C, T, _, _ = spec
+    return [f"--data.path={data}", f"--model.n_layer={L}", f"--model.n_head={H}",
+            f"--model.n_embd={C}", f"--model.block_size={T}",
+            f"--train.batch_size={global_batch}", f"--train.max_iters={steps}",
+            "--train.eval_interval=0", "--train.final_eval=false",
+            "--train.save_checkpoint=false", "--train.sample_tokens=0",
+            "--train.progress=false", f"--train.log_interval={steps}"]
+
+
+def worker_hpctrain(out: Path, args: list[str]) -> None:
+    from mpi4py import MPI
+
+    from hpctrain.comm.world import World
+    from hpctrain.config import load_config
+    from hpctrain.train.trainer import Trainer
+
+    cfg = load_config("shakespeare-char", args + ["--train.out_dir=/tmp/hpctrain-bench-dp"])
+    trainer = Trainer(cfg, World.create(MPI.COMM_WORLD), verbose=False)
+    result = trainer.fit()
+    if MPI.COMM_WORLD.rank == 0:
+        steps = result.step_times[WARMUP:]
+        out.write_text(json.dumps({
+            "step_ms": 1e3 * statistics.median(steps),
+            "comm_wait_ms": 1e3 * trainer.dp.stats.wait_s / len(result.step_times),
+            "buckets": len(trainer.dp.buckets)}))
+
+
+def worker_ddp(out: Path, args: list[str]) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hpctrain.config import load_config
+    from hpctrain.data.dataset import TokenDataset
+    from hpctrain.data.sampler import make_sampler
+    from hpctrain.model.gpt import GPT, GPTConfig
+    from hpctrain.train.optim import build_optimizer, param_groups
+
+    comm = MPI.COMM_WORLD
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.rank, world_size=comm.size)
+    cfg = load_config("shakespeare-char", args)
+    m, t = cfg.model, cfg.train
+    ds = TokenDataset(cfg.data.path)
+    torch.manual_seed(t.seed)
+    model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=m.block_size, n_layer=m.n_layer,
+                          n_head=m.n_head, n_embd=m.n_embd))
+    ddp = DDP(model, gradient_as_bucket_view=True)  # DDP's fastest documented setting
+    opt = build_optimizer(param_groups(model, cfg.optim.weight_decay), cfg.optim, "cpu")
+    sampler = make_sampler(cfg.data.sampler, ds.splits["train"].n_tokens, m.block_size,
+                           t.batch_size, t.seed)
+    times = []
+    for step in range(t.max_iters):
+        t0 = time.perf_counter()
+        tokens = torch.from_numpy(ds.read("train", sampler.local_starts(step, comm.rank, comm.size),
+                                          m.block_size + 1))
+        loss = ddp(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    if comm.rank == 0:
+        out.write_text(json.dumps({"step_ms": 1e3 * statistics.median(times[WARMUP:])}))
+
+
+def measure(spec, data) -> dict:
+    L, H, C, T, b, steps = spec
+    runs: dict[str, list[float]] = {k: [] for k in ("dp2", "dp1", "ddp2", "single2t")}
+    comm_wait = []
+    for _ in range(2):
+        r = run_worker(2, __file__, ["hpctrain", *_overrides(spec, data, 2 * b, steps)])
+        runs["dp2"].append(r["step_ms"])
+        comm_wait.append(r["comm_wait_ms"])
+        runs["dp1"].append(run_worker(1, __file__, ["hpctrain", *_overrides(spec, data, b, steps)])["step_ms"])
+        runs["ddp2"].append(run_worker(2, __file__, ["ddp", *_overrides(spec, data, b, steps)])["step_ms"])
+        _, stdout = timed_command(
+            [sys.executable, str(ROOT / "perf" / "nanogpt_baseline.py"), "--data", str(data),
+             "--max-iters", str(steps), "--batch-size", str(2 * b), "--no-eval",
+             "--model", f"{L},{H},{C},{T}"], threads=2)
+        runs["single2t"].append(json.loads(stdout.strip().splitlines()[-1])["step_ms_median"])
+    best = {k: min(v) for k, v in runs.items()}
+    tokens = {"dp2": 2 * b * T, "dp1": b * T, "ddp2": 2 * b * T, "single2t": 2 * b * T}
+    tok_s = {k: tokens[k] / (best[k] / 1e3) for k in best}
+    return {"per_rank_batch": b, "block_size": T, "steps": steps, "step_ms": best,
+            "all_runs_ms": runs, "tokens_per_s": tok_s, "comm_wait_ms": min(comm_wait),
+            "weak_scaling_efficiency": tok_s["dp2"] / (2 * tok_s["dp1"]),
+            "vs_ddp": tok_s["dp2"] / tok_s["ddp2"], "vs_single_2threads": tok_s["dp2"] / tok_s["single2t"]}
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    data = shakespeare_dataset()
+    results, rows = {}, []
+    for name, spec in MODELS.items():
+        if quick:
+            spec = (*spec[:5], max(20, spec[5] // 4))
+        r = results[name] = measure(spec, data)
+        ts = r["tokens_per_s"]
+        rows.append([name, r["per_rank_batch"], ts["dp1"], ts["dp2"], ts["ddp2"], ts["single2t"],
+                     r["weak_scaling_efficiency"], r["vs_ddp"], r["vs_single_2threads"],
+                     r["comm_wait_ms"]])
+    print_table("Training throughput (tokens/s), best of 2 runs of median step time",
+                ["model", "b/rank", "DP=1 1t", "DP=2 1t", "DDP gloo 2", "1 proc 2t",
+                 "weak eff", "vs DDP", "vs 1p2t", "comm wait ms"], rows)
+    eff = min(r["weak_scaling_efficiency"] for r in results.values())
+    vs = min(r["vs_ddp"] for r in results.values())
+    print(f"\ntargets: efficiency >= 0.95: worst {eff:.3f} -> {'MET' if eff >= 0.95 else 'NOT MET'};"
+          f" >= 1.0x torch DDP: worst {vs:.2f}x -> {'MET' if vs >= 1.0 else 'NOT MET'}")
+    write_result("dp", {"models": results, "quick": quick,
+                        "targets": {"efficiency": 0.95, "vs_ddp": 1.0},
+                        "met": eff >= 0.95 and vs >= 1.0})
+
+
+if __name__ == "__main__":
+    is_worker, out, rest = worker_args(sys.argv[1:])
+    if is_worker:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        (worker_hpctrain if rest[0] == "hpctrain" else worker_ddp)(out, rest[1:])
+    else:
+        main()
