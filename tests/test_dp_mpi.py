@@ -66,24 +66,34 @@ class CountingComm:
         return getattr(self._comm, name)
 
 
-def test_no_communication_on_non_final_micro_batches():
+def _flats_equal_across_ranks(dp) -> bool:
+    return all(_same_on_all_ranks(b.flat) for b in dp.buckets)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_no_communication_on_non_final_micro_batches(persistent):
     spy = CountingComm(COMM)
     world = dataclasses.replace(World.create(COMM), comm=spy)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
-    dp = DataParallel(model, world, bucket_mb=0.01, first_bucket_mb=0.004)
+    dp = DataParallel(model, world, bucket_mb=0.01, first_bucket_mb=0.004,
+                      persistent=persistent)
     x = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(COMM.rank))
     for micro in range(2):
         dp.prepare_for_backward(sync=False)
         model(x[micro], x[micro]).backward()
         dp.finish()
-        assert spy.iallreduce_calls == 0
+        assert dp.stats.reductions == 0 and spy.iallreduce_calls == 0
+        assert not _flats_equal_across_ranks(dp)  # each rank kept its own gradients
     dp.prepare_for_backward(sync=True)
     model(x[2], x[2]).backward()
-    launched_during_backward = spy.iallreduce_calls
+    launched_during_backward = dp.stats.reductions
     dp.finish()
-    assert spy.iallreduce_calls == len(dp.buckets) > 2
+    assert dp.stats.reductions == len(dp.buckets) > 2
+    assert spy.iallreduce_calls == (0 if persistent else len(dp.buckets))
     assert launched_during_backward >= 1  # reductions overlap the backward pass
+    assert _flats_equal_across_ranks(dp)
+    dp.close()
 
 
 def test_bucket_layout_and_broadcast_agree_across_ranks():

@@ -8,9 +8,12 @@ How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
 2. Each bucket owns one flat fp32 buffer; every parameter's ``.grad`` is a view into it,
    so autograd accumulates straight into the buffer and nothing is copied.
 3. A post-accumulate-grad hook counts the gradients a bucket still waits for. When the
-   count reaches zero the bucket's ``Iallreduce`` is launched, strictly in bucket order
-   (MPI needs every rank to start collectives in the same order). Every hook also tests
-   the outstanding requests, which is what makes MPICH progress them during backward.
+   count reaches zero the bucket's reduction is started, strictly in bucket order (MPI
+   needs every rank to start collectives in the same order). Every hook also tests the
+   outstanding requests, which is what makes MPICH progress them during backward.
+   A bucket's buffer never moves, so with an MPI-4 library the reduction is a persistent
+   collective (``Allreduce_init`` once, ``Start`` each step: the schedule is built once);
+   MPI-3 libraries (Cray MPICH 8, for one) get ``Iallreduce``.
 4. ``finish()`` launches any bucket still pending (parameters that got no gradient) and
    waits for all reductions, under the watchdog deadline, before the optimizer step.
 
@@ -22,13 +25,15 @@ nothing on all but the last micro-batch (``prepare_for_backward(sync=False)``).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
-from hpctrain.comm.watchdog import wait_all
+from hpctrain.comm.watchdog import test_all, wait_all
 from hpctrain.comm.world import World
 from hpctrain.profiling import nvtx_range
 
@@ -75,6 +80,14 @@ class Bucket:
         self.buffer = MPIBuffer(self.flat, cuda_aware=cuda_aware)
         self.pending = len(params)
         self.request: MPI.Request | None = None
+        self.persistent: MPI.Prequest | None = None
+
+    def start_allreduce(self, comm: MPI.Comm) -> MPI.Request:
+        obj = self.buffer.to_mpi()
+        if self.persistent is not None:
+            self.persistent.Start()
+            return self.persistent
+        return comm.Iallreduce(MPI.IN_PLACE, obj, op=MPI.SUM)
 
     @property
     def nbytes(self) -> int:
@@ -94,11 +107,31 @@ class CommStats:
     """Time spent in ``finish()`` waiting for reductions: communication not hidden."""
 
 
+def persistent_collectives_supported(comm: MPI.Comm) -> bool:
+    """True when the library implements MPI-4 persistent collectives. Collective."""
+    if MPI.Get_version() < (4, 0) or not hasattr(comm, "Allreduce_init"):
+        return False
+    try:
+        probe = comm.Allreduce_init(MPI.IN_PLACE, np.zeros(1), op=MPI.SUM)
+    except (NotImplementedError, MPI.Exception):
+        return False
+    probe.Free()
+    return True
+
+
+def _free_requests(requests: list) -> None:
+    if not MPI.Is_finalized():
+        for req in requests:
+            if req != MPI.REQUEST_NULL:
+                req.Free()
+    requests.clear()
+
+
 class DataParallel:
     """Keeps ``model``'s gradients identical on every rank of ``world``."""
 
     def __init__(self, model: torch.nn.Module, world: World, *, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0):
+                 first_bucket_mb: float = 1.0, persistent: bool | None = None):
         self.model = model
         self.world = world
         self.comm = world.comm
@@ -114,6 +147,16 @@ class DataParallel:
             for p in b.params:
                 self._bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if persistent is None:
+            persistent = self.size > 1 and persistent_collectives_supported(self.comm)
+        self.persistent = persistent
+        owned: list[MPI.Prequest] = []
+        if persistent:
+            for b in self.buckets:
+                b.persistent = self.comm.Allreduce_init(MPI.IN_PLACE, b.buffer.obj, op=MPI.SUM)
+                owned.append(b.persistent)
+        # Free the persistent requests before MPI_Finalize (atexit runs this first).
+        self._release = weakref.finalize(self, _free_requests, owned)
         self.stats = CommStats()
         self._sync = True
         self._next = 0
@@ -167,16 +210,20 @@ class DataParallel:
         if bucket.pending == 0:
             self._launch_in_order()
         elif self._inflight:
-            MPI.Request.Testall(self._inflight)  # drive progress of earlier buckets
+            test_all(self._inflight)  # drive progress of earlier buckets
 
     def _launch_in_order(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending <= 0:
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    def close(self) -> None:
+        """Release MPI resources (persistent requests). Idempotent."""
+        self._release()
+
     def _launch(self, b: Bucket) -> None:
         with nvtx_range(f"allreduce bucket {b.index}"):
-            b.request = self.comm.Iallreduce(MPI.IN_PLACE, b.buffer.to_mpi(), op=MPI.SUM)
+            b.request = b.start_allreduce(self.comm)
         self._inflight.append(b.request)
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes

@@ -251,6 +251,7 @@ class Trainer:
 
     def _finish(self, result: TrainResult) -> None:
         t = self.cfg.train
+        self.dp.close()
         if not self.world.is_root:
             self.metrics.close()
             return
