@@ -19,6 +19,8 @@ from hpctrain.errors import EXIT_USER_ERROR, UserError
 # When every rank hits the same user error (a bad option), rank 0 prints it and aborts;
 # the others wait this long first so that the user reads the message once.
 _NON_ROOT_GRACE_S = 1.0
+# Time for the launcher to forward what a rank printed before its abort kills the job.
+_STDIO_DRAIN_S = 0.25
 
 
 def env_rank() -> int:
@@ -63,7 +65,14 @@ def abort_job(comm, exc: BaseException) -> None:
     if size > 1 and rank != 0 and isinstance(exc, UserError):
         time.sleep(_NON_ROOT_GRACE_S)
     code = report(exc, rank, size)
+    sys.stdout.flush()
+    sys.stderr.flush()
     if size == 1:
-        sys.stderr.flush()
         os._exit(code)
+    # mpiexec's proxy forwards our stderr and handles the abort request on different
+    # channels; abort at once and it may kill the job before the message above is
+    # forwarded (seen with MPICH: the error vanished in 1 of 16 runs).
+    time.sleep(_STDIO_DRAIN_S)
     comm.Abort(code)
+    # MPICH's MPI_Abort can return to the caller; never let a rank carry on after it.
+    os._exit(code)
