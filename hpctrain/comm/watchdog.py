@@ -25,6 +25,8 @@ from mpi4py import MPI
 from hpctrain.errors import CommTimeout
 
 _CHECK_EVERY = 64  # polls between clock reads
+_YIELD_S = 1.0  # waits longer than this sleep between polls instead of yielding
+_SLEEP_S = 1e-3
 
 
 def test_all(requests: list[MPI.Request]) -> bool:
@@ -34,20 +36,16 @@ def test_all(requests: list[MPI.Request]) -> bool:
         if not req.Test():
             return False
     return True
-_SPIN_S = 5e-3
-_YIELD_S = 1.0
-_SLEEP_S = 1e-3
 
 
 def wait_all(requests: list[MPI.Request], *, timeout: float, what: str) -> None:
     """Wait for ``requests``; raise ``CommTimeout`` after ``timeout`` seconds."""
     if not requests:
         return
-    test = test_all
     start = time.monotonic()
     polls = 0
     sleeping = False
-    while not test(requests):
+    while not test_all(requests):
         polls += 1
         if sleeping:
             time.sleep(_SLEEP_S)
