@@ -24,42 +24,21 @@ nothing on all but the last micro-batch (``prepare_for_backward(sync=False)``).
 
 from __future__ import annotations
 
-import time
+import functools
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
-from hpctrain.comm.watchdog import test_all, wait_all
+from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
+from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
+from hpctrain.parallel.memory import MemoryReport, tensor_bytes
 from hpctrain.profiling import nvtx_range
 
 MiB = 1 << 20
-
-
-def plan_buckets(numels: list[int], elem_bytes: int, cap_bytes: int,
-                 first_cap_bytes: int) -> list[list[int]]:
-    """Split a sequence of tensors (given in reduction order) into buckets.
-
-    A bucket is closed before it would exceed its cap; a tensor larger than the cap gets
-    a bucket of its own. Returns lists of indices into ``numels``.
-    """
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    size, cap = 0, first_cap_bytes
-    for i, n in enumerate(numels):
-        nbytes = n * elem_bytes
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size, cap = [], 0, cap_bytes
-        current.append(i)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class Bucket:
@@ -79,7 +58,6 @@ class Bucket:
             offset += p.numel()
         self.buffer = MPIBuffer(self.flat, cuda_aware=cuda_aware)
         self.pending = len(params)
-        self.request: MPI.Request | None = None
         self.persistent: MPI.Prequest | None = None
 
     def start_allreduce(self, comm: MPI.Comm) -> MPI.Request:
@@ -96,15 +74,6 @@ class Bucket:
     def bind_grads(self) -> None:
         for p, view in zip(self.params, self.views):
             p.grad = view
-
-
-@dataclass
-class CommStats:
-    reductions: int = 0
-    """Bucket reductions launched since construction."""
-    bytes_reduced: int = 0
-    wait_s: float = 0.0
-    """Time spent in ``finish()`` waiting for reductions: communication not hidden."""
 
 
 def persistent_collectives_supported(comm: MPI.Comm) -> bool:
@@ -127,7 +96,7 @@ def _free_requests(requests: list) -> None:
     requests.clear()
 
 
-class DataParallel:
+class DataParallel(BucketScheduler):
     """Keeps ``model``'s gradients identical on every rank of ``world``."""
 
     def __init__(self, model: torch.nn.Module, world: World, *, bucket_mb: float = 25.0,
@@ -142,11 +111,10 @@ class DataParallel:
                               int(first_bucket_mb * MiB))
         self.buckets = [Bucket(i, [order[j] for j in g], world.cuda_aware)
                         for i, g in enumerate(groups)]
-        self._bucket_of = {}
+        super().__init__(self.buckets, timeout=world.timeout)
         for b in self.buckets:
             for p in b.params:
-                self._bucket_of[p] = b
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
         if persistent is None:
             persistent = self.size > 1 and persistent_collectives_supported(self.comm)
         self.persistent = persistent
@@ -157,10 +125,6 @@ class DataParallel:
                 owned.append(b.persistent)
         # Free the persistent requests before MPI_Finalize (atexit runs this first).
         self._release = weakref.finalize(self, _free_requests, owned)
-        self.stats = CommStats()
-        self._sync = True
-        self._next = 0
-        self._inflight: list[MPI.Request] = []
         self.zero_grad()
 
     @property
@@ -192,54 +156,34 @@ class DataParallel:
                     p.copy_(view)
                 b.flat.zero_()
 
-    def prepare_for_backward(self, sync: bool) -> None:
-        """Call before each backward; ``sync=False`` accumulates locally (no communication)."""
-        self._sync = sync
-        if sync:
-            for b in self.buckets:
-                b.pending = len(b.params)
-                b.request = None
-            self._next = 0
-            self._inflight = []
+    def _on_grad_ready(self, bucket: Bucket, _param: torch.nn.Parameter) -> None:
+        if self.size > 1:
+            self.grad_ready(bucket)
 
-    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not self._sync or self.size == 1:
-            return
-        bucket = self._bucket_of[param]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_in_order()
-        elif self._inflight:
-            test_all(self._inflight)  # drive progress of earlier buckets
+    def launch(self, b: Bucket) -> MPI.Request:
+        self.stats.reductions += 1
+        self.stats.bytes_reduced += b.nbytes
+        with nvtx_range(f"allreduce bucket {b.index}"):
+            return b.start_allreduce(self.comm)
 
-    def _launch_in_order(self) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].pending <= 0:
-            self._launch(self.buckets[self._next])
-            self._next += 1
+    def complete(self, b: Bucket) -> None:
+        b.buffer.from_mpi()
+
+    def finish(self) -> None:
+        """Complete every bucket's reduction; gradients are then the global mean."""
+        if self.size > 1:
+            with nvtx_range("allreduce wait"):
+                super().finish()
+
+    def memory(self, optimizer: torch.optim.Optimizer) -> MemoryReport:
+        """Bytes this rank holds: replicated parameters, gradient buckets, AdamW state."""
+        params = sum(tensor_bytes(p) for p in self.model.parameters())
+        grads = sum(tensor_bytes(b.flat) for b in self.buckets)
+        optim = sum(tensor_bytes(v) for state in optimizer.state.values()
+                    for v in state.values() if isinstance(v, torch.Tensor) and v.dim())
+        staging = sum(b.buffer.staging_nbytes for b in self.buckets)
+        return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=staging)
 
     def close(self) -> None:
         """Release MPI resources (persistent requests). Idempotent."""
         self._release()
-
-    def _launch(self, b: Bucket) -> None:
-        with nvtx_range(f"allreduce bucket {b.index}"):
-            b.request = b.start_allreduce(self.comm)
-        self._inflight.append(b.request)
-        self.stats.reductions += 1
-        self.stats.bytes_reduced += b.nbytes
-
-    def finish(self) -> None:
-        """Complete every bucket's reduction; gradients are then the global mean."""
-        if not self._sync or self.size == 1:
-            return
-        for b in self.buckets[self._next:]:  # parameters that received no gradient
-            b.pending = 0
-        self._launch_in_order()
-        t0 = time.perf_counter()
-        with nvtx_range("allreduce wait"):
-            wait_all(self._inflight, timeout=self.world.timeout,
-                     what=f"gradient allreduce of {len(self.buckets)} bucket(s)")
-        self.stats.wait_s += time.perf_counter() - t0
-        for b in self.buckets:
-            b.buffer.from_mpi()
-        self._inflight = []

@@ -45,7 +45,13 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+def clip_coefficient(total_norm, max_norm: float):
+    """Factor that brings a gradient of norm ``total_norm`` to at most ``max_norm``
+    (``torch.nn.utils.clip_grad_norm_``'s formula, so runs match plain PyTorch)."""
+    coef = max_norm / (total_norm + 1e-6)
+    return torch.clamp(coef, max=1.0) if isinstance(coef, torch.Tensor) else min(coef, 1.0)
+
+
 def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale gradients so their global norm is at most ``max_norm`` (no-op when below)."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef)
+    torch._foreach_mul_(grads, clip_coefficient(total_norm, max_norm))

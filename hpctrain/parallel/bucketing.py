@@ -1,0 +1,122 @@
+"""Buckets of gradients and the order their reductions start in; shared by data
+parallelism (``data_parallel.py``) and ZeRO (``zero.py``).
+
+MPI requires every rank to start collectives on a communicator in the same order, but
+autograd may finish a later bucket's gradients before an earlier one's. So a bucket is
+launched only when it *and every bucket before it* are complete (as PyTorch DDP does).
+Each gradient hook also polls the reductions in flight: MPICH progresses nonblocking
+collectives only inside MPI calls, so polling during backward is what overlaps them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from hpctrain.comm.watchdog import wait_all
+
+
+def plan_buckets(numels: list[int], elem_bytes: int, cap_bytes: int,
+                 first_cap_bytes: int) -> list[list[int]]:
+    """Split a sequence of tensors (given in reduction order) into buckets.
+
+    A bucket is closed before it would exceed its cap; a tensor larger than the cap gets
+    a bucket of its own. Returns lists of indices into ``numels``.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, cap = 0, first_cap_bytes
+    for i, n in enumerate(numels):
+        nbytes = n * elem_bytes
+        if current and size + nbytes > cap:
+            buckets.append(current)
+            current, size, cap = [], 0, cap_bytes
+        current.append(i)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass
+class CommStats:
+    reductions: int = 0
+    """Bucket reductions launched since construction."""
+    bytes_reduced: int = 0
+    gathers: int = 0
+    """Parameter allgathers (ZeRO)."""
+    wait_s: float = 0.0
+    """Time spent in ``finish()`` waiting for reductions: communication not hidden."""
+
+
+class BucketScheduler:
+    """Starts one reduction per bucket, in bucket order, as the buckets fill.
+
+    Buckets need ``params`` and a ``pending`` count. Subclasses implement ``launch``
+    (start the bucket's reduction, return its request) and ``complete`` (after it is
+    done), and call ``grad_ready`` from their gradient hooks.
+    """
+
+    def __init__(self, buckets: list, *, timeout: float):
+        self.sched_buckets = buckets
+        self.timeout = timeout
+        self.stats = CommStats()
+        self.syncing = True
+        self._next = 0
+        self._inflight: list[tuple[object, MPI.Request]] = []
+
+    def launch(self, bucket) -> MPI.Request:
+        raise NotImplementedError
+
+    def complete(self, bucket) -> None:
+        raise NotImplementedError
+
+    def prepare_for_backward(self, sync: bool) -> None:
+        """Call before each backward; ``sync=False`` accumulates locally (no communication)."""
+        self.syncing = sync
+        if sync:
+            for b in self.sched_buckets:
+                b.pending = len(b.params)
+            self._next = 0
+            self._inflight = []
+
+    def grad_ready(self, bucket) -> None:
+        """One more of ``bucket``'s gradients is final for this backward."""
+        if not self.syncing:
+            return
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_in_order()
+        elif self._inflight:
+            self.poll()
+
+    def _launch_in_order(self) -> None:
+        buckets = self.sched_buckets
+        while self._next < len(buckets) and buckets[self._next].pending <= 0:
+            b = buckets[self._next]
+            self._inflight.append((b, self.launch(b)))
+            self._next += 1
+
+    def poll(self) -> None:
+        """Complete the reductions that are done, oldest first; stop at the first that is
+        not (``MPI_Test`` one request at a time: MPICH 5.0's ``MPI_Testall`` errs on an
+        active persistent collective)."""
+        while self._inflight and self._inflight[0][1].Test():
+            self.complete(self._inflight.pop(0)[0])
+
+    def finish(self) -> None:
+        """Launch what is left (parameters that got no gradient) and wait for everything."""
+        if not self.syncing:
+            return
+        for b in self.sched_buckets[self._next:]:
+            b.pending = 0
+        self._launch_in_order()
+        t0 = time.perf_counter()
+        wait_all([req for _, req in self._inflight], timeout=self.timeout,
+                 what=f"gradient reduction of {len(self.sched_buckets)} bucket(s)")
+        self.stats.wait_s += time.perf_counter() - t0
+        for b, _ in self._inflight:
+            self.complete(b)
+        self._inflight = []

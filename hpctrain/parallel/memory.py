@@ -1,0 +1,49 @@
+"""Per-rank memory of model state, for the trainer's log and the ZeRO benchmark."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+def tensor_bytes(t) -> int:
+    """Bytes a tensor's storage holds (0 for None or a freed ZeRO-3 buffer)."""
+    if t is None:
+        return 0
+    return t.untyped_storage().nbytes() if t.numel() else 0
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    params: int
+    """Parameters in the compute dtype (full, or this rank's shard for ZeRO-3)."""
+    grads: int
+    optimizer: int
+    """Adam moments plus fp32 master weights where they are a separate copy."""
+    comm_buffers: int
+    """Reduction staging, up-cast scratch and (peak) gathered ZeRO-3 parameters."""
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def per_param(self, n_params: int) -> float:
+        """Model-state bytes per parameter, comparable to the ZeRO paper's formulas."""
+        return self.model_state / n_params
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "model_state": self.model_state}
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        return (f"params {self.params / mib:.1f} MiB, grads {self.grads / mib:.1f} MiB, "
+                f"optimizer {self.optimizer / mib:.1f} MiB, comm buffers "
+                f"{self.comm_buffers / mib:.1f} MiB per rank")
+
+
+def zero_formula(stage: int, dtype: str, world: int) -> float:
+    """Model-state bytes per parameter from the ZeRO paper (Rajbhandari et al. 2020),
+    Adam with fp32 master weights and moments (K = 12 for bf16, 8 + fp32 params for fp32)."""
+    n = world
+    if dtype == "fp32":  # params 4, grads 4, moments 8 (params are the master)
+        return {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[stage]
+    return {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
