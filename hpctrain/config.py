@@ -81,8 +81,12 @@ class ParallelConfig:
     bucket_mb: float = opt(25.0, "gradient bucket cap in MiB (PyTorch DDP's default)")
     first_bucket_mb: float = opt(1.0, "cap of the first bucket reduced, so that "
                                       "communication starts early in backward")
+    zero: int = opt(0, "ZeRO stage: 0 replicates everything (plain data parallelism), 1 "
+                       "shards optimizer state, 2 also gradients, 3 also parameters",
+                    (0, 1, 2, 3))
 
     def __post_init__(self):
+        _check_choices(self)
         _require(self.micro_batches >= 1, "parallel.micro_batches must be at least 1")
         _require(self.bucket_mb > 0 and self.first_bucket_mb > 0,
                  "parallel.bucket_mb and parallel.first_bucket_mb must be positive")
@@ -123,7 +127,8 @@ class TrainConfig:
     out_dir: str = opt("runs/default", "where metrics.jsonl, the checkpoint and the "
                                        "sample are written")
     seed: int = opt(1337, "seed for initialization and data order")
-    dtype: str = opt("fp32", "compute precision", ("fp32",))
+    dtype: str = opt("fp32", "compute precision; bf16 keeps fp32 master weights and Adam "
+                              "moments and reduces gradients in fp32", ("fp32", "bf16"))
     peak_tflops: float = opt(0.0, "device peak TFLOP/s for MFU; 0 looks the device up")
     threads: int = opt(0, "CPU threads per rank; 0 = OMP_NUM_THREADS or cores/ranks")
     sample_tokens: int = opt(200, "tokens generated from the final model; 0 skips")

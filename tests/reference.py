@@ -3,6 +3,7 @@ parallel code (no buckets, no hooks, no MPI), only the model, the data and the s
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -25,7 +26,11 @@ def plain_lr(step: int, cfg: Config) -> float:
 
 
 def plain_torch_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train ``cfg`` on one process with the whole global batch; return losses and params."""
+    """Train ``cfg`` on one process with the whole global batch; return losses and params.
+
+    With ``train.dtype=bf16`` this is textbook mixed precision: a bf16 copy of the fp32
+    master model computes forward and backward, its gradients are up-cast onto the
+    master, which is clipped and updated in fp32."""
     ds = TokenDataset(cfg.data.path)
     m = cfg.model
     torch.manual_seed(cfg.train.seed)
@@ -33,6 +38,9 @@ def plain_torch_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
                           n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
                           dropout=m.dropout, bias=m.bias))
     params = list(model.parameters())
+    compute = model
+    if cfg.train.dtype == "bf16":
+        compute = copy.deepcopy(model).to(torch.bfloat16)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
@@ -44,8 +52,15 @@ def plain_torch_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
         for g in opt.param_groups:
             g["lr"] = plain_lr(step, cfg)
         tokens = torch.from_numpy(ds.read("train", sampler.global_starts(step), m.block_size + 1))
-        loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        if compute is not model:
+            with torch.no_grad():
+                for low, p in zip(compute.parameters(), params):
+                    low.copy_(p)
+        loss = compute(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         loss.backward()
+        if compute is not model:
+            for low, p in zip(compute.parameters(), params):
+                p.grad, low.grad = low.grad.float(), None
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         opt.step()

@@ -21,28 +21,39 @@ FORMAT = "hpctrain-checkpoint"
 VERSION = 1
 
 
-def save_checkpoint(path: str | Path, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None, *, step: int, config: dict,
-                    tokenizer: dict) -> Path:
+def replicated_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Parameters and optimizer state by parameter name, from an unsharded model."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    optim = {}
+    if optimizer is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optim[names[id(p)]] = dict(optimizer.state.get(p, {}))
+    return params, optim
+
+
+def save_checkpoint(path: str | Path, params: dict[str, torch.Tensor],
+                    optim: dict[str, dict[str, torch.Tensor]] | None, *, step: int,
+                    config: dict, tokenizer: dict) -> Path:
+    """Write parameters (fp32) and per-parameter optimizer state to one HDF5 file."""
     import h5py
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    names = {id(p): n for n, p in model.named_parameters()}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         with h5py.File(tmp, "w") as f:
             f.attrs.update(format=FORMAT, version=VERSION, step=step,
                            config=json.dumps(config), tokenizer=json.dumps(tokenizer))
-            for name, p in model.named_parameters():
+            for name, p in params.items():
                 f.create_dataset(f"model/{name}", data=p.detach().float().cpu().numpy())
-            if optimizer is not None:
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        for key, value in optimizer.state.get(p, {}).items():
-                            f.create_dataset(f"optim/{names[id(p)]}/{key}",
-                                             data=value.detach().float().cpu().numpy())
+            for name, state in (optim or {}).items():
+                for key, value in state.items():
+                    f.create_dataset(f"optim/{name}/{key}",
+                                     data=value.detach().float().cpu().numpy())
             f.flush()
             os.fsync(f.id.get_vfd_handle())
         os.replace(tmp, path)

@@ -119,12 +119,18 @@ class MPIBuffer:
     device when staged). Both are no-ops for host memory.
     """
 
-    def __init__(self, x, *, cuda_aware: bool | CudaAwareness = False):
+    def __init__(self, x, *, cuda_aware: bool | CudaAwareness = False, raw: bool = False):
         self.source = x
         self.kind = _kind(x)
         self.staged = self.kind in ("torch_cuda", "cupy") and not bool(cuda_aware)
         self._host = None
-        if self.kind == "numpy":
+        # raw: hand MPI the tensor's current address as bytes, read at every to_mpi().
+        # For storage that is freed and re-allocated (ZeRO-3 gathered parameters): a
+        # numpy view would pin the storage (torch forbids resizing it) and go stale.
+        self.raw = raw and self.kind.startswith("torch") and not self.staged
+        if self.raw:
+            self.obj = None
+        elif self.kind == "numpy":
             self.obj = x
         elif self.kind == "torch_cpu":
             self.obj = _torch_cpu_view(x)
@@ -141,7 +147,21 @@ class MPIBuffer:
             self._host = cupyx.empty_pinned(x.shape, dtype=x.dtype)
             self.obj = self._host
 
+    @property
+    def staging_nbytes(self) -> int:
+        """Bytes of the pinned host copy (0 when MPI reads the memory directly)."""
+        return 0 if self._host is None else int(self._host.nbytes)
+
     def to_mpi(self) -> object:
+        if self.raw:
+            if self.kind == "torch_cuda":
+                import torch
+
+                torch.cuda.current_stream(self.source.device).synchronize()
+            nbytes = self.source.numel() * self.source.element_size()
+            from mpi4py import MPI
+
+            return [MPI.buffer.fromaddress(self.source.data_ptr(), nbytes), MPI.BYTE]
         if self.kind == "torch_cuda":
             import torch
 

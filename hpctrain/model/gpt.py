@@ -112,7 +112,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(x)
+        logits = self.logits(x).float()  # the softmax in fp32 even when computing in bf16
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):

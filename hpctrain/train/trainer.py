@@ -7,6 +7,7 @@ so the single-process reference is the same code on ``MPI.COMM_SELF``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpctrain.checkpoint.single_file import save_checkpoint
+from hpctrain.checkpoint.single_file import replicated_state, save_checkpoint
 from hpctrain.comm.collectives import allreduce_array
 from hpctrain.comm.world import World, threads_per_rank
 from hpctrain.config import Config, check_layout
@@ -25,6 +26,7 @@ from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler
 from hpctrain.errors import DataError
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.data_parallel import DataParallel
+from hpctrain.parallel.zero import Zero
 from hpctrain.profiling import nvtx_range
 from hpctrain.progress import Progress
 from hpctrain.train.metrics import MetricsLog, peak_tflops
@@ -66,11 +68,21 @@ class Trainer:
                                  dropout=mcfg.dropout, bias=mcfg.bias)
         torch.manual_seed(cfg.train.seed)
         self.model = GPT(self.gpt_cfg).to(self.device)
-        self.dp = DataParallel(self.model, world, bucket_mb=cfg.parallel.bucket_mb,
-                               first_bucket_mb=cfg.parallel.first_bucket_mb)
-        self.dp.broadcast_parameters()
-        self.optimizer = build_optimizer(param_groups(self.model, cfg.optim.weight_decay),
-                                         cfg.optim, world.device)
+        par = cfg.parallel
+        # Plain data parallelism for fp32 without sharding; ZeRO for the rest (stage 0
+        # with bf16 is replicated data parallelism with fp32 master weights).
+        self.zero = par.zero > 0 or cfg.train.dtype != "fp32"
+        if self.zero:
+            self.dp = Zero(self.model, world, cfg.optim, stage=par.zero, dtype=cfg.train.dtype,
+                           bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,
+                           blocks=list(self.model.h))
+            self.optimizer = None
+        else:
+            self.dp = DataParallel(self.model, world, bucket_mb=par.bucket_mb,
+                                   first_bucket_mb=par.first_bucket_mb)
+            self.dp.broadcast_parameters()
+            self.optimizer = build_optimizer(param_groups(self.model, cfg.optim.weight_decay),
+                                             cfg.optim, world.device)
 
         t = cfg.train
         self.block = mcfg.block_size
@@ -124,8 +136,6 @@ class Trainer:
         """One optimizer step; returns (this rank's mean loss, grad norm, data seconds)."""
         w = self.world
         lr = learning_rate(step, self.cfg.optim, self.cfg.train.max_iters)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         t0 = time.perf_counter()
         x, y = self._batch("train", self.sampler.local_starts(step, w.rank, w.size))
         data_s = time.perf_counter() - t0
@@ -140,14 +150,28 @@ class Trainer:
                 (loss * scale).backward()
             loss_sum += loss.detach()
         self.dp.finish()
-        grads = self.dp.grad_tensors()
-        norm = global_grad_norm(grads)
-        if self.cfg.optim.grad_clip > 0:
-            clip_grads_(grads, self.cfg.optim.grad_clip, norm)
-        with nvtx_range("optimizer"):
-            self.optimizer.step()
+        norm = self._optimizer_step(lr)
         self.dp.zero_grad()
         return loss_sum / self.micro, norm, data_s
+
+    def _optimizer_step(self, lr: float):
+        """Clip to the global norm and update; returns the norm before clipping."""
+        clip = self.cfg.optim.grad_clip
+        if self.zero:
+            return self.dp.step(lr, clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grads = self.dp.grad_tensors()
+        norm = global_grad_norm(grads)
+        if clip > 0:
+            clip_grads_(grads, clip, norm)
+        with nvtx_range("optimizer"):
+            self.optimizer.step()
+        return norm
+
+    def memory(self):
+        """Per-rank bytes of parameters, gradients, optimizer state and comm buffers."""
+        return self.dp.memory() if self.zero else self.dp.memory(self.optimizer)
 
     # -------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -170,11 +194,17 @@ class Trainer:
         self.model.eval()
         starts = all_windows(self.data.splits["val"].n_tokens, self.block)
         mine = np.array_split(starts, w.size)[w.rank]
+        # Every rank runs the same number of forward passes (ZeRO-3 gathers parameters
+        # inside forward, collectively); a rank out of windows runs one and ignores it.
+        most = -(-len(starts) // w.size)
         total, count = 0.0, 0
-        for i in range(0, len(mine), FULL_EVAL_ROWS):
-            x, y = self._batch("val", mine[i:i + FULL_EVAL_ROWS])
-            total += self.model(x, y).item() * y.numel()
-            count += y.numel()
+        for i in range(0, most, FULL_EVAL_ROWS):
+            rows = mine[i:i + FULL_EVAL_ROWS]
+            x, y = self._batch("val", rows if len(rows) else starts[:1])
+            loss = self.model(x, y).item()
+            if len(rows):
+                total += loss * y.numel()
+                count += y.numel()
         self.model.train()
         sums = self._allreduce([total, count], "final validation loss")
         return float(sums[0] / sums[1])
@@ -185,7 +215,8 @@ class Trainer:
         result = TrainResult()
         self._log(f"hpctrain: {w.describe()}; {torch.get_num_threads()} thread(s) per rank")
         self._log(f"model: {self.model.num_params() / 1e6:.2f}M parameters, "
-                  f"{len(self.dp.buckets)} gradient bucket(s); global batch {t.batch_size} x "
+                  f"{len(self.dp.buckets)} gradient bucket(s), ZeRO stage {cfg.parallel.zero}, "
+                  f"{t.dtype}; global batch {t.batch_size} x "
                   f"{self.block} tokens = {self.rows_per_rank} row(s) per rank in "
                   f"{self.micro} micro-batch(es)")
         bar = Progress(t.max_iters, "train", enabled=self.log_enabled and t.progress)
@@ -197,6 +228,8 @@ class Trainer:
             t0 = time.perf_counter()
             loss, norm, d = self.train_step(step)
             result.step_times.append(time.perf_counter() - t0)
+            if step == 0:
+                self._log(f"memory per rank: {self.memory().describe()}", bar)
             window_losses.append(loss)
             window_steps += 1
             data_s += d
@@ -251,19 +284,37 @@ class Trainer:
 
     def _finish(self, result: TrainResult) -> None:
         t = self.cfg.train
+        # Collective parts first (ZeRO consolidates shards and gathers parameters on every
+        # rank); then rank 0 writes.
+        state = None
+        if t.save_checkpoint:
+            state = self._consolidated_state()
+        memory = self.memory()
+        with self.dp.gathered() if self.zero else contextlib.nullcontext():
+            if self.world.is_root:
+                self._write_outputs(result, state, memory)
         self.dp.close()
-        if not self.world.is_root:
-            self.metrics.close()
-            return
+        self.metrics.close()
+
+    def _consolidated_state(self):
+        if not self.zero:
+            return replicated_state(self.model, self.optimizer)
+        full = self.dp.consolidated_state()
+        params = {name: s.pop("param") for name, s in full.items()}
+        return params, full
+
+    def _write_outputs(self, result: TrainResult, state, memory) -> None:
+        t = self.cfg.train
         summary = {
             "steps": t.max_iters, "world_size": self.world.size,
             "final_val_loss": result.final_val_loss, "wall_s": result.wall_s,
             "tokens_per_s": result.tokens_per_s,
             "step_ms_median": 1e3 * statistics.median(result.step_times) if result.step_times else None,
-            "params": self.model.num_params(), "config": self.cfg.to_dict()}
-        if t.save_checkpoint:
-            path = save_checkpoint(self.out_dir / "final.h5", self.model, self.optimizer,
-                                   step=t.max_iters, config=self.cfg.to_dict(),
+            "params": self.model.num_params(), "memory_per_rank": memory.to_dict(),
+            "config": self.cfg.to_dict()}
+        if state is not None:
+            path = save_checkpoint(self.out_dir / "final.h5", *state, step=t.max_iters,
+                                   config=self.cfg.to_dict(),
                                    tokenizer=self.data.tokenizer.meta())
             self._log(f"checkpoint: {path}")
         if t.sample_tokens > 0:
@@ -271,7 +322,6 @@ class Trainer:
             (self.out_dir / "sample.txt").write_text(text)
             self._log(f"sample ({t.sample_tokens} tokens):\n{text}")
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.metrics.close()
         self._log(f"done: {t.max_iters} steps in {result.wall_s:.1f} s, "
                   f"{result.tokens_per_s / 1e3:.1f}k tokens/s; outputs in {self.out_dir}/")
 

@@ -1,0 +1,518 @@
+"""ZeRO stages 1-3 over MPI, and bf16 mixed precision (Rajbhandari et al., SC'20).
+
+Parameters are grouped into buckets (reverse registration order, as data parallelism
+does; for stage 3 one bucket per transformer block plus one for the embeddings and final
+LayerNorm). Each bucket is one flat buffer padded to a multiple of the N data-parallel
+ranks; rank r owns the slice ``[r*s, (r+1)*s)`` (``shards.shard_layout``).
+
+What each rank keeps, per stage (compute dtype c = fp32 or bf16; fp32 master weights and
+Adam moments always live in the shard):
+
+    stage  parameters          gradients            master + Adam moments
+    0      full (c)            full (c)             full        (bf16 only; fp32 uses DataParallel)
+    1      full (c)            full (c)             shard
+    2      full (c)            shard (c)            shard
+    3      shard (c)           shard (c)            shard
+
+A step: backward produces gradients; when a bucket's last gradient arrives its reduction
+starts (nonblocking, in bucket order on every rank): ``Iallreduce`` for stage 0,
+``Ireduce_scatter_block`` otherwise, always on fp32 data. Stages 0 and 1 accumulate
+micro-batches locally and reduce once; stages 2 and 3 keep no full gradient, so they
+reduce-scatter every micro-batch and add the result to the gradient shard. Then the
+global gradient norm is summed over the shards, each rank clips and updates its shard
+with AdamW, and stages 1 and 2 allgather the new parameters. Stage 3 allgathers a
+block's parameters right before its forward and again before its backward, frees them
+afterwards, and starts the next block's gather before the current block computes.
+Parameter gathers use their own communicator, so they never interleave with gradient
+reductions on the same one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+import torch
+from mpi4py import MPI
+
+from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.collectives import allreduce_array
+from hpctrain.comm.watchdog import wait_all
+from hpctrain.comm.world import World
+from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
+from hpctrain.parallel.memory import MemoryReport, tensor_bytes
+from hpctrain.parallel.shards import shard_layout
+from hpctrain.profiling import nvtx_range
+from hpctrain.train.optim import clip_coefficient
+
+MiB = 1 << 20
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ALIGN = 16  # shard length multiple: 64-byte aligned fp32 shards for vector kernels
+
+
+def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> None:
+    if world.size == 1:
+        return
+    bufs = [MPIBuffer(p.data, cuda_aware=world.cuda_aware) for p in model.parameters()]
+    reqs = [world.comm.Ibcast(buf.to_mpi(), root=root) for buf in bufs]
+    wait_all(reqs, timeout=world.timeout, what="broadcast of the initial parameters")
+    for buf in bufs:
+        buf.from_mpi()
+
+
+def _free_comm(comm: MPI.Comm) -> None:
+    if not MPI.Is_finalized():
+        comm.Free()
+
+
+def _empty_storage(t: torch.Tensor) -> None:
+    try:
+        t.untyped_storage().resize_(0)
+    except RuntimeError as e:  # torch pins storage that a numpy array views
+        raise RuntimeError("cannot free a gathered ZeRO-3 parameter buffer: something holds "
+                           "a numpy view of a parameter (p.numpy()); copy it first "
+                           "(p.detach().clone().numpy())") from e
+
+
+def _fill_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+class StagingPool:
+    """fp32 buffers that gradients are reduced in; reused across buckets and steps."""
+
+    def __init__(self, numel: int, device, cuda_aware):
+        self.numel, self.device, self.cuda_aware = numel, device, cuda_aware
+        self.free: list[torch.Tensor] = []
+        self.all: list[torch.Tensor] = []
+        self._mpi: dict[tuple[int, int], MPIBuffer] = {}
+
+    def acquire(self, numel: int) -> tuple[torch.Tensor, MPIBuffer]:
+        if not self.free:
+            self.all.append(torch.empty(self.numel, dtype=torch.float32, device=self.device))
+            self.free.append(self.all[-1])
+        base = self.free.pop()
+        key = (id(base), numel)
+        if key not in self._mpi:
+            self._mpi[key] = MPIBuffer(base[:numel], cuda_aware=self.cuda_aware)
+        view = self._mpi[key].source
+        view.zero_()
+        return view, self._mpi[key]
+
+    def release(self, view: torch.Tensor) -> None:
+        base = next(b for b in self.all if b.data_ptr() == view.data_ptr())
+        self.free.append(base)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor_bytes(b) for b in self.all)
+
+
+class ZeroBucket:
+    """One flat group of parameters and its shard of gradients and optimizer state."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], *, stage: int,
+                 rank: int, world: int, dtype: torch.dtype, cuda_aware):
+        self.index, self.params, self.stage, self.dtype = index, params, stage, dtype
+        self.cuda_aware = cuda_aware
+        self.layout = shard_layout([p.numel() for p in params], world if stage else 1, ALIGN)
+        self.rank = rank if stage else 0
+        lo, hi = self.layout.rank_range(self.rank)
+        device = params[0].device
+        lay = self.layout
+        with torch.no_grad():
+            master_full = torch.zeros(lay.padded, dtype=torch.float32, device=device)
+            for p, off in zip(params, lay.offsets):
+                master_full[off:off + p.numel()] = p.detach().reshape(-1)
+            # Parameters in the compute dtype: every p.data becomes a view of `full`.
+            self.full = master_full.to(dtype) if dtype != torch.float32 else master_full
+            for p, off in zip(params, lay.offsets):
+                p.data = self.full[off:off + p.numel()].view(p.shape)
+            if dtype == torch.float32 and stage < 3:
+                self.master = self.full[lo:hi]  # updated in place, then allgathered
+            else:
+                self.master = master_full[lo:hi].clone()
+            self.shard = None  # stage 3: this rank's compute-dtype parameter shard
+            if stage == 3:
+                self.shard = self.master if dtype == torch.float32 else self.full[lo:hi].clone()
+                _empty_storage(self.full)
+        del master_full
+        if stage <= 1:
+            self.grad_full = torch.zeros(lay.padded, dtype=dtype, device=device)
+            self.grad_shard = self.grad_full[:lay.shard]  # in-place reduce-scatter lands here
+        else:
+            self.grad_full = None
+            self.grad_shard = torch.zeros(lay.shard, dtype=dtype, device=device)
+        self.exp_avg = torch.zeros(lay.shard, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(lay.shard, dtype=torch.float32, device=device)
+        self.bind_grads()
+        # Scheduling state for one backward.
+        self.pending = len(params)
+        self.staging: torch.Tensor | None = None
+        self.staging_mpi: MPIBuffer | None = None
+        # Stage 3 gather state: 'free' | 'gathering' | 'ready'.
+        self.gather_state = "free" if stage == 3 else "ready"
+        self.gather_request: MPI.Request | None = None
+        self._full_mpi: MPIBuffer | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.padded * 4
+
+    def bind_grads(self) -> None:
+        for p, off in zip(self.params, self.layout.offsets):
+            p.grad = (self.grad_full[off:off + p.numel()].view(p.shape)
+                      if self.grad_full is not None else None)
+
+    def reduces_in_place(self) -> bool:
+        """fp32 stages 0-1 reduce the gradient buffer itself; the rest stage in fp32."""
+        return self.grad_full is not None and self.dtype == torch.float32
+
+    def full_mpi(self) -> MPIBuffer:
+        """MPI view of ``full`` (by address and byte count: stage 3 re-allocates it)."""
+        if self._full_mpi is None:
+            self._full_mpi = MPIBuffer(self.full, cuda_aware=self.cuda_aware, raw=True)
+        return self._full_mpi
+
+
+class Zero(BucketScheduler):
+    """ZeRO-``stage`` data parallelism with its own sharded AdamW."""
+
+    def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, stage: int,
+                 dtype: str = "fp32", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 blocks: list[torch.nn.Module] | None = None):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0-3, not {stage}")
+        self.model, self.world, self.stage = model, world, stage
+        self.dtype = DTYPES[dtype]
+        self.optim_cfg = optim_cfg
+        self.comm = world.comm
+        self.gather_comm = world.comm.Dup() if stage == 3 else None
+        if self.gather_comm is not None:
+            weakref.finalize(self, _free_comm, self.gather_comm)
+        self.size, self.rank = world.size, world.rank
+        _broadcast_module(model, world)  # every rank starts from rank 0's initialization
+        groups = self._groups(model, stage, blocks, bucket_mb, first_bucket_mb)
+        self.buckets = [ZeroBucket(i, g, stage=stage, rank=self.rank, world=self.size,
+                                   dtype=self.dtype, cuda_aware=world.cuda_aware)
+                        for i, g in enumerate(groups)]
+        device = self.buckets[0].full.device
+        biggest = max(b.layout.padded for b in self.buckets)
+        self.staging = StagingPool(biggest, device, world.cuda_aware)
+        # bf16: the fp32 gradient the optimizer reads is up-cast one bucket at a time.
+        self.scratch = (torch.zeros(max(b.layout.shard for b in self.buckets),
+                                    dtype=torch.float32, device=device)
+                        if self.dtype != torch.float32 else None)
+        self.optimizers = [self._optimizer(b) for b in self.buckets]
+        super().__init__(self.buckets, timeout=world.timeout)
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b))
+        self._pinned = False
+        self._open = False  # a synced backward whose reductions finish() has not completed
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # ZeRO-3 full parameters held
+        if stage == 3:
+            self._install_gather_hooks(model, blocks)
+
+    # ------------------------------------------------------------------ layout
+    @staticmethod
+    def _groups(model, stage, blocks, bucket_mb, first_bucket_mb) -> list[list]:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if stage < 3:
+            order = params[::-1]
+            plan = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
+                                int(first_bucket_mb * MiB))
+            return [[order[j] for j in g] for g in plan]
+        if not blocks:
+            raise ValueError("ZeRO-3 needs the model's blocks (the units it gathers)")
+        # One unit per block, in backward order, then everything else (embeddings, final
+        # LayerNorm), whose last gradient (the tied embedding) arrives at the very end.
+        in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
+        units = [[p for p in blk.parameters() if p.requires_grad] for blk in reversed(blocks)]
+        return units + [[p for p in params if id(p) not in in_blocks]]
+
+    def _optimizer(self, b: ZeroBucket) -> torch.optim.AdamW:
+        """AdamW over this rank's pieces of ``b``; its state is the bucket's flat shards."""
+        cfg = self.optim_cfg
+        grad_source = self.scratch if self.scratch is not None else b.grad_shard
+        decay, no_decay, state = [], [], {}
+        for piece in b.layout.pieces(b.rank):
+            a, z = piece.shard_start, piece.shard_start + piece.length
+            view = torch.nn.Parameter(b.master[a:z], requires_grad=False)
+            view.grad = grad_source[a:z]
+            (decay if b.params[piece.index].dim() >= 2 else no_decay).append(view)
+            state[view] = {"step": torch.zeros((), dtype=torch.float32, device=view.device),
+                           "exp_avg": b.exp_avg[a:z], "exp_avg_sq": b.exp_avg_sq[a:z]}
+        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        if not groups:  # this rank owns only padding of this bucket
+            groups = [{"params": [torch.nn.Parameter(b.master[:0], requires_grad=False)]}]
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                eps=cfg.eps, fused=True)
+        for view, s in state.items():
+            opt.state[view] = s
+        return opt
+
+    # ------------------------------------------------------------- reductions
+    @property
+    def grad_scale(self) -> float:
+        return 1.0 / self.size
+
+    def prepare_for_backward(self, sync: bool) -> None:
+        # Stages 2 and 3 keep no full gradient, so every micro-batch is reduced (and the
+        # previous micro-batch's reductions are completed before the next backward).
+        if self.stage >= 2:
+            if self._open:
+                self.finish()
+            sync = True
+        self._open = sync
+        super().prepare_for_backward(sync)
+
+    def _on_grad(self, bucket: ZeroBucket, param: torch.nn.Parameter) -> None:
+        if self.stage >= 2:
+            self._stage_grad(bucket, param)
+        self.grad_ready(bucket)
+        if self.stage == 3 and bucket.pending == 0:
+            self._release(bucket)  # its backward is done: free the gathered parameters
+
+    def _stage_grad(self, b: ZeroBucket, p: torch.nn.Parameter) -> None:
+        """Stages 2-3: move a fresh gradient into the bucket's fp32 buffer and drop it."""
+        if not self.syncing:  # cannot happen: stages 2-3 always sync
+            return
+        if b.staging is None:
+            b.staging, b.staging_mpi = self._acquire_staging(b)
+        i = next(k for k, q in enumerate(b.params) if q is p)
+        off = b.layout.offsets[i]
+        b.staging[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None
+
+    def _acquire_staging(self, b: ZeroBucket):
+        self.poll()  # completed reductions give their buffers back
+        return self.staging.acquire(b.layout.padded)
+
+    def launch(self, b: ZeroBucket) -> MPI.Request:
+        if b.reduces_in_place():
+            buf = MPIBuffer(b.grad_full, cuda_aware=self.world.cuda_aware).to_mpi()
+        else:
+            if b.staging is None:
+                b.staging, b.staging_mpi = self._acquire_staging(b)
+            if b.grad_full is not None:  # bf16 stages 0-1: up-cast the whole bucket
+                b.staging.copy_(b.grad_full)
+            buf = b.staging_mpi.to_mpi()
+        self.stats.reductions += 1
+        self.stats.bytes_reduced += b.nbytes
+        with nvtx_range(f"reduce bucket {b.index}"):
+            if self.stage == 0:
+                return self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            # In place: the input is the whole buffer, this rank's reduced shard lands
+            # at its start (MPI standard, MPI_Reduce_scatter_block with MPI_IN_PLACE).
+            return self.comm.Ireduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def complete(self, b: ZeroBucket) -> None:
+        if b.staging is None:
+            return
+        b.staging_mpi.from_mpi()
+        n = b.layout.padded if self.stage == 0 else b.layout.shard
+        if b.grad_full is not None:
+            b.grad_full[:n].copy_(b.staging[:n])
+        else:
+            b.grad_shard.add_(b.staging[:n])
+        self.staging.release(b.staging)
+        b.staging = b.staging_mpi = None
+
+    def finish(self) -> None:
+        self._open = False
+        super().finish()
+        if self.stage == 3 and not self._pinned:
+            for b in self.buckets:
+                self._release(b)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            (b.grad_full if b.grad_full is not None else b.grad_shard).zero_()
+            b.bind_grads()
+
+    # --------------------------------------------------------------- optimizer
+    def grad_norm(self) -> float:
+        """L2 norm of the whole (averaged) gradient, summed over every rank's shards."""
+        local = sum(float(torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32)) ** 2
+                    for b in self.buckets)
+        if self.stage == 0:
+            return local ** 0.5
+        total = allreduce_array(self.comm, [local], timeout=self.world.timeout,
+                                what="gradient norm over ZeRO shards")
+        return float(total[0]) ** 0.5
+
+    def step(self, lr: float, max_norm: float) -> float:
+        """Clip to ``max_norm`` (0: no clipping), update the shards, share the parameters.
+
+        Returns the gradient norm before clipping."""
+        norm = self.grad_norm()
+        coef = clip_coefficient(norm, max_norm) if max_norm > 0 else 1.0
+        with nvtx_range("optimizer"), torch.no_grad():
+            for b, opt in zip(self.buckets, self.optimizers):
+                grad = b.grad_shard
+                if self.scratch is not None:
+                    grad = self.scratch[:b.layout.shard]
+                    grad.copy_(b.grad_shard)
+                if coef != 1.0:
+                    grad.mul_(coef)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+                if self.dtype != torch.float32:
+                    self._publish_master(b)
+        if self.stage in (1, 2):
+            self._allgather_parameters()
+        return norm
+
+    def _publish_master(self, b: ZeroBucket) -> None:
+        """bf16: round the updated fp32 master shard into the compute parameters."""
+        lo, hi = b.layout.rank_range(b.rank)
+        if self.stage == 3:
+            b.shard.copy_(b.master)
+        else:
+            b.full[lo:hi].copy_(b.master)
+
+    def _allgather_parameters(self) -> None:
+        reqs = []
+        with nvtx_range("allgather parameters"):
+            for b in self.buckets:
+                # In place: each rank's updated slice already sits at its own offset.
+                reqs.append(self.comm.Iallgather(MPI.IN_PLACE, b.full_mpi().to_mpi()))
+            wait_all(reqs, timeout=self.world.timeout, what="parameter allgather after the "
+                     "optimizer step")
+        for b in self.buckets:
+            b.full_mpi().from_mpi()
+        self.stats.gathers += len(reqs)
+
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Nothing to do: the constructor shares ``root``'s parameters before sharding."""
+
+    # ---------------------------------------------------------- stage 3 gathers
+    def _install_gather_hooks(self, model, blocks) -> None:
+        n = len(blocks)
+        by_block = {i: self.buckets[n - 1 - i] for i in range(n)}  # buckets are reversed
+        outer = self.buckets[-1]
+        self._block_bucket = by_block
+
+        def root_pre(_module, _args):
+            self._gather(outer, wait=True)
+            self._gather(by_block[0], wait=False)  # prefetch
+
+        def root_post(_module, _args, _output):
+            if torch.is_grad_enabled():
+                self._gather(by_block[n - 1], wait=False)  # backward starts with it
+            else:
+                self._release(outer)
+
+        def block_pre(i, _module, _args):
+            self._gather(by_block[i], wait=True)
+            if i + 1 < n:
+                self._gather(by_block[i + 1], wait=False)
+
+        def block_post(i, _module, _args, output):
+            if torch.is_grad_enabled() and output.requires_grad:
+                output.register_hook(lambda grad: self._before_backward(i))
+            self._release(by_block[i])
+
+        model.register_forward_pre_hook(root_pre)
+        model.register_forward_hook(root_post)
+        for i, blk in enumerate(blocks):
+            blk.register_forward_pre_hook(functools.partial(block_pre, i))
+            blk.register_forward_hook(functools.partial(block_post, i))
+
+    def _before_backward(self, i: int) -> None:
+        self._gather(self._block_bucket[i], wait=True)
+        if i > 0:
+            self._gather(self._block_bucket[i - 1], wait=False)
+
+    def _gather(self, b: ZeroBucket, *, wait: bool) -> None:
+        if b.gather_state == "free":
+            _fill_storage(b.full)
+            self.gathered_bytes += tensor_bytes(b.full)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+            send = MPIBuffer(b.shard, cuda_aware=self.world.cuda_aware, raw=True).to_mpi()
+            b.gather_request = self.gather_comm.Iallgather(send, b.full_mpi().to_mpi())
+            b.gather_state = "gathering"
+            self.stats.gathers += 1
+        if wait and b.gather_state == "gathering":
+            wait_all([b.gather_request], timeout=self.world.timeout,
+                     what=f"ZeRO-3 parameter gather (bucket {b.index})")
+            b.full_mpi().from_mpi()
+            b.gather_state = "ready"
+
+    def _release(self, b: ZeroBucket) -> None:
+        if self.stage != 3 or self._pinned or b.gather_state == "free":
+            return
+        self._gather(b, wait=True)  # a prefetch still in flight must land first
+        self.gathered_bytes -= tensor_bytes(b.full)
+        _empty_storage(b.full)
+        b.gather_state = "free"
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """All parameters materialized on every rank (collective), e.g. to save or sample."""
+        if self.stage != 3:
+            yield self.model
+            return
+        for b in self.buckets:
+            self._gather(b, wait=True)
+        self._pinned = True
+        try:
+            yield self.model
+        finally:
+            self._pinned = False
+            for b in self.buckets:
+                self._release(b)
+
+    # ---------------------------------------------------------- state and memory
+    def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Full fp32 parameters and Adam moments per parameter, on every rank (collective).
+
+        Keys are the parameters' names in the model; values hold ``param``, ``exp_avg``,
+        ``exp_avg_sq`` and ``step``."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for b, opt in zip(self.buckets, self.optimizers):
+            full = {}
+            for key, shard in (("param", b.master), ("exp_avg", b.exp_avg),
+                               ("exp_avg_sq", b.exp_avg_sq)):
+                flat = torch.empty(b.layout.padded, dtype=torch.float32, device=shard.device)
+                if b.layout.world == 1:
+                    flat.copy_(shard)
+                else:
+                    src, dst = MPIBuffer(shard.contiguous(), cuda_aware=self.world.cuda_aware), \
+                        MPIBuffer(flat, cuda_aware=self.world.cuda_aware)
+                    wait_all([self.comm.Iallgather(src.to_mpi(), dst.to_mpi())],
+                             timeout=self.world.timeout, what="consolidating ZeRO state")
+                    dst.from_mpi()
+                full[key] = flat
+            step = max((float(s["step"]) for s in opt.state.values()), default=0.0)
+            for p, off in zip(b.params, b.layout.offsets):
+                out[names[id(p)]] = {k: v[off:off + p.numel()].view(p.shape).clone()
+                                     for k, v in full.items()}
+                out[names[id(p)]]["step"] = torch.tensor(step)
+        return out
+
+    def shard_state(self) -> list[dict]:
+        """This rank's optimizer state, bucket by bucket (what a sharded checkpoint saves)."""
+        return [{"bucket": b.index, "layout": b.layout, "master": b.master,
+                 "exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq}
+                for b in self.buckets]
+
+    def memory(self) -> MemoryReport:
+        """Bytes this rank holds for model state, and its peak communication buffers."""
+        params = grads = optim = 0
+        for b in self.buckets:
+            params += tensor_bytes(b.shard if self.stage == 3 else b.full)
+            grads += tensor_bytes(b.grad_full if b.grad_full is not None else b.grad_shard)
+            optim += tensor_bytes(b.exp_avg) + tensor_bytes(b.exp_avg_sq)
+            if self.dtype != torch.float32:
+                optim += tensor_bytes(b.master)  # bf16: the fp32 master is its own copy
+        comm = self.staging.nbytes + tensor_bytes(self.scratch) + self.peak_gathered_bytes
+        return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=comm)
+
+    def close(self) -> None:
+        """Nothing to release early: the gather communicator is freed with this object
+        (or at exit, before MPI_Finalize), so ``gathered()`` still works after training."""
