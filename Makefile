@@ -24,7 +24,7 @@ DATA := datasets/stdlib-char.h5
 # Several ranks share the cores of one machine: one thread each.
 RUN_ENV := OMP_NUM_THREADS=1
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench jobscripts clean
 
 install: $(STAMP)
 
@@ -50,6 +50,10 @@ bench: $(STAMP)
 	$(PY) perf/bench_allreduce.py
 	$(PY) perf/bench_dp.py
 	$(PY) perf/bench_convergence.py
+
+# Regenerate the example job scripts (tests/test_jobs.py checks they are in sync).
+jobscripts: $(STAMP)
+	PYTHON=$(PY) bash jobscripts/generate.sh
 
 clean:
 	rm -rf $(VENV) datasets runs *.egg-info

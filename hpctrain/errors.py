@@ -19,5 +19,9 @@ class DataError(UserError):
     """A dataset file is missing, corrupt, or does not fit the model."""
 
 
+class JobError(UserError):
+    """A job script or launch request is invalid: system, queue limits, directives."""
+
+
 class CommTimeout(RuntimeError):
     """An MPI wait passed its deadline: some rank is stuck or dead."""

@@ -1,0 +1,48 @@
+"""The hpctrain command a job runs (everything after ``--``), checked before node time is spent.
+
+    hpctrain jobscript ... -- train RECIPE [--section.key=value ...]
+    hpctrain launch ... -- train RECIPE [--section.key=value ...]
+
+The recipe and every override are validated here, on the login node, with the same code
+``hpctrain train`` uses, so a typo fails in a second instead of after the queue wait.
+"""
+
+from __future__ import annotations
+
+from hpctrain.errors import ConfigError, JobError
+from hpctrain.jobs import validate
+
+RUNNABLE = ("train",)
+ARRAY_INDEX = "{array_index}"
+"""In an override of an array job: the sub-job's index (e.g. --train.seed={array_index})."""
+
+
+def check_command(command: list[str], *, array: bool = False,
+                  forbid: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """``['train', RECIPE, *overrides]`` -> ``(RECIPE, overrides)``, or a ``JobError``.
+
+    ``forbid`` maps options the caller sets itself to the reason the user must drop them.
+    """
+    from hpctrain.config import load_config, parse_overrides
+
+    example = "-- train default --data.path=datasets/stdlib-char.h5"
+    if not command:
+        raise JobError(f"name the command to run after '--', e.g. {example}")
+    if command[0] not in RUNNABLE:
+        raise JobError(f"after '--' comes an hpctrain command ({', '.join(RUNNABLE)}), not "
+                       f"{command[0]!r}; e.g. {example}")
+    if len(command) < 2 or command[1].startswith("-"):
+        raise JobError(f"name a recipe after 'train', e.g. {example}")
+    recipe, overrides = command[1], list(command[2:])
+    for item in command:
+        validate.no_nul(item, "the command")
+    checked = [o.replace(ARRAY_INDEX, "0") if array else o for o in overrides]
+    try:
+        keys = parse_overrides(checked)
+        for key, reason in (forbid or {}).items():
+            if key in keys:
+                raise JobError(f"drop --{key}: {reason}")
+        load_config(recipe, keys)
+    except ConfigError as e:
+        raise JobError(f"the training command is invalid: {e}") from None
+    return recipe, overrides

@@ -1,0 +1,226 @@
+"""The launch line: one function builds it for job scripts and for ``hpctrain launch``.
+
+    mpiexec -n 8 --ppn 4 --depth=8 --cpu-bind depth \\            (the system's launcher)
+        python -m hpctrain.jobs.bind --device-env CUDA_VISIBLE_DEVICES ... -- \\  (per rank)
+        python -m hpctrain train RECIPE [overrides]                  (the program)
+
+``launch_line`` returns words that may hold shell variables (a job script only learns its
+node count inside the job) or plain strings (``hpctrain launch`` reads the allocation
+first), so the script and the command can never disagree about flags.
+
+``hpctrain launch`` finds the allocation like ezpz does: ``PBS_JOBID`` -> PBS, nodes from
+the unique hosts of ``PBS_NODEFILE``; ``SLURM_JOB_ID`` -> SLURM, nodes from
+``SLURM_JOB_NUM_NODES``/``SLURM_NNODES``; neither -> this machine, ``mpiexec -n <ranks>``
+with one rank per CPU core unless ``--ranks`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpctrain.errors import JobError
+from hpctrain.jobs.shell import Word, expand, literal, resolve_word
+from hpctrain.jobs.systems import Profile
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How ranks sit on a node: counts, CPUs per rank, threads, explicit CPU list."""
+
+    ranks_per_node: int | None
+    """None: decided inside the job (one per core, local profile only)."""
+    cpus_per_rank: int | None
+    threads_per_rank: int | None
+    cpu_list: str | None
+
+
+def placement(profile: Profile, ranks_per_node: int | None = None) -> Placement:
+    rpn = ranks_per_node or profile.ranks_per_node or None
+    if rpn is not None and rpn < 1:
+        raise JobError(f"--ranks-per-node {rpn}: use at least 1")
+    if not profile.cpus_per_node or rpn is None:
+        return Placement(rpn, None, None, None)
+    if rpn > profile.cpus_per_node:
+        raise JobError(f"--ranks-per-node {rpn} is more than the {profile.cpus_per_node} CPUs "
+                       f"of a {profile.name} node; use at most {profile.cpus_per_node}")
+    cpus = profile.cpus_per_node // rpn
+    threads = max(1, cpus // profile.threads_per_core)
+    cpu_list = None
+    if profile.cpu_sockets:
+        cpu_list, threads = _cpu_list(profile, rpn)
+    return Placement(rpn, cpus, threads, cpu_list)
+
+
+def _cpu_list(profile: Profile, rpn: int) -> tuple[str, int]:
+    """``list:1-8:9-16:...``: equal blocks of cores per rank, filled socket by socket.
+
+    No block crosses a socket and reserved cores (outside ``cpu_sockets``) stay free
+    (Aurora: cores 0 and 52 belong to the OS)."""
+    sockets = profile.cpu_sockets
+    if rpn % len(sockets):
+        raise JobError(f"--ranks-per-node {rpn}: on {profile.name} ranks split evenly over "
+                       f"{len(sockets)} sockets; use a multiple of {len(sockets)}")
+    per_socket = rpn // len(sockets)
+    width = min((last - first + 1) // per_socket for first, last in sockets)
+    if width < 1:
+        raise JobError(f"--ranks-per-node {rpn} leaves no core per rank on {profile.name}")
+    blocks = []
+    for first, _ in sockets:
+        for i in range(per_socket):
+            lo = first + i * width
+            blocks.append(f"{lo}-{lo + width - 1}" if width > 1 else f"{lo}")
+    return "list:" + ":".join(blocks), width
+
+
+@dataclass(frozen=True)
+class LaunchLine:
+    launcher: tuple
+    """The system's launcher and its flags (mpiexec/srun)."""
+    wrapper: tuple
+    """``python -m hpctrain.jobs.bind ... --`` when ranks need a device or a profiler."""
+    program: tuple
+    """``python -m hpctrain train RECIPE [overrides]``."""
+
+    @property
+    def words(self) -> tuple:
+        return self.launcher + self.wrapper + self.program
+
+    def argv(self, values: dict[str, str] | None = None) -> list[str]:
+        return [resolve_word(w, values) for w in self.words]
+
+
+def launch_line(profile: Profile, place: Placement, *, nodes: Word, ranks: Word,
+                python: Word, command: list[Word], nodefile: Word | None = None,
+                ranks_per_node: Word | None = None, profiler: str | None = None,
+                profile_dir: Word | None = None) -> LaunchLine:
+    """The launch line of ``command`` (hpctrain's arguments, as words) on ``profile``."""
+    values: dict[str, Word | None] = {
+        "nodes": nodes, "ranks": ranks, "nodefile": nodefile,
+        "ranks_per_node": ranks_per_node or (literal(str(place.ranks_per_node))
+                                             if place.ranks_per_node else None),
+        "gpus_per_node": literal(str(profile.gpus_per_node)),
+        "cpus_per_rank": literal(str(place.cpus_per_rank)) if place.cpus_per_rank else None,
+        "cpu_list": literal(place.cpu_list) if place.cpu_list else None,
+    }
+    launcher = []
+    for template in profile.launcher:
+        missing = [k for k, v in values.items() if v is None and "{" + k + "}" in template]
+        if missing:
+            raise JobError(f"system profile {profile.source}: launcher argument {template!r} "
+                           f"needs {', '.join(missing)}, which this profile does not define")
+        launcher.append(expand(template, {k: v for k, v in values.items() if v is not None}))
+    wrapper: list[Word] = []
+    if profiler and profiler not in profile.profilers:
+        raise JobError(f"--profile {profiler} is not available on {profile.name}; "
+                       f"available: {', '.join(profile.profilers) or 'none'}")
+    gpu_rule = profile.device_env and profile.gpus_per_node
+    if gpu_rule or profiler:
+        wrapper += [python, literal("-m"), literal("hpctrain.jobs.bind")]
+        if gpu_rule:
+            wrapper += [literal(a) for a in ("--device-env", profile.device_env, "--devices",
+                                             str(profile.gpus_per_node), "--order",
+                                             profile.device_order)]
+        if profiler:
+            wrapper += [literal(f"--{profiler}-dir"), profile_dir or literal(profiler)]
+        wrapper.append(literal("--"))
+    program = [python, literal("-m"), literal("hpctrain"), *command]
+    return LaunchLine(tuple(launcher), tuple(wrapper), tuple(program))
+
+
+# ----------------------------------------------------------------------- inside a job
+
+@dataclass(frozen=True)
+class Allocation:
+    scheduler: str
+    """``pbs``, ``slurm`` or ``none``."""
+    nodes: int
+    job_id: str | None
+    nodefile: str | None
+
+
+def detect_allocation(env: dict | None = None) -> Allocation:
+    env = os.environ if env is None else env
+    if env.get("PBS_JOBID"):
+        nodefile = env.get("PBS_NODEFILE", "")
+        try:
+            hosts = {h.strip() for h in Path(nodefile).read_text().splitlines() if h.strip()}
+        except OSError as e:
+            raise JobError(f"PBS_JOBID is set but PBS_NODEFILE ({nodefile or 'unset'}) cannot "
+                           f"be read ({e.strerror}); run inside the job's shell") from None
+        if not hosts:
+            raise JobError(f"PBS_NODEFILE {nodefile} lists no hosts")
+        return Allocation("pbs", len(hosts), env["PBS_JOBID"], nodefile)
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if job_id:
+        count = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+        if not count or not count.isdigit() or int(count) < 1:
+            raise JobError("SLURM_JOB_ID is set but SLURM_JOB_NUM_NODES/SLURM_NNODES is not a "
+                           "node count; run inside the job's shell (salloc/sbatch)")
+        return Allocation("slurm", int(count), job_id, None)
+    return Allocation("none", 1, None, None)
+
+
+def local_ranks() -> int:
+    """Ranks on this machine when nothing says otherwise: one per CPU core we may use."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def plan_launch(profile: Profile, alloc: Allocation, command: list[str], *,
+                nodes: int | None = None, ranks_per_node: int | None = None,
+                ranks: int | None = None, profiler: str | None = None,
+                python: str = sys.executable) -> list[str]:
+    """The argv ``hpctrain launch`` runs for ``command`` in allocation ``alloc``."""
+    if profile.scheduler != "none" and alloc.scheduler != profile.scheduler and nodes is None:
+        inside = {"pbs": "qsub -I", "slurm": "salloc"}[profile.scheduler]
+        raise JobError(f"{profile.name} runs under {profile.scheduler.upper()}, but this shell "
+                       f"is not in a {profile.scheduler.upper()} job; run inside one (e.g. "
+                       f"{inside}) or pass --nodes N with --dry-run to preview")
+    if ranks is not None and profile.scheduler != "none":
+        raise JobError(f"--ranks is for the local system; on {profile.name} the rank count is "
+                       "nodes x --ranks-per-node")
+    n_nodes = nodes or alloc.nodes
+    if ranks is not None:
+        ranks_per_node = ranks
+    place = placement(profile, ranks_per_node)
+    rpn = place.ranks_per_node or local_ranks()
+    place = Placement(rpn, place.cpus_per_rank, place.threads_per_rank, place.cpu_list)
+    out_dir = next((c.split("=", 1)[1] for c in command
+                    if c.startswith("--train.out_dir=")), None)
+    line = launch_line(profile, place, nodes=literal(str(n_nodes)),
+                       ranks=literal(str(n_nodes * rpn)), python=literal(python),
+                       command=[literal(c) for c in command],
+                       nodefile=literal(alloc.nodefile) if alloc.nodefile else None,
+                       profiler=profiler,
+                       profile_dir=literal(f"{out_dir}/{profiler}") if out_dir and profiler
+                       else None)
+    argv = line.argv()
+    if profile.scheduler == "none":
+        argv[0] = _local_program(argv[0], python)
+    return argv
+
+
+def _local_program(program: str, python: str) -> str:
+    """On this machine prefer the launcher next to Python (the ``mpich`` wheel's mpiexec,
+    which matches mpi4py) over whatever is first on PATH."""
+    sibling = Path(python).parent / program
+    return str(sibling) if "/" not in program and sibling.exists() else program
+
+
+def run_launch(argv: list[str], dry_run: bool = False) -> int:
+    """Print the launch line; unless ``dry_run``, run it and return its exit status."""
+    print("+ " + shlex.join(argv), flush=True)
+    if dry_run:
+        return 0
+    try:
+        rc = subprocess.call(argv)
+    except FileNotFoundError:
+        raise JobError(f"launcher {argv[0]!r} not found on PATH; load the system's MPI "
+                       "module (or activate the environment that has mpiexec)") from None
+    return 128 - rc if rc < 0 else rc

@@ -1,0 +1,156 @@
+"""A job request, validated in full before anything is rendered or written.
+
+``build_spec(...)`` takes what ``hpctrain jobscript`` was given and returns a ``JobSpec``
+or raises one ``JobError`` naming the fix. ``JobSpec.argv()`` spells the request as a
+canonical command line, recorded in the script so it can be regenerated.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpctrain.errors import JobError
+from hpctrain.jobs import validate
+from hpctrain.jobs.command import check_command
+from hpctrain.jobs.launch import placement
+from hpctrain.jobs.systems import Profile, load_profile
+
+DEFAULT_JOB_NAME = "hpctrain"
+DEFAULT_RUN_ROOT = "runs"
+OUT_DIR_REASON = ("a job writes into its own run directory (<run root>/<job name>-<job id>); "
+                  "use --run-root DIR to move it")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    profile: Profile
+    nodes: int
+    walltime: str | None
+    queue: str | None
+    account: str | None
+    job_name: str
+    filesystems: tuple
+    env: tuple
+    """User ``(KEY, VALUE)`` pairs; they override the profile's."""
+    array: str | None
+    profiler: str | None
+    ranks_per_node: int | None
+    venv: str | None
+    setup_file: str | None
+    setup: tuple | None
+    """Shell commands replacing the profile's setup (from ``setup_file``), or None."""
+    run_root: str
+    command: tuple
+    check_queue: bool = True
+
+    def argv(self) -> list[str]:
+        """The ``hpctrain jobscript`` command line that makes this script."""
+        a = ["hpctrain", "jobscript", "--system", self.profile.source, "--nodes", str(self.nodes)]
+        for flag, value in (("--walltime", self.walltime), ("--queue", self.queue),
+                            ("--account", self.account)):
+            if value:
+                a += [flag, value]
+        if self.job_name != DEFAULT_JOB_NAME:
+            a += ["--job-name", self.job_name]
+        if self.filesystems:
+            a += ["--filesystems", ":".join(self.filesystems)]
+        if self.ranks_per_node:
+            a += ["--ranks-per-node", str(self.ranks_per_node)]
+        if self.array:
+            a += ["--array", self.array]
+        if self.profiler:
+            a += ["--profile", self.profiler]
+        a += ["--venv", self.venv or "none"]
+        if self.setup_file:
+            a += ["--setup", self.setup_file]
+        if self.run_root != DEFAULT_RUN_ROOT:
+            a += ["--run-root", self.run_root]
+        if not self.check_queue:
+            a.append("--no-queue-check")
+        for key, value in self.env:
+            a += ["--env", f"{key}={value}"]
+        return a + ["--", *self.command]
+
+
+def active_venv() -> str | None:
+    """The virtual environment this Python runs in, if any (the default ``--venv``)."""
+    return sys.prefix if sys.prefix != sys.base_prefix else None
+
+
+def build_spec(*, system: str | None, command: list[str], nodes: int | None = None,
+               walltime: str | None = None, queue: str | None = None,
+               account: str | None = None, job_name: str | None = None,
+               filesystems: list[str] | None = None, env: list[str] | None = None,
+               array: str | None = None, profiler: str | None = None,
+               ranks_per_node: int | None = None, venv: str | None = None,
+               setup_file: str | None = None, run_root: str | None = None,
+               check_queue: bool = True) -> JobSpec:
+    if not system:
+        raise JobError("name the system: --system polaris (or aurora, perlmutter, frontier, "
+                       "pbs, slurm, local, or a .toml profile); see --list-systems")
+    profile = load_profile(system)
+    name = profile.name
+    n_nodes = validate.nodes(1 if nodes is None else nodes)
+    if profile.scheduler == "none":
+        given = [f for f, v in (("--walltime", walltime), ("--queue", queue),
+                                ("--account", account), ("--array", array),
+                                ("--filesystems", filesystems)) if v]
+        if given:
+            raise JobError(f"{name} has no batch system; drop {', '.join(given)}")
+        if n_nodes != 1:
+            raise JobError(f"{name} is one machine; use --nodes 1 or a cluster system")
+    queues = "; ".join(q.describe() for q in profile.queues.values())
+    hints = {
+        "account": f"--account PROJECT (the allocation {name} charges)",
+        "queue": "--queue NAME" + (f" (one of: {queues})" if queues else ""),
+        "walltime": "--walltime HH:MM:SS (e.g. 00:30:00)",
+    }
+    values = {"account": account, "queue": queue, "walltime": walltime}
+    for field in profile.requires:
+        if not values.get(field):
+            raise JobError(f"{name} needs {hints.get(field, '--' + field)}")
+
+    walltime_s = validate.parse_walltime(walltime) if walltime else None
+    if queue:
+        validate.queue_name(queue)
+    if account:
+        validate.account(account)
+    name_ = validate.job_name(job_name or DEFAULT_JOB_NAME)
+    known_queue = profile.queues.get(queue) if queue else None
+    if queue and profile.queues and check_queue:
+        validate.queue_limits(name, profile.queues, queue, n_nodes, walltime_s or 1)
+    fs = validate.filesystems(name, profile.filesystems, filesystems) if filesystems \
+        else profile.default_filesystems
+    if array:
+        limit = known_queue.array_throttle if known_queue and check_queue else None
+        validate.array(profile.scheduler, array, limit, f"{name} queue {queue}")
+    if profiler and profiler not in profile.profilers:
+        raise JobError(f"--profile {profiler} is not available on {name}; available: "
+                       f"{', '.join(profile.profilers) or 'none'}")
+    if ranks_per_node is not None:
+        validate.ranks_per_node(ranks_per_node)
+    env_pairs = tuple(validate.env_pair(e) for e in env or ())
+    venv = active_venv() if venv is None else (None if venv == "none" else venv)
+    for what, value in (("--venv", venv), ("--run-root", run_root), ("--system", system)):
+        if value:
+            validate.no_nul(value, what)
+    setup = None
+    if setup_file:
+        try:
+            text = Path(setup_file).read_text()
+        except OSError as e:
+            raise JobError(f"--setup {setup_file}: cannot read it ({e.strerror})") from None
+        setup = tuple(line.strip() for line in text.splitlines()
+                      if line.strip() and not line.strip().startswith("#"))
+    check_command(command, array=bool(array), forbid={"train.out_dir": OUT_DIR_REASON})
+    spec = JobSpec(profile=profile, nodes=n_nodes,
+                   walltime=validate.format_walltime(walltime_s) if walltime_s else None,
+                   queue=queue, account=account, job_name=name_, filesystems=tuple(fs),
+                   env=env_pairs, array=array, profiler=profiler, ranks_per_node=ranks_per_node,
+                   venv=venv, setup_file=setup_file, setup=setup,
+                   run_root=run_root or DEFAULT_RUN_ROOT, command=tuple(command),
+                   check_queue=check_queue)
+    placement(profile, ranks_per_node)  # ranks per node vs. cores and sockets
+    return spec

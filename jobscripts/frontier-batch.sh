@@ -1,0 +1,117 @@
+#!/bin/bash -l
+#SBATCH -J hpctrain
+#SBATCH -A PROJECT
+#SBATCH -p batch
+#SBATCH -N 2
+#SBATCH -t 01:00:00
+#SBATCH --output=%x-%j.out
+
+set -euo pipefail
+# hpctrain job script for frontier
+# OLCF Frontier: 8 MI250X GCDs and 56 usable cores (low-noise mode) per node; SLURM, srun
+#
+# Made by this command (edit the script freely, or change the command and run it again):
+#   hpctrain jobscript --system frontier --nodes 2 --walltime 01:00:00 --queue batch
+#     --account PROJECT --venv .venv -- train default --data.path=datasets/stdlib-char.h5
+# Submit it from the directory that relative paths (data, --venv, --run-root) refer to:
+#   sbatch SCRIPT
+# Results go to runs/hpctrain-<job id>/: metrics.jsonl and summary.json from training,
+# and this job's records: jobscript.sh, launch.txt, env.txt, modules.txt, git.txt, job.txt, exit_code.
+
+die() { echo "hpctrain job: error: $*" >&2; exit 1; }
+trap 'echo "hpctrain job: error: line $LINENO failed with status $?" >&2' ERR
+
+# ---- the allocation -------------------------------------------------------------------
+: "${SLURM_JOB_ID:?is not set: submit this script with sbatch (or run it inside salloc)}"
+SUBMIT_DIR=${SLURM_SUBMIT_DIR:-$PWD}
+JOB_ID=$SLURM_JOB_ID
+if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
+    JOB_TAG=${SLURM_ARRAY_JOB_ID}-${SLURM_ARRAY_TASK_ID}
+else
+    JOB_TAG=$SLURM_JOB_ID
+fi
+ARRAY_INDEX=${SLURM_ARRAY_TASK_ID:-}
+NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:?is not set: run this script under sbatch}}
+HOSTS=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd ' ' -) ||
+    HOSTS=${SLURM_JOB_NODELIST:-unknown}
+cd "$SUBMIT_DIR" || die "cannot enter the submit directory $SUBMIT_DIR"
+
+# ---- software environment ---------------------------------------------------------------
+# Module and conda scripts read unset variables, so -u is off while they run. Every step
+# must succeed: a failed module load stops the job here, not halfway into training.
+set +u
+type module >/dev/null 2>&1 ||
+    die "no module command: keep the login-shell shebang (#!/bin/bash -l) or replace the setup (--setup FILE)"
+module load PrgEnv-gnu || die 'setup step failed: module load PrgEnv-gnu'
+module load rocm || die 'setup step failed: module load rocm'
+module load craype-accel-amd-gfx90a || die 'setup step failed: module load craype-accel-amd-gfx90a'
+source .venv/bin/activate || die "cannot activate the environment (--venv):" .venv/bin/activate
+set -u
+PYTHON=$(python3 -c 'import sys; print(sys.executable)') ||
+    die "no python3 after the setup: load the module or environment that has hpctrain"
+HPCTRAIN_INFO=$("$PYTHON" -c '
+import hpctrain, pathlib
+print(hpctrain.__version__, pathlib.Path(hpctrain.__file__).resolve().parents[1])') ||
+    die "hpctrain cannot be imported by $PYTHON: pip install -e <your hpctrain checkout> in the environment (--venv)"
+command -v srun >/dev/null ||
+    die "launcher" srun "not found after the setup: load the system's MPI module"
+
+# ---- environment of the run ------------------------------------------------------------
+export HPCTRAIN_SYSTEM=frontier
+export MPICH_GPU_SUPPORT_ENABLED=1
+export OMP_NUM_THREADS=7
+
+# ---- run directory: training outputs and this job's records ----------------------------
+RUN_ROOT=runs
+case $RUN_ROOT in /*) ;; *) RUN_ROOT=$SUBMIT_DIR/$RUN_ROOT ;; esac
+RUN_DIR=$RUN_ROOT/hpctrain-$JOB_TAG
+mkdir -p "$RUN_DIR" || die "cannot create the run directory $RUN_DIR"
+# $0 is SLURM's copy of the submitted script; scontrol can write it out as well.
+if [ -f "$0" ] && [ -r "$0" ]; then
+    cp "$0" "$RUN_DIR/jobscript.sh"
+elif ! scontrol write batch_script "$SLURM_JOB_ID" "$RUN_DIR/jobscript.sh" >/dev/null 2>&1; then
+    echo "hpctrain job: warning: cannot read $0; no copy of the job script saved" >&2
+fi
+env | sort > "$RUN_DIR/env.txt"
+set +u
+module list > "$RUN_DIR/modules.txt" 2>&1 || echo "(no module command)" > "$RUN_DIR/modules.txt"
+set -u
+read -r HPCTRAIN_VERSION HPCTRAIN_SRC <<< "$HPCTRAIN_INFO"
+{
+    echo "hpctrain $HPCTRAIN_VERSION from $HPCTRAIN_SRC"
+    if SHA=$(git -C "$HPCTRAIN_SRC" rev-parse HEAD 2>/dev/null); then
+        echo "commit $SHA"
+        git -C "$HPCTRAIN_SRC" status --short --untracked-files=no 2>/dev/null || true
+    else
+        echo "commit unknown (not a git checkout)"
+    fi
+} > "$RUN_DIR/git.txt"
+
+# ---- launch ---------------------------------------------------------------------------
+RANKS_PER_NODE=8
+NRANKS=$((NNODES * RANKS_PER_NODE))
+{
+    echo "job_id $JOB_ID"
+    echo "system $HPCTRAIN_SYSTEM"
+    echo "nodes $NNODES"
+    echo "hosts $HOSTS"
+    echo "ranks $NRANKS ($RANKS_PER_NODE per node)"
+    echo "started $(date -Is)"
+} > "$RUN_DIR/job.txt"
+LAUNCH=(
+    srun -N"${NNODES}" -n"${NRANKS}" -c7 --gpus-per-task=1 --gpu-bind=closest
+    "${PYTHON}" -m hpctrain train default
+    --data.path=datasets/stdlib-char.h5
+    --train.out_dir="${RUN_DIR}"
+)
+{ printf '%q' "${LAUNCH[0]}"; printf ' %q' "${LAUNCH[@]:1}"; echo; } > "$RUN_DIR/launch.txt"
+echo "hpctrain job $JOB_ID: $NNODES node(s) x $RANKS_PER_NODE rank(s), run directory $RUN_DIR"
+echo "+ $(< "$RUN_DIR/launch.txt")"
+rc=0
+"${LAUNCH[@]}" || rc=$?
+echo "$rc" > "$RUN_DIR/exit_code"
+if [ "$rc" -ne 0 ]; then
+    echo "hpctrain job: FAILED: the launcher exited with status $rc; the error is above, the records are in $RUN_DIR" >&2
+    exit "$rc"
+fi
+echo "hpctrain job: finished; results in $RUN_DIR (metrics.jsonl, summary.json)"

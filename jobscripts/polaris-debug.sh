@@ -1,0 +1,124 @@
+#!/bin/bash -l
+#PBS -N hpctrain
+#PBS -A PROJECT
+#PBS -q debug
+#PBS -l select=2:system=polaris
+#PBS -l place=scatter
+#PBS -l walltime=00:30:00
+#PBS -l filesystems=home:eagle
+#PBS -j oe
+#PBS -k doe
+
+set -euo pipefail
+# hpctrain job script for polaris
+# ALCF Polaris: 4x A100 40GB and a 32-core EPYC 7543P per node; PBS Pro, PALS mpiexec
+#
+# Made by this command (edit the script freely, or change the command and run it again):
+#   hpctrain jobscript --system polaris --nodes 2 --walltime 00:30:00 --queue debug
+#     --account PROJECT --filesystems home:eagle --venv .venv -- train default
+#     --data.path=datasets/stdlib-char.h5
+# Submit it from the directory that relative paths (data, --venv, --run-root) refer to:
+#   qsub SCRIPT
+# Results go to runs/hpctrain-<job id>/: metrics.jsonl and summary.json from training,
+# and this job's records: jobscript.sh, launch.txt, env.txt, modules.txt, git.txt, job.txt, exit_code.
+
+die() { echo "hpctrain job: error: $*" >&2; exit 1; }
+trap 'echo "hpctrain job: error: line $LINENO failed with status $?" >&2' ERR
+
+# ---- the allocation -------------------------------------------------------------------
+: "${PBS_JOBID:?is not set: submit this script with qsub (or run it inside qsub -I)}"
+SUBMIT_DIR=${PBS_O_WORKDIR:?is not set: submit this script with qsub}
+JOB_ID=$PBS_JOBID
+JOB_TAG=${PBS_JOBID%%.*}
+JOB_TAG=${JOB_TAG//\[/-}
+JOB_TAG=${JOB_TAG//\]/}
+ARRAY_INDEX=${PBS_ARRAY_INDEX:-}
+NNODES=$(sort -u "$PBS_NODEFILE" | wc -l)
+HOSTS=$(sort -u "$PBS_NODEFILE" | paste -sd ' ' -)
+cd "$SUBMIT_DIR" || die "cannot enter the submit directory $SUBMIT_DIR"
+
+# ---- software environment ---------------------------------------------------------------
+# Module and conda scripts read unset variables, so -u is off while they run. Every step
+# must succeed: a failed module load stops the job here, not halfway into training.
+set +u
+type module >/dev/null 2>&1 ||
+    die "no module command: keep the login-shell shebang (#!/bin/bash -l) or replace the setup (--setup FILE)"
+module use /soft/modulefiles || die 'setup step failed: module use /soft/modulefiles'
+module load conda || die 'setup step failed: module load conda'
+conda activate || die 'setup step failed: conda activate'
+source .venv/bin/activate || die "cannot activate the environment (--venv):" .venv/bin/activate
+set -u
+PYTHON=$(python3 -c 'import sys; print(sys.executable)') ||
+    die "no python3 after the setup: load the module or environment that has hpctrain"
+HPCTRAIN_INFO=$("$PYTHON" -c '
+import hpctrain, pathlib
+print(hpctrain.__version__, pathlib.Path(hpctrain.__file__).resolve().parents[1])') ||
+    die "hpctrain cannot be imported by $PYTHON: pip install -e <your hpctrain checkout> in the environment (--venv)"
+command -v mpiexec >/dev/null ||
+    die "launcher" mpiexec "not found after the setup: load the system's MPI module"
+# pip's mpich wheel puts its own mpiexec into the environment; it would hide the system's
+# launcher and keep the ranks off the high-speed network.
+if [ -n "${VIRTUAL_ENV:-}" ] && [[ "$(command -v mpiexec)" == "$VIRTUAL_ENV"/* ]]; then
+    die "launcher" mpiexec "comes from the virtual environment $VIRTUAL_ENV, not the system: pip uninstall mpich there and build mpi4py against the system MPI (README: HPC systems)"
+fi
+
+# ---- environment of the run ------------------------------------------------------------
+export HPCTRAIN_SYSTEM=polaris
+export MPICH_GPU_SUPPORT_ENABLED=1
+export OMP_NUM_THREADS=8
+
+# ---- run directory: training outputs and this job's records ----------------------------
+RUN_ROOT=runs
+case $RUN_ROOT in /*) ;; *) RUN_ROOT=$SUBMIT_DIR/$RUN_ROOT ;; esac
+RUN_DIR=$RUN_ROOT/hpctrain-$JOB_TAG
+mkdir -p "$RUN_DIR" || die "cannot create the run directory $RUN_DIR"
+# $0 is the copy of this script the batch system runs (what was submitted, edits included).
+if [ -f "$0" ] && [ -r "$0" ]; then
+    cp "$0" "$RUN_DIR/jobscript.sh"
+else
+    echo "hpctrain job: warning: cannot read $0; no copy of the job script saved" >&2
+fi
+env | sort > "$RUN_DIR/env.txt"
+set +u
+module list > "$RUN_DIR/modules.txt" 2>&1 || echo "(no module command)" > "$RUN_DIR/modules.txt"
+set -u
+read -r HPCTRAIN_VERSION HPCTRAIN_SRC <<< "$HPCTRAIN_INFO"
+{
+    echo "hpctrain $HPCTRAIN_VERSION from $HPCTRAIN_SRC"
+    if SHA=$(git -C "$HPCTRAIN_SRC" rev-parse HEAD 2>/dev/null); then
+        echo "commit $SHA"
+        git -C "$HPCTRAIN_SRC" status --short --untracked-files=no 2>/dev/null || true
+    else
+        echo "commit unknown (not a git checkout)"
+    fi
+} > "$RUN_DIR/git.txt"
+
+# ---- launch ---------------------------------------------------------------------------
+RANKS_PER_NODE=4
+NRANKS=$((NNODES * RANKS_PER_NODE))
+{
+    echo "job_id $JOB_ID"
+    echo "system $HPCTRAIN_SYSTEM"
+    echo "nodes $NNODES"
+    echo "hosts $HOSTS"
+    echo "ranks $NRANKS ($RANKS_PER_NODE per node)"
+    echo "started $(date -Is)"
+} > "$RUN_DIR/job.txt"
+LAUNCH=(
+    mpiexec -n "${NRANKS}" --ppn 4 --depth=8 --cpu-bind depth
+    "${PYTHON}" -m hpctrain.jobs.bind --device-env CUDA_VISIBLE_DEVICES --devices 4 --order reverse --
+    "${PYTHON}" -m hpctrain train default
+    --data.path=datasets/stdlib-char.h5
+    --train.out_dir="${RUN_DIR}"
+)
+{ printf '%q' "${LAUNCH[0]}"; printf ' %q' "${LAUNCH[@]:1}"; echo; } > "$RUN_DIR/launch.txt"
+echo "hpctrain job $JOB_ID: $NNODES node(s) x $RANKS_PER_NODE rank(s), run directory $RUN_DIR"
+echo "+ $(< "$RUN_DIR/launch.txt")"
+rc=0
+"${LAUNCH[@]}" || rc=$?
+echo "$rc" > "$RUN_DIR/exit_code"
+if [ "$rc" -ne 0 ]; then
+    echo "hpctrain job: FAILED: the launcher exited with status $rc; the error is above, the records are in $RUN_DIR" >&2
+    exit "$rc"
+fi
+echo "hpctrain job: finished; results in $RUN_DIR (metrics.jsonl, summary.json)"
