@@ -89,6 +89,12 @@ def _query_library() -> CudaAwareness | None:
 _REINTERPRET = {"torch.bfloat16": "int16"}
 
 
+# MPI datatypes for tensors handed over by address (``raw``); 16-bit floats travel as
+# their bit patterns, which suits copies and gathers (never reductions).
+_RAW_TYPES = {"torch.float32": "FLOAT", "torch.float64": "DOUBLE", "torch.int64": "INT64_T",
+              "torch.int32": "INT32_T", "torch.bfloat16": "INT16_T", "torch.float16": "INT16_T"}
+
+
 def _kind(x) -> str:
     mod = type(x).__module__
     if isinstance(x, np.ndarray):
@@ -158,10 +164,12 @@ class MPIBuffer:
                 import torch
 
                 torch.cuda.current_stream(self.source.device).synchronize()
-            nbytes = self.source.numel() * self.source.element_size()
             from mpi4py import MPI
 
-            return [MPI.buffer.fromaddress(self.source.data_ptr(), nbytes), MPI.BYTE]
+            nbytes = self.source.numel() * self.source.element_size()
+            datatype = _RAW_TYPES.get(str(self.source.dtype), MPI.BYTE)
+            return [MPI.buffer.fromaddress(self.source.data_ptr(), nbytes),
+                    getattr(MPI, datatype) if isinstance(datatype, str) else datatype]
         if self.kind == "torch_cuda":
             import torch
 

@@ -106,6 +106,16 @@ class BucketScheduler:
         while self._inflight and self._inflight[0][1].Test():
             self.complete(self._inflight.pop(0)[0])
 
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    def complete_oldest(self) -> None:
+        """Wait for the oldest reduction in flight and complete it."""
+        b, req = self._inflight.pop(0)
+        wait_all([req], timeout=self.timeout, what=f"gradient reduction (bucket {b.index})")
+        self.complete(b)
+
     def finish(self) -> None:
         """Launch what is left (parameters that got no gradient) and wait for everything."""
         if not self.syncing:

@@ -48,6 +48,7 @@ from hpctrain.train.optim import clip_coefficient
 MiB = 1 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIGN = 16  # shard length multiple: 64-byte aligned fp32 shards for vector kernels
+MAX_STAGING = 2  # fp32 reduction buffers before a new bucket waits for an old reduction
 
 
 def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> None:
@@ -146,6 +147,11 @@ class ZeroBucket:
         self.exp_avg = torch.zeros(lay.shard, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(lay.shard, dtype=torch.float32, device=device)
         self.bind_grads()
+        self.slot = {id(p): i for i, p in enumerate(params)}
+        # fp32 ZeRO-3 reduces gradients inside the gathered parameter buffer (see
+        # Zero._stage_grad); `got` marks which parameters' slices hold a gradient.
+        self.grads_in_full = stage == 3 and dtype == torch.float32
+        self.got = [False] * len(params)
         # Scheduling state for one backward.
         self.pending = len(params)
         self.staging: torch.Tensor | None = None
@@ -272,27 +278,43 @@ class Zero(BucketScheduler):
         if self.stage >= 2:
             self._stage_grad(bucket, param)
         self.grad_ready(bucket)
-        if self.stage == 3 and bucket.pending == 0:
+        if self.stage == 3 and bucket.pending == 0 and not bucket.grads_in_full:
             self._release(bucket)  # its backward is done: free the gathered parameters
 
     def _stage_grad(self, b: ZeroBucket, p: torch.nn.Parameter) -> None:
-        """Stages 2-3: move a fresh gradient into the bucket's fp32 buffer and drop it."""
-        if not self.syncing:  # cannot happen: stages 2-3 always sync
-            return
-        if b.staging is None:
-            b.staging, b.staging_mpi = self._acquire_staging(b)
-        i = next(k for k, q in enumerate(b.params) if q is p)
+        """Stages 2-3: move a fresh gradient into the bucket's reduction buffer, drop it."""
+        i = b.slot[id(p)]
         off = b.layout.offsets[i]
-        b.staging[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        if b.grads_in_full:
+            # fp32 ZeRO-3: autograd runs a parameter's accumulate-grad node after every
+            # node that reads the parameter, so its slice of the gathered buffer is dead
+            # now and can hold its gradient: the reduction needs no buffer of its own.
+            dest = b.full
+            b.got[i] = True
+        else:
+            if b.staging is None:
+                b.staging, b.staging_mpi = self._acquire_staging(b)
+            dest = b.staging
+        dest[off:off + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
 
     def _acquire_staging(self, b: ZeroBucket):
         self.poll()  # completed reductions give their buffers back
+        while not self.staging.free and len(self.staging.all) >= MAX_STAGING and self.inflight:
+            self.complete_oldest()  # bound the memory: wait rather than allocate more
         return self.staging.acquire(b.layout.padded)
 
     def launch(self, b: ZeroBucket) -> MPI.Request:
         if b.reduces_in_place():
             buf = MPIBuffer(b.grad_full, cuda_aware=self.world.cuda_aware).to_mpi()
+        elif b.grads_in_full:
+            self._gather(b, wait=True)  # (only if no gradient at all arrived)
+            for i, got in enumerate(b.got):
+                if not got:  # still holds the parameter: contribute a zero gradient
+                    off = b.layout.offsets[i]
+                    b.full[off:off + b.layout.numels[i]].zero_()
+            b.full[b.layout.total:].zero_()
+            buf = b.full_mpi().to_mpi()
         else:
             if b.staging is None:
                 b.staging, b.staging_mpi = self._acquire_staging(b)
@@ -309,6 +331,12 @@ class Zero(BucketScheduler):
             return self.comm.Ireduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def complete(self, b: ZeroBucket) -> None:
+        if b.grads_in_full:
+            b.full_mpi().from_mpi()
+            b.grad_shard.add_(b.full[:b.layout.shard])
+            b.got = [False] * len(b.params)
+            self._release(b)
+            return
         if b.staging is None:
             return
         b.staging_mpi.from_mpi()

@@ -290,7 +290,9 @@ class Trainer:
         if t.save_checkpoint:
             state = self._consolidated_state()
         memory = self.memory()
-        with self.dp.gathered() if self.zero else contextlib.nullcontext():
+        # ZeRO-3 samples from gathered parameters (every rank gathers, rank 0 samples).
+        gather = self.zero and t.sample_tokens > 0
+        with self.dp.gathered() if gather else contextlib.nullcontext():
             if self.world.is_root:
                 self._write_outputs(result, state, memory)
         self.dp.close()
