@@ -15,14 +15,13 @@ the median counts (this machine's speed drifts; only interleaved comparisons hol
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import print_table, run_worker, worker_args, write_result  # noqa: E402
+from perf.common import init_gloo, print_table, run_worker, worker_args, write_result  # noqa: E402
 
 # name -> (n_layer, n_head, n_embd, block_size, vocab)
 MODELS = {
@@ -98,13 +97,7 @@ def worker(out: Path, model_name: str) -> None:
     # not compete for the cores while MPI is timed (and vice versa).
     times = timed({"bucketed": bucketed, "bucketed_iallreduce": bucketed_iallreduce,
                    "raw_mpi": raw_mpi})
-    port = None
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    init_gloo(comm)
     times.update(timed({"gloo": gloo}))
     dist.destroy_process_group()
     dp.close()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import (ROOT, print_table, run_worker, shakespeare_dataset,  # noqa: E402
-                         timed_command, worker_args, write_result)
+                         timed_command, torch_ddp_step_times, worker_args, write_result)
 
 # name -> (n_layer, n_head, n_embd, block_size, per-rank batch, steps)
 MODELS = {
@@ -75,51 +74,13 @@ def worker_hpctrain(out: Path, args: list[str], independent: bool = False) -> No
 
 
 def worker_ddp(out: Path, args: list[str]) -> None:
-    import time
-
-    import torch
-    import torch.distributed as dist
     from mpi4py import MPI
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hpctrain.config import load_config
-    from hpctrain.data.dataset import TokenDataset
-    from hpctrain.data.sampler import make_sampler
-    from hpctrain.model.gpt import GPT, GPTConfig
     from hpctrain.train.optim import build_optimizer, param_groups
 
-    comm = MPI.COMM_WORLD
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.rank, world_size=comm.size)
-    cfg = load_config("shakespeare-char", args)
-    m, t = cfg.model, cfg.train
-    ds = TokenDataset(cfg.data.path)
-    torch.manual_seed(t.seed)
-    model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=m.block_size, n_layer=m.n_layer,
-                          n_head=m.n_head, n_embd=m.n_embd))
-    ddp = DDP(model, gradient_as_bucket_view=True)  # DDP's fastest documented setting
-    opt = build_optimizer(param_groups(model, cfg.optim.weight_decay), cfg.optim, "cpu")
-    sampler = make_sampler(cfg.data.sampler, ds.splits["train"].n_tokens, m.block_size,
-                           t.batch_size, t.seed)
-    times = []
-    for step in range(t.max_iters):
-        t0 = time.perf_counter()
-        tokens = torch.from_numpy(ds.read("train", sampler.local_starts(step, comm.rank, comm.size),
-                                          m.block_size + 1))
-        loss = ddp(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    dist.destroy_process_group()
-    if comm.rank == 0:
+    times = torch_ddp_step_times(args, lambda model, cfg: build_optimizer(
+        param_groups(model, cfg.optim.weight_decay), cfg.optim, "cpu"))  # same fused AdamW
+    if MPI.COMM_WORLD.rank == 0:
         out.write_text(json.dumps({"step_ms": 1e3 * statistics.median(times[WARMUP:])}))
 
 

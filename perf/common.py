@@ -79,6 +79,65 @@ def shakespeare_dataset() -> Path:
     return path
 
 
+def init_gloo(comm) -> None:
+    """torch.distributed (gloo) on the ranks of an MPI job: rank 0 picks a free port."""
+    import socket
+
+    import torch.distributed as dist
+
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.rank, world_size=comm.size)
+
+
+def torch_ddp_step_times(args: list[str], make_optimizer) -> list[float]:
+    """Train a config with torch DDP (gloo) on this MPI job's ranks, same model, data and
+    sampler as hpctrain; ``make_optimizer(model, cfg)`` picks the optimizer. Returns the
+    step times in seconds."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hpctrain.config import load_config
+    from hpctrain.data.dataset import TokenDataset
+    from hpctrain.data.sampler import make_sampler
+    from hpctrain.model.gpt import GPT, GPTConfig
+
+    comm = MPI.COMM_WORLD
+    init_gloo(comm)
+    cfg = load_config("shakespeare-char", args)
+    m, t = cfg.model, cfg.train
+    ds = TokenDataset(cfg.data.path)
+    torch.manual_seed(t.seed)
+    model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=m.block_size, n_layer=m.n_layer,
+                          n_head=m.n_head, n_embd=m.n_embd))
+    ddp = DDP(model, gradient_as_bucket_view=True)  # DDP's fastest documented setting
+    opt = make_optimizer(model, cfg)
+    sampler = make_sampler(cfg.data.sampler, ds.splits["train"].n_tokens, m.block_size,
+                           t.batch_size, t.seed)
+    times = []
+    for step in range(t.max_iters):
+        t0 = time.perf_counter()
+        starts = sampler.local_starts(step, comm.rank, comm.size)
+        tokens = torch.from_numpy(ds.read("train", starts, m.block_size + 1))
+        loss = ddp(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return times
+
+
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     cells = [[_fmt(v) for v in row] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]

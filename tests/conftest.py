@@ -28,6 +28,18 @@ def dataset_path(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("data") / "tiny.h5")
 
 
+@pytest.fixture(scope="session")
+def mpi_dataset(tmp_path_factory):
+    """A small token file every rank reads: rank 0 makes it and broadcasts the path."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    path = None
+    if comm.rank == 0:
+        path = str(make_dataset(tmp_path_factory.mktemp("mpidata") / "tiny.h5"))
+    return comm.bcast(path, root=0)
+
+
 @pytest.fixture
 def shared_tmp(tmp_path):
     """A directory every rank sees: rank 0 picks it and broadcasts the name."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -51,3 +52,31 @@ def hpctrain_cmd(*args: str) -> list[str]:
 
 def mpiexec(n: int, *cmd: str) -> list[str]:
     return [MPIEXEC, "-n", str(n), *cmd]
+
+
+def same_on_all_ranks(comm, tensor) -> bool:
+    """True when ``tensor`` holds bit-identical values on every rank of ``comm``."""
+    import numpy as np
+    from mpi4py import MPI
+
+    mine = tensor.detach().double().numpy().ravel()  # a copy, never a view of the storage
+    root = comm.bcast(mine if comm.rank == 0 else None, root=0)
+    return bool(comm.allreduce(int(np.array_equal(mine, root)), op=MPI.MIN))
+
+
+def assert_matches_reference(trainer, result, cfg, comm=None) -> None:
+    """Per-step losses and final parameters equal the plain single-process loop (1e-5)."""
+    import numpy as np
+    import torch
+
+    from tests.reference import plain_torch_run
+
+    ref_losses, ref_params = plain_torch_run(cfg)
+    assert len(result.losses) == cfg.train.max_iters
+    np.testing.assert_allclose(result.losses, ref_losses, atol=1e-5, rtol=0)
+    gathered = trainer.dp.gathered() if trainer.zero else contextlib.nullcontext()
+    with gathered:
+        for name, p in trainer.model.named_parameters():
+            torch.testing.assert_close(p.detach(), ref_params[name], atol=1e-5, rtol=0)
+            if comm is not None:
+                assert same_on_all_ranks(comm, p), f"{name} differs between ranks"

@@ -6,7 +6,6 @@ runs the plain single-process PyTorch loop on the whole global batch and compare
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -15,25 +14,14 @@ from hpctrain.comm.world import World
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.train.trainer import Trainer
-from tests.helpers import make_dataset, tiny_config
-from tests.reference import plain_torch_run
+from tests.helpers import assert_matches_reference, same_on_all_ranks, tiny_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
 
 
-@pytest.fixture(scope="module")
-def mpi_dataset(tmp_path_factory):
-    path = None
-    if COMM.rank == 0:
-        path = str(make_dataset(tmp_path_factory.mktemp("mpidata") / "tiny.h5"))
-    return COMM.bcast(path, root=0)
-
-
 def _same_on_all_ranks(tensor: torch.Tensor) -> bool:
-    mine = tensor.detach().double().numpy().ravel()
-    root = COMM.bcast(mine if COMM.rank == 0 else None, root=0)
-    return bool(COMM.allreduce(int(np.array_equal(mine, root)), op=MPI.MIN))
+    return same_on_all_ranks(COMM, tensor)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -44,12 +32,7 @@ def test_dp_matches_single_process(mpi_dataset, shared_tmp, micro_batches):
     trainer = Trainer(cfg, World.create(COMM), verbose=False)
     assert len(trainer.dp.buckets) >= 3  # several buckets in flight, not one
     result = trainer.fit()
-    ref_losses, ref_params = plain_torch_run(cfg)
-    assert len(result.losses) == 20
-    np.testing.assert_allclose(result.losses, ref_losses, atol=1e-5, rtol=0)
-    for name, p in trainer.model.named_parameters():
-        torch.testing.assert_close(p.detach(), ref_params[name], atol=1e-5, rtol=0)
-        assert _same_on_all_ranks(p), f"{name} differs between ranks"
+    assert_matches_reference(trainer, result, cfg, COMM)
 
 
 class CountingComm:

@@ -13,8 +13,7 @@ from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.shards import Piece, shard_layout
 from hpctrain.parallel.zero import Zero
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
-from tests.reference import plain_torch_run
+from tests.helpers import assert_matches_reference, tiny_config
 
 
 def _scatter_gather_roundtrip(numels, world, align=1):
@@ -124,9 +123,4 @@ def test_each_stage_matches_the_plain_loop_in_one_process(dataset_path, tmp_path
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
     trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
-    result = trainer.fit()
-    ref_losses, ref_params = plain_torch_run(cfg)
-    np.testing.assert_allclose(result.losses, ref_losses, atol=1e-5, rtol=0)
-    with trainer.dp.gathered():
-        for name, p in trainer.model.named_parameters():
-            torch.testing.assert_close(p.detach(), ref_params[name], atol=1e-5, rtol=0)
+    assert_matches_reference(trainer, trainer.fit(), cfg)

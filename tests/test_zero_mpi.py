@@ -14,7 +14,7 @@ from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.zero import Zero
 from hpctrain.train.trainer import Trainer
-from tests.helpers import make_dataset, tiny_config
+from tests.helpers import assert_matches_reference, same_on_all_ranks, tiny_config
 from tests.reference import plain_torch_run
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -28,23 +28,9 @@ BF16_LOSS_ATOL = 2e-3
 BF16_PARAM_ATOL = 1e-2
 
 
-@pytest.fixture(scope="module")
-def mpi_dataset(tmp_path_factory):
-    path = None
-    if COMM.rank == 0:
-        path = str(make_dataset(tmp_path_factory.mktemp("zerodata") / "tiny.h5"))
-    return COMM.bcast(path, root=0)
-
-
 def _config(data, out, **overrides):
     return tiny_config(data, out, **{"parallel.bucket_mb": 0.02,
                                      "parallel.first_bucket_mb": 0.005, **overrides})
-
-
-def _same_on_all_ranks(t: torch.Tensor) -> bool:
-    mine = t.detach().double().numpy().ravel()  # a copy, never a view
-    root = COMM.bcast(mine if COMM.rank == 0 else None, root=0)
-    return bool(COMM.allreduce(int(np.array_equal(mine, root)), op=MPI.MIN))
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -53,13 +39,7 @@ def test_zero_matches_single_process_fp32(mpi_dataset, shared_tmp, stage, micro_
     cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": stage,
                                               "parallel.micro_batches": micro_batches})
     trainer = Trainer(cfg, World.create(COMM), verbose=False)
-    result = trainer.fit()
-    ref_losses, ref_params = plain_torch_run(cfg)
-    np.testing.assert_allclose(result.losses, ref_losses, atol=1e-5, rtol=0)
-    with trainer.dp.gathered():
-        for name, p in trainer.model.named_parameters():
-            torch.testing.assert_close(p.detach(), ref_params[name], atol=1e-5, rtol=0)
-            assert _same_on_all_ranks(p), f"{name} differs between ranks"
+    assert_matches_reference(trainer, trainer.fit(), cfg, COMM)
 
 
 def test_clipping_uses_the_global_norm_over_all_shards(mpi_dataset, shared_tmp):
@@ -101,7 +81,7 @@ def test_bf16_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, stage
     assert result.losses[-1] < result.losses[0] - 0.3  # it learns
     master = trainer.dp.consolidated_state()
     for name, ref in ref_params.items():
-        assert _same_on_all_ranks(master[name]["param"])
+        assert same_on_all_ranks(COMM, master[name]["param"])
         assert (master[name]["param"] - ref).abs().max() < BF16_PARAM_ATOL, name
 
 

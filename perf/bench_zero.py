@@ -1,0 +1,242 @@
+"""ZeRO: memory per rank against the paper's formulas, step time against plain data
+parallelism and torch's ZeroRedundancyOptimizer, and the largest model under a memory cap.
+
+In one run, on the shakespeare data (training steps are real):
+  A. per-rank model-state bytes (parameters + gradients + optimizer state, from the
+     trainer's memory accounting) for stages 0-3, fp32 and bf16, at N = 2 and 4, against
+     the ZeRO formulas (fp32: 16, 8+8/N, 4+12/N, 16/N bytes per parameter; bf16 mixed:
+     16, 4+12/N, 2+14/N, 16/N). Target: within 5%; communication buffers are reported
+     beside them (bounded by the bucket caps).
+  B. step time of each stage relative to stage 0 (plain DP) in the same run, and ZeRO-1
+     against torch's ZeroRedundancyOptimizer (gloo, wrapped in DDP, as its docs pair them)
+     on the same model, data and ranks.
+  C. the largest GPT (16 layers, width in steps of 32) that trains two steps on 4 ranks
+     while every rank's peak resident memory grows by at most CAP_MIB over what the
+     process held before the model was built, stage 0 vs stage 3. Target: ZeRO-3 trains
+     >= 3x the parameters of DP. glibc is told to return large blocks to the OS at once
+     (MALLOC_MMAP_THRESHOLD_), so a freed ZeRO-3 gather does not linger in the RSS, and
+     a tiny model runs first so torch's lazily loaded kernels are not counted.
+
+    python perf/bench_zero.py [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.common import (print_table, run_worker, shakespeare_dataset,  # noqa: E402
+                         torch_ddp_step_times, worker_args, write_result)
+
+MODEL = (6, 6, 384, 128)  # layers, heads, width, block: ~10.7M parameters
+ROWS_PER_RANK = 2
+STEPS, WARMUP = 12, 4
+CAP_MIB = 256
+CAP_LAYERS, CAP_BLOCK, CAP_HEAD = 16, 64, 32
+CAP_WIDTHS = list(range(128, 1025, 32))
+
+
+def _overrides(data, spec, ranks, steps, stage, dtype) -> list[str]:
+    L, H, C, T = spec
+    return [f"--data.path={data}", f"--model.n_layer={L}", f"--model.n_head={H}",
+            f"--model.n_embd={C}", f"--model.block_size={T}",
+            f"--train.batch_size={ROWS_PER_RANK * ranks}", f"--train.max_iters={steps}",
+            f"--parallel.zero={stage}", f"--train.dtype={dtype}", "--data.verify=false",
+            "--train.eval_interval=0", "--train.final_eval=false",
+            "--train.save_checkpoint=false", "--train.sample_tokens=0",
+            "--train.progress=false", f"--train.log_interval={steps}",
+            "--train.out_dir=/tmp/hpctrain-bench-zero"]
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _warm_up_libraries() -> None:
+    """Run a tiny model once so that code torch loads lazily on first use (oneDNN
+    kernels, the fused AdamW, thread pools: ~85 MiB here) is not counted as the model's."""
+    import torch
+
+    from hpctrain.model.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    x = torch.zeros(1, 8, dtype=torch.long)
+    model(x, x).backward()
+    torch.optim.AdamW(model.parameters(), fused=True).step()
+
+
+def worker_train(out: Path, args: list[str], measure_peak: bool) -> None:
+    from mpi4py import MPI
+
+    from hpctrain.comm.world import World
+    from hpctrain.config import load_config
+    from hpctrain.train.trainer import Trainer
+
+    comm = MPI.COMM_WORLD
+    cfg = load_config("shakespeare-char", args)
+    world = World.create(comm)
+    if measure_peak:
+        _warm_up_libraries()
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (VmHWM)
+        base = _rss_kib("VmRSS")
+    trainer = Trainer(cfg, world, verbose=False)
+    result = trainer.fit()
+    growth = (_rss_kib("VmHWM") - base) * 1024 if measure_peak else 0
+    mem = trainer.memory()
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    step_ms = comm.gather(1e3 * statistics.median(result.step_times[WARMUP:] or
+                                                  result.step_times), root=0)
+    growth = comm.gather(growth, root=0)
+    if comm.rank == 0:
+        out.write_text(json.dumps({"step_ms": max(step_ms), "params": n_params,
+                                   "memory": mem.to_dict(), "peak_rss_growth": max(growth),
+                                   "final_loss": result.losses[-1]}))
+
+
+def worker_zro(out: Path, args: list[str]) -> None:
+    """torch's ZeRO-1: DDP allreduce + ZeroRedundancyOptimizer (sharded AdamW, broadcast)."""
+    import torch
+    from mpi4py import MPI
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def zero_redundancy_adamw(model, cfg):
+        o = cfg.optim
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                       lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                       weight_decay=o.weight_decay, fused=True)
+
+    times = torch_ddp_step_times(args, zero_redundancy_adamw)
+    if MPI.COMM_WORLD.rank == 0:
+        out.write_text(json.dumps({"step_ms": 1e3 * statistics.median(times[WARMUP:])}))
+
+
+def part_memory_and_speed(data, quick: bool) -> tuple[list[dict], list[list]]:
+    records, rows = [], []
+    steps = STEPS // 2 if quick else STEPS
+    for n in (2, 4):
+        base_ms = {}
+        for dtype in ("fp32", "bf16"):
+            for stage in (0, 1, 2, 3):
+                r = run_worker(n, __file__, ["train", *_overrides(data, MODEL, n, steps,
+                                                                  stage, dtype)])
+                from hpctrain.parallel.memory import zero_formula
+
+                per_param = r["memory"]["model_state"] / r["params"]
+                formula = zero_formula(stage, dtype, n)
+                base_ms.setdefault(dtype, r["step_ms"])
+                rec = {"ranks": n, "stage": stage, "dtype": dtype, **r,
+                       "bytes_per_param": per_param, "formula": formula,
+                       "vs_formula": per_param / formula,
+                       "step_vs_stage0": r["step_ms"] / base_ms[dtype]}
+                records.append(rec)
+                rows.append([n, dtype, stage, per_param, formula, rec["vs_formula"],
+                             r["memory"]["comm_buffers"] / 2**20, r["step_ms"],
+                             rec["step_vs_stage0"]])
+                print(f"  N={n} {dtype} stage {stage}: {per_param:.2f} B/param "
+                      f"(formula {formula:.2f}), {r['step_ms']:.0f} ms/step", flush=True)
+    return records, rows
+
+
+def part_vs_torch(data, quick: bool) -> list[dict]:
+    out = []
+    steps = STEPS // 2 if quick else STEPS
+    for n in (2, 4):
+        ours, theirs = [], []
+        for _ in range(1 if quick else 3):  # interleaved rounds; medians count
+            ours.append(run_worker(n, __file__, ["train", *_overrides(data, MODEL, n, steps,
+                                                                      1, "fp32")])["step_ms"])
+            theirs.append(run_worker(n, __file__, ["zro", *_overrides(data, MODEL, n, steps,
+                                                                      1, "fp32")])["step_ms"])
+        o, t = statistics.median(ours), statistics.median(theirs)
+        out.append({"ranks": n, "hpctrain_zero1_ms": o, "torch_zro_ms": t,
+                    "speedup": t / o, "all_ms": {"hpctrain": ours, "torch": theirs}})
+        print(f"  N={n}: ZeRO-1 {o:.0f} ms/step vs ZeroRedundancyOptimizer {t:.0f} ms/step",
+              flush=True)
+    return out
+
+
+def _fits(data, width: int, stage: int) -> tuple[bool, dict]:
+    spec = (CAP_LAYERS, width // CAP_HEAD, width, CAP_BLOCK)
+    args = ["train-peak", *_overrides(data, spec, 4, 2, stage, "fp32")]
+    env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
+    r = run_worker(4, __file__, args, env=env, timeout=900)
+    return r["peak_rss_growth"] <= CAP_MIB * 2**20, r
+
+
+def part_capacity(data) -> dict:
+    """Largest width that fits, per stage: binary search over CAP_WIDTHS."""
+    found = {}
+    for stage in (0, 3):
+        lo, hi, best = 0, len(CAP_WIDTHS) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            ok, r = _fits(data, CAP_WIDTHS[mid], stage)
+            print(f"  stage {stage}, width {CAP_WIDTHS[mid]}: {r['params'] / 1e6:.1f}M params, "
+                  f"peak RSS growth {r['peak_rss_growth'] / 2**20:.0f} MiB -> "
+                  f"{'fits' if ok else 'too big'}", flush=True)
+            if ok:
+                best, lo = {"width": CAP_WIDTHS[mid], **r}, mid + 1
+            else:
+                hi = mid - 1
+        found[stage] = best
+    return found
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    data = shakespeare_dataset()
+    print("A+B. memory and step time per stage (model 6L/6H/384, block 128, "
+          f"{ROWS_PER_RANK} rows per rank)", flush=True)
+    records, rows = part_memory_and_speed(data, quick)
+    print_table("Per-rank model-state bytes per parameter vs the ZeRO formulas; step time",
+                ["ranks", "dtype", "stage", "B/param", "formula", "ratio", "comm MiB",
+                 "step ms", "vs stage 0"], rows)
+    print("\nB. ZeRO-1 vs torch ZeroRedundancyOptimizer (gloo), same model and batches",
+          flush=True)
+    torch_rows = part_vs_torch(data, quick)
+    print_table("ZeRO-1 step time (median of interleaved rounds)",
+                ["ranks", "hpctrain ZeRO-1 ms", "torch ZeRO ms", "speedup"],
+                [[r["ranks"], r["hpctrain_zero1_ms"], r["torch_zro_ms"], r["speedup"]]
+                 for r in torch_rows])
+    capacity = {}
+    if not quick:
+        print(f"\nC. largest model training on 4 ranks under {CAP_MIB} MiB per rank", flush=True)
+        capacity = part_capacity(data)
+        print_table(f"Largest GPT ({CAP_LAYERS} layers) under {CAP_MIB} MiB peak RSS growth "
+                    "per rank, 4 ranks",
+                    ["stage", "width", "params", "peak MiB"],
+                    [[s, c["width"], c["params"], c["peak_rss_growth"] / 2**20]
+                     for s, c in capacity.items() if c])
+    worst = max(abs(r["vs_formula"] - 1) for r in records)
+    ratio = capacity[3]["params"] / capacity[0]["params"] if capacity else None
+    print(f"\ntargets: model state within 5% of the formulas: worst {100 * worst:.1f}% -> "
+          f"{'MET' if worst <= 0.05 else 'NOT MET'}")
+    if ratio is not None:
+        print(f"ZeRO-3 trains >= 3x the parameters of DP under the cap: {ratio:.2f}x -> "
+              f"{'MET' if ratio >= 3 else 'NOT MET'}")
+    write_result("zero", {"quick": quick, "model": MODEL, "rows_per_rank": ROWS_PER_RANK,
+                          "memory_and_speed": records, "vs_torch_zero": torch_rows,
+                          "capacity": {"cap_mib": CAP_MIB, "by_stage": capacity,
+                                       "ratio": ratio},
+                          "worst_formula_deviation": worst})
+
+
+if __name__ == "__main__":
+    is_worker, out, rest = worker_args(sys.argv[1:])
+    if is_worker:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        kind, args = rest[0], rest[1:]
+        if kind == "zro":
+            worker_zro(out, args)
+        else:
+            worker_train(out, args, measure_peak=kind == "train-peak")
+    else:
+        main()
