@@ -133,7 +133,17 @@ class TrainConfig:
     threads: int = opt(0, "CPU threads per rank; 0 = OMP_NUM_THREADS or cores/ranks")
     sample_tokens: int = opt(200, "tokens generated from the final model; 0 skips")
     sample_prompt: str = opt("\n", "prompt for the final sample")
-    save_checkpoint: bool = opt(True, "write <out_dir>/final.h5 at the end")
+    save_checkpoint: bool = opt(True, "write <out_dir>/final.h5 and a sharded checkpoint "
+                                      "at the end")
+    ckpt_interval: int = opt(0, "steps between sharded checkpoints in <out_dir>/checkpoints "
+                                "(0: only at the end)")
+    ckpt_keep: int = opt(3, "sharded checkpoints kept (the oldest are deleted); 0 keeps all")
+    resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "
+                          "exists; a path resumes from that checkpoint (any world size or "
+                          "ZeRO stage); '' starts fresh")
+    on_nonfinite: str = opt("abort", "a step whose gradient norm is NaN or inf: 'abort' the "
+                                     "job, or 'skip' the update and go on",
+                            ("abort", "skip"))
     progress: bool = opt(True, "show a progress bar on rank 0")
 
     def __post_init__(self):
@@ -144,6 +154,8 @@ class TrainConfig:
         _require(self.eval_interval >= 0 and self.eval_iters >= 1,
                  "train.eval_interval must be >= 0 and train.eval_iters >= 1")
         _require(self.out_dir != "", "train.out_dir must name a directory")
+        _require(self.ckpt_interval >= 0 and self.ckpt_keep >= 0,
+                 "train.ckpt_interval and train.ckpt_keep must be >= 0")
         _require(self.threads >= 0 and self.sample_tokens >= 0 and self.peak_tflops >= 0,
                  "train.threads, train.sample_tokens and train.peak_tflops must be >= 0")
 

@@ -23,5 +23,9 @@ class JobError(UserError):
     """A job script or launch request is invalid: system, queue limits, directives."""
 
 
+class NonFiniteError(UserError):
+    """A step's loss or gradient norm is NaN or inf (``--train.on_nonfinite=abort``)."""
+
+
 class CommTimeout(RuntimeError):
     """An MPI wait passed its deadline: some rank is stuck or dead."""

@@ -6,6 +6,8 @@ Tensors use the uppercase (buffer) MPI calls; these helpers are for a handful of
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 from mpi4py import MPI
 
@@ -34,3 +36,35 @@ def barrier(comm: MPI.Comm, *, timeout: float, what: str) -> None:
 
 def any_true(comm: MPI.Comm, flag: bool, *, timeout: float, what: str) -> bool:
     return bool(allreduce_array(comm, [int(flag)], timeout=timeout, what=what, op=MPI.MAX)[0])
+
+
+def bcast_json(comm: MPI.Comm, obj, *, timeout: float, what: str, root: int = 0):
+    """``root``'s JSON-able ``obj`` on every rank (metadata: paths, flags, small dicts)."""
+    if comm.Get_size() == 1:
+        return obj
+    data = json.dumps(obj).encode() if comm.Get_rank() == root else b""
+    n = np.array([len(data)], dtype=np.int64)
+    wait_all([comm.Ibcast(n, root=root)], timeout=timeout, what=what)
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.Get_rank() == root \
+        else np.empty(int(n[0]), dtype=np.uint8)
+    wait_all([comm.Ibcast(buf, root=root)], timeout=timeout, what=what)
+    return json.loads(buf.tobytes().decode())
+
+
+def gather_json(comm: MPI.Comm, obj, *, timeout: float, what: str, root: int = 0):
+    """Every rank's JSON-able ``obj``, as a list on ``root`` (None elsewhere)."""
+    if comm.Get_size() == 1:
+        return [obj]
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
+    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
+    wait_all([comm.Iallgather(np.array([data.size], dtype=np.int64), sizes)],
+             timeout=timeout, what=what)
+    recv = np.empty(int(sizes.sum()), dtype=np.uint8) if comm.Get_rank() == root else None
+    spec = [recv, (sizes, np.concatenate([[0], np.cumsum(sizes)[:-1]])), MPI.BYTE] \
+        if recv is not None else None
+    wait_all([comm.Igatherv(data, spec, root=root)], timeout=timeout, what=what)
+    if comm.Get_rank() != root:
+        return None
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    return [json.loads(recv[offsets[i]:offsets[i + 1]].tobytes().decode())
+            for i in range(comm.Get_size())]

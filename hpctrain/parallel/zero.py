@@ -371,11 +371,12 @@ class Zero(BucketScheduler):
                                 what="gradient norm over ZeRO shards")
         return float(total[0]) ** 0.5
 
-    def step(self, lr: float, max_norm: float) -> float:
+    def step(self, lr: float, max_norm: float, norm: float | None = None) -> float:
         """Clip to ``max_norm`` (0: no clipping), update the shards, share the parameters.
 
-        Returns the gradient norm before clipping."""
-        norm = self.grad_norm()
+        ``norm`` is the global gradient norm if the caller has it already. Returns it."""
+        if norm is None:
+            norm = self.grad_norm()
         coef = clip_coefficient(norm, max_norm) if max_norm > 0 else 1.0
         with nvtx_range("optimizer"), torch.no_grad():
             for b, opt in zip(self.buckets, self.optimizers):
@@ -522,6 +523,34 @@ class Zero(BucketScheduler):
                                      for k, v in full.items()}
                 out[names[id(p)]]["step"] = torch.tensor(step)
         return out
+
+    def optimizer_step(self) -> float:
+        """Adam's step count (the same in every bucket's optimizer)."""
+        return max((float(s["step"]) for opt in self.optimizers for s in opt.state.values()),
+                   default=0.0)
+
+    def load_full_state(self, full: dict[str, dict[str, torch.Tensor]], step: float) -> None:
+        """Take this rank's shards from whole per-parameter tensors (``param``,
+        ``exp_avg``, ``exp_avg_sq`` by name), e.g. a checkpoint from another layout."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        with torch.no_grad():
+            for b, opt in zip(self.buckets, self.optimizers):
+                lo, hi = b.layout.rank_range(b.rank)
+                flat = {k: torch.zeros(b.layout.padded, dtype=torch.float32) for k in full[
+                    names[id(b.params[0])]]}
+                for p, off in zip(b.params, b.layout.offsets):
+                    for k, v in full[names[id(p)]].items():
+                        flat[k][off:off + p.numel()] = v.reshape(-1)
+                dev = b.master.device
+                b.master.copy_(flat["param"][lo:hi].to(dev))
+                b.exp_avg.copy_(flat["exp_avg"][lo:hi].to(dev))
+                b.exp_avg_sq.copy_(flat["exp_avg_sq"][lo:hi].to(dev))
+                if self.stage < 3:  # the compute parameters, whole
+                    b.full.copy_(flat["param"].to(dev, self.dtype))
+                elif b.shard is not b.master:
+                    b.shard.copy_(b.master)
+                for s in opt.state.values():
+                    s["step"].fill_(step)
 
     def shard_state(self) -> list[dict]:
         """This rank's optimizer state, bucket by bucket (what a sharded checkpoint saves)."""

@@ -38,13 +38,13 @@ def peak_tflops(device: str, dtype: str, override: float = 0.0) -> float | None:
 class MetricsLog:
     """Appends one JSON object per line; only the writing rank creates the file."""
 
-    def __init__(self, path: str | Path, enabled: bool):
+    def __init__(self, path: str | Path, enabled: bool, append: bool = False):
         self.enabled = enabled
         self.path = Path(path)
         self._f = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "w")
+            self._f = open(self.path, "a" if append else "w")  # a resumed run appends
 
     def write(self, record: dict) -> None:
         if self._f is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -17,13 +18,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpctrain.checkpoint.collective import find_resume, load_checkpoint, model_shape
+from hpctrain.checkpoint.collective import save_checkpoint as save_sharded_checkpoint
 from hpctrain.checkpoint.single_file import replicated_state, save_checkpoint
 from hpctrain.comm.collectives import allreduce_array
 from hpctrain.comm.world import World, threads_per_rank
-from hpctrain.config import Config, check_layout
+from hpctrain.config import Config, ConfigError, check_layout
 from hpctrain.data.dataset import TokenDataset
 from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler
-from hpctrain.errors import DataError
+from hpctrain.errors import CommTimeout, DataError, NonFiniteError
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.zero import Zero
@@ -98,7 +101,18 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token()
         self.peak = peak_tflops(world.device, t.dtype, t.peak_tflops)
         self.out_dir = Path(t.out_dir)
-        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root)
+        self.nonfinite_steps = 0
+        self.start_step = 0
+        resume_from = find_resume(t.resume, self.out_dir)
+        if resume_from is not None:
+            self.start_step = load_checkpoint(
+                resume_from, model=self.model, engine=self.dp, optimizer=self.optimizer,
+                world=world, model_shape=model_shape(self.gpt_cfg))
+            if self.start_step > t.max_iters:
+                raise ConfigError(f"the checkpoint is at step {self.start_step}, past "
+                                  f"--train.max_iters={t.max_iters}; raise max_iters to go on")
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
+                                  append=self.start_step > 0)
 
     # ------------------------------------------------------------------ helpers
     def _verify_data(self) -> None:
@@ -155,16 +169,26 @@ class Trainer:
         return loss_sum / self.micro, norm, data_s
 
     def _optimizer_step(self, lr: float):
-        """Clip to the global norm and update; returns the norm before clipping."""
+        """Clip to the global norm and update; returns the norm before clipping.
+
+        The norm is the same number on every rank (it is computed after the reduction),
+        so a NaN or inf anywhere is seen everywhere and every rank decides alike."""
         clip = self.cfg.optim.grad_clip
+        norm = self.dp.grad_norm() if self.zero else global_grad_norm(self.dp.grad_tensors())
+        if not math.isfinite(float(norm)):
+            self.nonfinite_steps += 1
+            if self.cfg.train.on_nonfinite == "abort":
+                raise NonFiniteError(
+                    f"the gradient norm is {float(norm)} (a NaN or inf loss or gradient); "
+                    "lower --optim.lr, keep --optim.grad_clip on, check the data, or pass "
+                    "--train.on_nonfinite=skip to skip such steps")
+            return norm  # skip: no update (zero_grad follows)
         if self.zero:
-            return self.dp.step(lr, clip)
+            return self.dp.step(lr, clip, norm=float(norm))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        grads = self.dp.grad_tensors()
-        norm = global_grad_norm(grads)
         if clip > 0:
-            clip_grads_(grads, clip, norm)
+            clip_grads_(self.dp.grad_tensors(), clip, norm)
         with nvtx_range("optimizer"):
             self.optimizer.step()
         return norm
@@ -219,16 +243,22 @@ class Trainer:
                   f"{t.dtype}; global batch {t.batch_size} x "
                   f"{self.block} tokens = {self.rows_per_rank} row(s) per rank in "
                   f"{self.micro} micro-batch(es)")
-        bar = Progress(t.max_iters, "train", enabled=self.log_enabled and t.progress)
+        if self.start_step:
+            self._log(f"resumed from the checkpoint of step {self.start_step}")
+        bar = Progress(t.max_iters - self.start_step, "train",
+                       enabled=self.log_enabled and t.progress)
         start = time.perf_counter()
         window_losses: list[torch.Tensor] = []
         window_t0, window_steps, data_s = time.perf_counter(), 0, 0.0
         wait0 = self.dp.stats.wait_s
-        for step in range(t.max_iters):
+        for step in range(self.start_step, t.max_iters):
             t0 = time.perf_counter()
-            loss, norm, d = self.train_step(step)
+            try:
+                loss, norm, d = self.train_step(step)
+            except CommTimeout as e:  # say where the job was when it stopped
+                raise CommTimeout(f"step {step + 1}: {e}") from None
             result.step_times.append(time.perf_counter() - t0)
-            if step == 0:
+            if step == self.start_step:
                 self._log(f"memory per rank: {self.memory().describe()}", bar)
             window_losses.append(loss)
             window_steps += 1
@@ -254,12 +284,15 @@ class Trainer:
             self.metrics.write(record)
             bar.update(1, self._bar_text(record), force=True)
             window_losses, window_steps, data_s = [], 0, 0.0
+            if t.ckpt_interval and done % t.ckpt_interval == 0 and done < t.max_iters:
+                self.save_sharded(done)
             wait0 = self.dp.stats.wait_s
             window_t0 = time.perf_counter()
         bar.close()
         result.wall_s = time.perf_counter() - start
         train_time = sum(result.step_times)
-        result.tokens_per_s = self.tokens_per_step * t.max_iters / train_time if train_time else 0.0
+        steps_run = len(result.step_times)
+        result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
         if t.final_eval:
             result.final_val_loss = self.full_val_loss()
             self.metrics.write({"step": t.max_iters, "final_val_loss": result.final_val_loss})
@@ -288,6 +321,7 @@ class Trainer:
         # rank); then rank 0 writes.
         state = None
         if t.save_checkpoint:
+            self.save_sharded(t.max_iters)
             state = self._consolidated_state()
         memory = self.memory()
         # ZeRO-3 samples from gathered parameters (every rank gathers, rank 0 samples).
@@ -297,6 +331,15 @@ class Trainer:
                 self._write_outputs(result, state, memory)
         self.dp.close()
         self.metrics.close()
+
+    def save_sharded(self, step: int) -> Path:
+        """Every rank writes its shard of ``<out_dir>/checkpoints/step_<step>`` (collective)."""
+        path = save_sharded_checkpoint(
+            self.out_dir / "checkpoints", step, model=self.model, engine=self.dp,
+            optimizer=self.optimizer, world=self.world, config=self.cfg.to_dict(),
+            model_shape=model_shape(self.gpt_cfg), keep=self.cfg.train.ckpt_keep)
+        self._log(f"checkpoint: {path}")
+        return path
 
     def _consolidated_state(self):
         if not self.zero:

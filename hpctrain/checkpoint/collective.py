@@ -1,0 +1,146 @@
+"""Saving and loading sharded checkpoints across the ranks of a job (``sharded.py`` has
+the on-disk format). Both are collective: every rank calls them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpctrain.checkpoint.sharded import (FORMAT, KEYS, MODEL_KEYS, VERSION, CheckpointError,
+                                         check_compatible, publish, read_full_state,
+                                         read_manifest, read_rng, shard_name, write_shard,
+                                         write_synced)
+from hpctrain.comm.collectives import bcast_json, gather_json
+from hpctrain.comm.world import World
+
+
+def _replicated_shard(model, optimizer, rank: int):
+    """Plain data parallelism: rank 0 writes every parameter and its moments by name."""
+    index = {"params": {n: list(p.shape) for n, p in model.named_parameters()}}
+    datasets, step = {}, 0.0
+    if rank == 0:
+        for name, p in model.named_parameters():
+            state = optimizer.state.get(p, {})
+            datasets[f"param/{name}"] = p.detach().float().cpu().numpy()
+            for k in KEYS[1:]:
+                v = state.get(k)
+                datasets[f"{k}/{name}"] = (v.detach().float().cpu().numpy() if v is not None
+                                           else np.zeros(tuple(p.shape), np.float32))
+            if "step" in state:
+                step = float(state["step"])
+    return "replicated", index, datasets, step
+
+
+def _zero_shard(model, zero):
+    names = {id(p): n for n, p in model.named_parameters()}
+    buckets, datasets = [], {}
+    for i, s in enumerate(zero.shard_state()):
+        lay = s["layout"]
+        params = zero.buckets[i].params
+        buckets.append({"names": [names[id(p)] for p in params],
+                        "shapes": [list(p.shape) for p in params],
+                        "offsets": list(lay.offsets), "shard": lay.shard,
+                        "world": lay.world})
+        for k, key in zip(KEYS, ("master", "exp_avg", "exp_avg_sq")):
+            datasets[f"bucket_{i}/{k}"] = s[key].detach().float().cpu().numpy()
+    return "zero", {"buckets": buckets}, datasets, zero.optimizer_step()
+
+
+def save_checkpoint(root: Path, step: int, *, model, engine, optimizer, world: World,
+                    config: dict, model_shape: dict, keep: int) -> Path:
+    """Write ``root/step_<step>`` from every rank's shard; returns its path (collective)."""
+    comm = world.comm
+    if optimizer is not None:
+        layout, index, datasets, opt_step = _replicated_shard(model, optimizer, world.rank)
+    else:
+        layout, index, datasets, opt_step = _zero_shard(model, engine)
+    datasets["rng/torch"] = torch.get_rng_state().numpy()
+    what = f"checkpoint save (step {step})"
+    tmp = None
+    if world.is_root:  # rank 0 picks the directory name and tells the others
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".step_{step:06d}.", suffix=".tmp", dir=root)
+    tmp = Path(bcast_json(comm, tmp, timeout=world.timeout, what=what))
+    try:
+        crcs, error = write_shard(tmp / shard_name(world.rank), datasets,
+                                  {"format": FORMAT, "version": VERSION, "rank": world.rank,
+                                   "step": step}), None
+    except OSError as e:
+        crcs, error = {}, f"rank {world.rank}: {e}"
+    results = gather_json(comm, [crcs, error], timeout=world.timeout, what=what)
+    outcome = None
+    if world.is_root:
+        errors = [e for _, e in results if e]
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = ["error", f"saving checkpoint step {step} failed: {errors[0]}; the "
+                       "previous checkpoint is intact (check disk space and permissions "
+                       "of --train.out_dir)"]
+        else:
+            manifest = {"format": FORMAT, "version": VERSION, "step": step,
+                        "optimizer_step": opt_step, "layout": layout,
+                        "world_size": world.size, "model": model_shape, "config": config,
+                        "data": {"sampler": config["data"]["sampler"],
+                                 "seed": config["train"]["seed"], "next_step": step},
+                        "index": index,
+                        "crc32": {shard_name(r): c for r, (c, _) in enumerate(results)}}
+            write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
+            outcome = ["ok", str(publish(tmp, root, step, keep))]
+    status, detail = bcast_json(comm, outcome, timeout=world.timeout, what=what)
+    if status != "ok":
+        raise CheckpointError(detail)
+    return Path(detail)
+
+
+def model_shape(gpt_cfg) -> dict:
+    return {k: getattr(gpt_cfg, k) for k in MODEL_KEYS}
+
+
+def load_checkpoint(path: str | Path, *, model, engine, optimizer, world: World,
+                    model_shape: dict) -> int:
+    """Load the checkpoint at ``path`` into this run's layout; returns its step."""
+    manifest = read_manifest(path)
+    check_compatible(manifest, model_shape)
+    full = read_full_state(manifest)
+    missing = {n for n, _ in model.named_parameters()} - set(full)
+    if missing:
+        raise CheckpointError(f"checkpoint {manifest.path} lacks {sorted(missing)[:3]}; it "
+                              "was made for another model")
+    opt_step = float(manifest.data["optimizer_step"])
+    if optimizer is not None:
+        _load_replicated(model, optimizer, full, opt_step)
+    else:
+        engine.load_full_state(full, opt_step)
+    if manifest.world_size == world.size:  # same ranks: continue each rank's RNG stream
+        torch.set_rng_state(read_rng(manifest, world.rank))
+    return manifest.step
+
+
+def _load_replicated(model, optimizer, full, opt_step: float) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(full[name]["param"])
+            state = optimizer.state[p]
+            state["step"] = torch.tensor(opt_step, dtype=torch.float32, device=p.device)
+            for k in KEYS[1:]:
+                state[k] = full[name][k].to(p.device, p.dtype).clone()
+
+
+def find_resume(resume: str, out_dir: Path) -> Path | None:
+    """``--train.resume``: '' = start fresh; 'auto' = this out_dir's latest checkpoint if
+    there is one; anything else is a checkpoint path that must exist."""
+    if not resume:
+        return None
+    if resume == "auto":
+        latest = out_dir / "checkpoints" / "latest"
+        return out_dir / "checkpoints" if latest.is_file() else None
+    p = Path(resume)
+    if not p.exists():
+        raise CheckpointError(f"--train.resume={resume}: no such checkpoint; pass a "
+                              "checkpoints/step_N directory, a run's out_dir, or 'auto'")
+    return p

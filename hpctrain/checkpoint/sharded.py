@@ -1,0 +1,224 @@
+"""Sharded checkpoints: every rank writes its own HDF5 shard, rank 0 a JSON manifest.
+
+    <out_dir>/checkpoints/
+        step_000100/
+            manifest.json      format, version, step, config, model shape, layout, world
+                               size, tensor index, CRC-32 of every dataset of every shard
+            rank_00000.h5 ...  one per rank: its shard of the fp32 parameters and Adam
+                               moments, and its RNG state
+        latest                 names the newest complete checkpoint
+
+A save writes into a hidden temporary directory, fsyncs every file and the directory,
+renames it into place, and only then rewrites ``latest`` (write, fsync, rename) and
+prunes the oldest checkpoints beyond ``keep``: a crash at any moment leaves the previous
+checkpoint and ``latest`` intact. Nothing is pickled: tensors are HDF5 datasets, metadata
+is JSON.
+
+Two layouts. ``replicated`` (plain data parallelism): every rank holds the same state,
+so rank 0's shard has each parameter and its moments by name. ``zero``: each rank's shard
+has, per bucket, its slice of the flat fp32 master weights and moments; the manifest's
+index says which parameter every element belongs to. ``read_full_state`` turns either
+into whole per-parameter tensors, so a checkpoint loads at any world size and ZeRO stage
+(the data position is the step: samplers are pure functions of (seed, step)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpctrain.errors import UserError
+
+FORMAT = "hpctrain-sharded-checkpoint"
+VERSION = 1
+KEYS = ("param", "exp_avg", "exp_avg_sq")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, corrupt, or does not fit the model being trained."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def shard_name(rank: int) -> str:
+    return f"rank_{rank:05d}.h5"
+
+
+def _crc(a: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data) & 0xFFFFFFFF
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- writing
+
+def write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_shard(path: Path, datasets: dict[str, np.ndarray], attrs: dict) -> dict[str, int]:
+    """Write one rank's shard; return the CRC-32 of each dataset."""
+    import h5py
+
+    crcs = {}
+    with h5py.File(path, "w") as f:
+        f.attrs.update(attrs)
+        for name, a in datasets.items():
+            f.create_dataset(name, data=a)
+            crcs[name] = _crc(a)
+        f.flush()
+        os.fsync(f.id.get_vfd_handle())
+    return crcs
+
+
+def publish(tmp: Path, root: Path, step: int, keep: int) -> Path:
+    """Rank 0, after every shard and the manifest are on disk: make ``tmp`` the
+    checkpoint of ``step``, point ``latest`` at it, drop the oldest beyond ``keep``."""
+    final = root / step_dir_name(step)
+    _fsync_dir(tmp)
+    if final.exists():  # a re-run of the same step: replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    fd, latest_tmp = tempfile.mkstemp(prefix=".latest.", dir=root)
+    os.close(fd)
+    write_synced(Path(latest_tmp), final.name + "\n")
+    os.replace(latest_tmp, root / "latest")
+    _fsync_dir(root)
+    done = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# ----------------------------------------------------------------------------- reading
+
+@dataclass
+class Manifest:
+    path: Path
+    data: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.data["step"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.data["world_size"])
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory, or a ``checkpoints/`` root (its ``latest``), or a run's
+    out_dir (its ``checkpoints/latest``)."""
+    p = Path(path)
+    for root in (p, p / "checkpoints"):
+        latest = root / "latest"
+        if latest.is_file():
+            return root / latest.read_text().strip()
+    return p
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    d = resolve(path)
+    mf = d / "manifest.json"
+    if not mf.is_file():
+        raise CheckpointError(f"{d} is not a complete checkpoint (no manifest.json); pass a "
+                              "checkpoints/step_N directory, or the run's out_dir to use its "
+                              "latest checkpoint")
+    try:
+        data = json.loads(mf.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{mf} is not valid JSON ({e}): the checkpoint is damaged; "
+                              "resume from an older step_N directory") from None
+    if data.get("format") != FORMAT or data.get("version") != VERSION:
+        raise CheckpointError(f"{mf} is not an hpctrain v{VERSION} sharded checkpoint")
+    return Manifest(d, data)
+
+
+def check_compatible(manifest: Manifest, model_shape: dict) -> None:
+    theirs = manifest.data["model"]
+    diff = [f"{k}={theirs.get(k)} (yours {model_shape[k]})" for k in MODEL_KEYS
+            if theirs.get(k) != model_shape[k]]
+    if diff:
+        raise CheckpointError(f"checkpoint {manifest.path} was made for another model: "
+                              f"{', '.join(diff)}; resume with the same --model.* options, or "
+                              "start a new --train.out_dir")
+
+
+def _open_shard(manifest: Manifest, rank: int):
+    import h5py
+
+    path = manifest.path / shard_name(rank)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint shard {path} is missing; the checkpoint is "
+                              "incomplete: resume from an older step_N directory")
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise CheckpointError(f"checkpoint shard {path} is not readable HDF5 (truncated?): "
+                              f"{e}; resume from an older step_N directory") from None
+
+
+def _read(manifest: Manifest, f, rank: int, name: str) -> np.ndarray:
+    try:
+        a = f[name][()]
+    except (KeyError, OSError) as e:
+        raise CheckpointError(f"{manifest.path / shard_name(rank)}: dataset {name} is "
+                              f"unreadable ({e}); the shard is damaged") from None
+    expected = manifest.data["crc32"][shard_name(rank)].get(name)
+    if expected is None or _crc(a) != expected:
+        raise CheckpointError(f"{manifest.path / shard_name(rank)}: dataset {name} fails its "
+                              "CRC-32 check; the shard is corrupt: resume from an older "
+                              "step_N directory")
+    return a
+
+
+def read_full_state(manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
+    """Whole fp32 parameters and Adam moments by parameter name, from any layout."""
+    data = manifest.data
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    if data["layout"] == "replicated":
+        with _open_shard(manifest, 0) as f:
+            for name, shape in data["index"]["params"].items():
+                out[name] = {k: torch.from_numpy(_read(manifest, f, 0, f"{k}/{name}"))
+                             .reshape(shape) for k in KEYS}
+        return out
+    buckets = data["index"]["buckets"]
+    flats = [{k: [] for k in KEYS} for _ in buckets]
+    for rank in range(manifest.world_size):
+        with _open_shard(manifest, rank) as f:
+            for i in range(len(buckets)):
+                for k in KEYS:
+                    flats[i][k].append(_read(manifest, f, rank, f"bucket_{i}/{k}"))
+    for i, b in enumerate(buckets):
+        full = {k: np.concatenate(flats[i][k]) for k in KEYS}
+        for name, shape, off in zip(b["names"], b["shapes"], b["offsets"]):
+            n = int(np.prod(shape))
+            out[name] = {k: torch.from_numpy(full[k][off:off + n].copy()).reshape(shape)
+                         for k in KEYS}
+    return out
+
+
+def read_rng(manifest: Manifest, rank: int) -> torch.Tensor:
+    with _open_shard(manifest, rank) as f:
+        return torch.from_numpy(_read(manifest, f, rank, "rng/torch"))

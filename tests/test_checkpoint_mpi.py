@@ -1,0 +1,59 @@
+"""Sharded checkpoints over real MPI ranks: exact resume, and resharding across world
+sizes and ZeRO stages (a sub-communicator plays the smaller job)."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpctrain.checkpoint.sharded import read_manifest
+from hpctrain.comm.world import World
+from hpctrain.train.trainer import Trainer
+from tests.helpers import tiny_config
+
+pytestmark = pytest.mark.mpi(min_size=2)
+COMM = MPI.COMM_WORLD
+
+
+def _cfg(data, out, **overrides):
+    return tiny_config(data, out, **{"train.ckpt_interval": 10, "train.save_checkpoint": True,
+                                     "parallel.bucket_mb": 0.02,
+                                     "parallel.first_bucket_mb": 0.005, **overrides})
+
+
+def _fit(cfg, comm=COMM):
+    trainer = Trainer(cfg, World.create(comm), verbose=False)
+    return trainer.fit()
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_resume_at_the_same_world_size_is_bitwise_identical(mpi_dataset, shared_tmp, zero):
+    full = _fit(_cfg(mpi_dataset, f"{shared_tmp}/a", **{"parallel.zero": zero}))
+    step10 = f"{shared_tmp}/a/checkpoints/step_000010"
+    assert read_manifest(step10).world_size == COMM.size
+    resumed = _fit(_cfg(mpi_dataset, f"{shared_tmp}/b", **{"parallel.zero": zero,
+                                                           "train.resume": step10}))
+    assert resumed.losses == full.losses[10:]
+
+
+@pytest.mark.parametrize("big_zero,small_zero,small_size", [(3, 0, 1), (0, 3, 2), (2, 1, 2)])
+def test_reshard_between_world_sizes_and_stages(mpi_dataset, shared_tmp, big_zero, small_zero,
+                                                small_size):
+    """A checkpoint of every rank of this job resumes on ``small_size`` of them (a
+    sub-communicator) at another ZeRO stage, and a checkpoint of the small job resumes on
+    every rank: the losses continue the uninterrupted run's to fp32 round-off."""
+    big = _fit(_cfg(mpi_dataset, f"{shared_tmp}/big", **{"parallel.zero": big_zero}))
+    sub = COMM.Split(color=int(COMM.rank < small_size), key=COMM.rank)
+    if COMM.rank < small_size:
+        shrunk = _fit(_cfg(mpi_dataset, f"{shared_tmp}/shrunk", **{
+            "parallel.zero": small_zero,
+            "train.resume": f"{shared_tmp}/big/checkpoints/step_000010"}), sub)
+        np.testing.assert_allclose(shrunk.losses, big.losses[10:], atol=1e-5, rtol=0)
+        small = _fit(_cfg(mpi_dataset, f"{shared_tmp}/small", **{"parallel.zero": small_zero}),
+                     sub)
+        np.testing.assert_allclose(small.losses, big.losses, atol=1e-5, rtol=0)
+    sub.Free()
+    COMM.Barrier()
+    assert read_manifest(f"{shared_tmp}/small/checkpoints/step_000010").world_size == small_size
+    grown = _fit(_cfg(mpi_dataset, f"{shared_tmp}/grown", **{
+        "parallel.zero": big_zero, "train.resume": f"{shared_tmp}/small/checkpoints/step_000010"}))
+    np.testing.assert_allclose(grown.losses, big.losses[10:], atol=1e-5, rtol=0)

@@ -1,0 +1,69 @@
+"""Jobs that never hang: a stalled rank trips the watchdog with a message saying where,
+and a killed rank ends the whole job. Real mpiexec, real training, under time limits."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import hpctrain_cmd, mpiexec, run
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
+        "--train.batch_size=8", "--train.log_interval=5", "--train.eval_interval=0",
+        "--train.sample_tokens=0", "--train.progress=false", "--data.verify=false"]
+
+
+def test_a_stalled_rank_trips_the_watchdog_naming_rank_step_and_operation(dataset_path,
+                                                                          tmp_path):
+    # Rank 1 stops answering at step 6; rank 0 waits in the gradient reduction.
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import sys, time\n"
+        "from hpctrain.train.trainer import Trainer\n"
+        "step = Trainer.train_step\n"
+        "def stalled(self, s):\n"
+        "    if self.world.rank == 1 and s == 5:\n"
+        "        time.sleep(120)\n"
+        "    return step(self, s)\n"
+        "Trainer.train_step = stalled\n"
+        "from hpctrain.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    t0 = time.monotonic()
+    p = run(mpiexec(2, sys.executable, str(script), "train", "default",
+                    f"--data.path={dataset_path}", f"--train.out_dir={tmp_path}/out",
+                    "--comm.timeout=3", "--train.max_iters=50", *TINY), timeout=90)
+    elapsed = time.monotonic() - t0
+    assert p.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert "[rank 0/2]" in p.stderr and "CommTimeout: step 6: gradient reduction" in p.stderr
+    assert "did not complete within 3 s (--comm.timeout)" in p.stderr
+
+
+def test_killing_one_rank_ends_the_job(dataset_path, tmp_path):
+    out = tmp_path / "killed-run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(mpiexec(2, *hpctrain_cmd(
+        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}",
+        "--train.max_iters=100000", *TINY)), env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        found = subprocess.run(["pgrep", "-f", f"python.*train.out_dir={out}"],
+                               capture_output=True, text=True).stdout.split()
+        victim = max(int(pid) for pid in found if int(pid) != job.pid)  # a rank, not mpiexec
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = job.wait(timeout=60)
+        assert rc != 0 and time.monotonic() - t0 < 30
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.communicate()
