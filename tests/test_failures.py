@@ -46,16 +46,9 @@ def test_a_stalled_rank_trips_the_watchdog_naming_rank_step_and_operation(datase
 
 def test_killing_one_rank_ends_the_job(dataset_path, tmp_path):
     out = tmp_path / "killed-run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(mpiexec(2, *hpctrain_cmd(
-        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}",
-        "--train.max_iters=100000", *TINY)), env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    job = _start_training(dataset_path, out, "--train.max_iters=100000")
     try:
-        deadline = time.monotonic() + 60
-        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.2)
+        _wait_for_metrics(out)
         found = subprocess.run(["pgrep", "-f", f"python.*train.out_dir={out}"],
                                capture_output=True, text=True).stdout.split()
         victim = max(int(pid) for pid in found if int(pid) != job.pid)  # a rank, not mpiexec
@@ -67,3 +60,39 @@ def test_killing_one_rank_ends_the_job(dataset_path, tmp_path):
         if job.poll() is None:
             job.kill()
         job.communicate()
+
+
+def _start_training(dataset_path, out, *extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(mpiexec(2, *hpctrain_cmd(
+        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}", *TINY,
+        *extra)), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_metrics(out, deadline_s=60):
+    deadline = time.monotonic() + deadline_s
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+
+
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(dataset_path, tmp_path):
+    out = tmp_path / "walltime"
+    job = _start_training(dataset_path, out, "--train.max_iters=100000")
+    try:
+        _wait_for_metrics(out)
+        job.send_signal(signal.SIGTERM)  # what the batch system does at walltime
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr
+    assert "stopped by SIGTERM after step" in stdout and "--train.resume=auto" in stdout
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    stopped = int(latest.split("_")[1])
+    assert 0 < stopped < 100000
+    p = run(mpiexec(2, *hpctrain_cmd(
+        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}", *TINY,
+        f"--train.max_iters={stopped + 5}", "--train.resume=auto")), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from the checkpoint of step {stopped}" in p.stdout

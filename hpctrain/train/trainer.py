@@ -35,6 +35,7 @@ from hpctrain.progress import Progress
 from hpctrain.train.metrics import MetricsLog, peak_tflops
 from hpctrain.train.optim import (build_optimizer, clip_grads_, global_grad_norm,
                                   learning_rate, param_groups)
+from hpctrain.train.stop import StopOnSignal
 
 FULL_EVAL_ROWS = 64  # windows per forward pass in the final whole-split evaluation
 
@@ -50,6 +51,8 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
+    stopped_at: int | None = None
+    """The step after which a scheduler's signal stopped training (None: it finished)."""
 
 
 class Trainer:
@@ -248,6 +251,29 @@ class Trainer:
         bar = Progress(t.max_iters - self.start_step, "train",
                        enabled=self.log_enabled and t.progress)
         start = time.perf_counter()
+        with StopOnSignal(w.comm, w.timeout) as stop:
+            self._loop(result, bar, stop)
+        bar.close()
+        result.wall_s = time.perf_counter() - start
+        train_time = sum(result.step_times)
+        steps_run = len(result.step_times)
+        result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
+        if result.stopped_at is not None:
+            self.save_sharded(result.stopped_at)
+            self._log(f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved; "
+                      "run the same command with --train.resume=auto to continue")
+            self.dp.close()
+            self.metrics.close()
+            return result
+        if t.final_eval:
+            result.final_val_loss = self.full_val_loss()
+            self.metrics.write({"step": t.max_iters, "final_val_loss": result.final_val_loss})
+            self._log(f"final validation loss over the whole split: {result.final_val_loss:.4f}")
+        self._finish(result)
+        return result
+
+    def _loop(self, result: TrainResult, bar: Progress, stop: StopOnSignal) -> None:
+        t, w = self.cfg.train, self.world
         window_losses: list[torch.Tensor] = []
         window_t0, window_steps, data_s = time.perf_counter(), 0, 0.0
         wait0 = self.dp.stats.wait_s
@@ -264,8 +290,9 @@ class Trainer:
             window_steps += 1
             data_s += d
             done = step + 1
-            is_eval = t.eval_interval > 0 and done % t.eval_interval == 0
-            if done % t.log_interval and not is_eval and done != t.max_iters:
+            stopping = stop.agreed(done)  # the same answer on every rank
+            is_eval = t.eval_interval > 0 and done % t.eval_interval == 0 and not stopping
+            if done % t.log_interval and not is_eval and done != t.max_iters and not stopping:
                 bar.update(1)
                 continue
             # Log step: one small collective turns every step's local loss since the last
@@ -284,21 +311,13 @@ class Trainer:
             self.metrics.write(record)
             bar.update(1, self._bar_text(record), force=True)
             window_losses, window_steps, data_s = [], 0, 0.0
+            if stopping:
+                result.stopped_at = done
+                return
             if t.ckpt_interval and done % t.ckpt_interval == 0 and done < t.max_iters:
                 self.save_sharded(done)
             wait0 = self.dp.stats.wait_s
             window_t0 = time.perf_counter()
-        bar.close()
-        result.wall_s = time.perf_counter() - start
-        train_time = sum(result.step_times)
-        steps_run = len(result.step_times)
-        result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
-        if t.final_eval:
-            result.final_val_loss = self.full_val_loss()
-            self.metrics.write({"step": t.max_iters, "final_val_loss": result.final_val_loss})
-            self._log(f"final validation loss over the whole split: {result.final_val_loss:.4f}")
-        self._finish(result)
-        return result
 
     def _record(self, step, loss, tok_s, step_s, norm, data_s, wait_s) -> dict:
         tflops = self.flops_per_token * tok_s / self.world.size / 1e12
