@@ -1,4 +1,4 @@
-"""``hpctrain`` command line: prepare, train, sample, jobscript, launch.
+"""``hpctrain`` command line: prepare, train, sample, ckpt, jobscript, launch.
 
     hpctrain prepare --corpus stdlib --output datasets/stdlib-char.h5
     mpiexec -n 4 hpctrain train default --train.max_iters=200
@@ -47,7 +47,8 @@ def _add_train(sub) -> None:
 
 def _add_sample(sub) -> None:
     p = sub.add_parser("sample", help="generate text from a trained checkpoint")
-    p.add_argument("--checkpoint", required=True, help="final.h5 or the run's out_dir")
+    p.add_argument("--checkpoint", required=True, help="the run's out_dir, its final.h5, or a "
+                   "sharded checkpoint (checkpoints/step_N)")
     p.add_argument("--prompt", default="\n")
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -122,6 +123,38 @@ def _add_launch(sub) -> None:
     p.add_argument("--profile", choices=["nsys"], help="run local rank 0 under nsys")
 
 
+def _add_ckpt(sub) -> None:
+    p = sub.add_parser("ckpt", help="inspect, merge or export a sharded checkpoint",
+                       description="Work with a sharded checkpoint (a run's out_dir, its "
+                                   "checkpoints/ folder, or one checkpoints/step_N) on one "
+                                   "process. Any checkpoint loads at any world size and ZeRO "
+                                   "stage with `hpctrain train ... --train.resume=PATH`.")
+    acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    a = acts.add_parser("inspect", help="step, layout, model, shards")
+    a.add_argument("path")
+    a.add_argument("--verify", action="store_true", help="read every shard, check CRC-32s")
+    a = acts.add_parser("merge", help="all shards into one HDF5 file (the final.h5 format)")
+    a.add_argument("path")
+    a.add_argument("--output", required=True, metavar="FILE.h5")
+    a = acts.add_parser("export", help="weights as safetensors, or a Hugging Face GPT-2 "
+                                       "directory (config.json + model.safetensors)")
+    a.add_argument("path")
+    a.add_argument("--format", choices=["safetensors", "hf"], default="hf")
+    a.add_argument("--output", required=True, metavar="FILE_OR_DIR")
+
+
+def cmd_ckpt(args) -> int:
+    from hpctrain.checkpoint import tools
+
+    if args.action == "inspect":
+        print(tools.inspect(args.path, verify=args.verify))
+    elif args.action == "merge":
+        print(f"wrote {tools.merge(args.path, args.output)}")
+    else:
+        print(f"wrote {tools.export(args.path, args.format, args.output)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpctrain", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=_version())
@@ -131,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sample(sub)
     _add_jobscript(sub)
     _add_launch(sub)
+    _add_ckpt(sub)
     return parser
 
 
@@ -189,17 +223,18 @@ def cmd_sample(args) -> int:
     import numpy as np
     import torch
 
-    from hpctrain.checkpoint.single_file import load_checkpoint
+    from hpctrain.checkpoint.tools import load_weights
     from hpctrain.data.tokenizers import tokenizer_from_meta
     from hpctrain.model.gpt import GPT, GPTConfig
 
-    ckpt = load_checkpoint(args.checkpoint)
-    m = ckpt.config["model"]
-    tok = tokenizer_from_meta(ckpt.tokenizer)
-    model = GPT(GPTConfig(vocab_size=m["vocab_size"] or tok.vocab_size,
-                          block_size=m["block_size"], n_layer=m["n_layer"],
-                          n_head=m["n_head"], n_embd=m["n_embd"], bias=m["bias"]))
-    state = {k: torch.from_numpy(v) for k, v in ckpt.model.items()}
+    state, m, tokenizer = load_weights(args.checkpoint)
+    if not tokenizer:
+        raise UserError(f"{args.checkpoint} records no tokenizer; sample from a checkpoint "
+                        "written by `hpctrain train`")
+    tok = tokenizer_from_meta(tokenizer)
+    model = GPT(GPTConfig(vocab_size=m["vocab_size"], block_size=m["block_size"],
+                          n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"],
+                          bias=m["bias"]))
     state["lm_head.weight"] = state["wte.weight"]
     model.load_state_dict(state)
     model.eval()
@@ -295,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_launch(args, job_command or [])
         if args.command == "prepare":
             return cmd_prepare(args)
+        if args.command == "ckpt":
+            return cmd_ckpt(args)
         return cmd_sample(args)
     except UserError as exc:
         from hpctrain.comm.abort import abort_job, env_rank

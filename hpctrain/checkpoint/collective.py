@@ -52,7 +52,8 @@ def _zero_shard(model, zero):
 
 
 def save_checkpoint(root: Path, step: int, *, model, engine, optimizer, world: World,
-                    config: dict, model_shape: dict, keep: int) -> Path:
+                    config: dict, model_shape: dict, keep: int,
+                    tokenizer: dict | None = None) -> Path:
     """Write ``root/step_<step>`` from every rank's shard; returns its path (collective)."""
     comm = world.comm
     if optimizer is not None:
@@ -85,6 +86,7 @@ def save_checkpoint(root: Path, step: int, *, model, engine, optimizer, world: W
             manifest = {"format": FORMAT, "version": VERSION, "step": step,
                         "optimizer_step": opt_step, "layout": layout,
                         "world_size": world.size, "model": model_shape, "config": config,
+                        "tokenizer": tokenizer,
                         "data": {"sampler": config["data"]["sampler"],
                                  "seed": config["train"]["seed"], "next_step": step},
                         "index": index,

@@ -356,7 +356,8 @@ class Trainer:
         path = save_sharded_checkpoint(
             self.out_dir / "checkpoints", step, model=self.model, engine=self.dp,
             optimizer=self.optimizer, world=self.world, config=self.cfg.to_dict(),
-            model_shape=model_shape(self.gpt_cfg), keep=self.cfg.train.ckpt_keep)
+            model_shape=model_shape(self.gpt_cfg), keep=self.cfg.train.ckpt_keep,
+            tokenizer=self.data.tokenizer.meta())
         self._log(f"checkpoint: {path}")
         return path
 

@@ -1,0 +1,85 @@
+"""``hpctrain ckpt inspect | merge | export``: look into and convert sharded checkpoints
+on one process, without MPI (a checkpoint of any world size reads the same way)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hpctrain.checkpoint.export import export_hf, write_safetensors
+from hpctrain.checkpoint.sharded import (KEYS, CheckpointError, read_full_state,
+                                         read_manifest, shard_name)
+from hpctrain.checkpoint.single_file import save_checkpoint
+
+
+def inspect(path: str | Path, verify: bool = False) -> str:
+    m = read_manifest(path)
+    d = m.data
+    n_params = sum(int(np.prod(s)) for s in _shapes(d).values())
+    shards = [m.path / shard_name(r) for r in range(m.world_size)]
+    lines = [f"checkpoint {m.path}",
+             f"  step {m.step} (Adam step {d['optimizer_step']:g}), {d['layout']} layout, "
+             f"{m.world_size} rank(s), ZeRO stage {d['config']['parallel']['zero']}, "
+             f"dtype {d['config']['train']['dtype']}",
+             "  model " + ", ".join(f"{k}={v}" for k, v in d["model"].items()),
+             f"  {len(_shapes(d))} tensors, {n_params:,} parameters",
+             f"  data: {d['data']['sampler']} sampler, seed {d['data']['seed']}, next step "
+             f"{d['data']['next_step']}",
+             "  shards: " + ", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)"
+                                      if p.exists() else f"{p.name} (MISSING)" for p in shards)]
+    if verify:
+        read_full_state(m)  # reads every dataset and checks its CRC-32
+        lines.append("  verified: every dataset matches its CRC-32")
+    return "\n".join(lines)
+
+
+def _shapes(d: dict) -> dict[str, list[int]]:
+    if d["layout"] == "replicated":
+        return d["index"]["params"]
+    return {n: s for b in d["index"]["buckets"] for n, s in zip(b["names"], b["shapes"])}
+
+
+def merge(path: str | Path, output: str | Path) -> Path:
+    """All shards into one HDF5 file in the ``final.h5`` format (``hpctrain sample``)."""
+    m = read_manifest(path)
+    full = read_full_state(m)
+    params = {n: s["param"] for n, s in full.items()}
+    optim = {n: {k: s[k] for k in KEYS[1:]} for n, s in full.items()}
+    import torch
+
+    for s in optim.values():
+        s["step"] = torch.tensor(float(m.data["optimizer_step"]))
+    return save_checkpoint(output, params, optim, step=m.step, config=m.data["config"],
+                           tokenizer=m.data.get("tokenizer") or {})
+
+
+def export(path: str | Path, fmt: str, output: str | Path) -> Path:
+    m = read_manifest(path)
+    params = {n: s["param"] for n, s in read_full_state(m).items()}
+    if fmt == "safetensors":
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return write_safetensors(out, params, {"format": "pt", "hpctrain_step": str(m.step)})
+    if fmt == "hf":
+        return export_hf(output, params, m.data["model"], m.data.get("tokenizer"))
+    raise CheckpointError(f"unknown export format {fmt!r}; use safetensors or hf")
+
+
+def load_weights(path: str | Path):
+    """Parameters, model shape and tokenizer from a run's out_dir, a ``final.h5`` or a
+    sharded checkpoint: ``(params by name, model dict, tokenizer meta)``."""
+    import torch
+
+    from hpctrain.checkpoint.single_file import load_checkpoint
+
+    p = Path(path)
+    if p.is_file() or (p / "final.h5").is_file():
+        ckpt = load_checkpoint(p)
+        params = {k: torch.from_numpy(v) for k, v in ckpt.model.items()}
+        model = dict(ckpt.config["model"])
+        model["vocab_size"] = model["vocab_size"] or params["wte.weight"].shape[0]
+        return params, model, ckpt.tokenizer
+    m = read_manifest(p)
+    params = {n: s["param"] for n, s in read_full_state(m).items()}
+    return params, m.data["model"], m.data.get("tokenizer")
