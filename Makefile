@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) perf/bench_dp.py
 	$(PY) perf/bench_convergence.py
 	$(PY) perf/bench_zero.py
+	$(PY) perf/bench_checkpoint.py
 
 # Regenerate the example job scripts (tests/test_jobs.py checks they are in sync).
 jobscripts: $(STAMP)

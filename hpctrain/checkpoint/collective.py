@@ -13,7 +13,8 @@ import torch
 
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, MODEL_KEYS, VERSION, CheckpointError,
                                          check_compatible, publish, read_full_state,
-                                         read_manifest, read_rng, shard_name, write_shard,
+                                         read_manifest, read_own_shards, read_rng, shard_name,
+                                         write_shard,
                                          write_synced)
 from hpctrain.comm.collectives import bcast_json, gather_json
 from hpctrain.comm.world import World
@@ -36,19 +37,26 @@ def _replicated_shard(model, optimizer, rank: int):
     return "replicated", index, datasets, step
 
 
-def _zero_shard(model, zero):
+def _zero_index(model, zero) -> dict:
+    """ZeRO: per bucket, which parameters lie where in the flat buffer, and the shards."""
     names = {id(p): n for n, p in model.named_parameters()}
-    buckets, datasets = [], {}
-    for i, s in enumerate(zero.shard_state()):
-        lay = s["layout"]
-        params = zero.buckets[i].params
-        buckets.append({"names": [names[id(p)] for p in params],
-                        "shapes": [list(p.shape) for p in params],
+    buckets = []
+    for b in zero.buckets:
+        lay = b.layout
+        buckets.append({"names": [names[id(p)] for p in b.params],
+                        "shapes": [list(p.shape) for p in b.params],
                         "offsets": list(lay.offsets), "shard": lay.shard,
                         "world": lay.world})
+    return {"buckets": buckets}
+
+
+def _zero_shard(model, zero):
+    index = _zero_index(model, zero)
+    datasets = {}
+    for i, s in enumerate(zero.shard_state()):
         for k, key in zip(KEYS, ("master", "exp_avg", "exp_avg_sq")):
             datasets[f"bucket_{i}/{k}"] = s[key].detach().float().cpu().numpy()
-    return "zero", {"buckets": buckets}, datasets, zero.optimizer_step()
+    return "zero", index, datasets, zero.optimizer_step()
 
 
 def save_checkpoint(root: Path, step: int, *, model, engine, optimizer, world: World,
@@ -108,19 +116,35 @@ def load_checkpoint(path: str | Path, *, model, engine, optimizer, world: World,
     """Load the checkpoint at ``path`` into this run's layout; returns its step."""
     manifest = read_manifest(path)
     check_compatible(manifest, model_shape)
+    opt_step = float(manifest.data["optimizer_step"])
+    if optimizer is None and _same_zero_layout(manifest, model, engine, world):
+        engine.load_own_shards(read_own_shards(manifest, world.rank), opt_step)
+    else:
+        _load_resharded(manifest, model, engine, optimizer, opt_step)
+    if manifest.world_size == world.size:  # same ranks: continue each rank's RNG stream
+        torch.set_rng_state(read_rng(manifest, world.rank))
+    return manifest.step
+
+
+def _same_zero_layout(manifest, model, engine, world: World) -> bool:
+    """True when the checkpoint's buckets and shards are exactly this engine's."""
+    data = manifest.data
+    if data["layout"] != "zero" or manifest.world_size != world.size:
+        return False
+    return _zero_index(model, engine)["buckets"] == data["index"]["buckets"]
+
+
+def _load_resharded(manifest, model, engine, optimizer, opt_step: float) -> None:
+    """Any layout into any layout: rebuild whole tensors, take this run's part."""
     full = read_full_state(manifest)
     missing = {n for n, _ in model.named_parameters()} - set(full)
     if missing:
         raise CheckpointError(f"checkpoint {manifest.path} lacks {sorted(missing)[:3]}; it "
                               "was made for another model")
-    opt_step = float(manifest.data["optimizer_step"])
     if optimizer is not None:
         _load_replicated(model, optimizer, full, opt_step)
     else:
         engine.load_full_state(full, opt_step)
-    if manifest.world_size == world.size:  # same ranks: continue each rank's RNG stream
-        torch.set_rng_state(read_rng(manifest, world.rank))
-    return manifest.step
 
 
 def _load_replicated(model, optimizer, full, opt_step: float) -> None:

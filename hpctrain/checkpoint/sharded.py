@@ -219,6 +219,15 @@ def read_full_state(manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def read_own_shards(manifest: Manifest, rank: int) -> list[dict[str, np.ndarray]]:
+    """This rank's slices of every bucket (``param``, ``exp_avg``, ``exp_avg_sq``), for a
+    resume with the layout the checkpoint was written with: 1/N of the reading."""
+    buckets = manifest.data["index"]["buckets"]
+    with _open_shard(manifest, rank) as f:
+        return [{k: _read(manifest, f, rank, f"bucket_{i}/{k}") for k in KEYS}
+                for i in range(len(buckets))]
+
+
 def read_rng(manifest: Manifest, rank: int) -> torch.Tensor:
     with _open_shard(manifest, rank) as f:
         return torch.from_numpy(_read(manifest, f, rank, "rng/torch"))

@@ -552,6 +552,22 @@ class Zero(BucketScheduler):
                 for s in opt.state.values():
                     s["step"].fill_(step)
 
+    def load_own_shards(self, shards: list[dict], step: float) -> None:
+        """Take back this rank's own shards (``param``, ``exp_avg``, ``exp_avg_sq`` per
+        bucket, as ``shard_state`` gave them) and share the parameters (collective)."""
+        with torch.no_grad():
+            for b, opt, s in zip(self.buckets, self.optimizers, shards):
+                dev = b.master.device
+                b.master.copy_(torch.from_numpy(s["param"]).to(dev))
+                b.exp_avg.copy_(torch.from_numpy(s["exp_avg"]).to(dev))
+                b.exp_avg_sq.copy_(torch.from_numpy(s["exp_avg_sq"]).to(dev))
+                if self.dtype != torch.float32:
+                    self._publish_master(b)
+                for st in opt.state.values():
+                    st["step"].fill_(step)
+        if self.stage < 3 and self.size > 1:
+            self._allgather_parameters()
+
     def shard_state(self) -> list[dict]:
         """This rank's optimizer state, bucket by bucket (what a sharded checkpoint saves)."""
         return [{"bucket": b.index, "layout": b.layout, "master": b.master,

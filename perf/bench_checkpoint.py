@@ -1,0 +1,134 @@
+"""Checkpoint save and load bandwidth: hpctrain's sharded checkpoints at 1, 2 and 4 ranks
+vs ``torch.save`` / ``torch.load`` of the same state from one process, in the same run.
+
+State: a GPT of about 30M parameters after one AdamW step: fp32 parameters and both
+Adam moments (12 bytes per parameter, ~360 MB), ZeRO-1 so that each rank holds and
+writes 1/N of it. Save time includes the fsync of every file and the atomic rename (the
+torch file is fsynced too, so both are on disk when the clock stops); load time includes
+reading, CRC checks and resharding into the engine (warm page cache: the file was just
+written). Bandwidth = state bytes / time. Median of REPEATS.
+
+      python perf/bench_checkpoint.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.common import print_table, run_worker, worker_args, write_result  # noqa: E402
+
+MODEL = dict(vocab_size=65, block_size=128, n_layer=8, n_head=8, n_embd=576)
+REPEATS = 5
+
+
+def worker(out: Path, mode: str) -> None:
+    import time
+
+    import torch
+    from mpi4py import MPI
+
+    from hpctrain.checkpoint.collective import load_checkpoint, model_shape, save_checkpoint
+    from hpctrain.comm.world import World
+    from hpctrain.config import OptimConfig
+    from hpctrain.model.gpt import GPT, GPTConfig
+    from hpctrain.parallel.zero import Zero
+
+    comm = MPI.COMM_WORLD
+    torch.manual_seed(0)
+    cfg = GPTConfig(**MODEL)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    state_bytes = 12 * n_params
+    tmp = comm.bcast(tempfile.mkdtemp(prefix="hpctrain-bench-ckpt-", dir="/tmp")
+                     if comm.rank == 0 else None, root=0)
+    times: dict[str, list[float]] = {"save": [], "load": []}
+    if mode == "torch":  # one process, the whole state
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+        model(x, x).backward()
+        opt.step()
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        for _ in range(REPEATS):
+            path = Path(tmp) / "state.pt"
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            times["save"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            loaded = torch.load(path, weights_only=True)
+            model.load_state_dict(loaded["model"])
+            opt.load_state_dict(loaded["optim"])
+            times["load"].append(time.perf_counter() - t0)
+    else:
+        world = World.create(comm)
+        zero = Zero(model, world, OptimConfig(), stage=1)
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+        zero.prepare_for_backward(sync=True)
+        model(x, x).backward()
+        zero.finish()
+        zero.step(1e-3, 1.0)
+        for rep in range(REPEATS):
+            comm.Barrier()
+            t0 = MPI.Wtime()
+            path = save_checkpoint(Path(tmp) / "checkpoints", rep + 1, model=model, engine=zero,
+                                   optimizer=None, world=world, config=_config(),
+                                   model_shape=model_shape(cfg), keep=1)
+            comm.Barrier()
+            times["save"].append(MPI.Wtime() - t0)
+            t0 = MPI.Wtime()
+            load_checkpoint(path, model=model, engine=zero, optimizer=None, world=world,
+                            model_shape=model_shape(cfg))
+            comm.Barrier()
+            times["load"].append(MPI.Wtime() - t0)
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out.write_text(json.dumps({"params": n_params, "bytes": state_bytes,
+                                   "save_s": med["save"], "load_s": med["load"],
+                                   "all_s": times}))
+
+
+def _config() -> dict:
+    from hpctrain.config import build_config
+
+    return build_config({}).to_dict()
+
+
+def main() -> None:
+    torch_r = run_worker(1, __file__, ["torch"])
+    rows, records = [], {"torch": torch_r, "hpctrain": {}}
+    gb = torch_r["bytes"] / 1e9
+    rows.append(["torch.save/load", 1, torch_r["save_s"], gb / torch_r["save_s"],
+                 torch_r["load_s"], gb / torch_r["load_s"], 1.0, 1.0])
+    for n in (1, 2, 4):
+        r = run_worker(n, __file__, ["sharded"])
+        records["hpctrain"][n] = r
+        rows.append(["hpctrain sharded", n, r["save_s"], gb / r["save_s"], r["load_s"],
+                     gb / r["load_s"], torch_r["save_s"] / r["save_s"],
+                     torch_r["load_s"] / r["load_s"]])
+    print_table(f"Checkpoint of {torch_r['params'] / 1e6:.1f}M parameters "
+                f"({torch_r['bytes'] / 2**20:.0f} MiB: fp32 params + Adam moments), "
+                f"median of {REPEATS}",
+                ["method", "ranks", "save s", "save GB/s", "load s", "load GB/s",
+                 "save vs torch", "load vs torch"], rows)
+    write_result("checkpoint", {"model": MODEL, "records": records})
+
+
+if __name__ == "__main__":
+    is_worker, out, rest = worker_args(sys.argv[1:])
+    if is_worker:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        worker(out, rest[0])
+    else:
+        main()
