@@ -137,6 +137,9 @@ class TrainConfig:
                                       "at the end")
     ckpt_interval: int = opt(0, "steps between sharded checkpoints in <out_dir>/checkpoints "
                                 "(0: only at the end)")
+    ckpt_background: bool = opt(False, "write periodic checkpoints from a thread while "
+                                       "training goes on (costs a copy of the state in "
+                                       "memory)")
     ckpt_keep: int = opt(3, "sharded checkpoints kept (the oldest are deleted); 0 keeps all")
     resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "
                           "exists; a path resumes from that checkpoint (any world size or "

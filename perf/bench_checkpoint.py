@@ -9,6 +9,12 @@ reading, CRC checks and resharding into the engine (warm page cache: the file wa
 written). Bandwidth = state bytes / time. Median of REPEATS.
 
       python perf/bench_checkpoint.py
+
+Second part: the cost of checkpointing during training. ``shakespeare-char`` data, the
+10.7M-parameter GPT (6 layers, width 384, block 256, 4 rows per rank), 2 ranks, ZeRO-1,
+20 steps with a checkpoint every 5: wall time of the training loop with no periodic
+checkpoints, with synchronous ones, and with background ones (a thread writes the shard
+while training goes on), interleaved rounds, median.
 """
 
 from __future__ import annotations
@@ -99,6 +105,38 @@ def worker(out: Path, mode: str) -> None:
                                    "all_s": times}))
 
 
+TRAIN_STEPS, TRAIN_EVERY, TRAIN_ROUNDS = 20, 5, 3
+
+
+def worker_train(out: Path, mode: str) -> None:
+    import tempfile as tf
+
+    from mpi4py import MPI
+
+    from hpctrain.comm.world import World
+    from hpctrain.config import load_config
+    from hpctrain.train.trainer import Trainer
+    from perf.common import shakespeare_dataset
+
+    comm = MPI.COMM_WORLD
+    tmp = comm.bcast(tf.mkdtemp(prefix="hpctrain-bench-ckpt-train-") if comm.rank == 0
+                     else None, root=0)
+    cfg = load_config("shakespeare-char", [
+        f"--data.path={shakespeare_dataset()}", "--model.n_layer=6", "--model.n_head=6",
+        "--model.n_embd=384", "--model.block_size=256", f"--train.batch_size={4 * comm.size}",
+        f"--train.max_iters={TRAIN_STEPS}", "--parallel.zero=1", "--data.verify=false",
+        "--train.eval_interval=0", "--train.final_eval=false", "--train.sample_tokens=0",
+        "--train.save_checkpoint=false", "--train.progress=false",
+        f"--train.log_interval={TRAIN_EVERY}", f"--train.out_dir={tmp}",
+        f"--train.ckpt_interval={0 if mode == 'none' else TRAIN_EVERY}",
+        f"--train.ckpt_background={mode == 'background'}"])
+    result = Trainer(cfg, World.create(comm), verbose=False).fit()
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        out.write_text(json.dumps({"wall_s": result.wall_s}))
+
+
 def _config() -> dict:
     from hpctrain.config import build_config
 
@@ -122,6 +160,18 @@ def main() -> None:
                 f"median of {REPEATS}",
                 ["method", "ranks", "save s", "save GB/s", "load s", "load GB/s",
                  "save vs torch", "load vs torch"], rows)
+    walls: dict[str, list[float]] = {"none": [], "sync": [], "background": []}
+    for _ in range(TRAIN_ROUNDS):
+        for mode in walls:
+            walls[mode].append(run_worker(2, __file__, ["train", mode])["wall_s"])
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    print_table(f"Training wall time, {TRAIN_STEPS} steps, a checkpoint every {TRAIN_EVERY} "
+                f"(10.7M parameters, 2 ranks, ZeRO-1), median of {TRAIN_ROUNDS}",
+                ["checkpoints", "wall s", "overhead"],
+                [[k, v, v / med["none"] - 1] for k, v in med.items()])
+    records["training"] = {"wall_s": walls, "median_s": med,
+                           "overhead_sync": med["sync"] / med["none"] - 1,
+                           "overhead_background": med["background"] / med["none"] - 1}
     write_result("checkpoint", {"model": MODEL, "records": records})
 
 
@@ -129,6 +179,9 @@ if __name__ == "__main__":
     is_worker, out, rest = worker_args(sys.argv[1:])
     if is_worker:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        worker(out, rest[0])
+        if rest[0] == "train":
+            worker_train(out, rest[1])
+        else:
+            worker(out, rest[0])
     else:
         main()

@@ -38,6 +38,17 @@ def test_resume_with_the_same_layout_is_bitwise_identical(dataset_path, tmp_path
     assert resumed.losses == full.losses[10:]  # exactly: same bits, not just close
 
 
+def test_background_saves_and_odd_intervals_resume_exactly(dataset_path, tmp_path):
+    over = {"train.ckpt_background": True, "train.ckpt_interval": 7, "parallel.zero": 1}
+    _, full = _fit(_cfg(dataset_path, tmp_path / "a", **over))
+    root = tmp_path / "a" / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000007", "step_000014",
+                                                           "step_000020"]
+    _, resumed = _fit(_cfg(dataset_path, tmp_path / "b", **over,
+                           **{"train.resume": str(root / "step_000014")}))
+    assert resumed.losses == full.losses[14:]
+
+
 @pytest.mark.parametrize("save_zero,load_zero", [(3, 0), (0, 3), (1, 2)])
 def test_resume_into_another_zero_stage(dataset_path, tmp_path, save_zero, load_zero):
     _, full = _fit(_cfg(dataset_path, tmp_path / "a", **{"parallel.zero": save_zero}))

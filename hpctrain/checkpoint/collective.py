@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -59,52 +60,94 @@ def _zero_shard(model, zero):
     return "zero", index, datasets, zero.optimizer_step()
 
 
-def save_checkpoint(root: Path, step: int, *, model, engine, optimizer, world: World,
-                    config: dict, model_shape: dict, keep: int,
-                    tokenizer: dict | None = None) -> Path:
-    """Write ``root/step_<step>`` from every rank's shard; returns its path (collective)."""
-    comm = world.comm
+class PendingSave:
+    """A checkpoint whose shards are being written; ``finish()`` publishes it (collective).
+
+    With ``background=True`` the shard is copied in memory and written by a thread while
+    training goes on; ``finish()`` waits for the thread, gathers every rank's checksums,
+    writes the manifest and renames the directory into place. All ranks must call
+    ``finish()`` at the same point of the program (the trainer does it at the next log
+    step, before another save, and at the end)."""
+
+    def __init__(self, root: Path, step: int, tmp: Path, world: World, datasets: dict,
+                 manifest: dict, keep: int, background: bool):
+        self.root, self.step, self.tmp, self.world, self.keep = root, step, tmp, world, keep
+        self.manifest = manifest
+        self._datasets = datasets
+        self._result: list = [{}, "not written"]
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._write, daemon=True,
+                                            name=f"hpctrain-ckpt-{step}")
+            self._thread.start()
+        else:
+            self._write()
+
+    def _write(self) -> None:
+        w = self.world
+        try:
+            crcs = write_shard(self.tmp / shard_name(w.rank), self._datasets,
+                               {"format": FORMAT, "version": VERSION, "rank": w.rank,
+                                "step": self.step})
+            self._result = [crcs, None]
+        except OSError as e:
+            self._result = [{}, f"rank {w.rank}: {e}"]
+        self._datasets = None  # free the snapshot
+
+    def finish(self) -> Path:
+        w, step = self.world, self.step
+        if self._thread is not None:
+            self._thread.join()
+        what = f"checkpoint save (step {step})"
+        results = gather_json(w.comm, self._result, timeout=w.timeout, what=what)
+        outcome = None
+        if w.is_root:
+            errors = [e for _, e in results if e]
+            if errors:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                outcome = ["error", f"saving checkpoint step {step} failed: {errors[0]}; the "
+                           "previous checkpoint is intact (check disk space and permissions "
+                           "of --train.out_dir)"]
+            else:
+                manifest = {**self.manifest,
+                            "crc32": {shard_name(r): c for r, (c, _) in enumerate(results)}}
+                write_synced(self.tmp / "manifest.json", json.dumps(manifest, indent=1))
+                outcome = ["ok", str(publish(self.tmp, self.root, step, self.keep))]
+        status, detail = bcast_json(w.comm, outcome, timeout=w.timeout, what=what)
+        if status != "ok":
+            raise CheckpointError(detail)
+        return Path(detail)
+
+
+def begin_save(root: Path, step: int, *, model, engine, optimizer, world: World,
+               config: dict, model_shape: dict, keep: int, tokenizer: dict | None = None,
+               background: bool = False) -> PendingSave:
+    """Start writing ``root/step_<step>`` (collective); ``.finish()`` completes it."""
     if optimizer is not None:
         layout, index, datasets, opt_step = _replicated_shard(model, optimizer, world.rank)
     else:
         layout, index, datasets, opt_step = _zero_shard(model, engine)
     datasets["rng/torch"] = torch.get_rng_state().numpy()
-    what = f"checkpoint save (step {step})"
+    if background:  # training goes on and changes the tensors: write a copy
+        datasets = {k: np.array(v, copy=True) for k, v in datasets.items()}
     tmp = None
     if world.is_root:  # rank 0 picks the directory name and tells the others
         root.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".step_{step:06d}.", suffix=".tmp", dir=root)
-    tmp = Path(bcast_json(comm, tmp, timeout=world.timeout, what=what))
-    try:
-        crcs, error = write_shard(tmp / shard_name(world.rank), datasets,
-                                  {"format": FORMAT, "version": VERSION, "rank": world.rank,
-                                   "step": step}), None
-    except OSError as e:
-        crcs, error = {}, f"rank {world.rank}: {e}"
-    results = gather_json(comm, [crcs, error], timeout=world.timeout, what=what)
-    outcome = None
-    if world.is_root:
-        errors = [e for _, e in results if e]
-        if errors:
-            shutil.rmtree(tmp, ignore_errors=True)
-            outcome = ["error", f"saving checkpoint step {step} failed: {errors[0]}; the "
-                       "previous checkpoint is intact (check disk space and permissions "
-                       "of --train.out_dir)"]
-        else:
-            manifest = {"format": FORMAT, "version": VERSION, "step": step,
-                        "optimizer_step": opt_step, "layout": layout,
-                        "world_size": world.size, "model": model_shape, "config": config,
-                        "tokenizer": tokenizer,
-                        "data": {"sampler": config["data"]["sampler"],
-                                 "seed": config["train"]["seed"], "next_step": step},
-                        "index": index,
-                        "crc32": {shard_name(r): c for r, (c, _) in enumerate(results)}}
-            write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
-            outcome = ["ok", str(publish(tmp, root, step, keep))]
-    status, detail = bcast_json(comm, outcome, timeout=world.timeout, what=what)
-    if status != "ok":
-        raise CheckpointError(detail)
-    return Path(detail)
+    tmp = Path(bcast_json(world.comm, tmp, timeout=world.timeout,
+                          what=f"checkpoint save (step {step})"))
+    manifest = {"format": FORMAT, "version": VERSION, "step": step,
+                "optimizer_step": opt_step, "layout": layout, "world_size": world.size,
+                "model": model_shape, "config": config, "tokenizer": tokenizer,
+                "data": {"sampler": config["data"]["sampler"],
+                         "seed": config["train"]["seed"], "next_step": step},
+                "index": index}
+    return PendingSave(root, step, tmp, world, datasets, manifest, keep, background)
+
+
+def save_checkpoint(root: Path, step: int, **kwargs) -> Path:
+    """Write ``root/step_<step>`` from every rank's shard; returns its path (collective)."""
+    return begin_save(root, step, **kwargs).finish()
 
 
 def model_shape(gpt_cfg) -> dict:

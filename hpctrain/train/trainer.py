@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpctrain.checkpoint.collective import find_resume, load_checkpoint, model_shape
-from hpctrain.checkpoint.collective import save_checkpoint as save_sharded_checkpoint
+from hpctrain.checkpoint.collective import begin_save, find_resume, load_checkpoint, model_shape
 from hpctrain.checkpoint.single_file import replicated_state, save_checkpoint
 from hpctrain.comm.collectives import allreduce_array
 from hpctrain.comm.world import World, threads_per_rank
@@ -105,6 +104,7 @@ class Trainer:
         self.peak = peak_tflops(world.device, t.dtype, t.peak_tflops)
         self.out_dir = Path(t.out_dir)
         self.nonfinite_steps = 0
+        self._pending_save = None
         self.start_step = 0
         resume_from = find_resume(t.resume, self.out_dir)
         if resume_from is not None:
@@ -254,6 +254,7 @@ class Trainer:
         with StopOnSignal(w.comm, w.timeout) as stop:
             self._loop(result, bar, stop)
         bar.close()
+        self.finish_pending_save()
         result.wall_s = time.perf_counter() - start
         train_time = sum(result.step_times)
         steps_run = len(result.step_times)
@@ -292,11 +293,15 @@ class Trainer:
             done = step + 1
             stopping = stop.agreed(done)  # the same answer on every rank
             is_eval = t.eval_interval > 0 and done % t.eval_interval == 0 and not stopping
-            if done % t.log_interval and not is_eval and done != t.max_iters and not stopping:
+            is_ckpt = (t.ckpt_interval > 0 and done % t.ckpt_interval == 0
+                       and done < t.max_iters and not stopping)
+            if (done % t.log_interval and not (is_eval or is_ckpt or stopping)
+                    and done != t.max_iters):
                 bar.update(1)
                 continue
             # Log step: one small collective turns every step's local loss since the last
             # log into the mean over the whole global batch.
+            self.finish_pending_save()
             elapsed = time.perf_counter() - window_t0
             local = torch.stack(window_losses).double().cpu().numpy()
             global_losses = self._allreduce(local, "loss reduction") / w.size
@@ -314,8 +319,8 @@ class Trainer:
             if stopping:
                 result.stopped_at = done
                 return
-            if t.ckpt_interval and done % t.ckpt_interval == 0 and done < t.max_iters:
-                self.save_sharded(done)
+            if is_ckpt:
+                self.save_sharded(done, background=t.ckpt_background)
             wait0 = self.dp.stats.wait_s
             window_t0 = time.perf_counter()
 
@@ -351,15 +356,27 @@ class Trainer:
         self.dp.close()
         self.metrics.close()
 
-    def save_sharded(self, step: int) -> Path:
-        """Every rank writes its shard of ``<out_dir>/checkpoints/step_<step>`` (collective)."""
-        path = save_sharded_checkpoint(
+    def save_sharded(self, step: int, background: bool = False) -> Path | None:
+        """Every rank writes its shard of ``<out_dir>/checkpoints/step_<step>`` (collective).
+        In the background, the checkpoint is published by ``finish_pending_save``."""
+        self.finish_pending_save()
+        pending = begin_save(
             self.out_dir / "checkpoints", step, model=self.model, engine=self.dp,
             optimizer=self.optimizer, world=self.world, config=self.cfg.to_dict(),
             model_shape=model_shape(self.gpt_cfg), keep=self.cfg.train.ckpt_keep,
-            tokenizer=self.data.tokenizer.meta())
+            tokenizer=self.data.tokenizer.meta(), background=background)
+        if background:
+            self._pending_save = pending
+            return None
+        path = pending.finish()
         self._log(f"checkpoint: {path}")
         return path
+
+    def finish_pending_save(self) -> None:
+        """Publish a background checkpoint (collective: every rank at the same step)."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            self._log(f"checkpoint: {pending.finish()}")
 
     def _consolidated_state(self):
         if not self.zero:
