@@ -124,7 +124,7 @@ def _add_launch(sub) -> None:
 
 
 def _add_ckpt(sub) -> None:
-    p = sub.add_parser("ckpt", help="inspect, merge or export a sharded checkpoint",
+    p = sub.add_parser("ckpt", help="inspect, merge, reshard or export a sharded checkpoint",
                        description="Work with a sharded checkpoint (a run's out_dir, its "
                                    "checkpoints/ folder, or one checkpoints/step_N) on one "
                                    "process. Any checkpoint loads at any world size and ZeRO "
@@ -136,6 +136,15 @@ def _add_ckpt(sub) -> None:
     a = acts.add_parser("merge", help="all shards into one HDF5 file (the final.h5 format)")
     a.add_argument("path")
     a.add_argument("--output", required=True, metavar="FILE.h5")
+    a = acts.add_parser("reshard", help="rewrite for another world size / ZeRO stage, so "
+                                        "that each rank reads only its own shard")
+    a.add_argument("path")
+    a.add_argument("--world", type=int, required=True, metavar="N")
+    a.add_argument("--zero", type=int, required=True, choices=[0, 1, 2, 3])
+    a.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="as --parallel.bucket_mb of the run that will resume (default 25)")
+    a.add_argument("--first-bucket-mb", type=float, default=1.0)
+    a.add_argument("--output", required=True, metavar="DIR")
     a = acts.add_parser("export", help="weights as safetensors, or a Hugging Face GPT-2 "
                                        "directory (config.json + model.safetensors)")
     a.add_argument("path")
@@ -150,6 +159,11 @@ def cmd_ckpt(args) -> int:
         print(tools.inspect(args.path, verify=args.verify))
     elif args.action == "merge":
         print(f"wrote {tools.merge(args.path, args.output)}")
+    elif args.action == "reshard":
+        out = tools.reshard(args.path, args.output, world=args.world, zero=args.zero,
+                            bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+        print(f"wrote {out}: resume with mpiexec -n {args.world} hpctrain train ... "
+              f"--parallel.zero={args.zero} --train.resume={out}")
     else:
         print(f"wrote {tools.export(args.path, args.format, args.output)}")
     return 0

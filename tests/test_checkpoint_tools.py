@@ -90,3 +90,34 @@ def test_sample_reads_a_sharded_checkpoint(trained):
     assert p.returncode == 0 and p.stdout.startswith("def "), p.stderr
     p = run(hpctrain_cmd("ckpt", "inspect", str(out / "nothing-here")))
     assert p.returncode == 2 and "not a complete checkpoint" in p.stderr
+
+
+@pytest.mark.parametrize("world,zero", [(1, 1), (3, 2), (2, 0)])
+def test_reshard_writes_a_checkpoint_for_another_layout(trained, tmp_path, world, zero):
+    out, gpt_cfg, params = trained
+    new = tools.reshard(out, tmp_path / "new", world=world, zero=zero)
+    assert f"{world} rank(s)" in tools.inspect(new, verify=True)
+    from hpctrain.checkpoint.sharded import read_full_state, read_manifest
+
+    for name, s in read_full_state(read_manifest(new)).items():
+        torch.testing.assert_close(s["param"], params[name], atol=0, rtol=0)
+    with pytest.raises(Exception, match="exists"):
+        tools.reshard(out, new, world=world, zero=zero)
+
+
+def test_resharded_checkpoint_resumes_with_its_own_layout(dataset_path, trained, tmp_path,
+                                                          monkeypatch):
+    out, _, _ = trained
+    new = tools.reshard(out / "checkpoints" / "step_000010", tmp_path / "z1", world=1, zero=1,
+                        bucket_mb=0.02, first_bucket_mb=0.005)
+    import hpctrain.checkpoint.collective as collective
+
+    def no_reshuffle(*args, **kwargs):
+        raise AssertionError("the resharded checkpoint should load shard by shard")
+
+    monkeypatch.setattr(collective, "_load_resharded", no_reshuffle)
+    cfg = tiny_config(dataset_path, tmp_path / "run", **{
+        "parallel.zero": 1, "parallel.bucket_mb": 0.02, "parallel.first_bucket_mb": 0.005,
+        "train.resume": str(new), "model.bias": True})
+    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    assert trainer.start_step == 10 and len(trainer.fit().losses) == 10

@@ -9,7 +9,7 @@ import numpy as np
 
 from hpctrain.checkpoint.export import export_hf, write_safetensors
 from hpctrain.checkpoint.sharded import (KEYS, CheckpointError, read_full_state,
-                                         read_manifest, shard_name)
+                                         read_manifest, read_rng, shard_name)
 from hpctrain.checkpoint.single_file import save_checkpoint
 
 
@@ -83,3 +83,73 @@ def load_weights(path: str | Path):
     m = read_manifest(p)
     params = {n: s["param"] for n, s in read_full_state(m).items()}
     return params, m.data["model"], m.data.get("tokenizer")
+
+
+def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
+            bucket_mb: float = 25.0, first_bucket_mb: float = 1.0) -> Path:
+    """Rewrite a checkpoint for ``world`` ranks at ZeRO stage ``zero`` (bucket caps as in
+    ``--parallel.*``), so that such a run reads only its own shard when it resumes. Any
+    checkpoint also loads at any layout directly; this saves each rank the reshuffle."""
+    import json
+    import shutil
+
+    import torch
+
+    from hpctrain.checkpoint.sharded import FORMAT, VERSION, write_shard, write_synced
+    from hpctrain.model.gpt import GPT, GPTConfig
+    from hpctrain.parallel.shards import shard_layout
+    from hpctrain.parallel.zero import ALIGN, Zero
+
+    if world < 1 or zero not in (0, 1, 2, 3):
+        raise CheckpointError(f"--world {world} --zero {zero}: use a world size >= 1 and a "
+                              "ZeRO stage 0-3")
+    m = read_manifest(path)
+    full = read_full_state(m)
+    out = Path(output)
+    if out.exists():
+        raise CheckpointError(f"{out} exists; choose a new --output directory")
+    with torch.device("meta"):  # only names, shapes and order: no memory
+        model = GPT(GPTConfig(**m.data["model"]))
+    names = {id(p): n for n, p in model.named_parameters()}
+    config = json.loads(json.dumps(m.data["config"]))
+    config["parallel"].update(zero=zero, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+    shards: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
+    if zero == 0 and config["train"]["dtype"] == "fp32":  # plain data parallelism
+        layout, index = "replicated", {"params": {n: list(s["param"].shape)
+                                                  for n, s in full.items()}}
+        for n, s in full.items():
+            for k in KEYS:
+                shards[0][f"{k}/{n}"] = s[k].numpy()
+    else:
+        layout, buckets = "zero", []
+        groups = Zero._groups(model, zero, list(model.h), bucket_mb, first_bucket_mb)
+        for i, params in enumerate(groups):
+            lay = shard_layout([p.numel() for p in params], world if zero else 1, ALIGN)
+            buckets.append({"names": [names[id(p)] for p in params],
+                            "shapes": [list(p.shape) for p in params],
+                            "offsets": list(lay.offsets), "shard": lay.shard,
+                            "world": lay.world})
+            for k in KEYS:
+                flat = np.zeros(lay.padded, dtype=np.float32)
+                for p, off in zip(params, lay.offsets):
+                    flat[off:off + p.numel()] = full[names[id(p)]][k].numpy().reshape(-1)
+                for r in range(world):
+                    lo, hi = lay.rank_range(r if zero else 0)
+                    shards[r][f"bucket_{i}/{k}"] = flat[lo:hi]
+        index = {"buckets": buckets}
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    crcs = {}
+    rng = read_rng(m, 0).numpy()  # every new rank starts from the old rank 0's RNG state
+    for r in range(world):
+        shards[r]["rng/torch"] = rng
+        crcs[shard_name(r)] = write_shard(tmp / shard_name(r), shards[r],
+                                          {"format": FORMAT, "version": VERSION, "rank": r,
+                                           "step": m.step})
+    manifest = {**m.data, "layout": layout, "world_size": world, "config": config,
+                "index": index, "crc32": crcs}
+    write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
+    tmp.rename(out)
+    return out
+
