@@ -21,19 +21,32 @@ from hpctrain.errors import EXIT_USER_ERROR, UserError
 
 
 def _add_prepare(sub) -> None:
-    p = sub.add_parser("prepare", help="tokenize text files into an HDF5 token file",
-                       description="Tokenize text into the HDF5 token format (io/FORMAT.md).")
+    p = sub.add_parser(
+        "prepare", help="tokenize text files into an HDF5 token file (in parallel under mpiexec)",
+        description="Tokenize text into the HDF5 token format (io/FORMAT.md). Under "
+                    "`mpiexec -n N` the files are shared out among the ranks, tokenized in "
+                    "parallel and written into one file with MPI-IO; the file is the same "
+                    "for any N.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", metavar="PATH",
                      help="text files, directories (all files, sorted) or globs")
     src.add_argument("--corpus", choices=["stdlib"],
                      help="built-in corpus: 'stdlib' = this Python's standard library sources")
+    src.add_argument("--combine", nargs="+", metavar="FILE.h5",
+                     help="prepared token files (same tokenizer) to list in a manifest "
+                          "(--output NAME.json): one dataset, each split the files' splits "
+                          "in order")
     p.add_argument("--output", required=True, metavar="FILE.h5")
-    p.add_argument("--tokenizer", default="char", choices=["char", "byte"])
+    p.add_argument("--tokenizer", default="char", choices=["char", "byte", "gpt2"],
+                   help="char (vocabulary from the text), byte (256), gpt2 (GPT-2 BPE via "
+                        "tiktoken, from its local cache)")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="last fraction of the tokens used for validation (default 0.1)")
     p.add_argument("--max-bytes", type=int, default=None,
                    help="size budget of the built-in corpus (default 4 MB)")
+    p.add_argument("--romio-hints", default="", metavar="K=V,...",
+                   help="ROMIO hints for writing the file under mpiexec, e.g. "
+                        "striping_factor=8,striping_unit=16777216 (Lustre)")
 
 
 def _add_train(sub) -> None:
@@ -189,19 +202,46 @@ def _version() -> str:
 
 
 def cmd_prepare(args) -> int:
-    from hpctrain.comm.abort import env_rank
     from hpctrain.data.corpus import DEFAULT_BYTES, stdlib_files
-    from hpctrain.data.prepare import prepare
+    from hpctrain.data.hints import parse_hints
+    from hpctrain.data.prepare import combine, prepare
 
-    if env_rank() != 0:  # preparation is serial: under mpiexec only rank 0 writes
+    hints = parse_hints(args.romio_hints)
+    if args.combine:  # a few metadata reads: one process does it
+        from hpctrain.comm.abort import env_rank
+
+        if env_rank() == 0:
+            s = combine(args.combine, args.output)
+            print(f"wrote manifest {s['output']}: {s['shards']} shard(s), "
+                  f"{s['train_tokens']:,} train / {s['val_tokens']:,} val tokens")
         return 0
+    comm = None
+    if _launched_by_mpi():  # every rank takes part; one rank's failure ends the job
+        from mpi4py import MPI
+
+        from hpctrain.comm.abort import install_abort_handler
+
+        comm = MPI.COMM_WORLD
+        install_abort_handler(comm)
+    root = comm is None or comm.Get_rank() == 0
     inputs = args.input or stdlib_files(args.max_bytes or DEFAULT_BYTES)
-    summary = prepare(inputs, args.output, tokenizer=args.tokenizer,
-                      val_fraction=args.val_fraction, show_progress=sys.stderr.isatty())
-    print(f"prepared {summary['output']}: {summary['files']} file(s), {summary['tokens']:,} "
-          f"tokens ({summary['train_tokens']:,} train / {summary['val_tokens']:,} val), "
-          f"{summary['tokenizer']} vocabulary of {summary['vocab_size']}")
+    show = root and (sys.stderr.isatty() or (comm is not None and comm.Get_size() > 1))
+    s = prepare(inputs, args.output, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                show_progress=show, comm=comm, romio_hints=hints)
+    if root:
+        print(f"prepared {s['output']}: {s['files']} file(s), {s['tokens']:,} "
+              f"tokens ({s['train_tokens']:,} train / {s['val_tokens']:,} val), "
+              f"{s['tokenizer']} vocabulary of {s['vocab_size']}, {s['ranks']} rank(s)")
     return 0
+
+
+def _launched_by_mpi() -> bool:
+    """Whether an MPI launcher started this process (then prepare runs on all ranks; on
+    its own it runs without initializing MPI, e.g. on a login node)."""
+    import os
+
+    return any(name in os.environ for name in
+               ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "PMI_SIZE"))
 
 
 def cmd_train(args, overrides: list[str]) -> int:

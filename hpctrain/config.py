@@ -70,9 +70,27 @@ class DataConfig:
                                 "(Megatron-LM), 'random' = uniform random starts (nanoGPT)",
                        ("epoch", "random"))
     verify: bool = opt(True, "check the file's CRC-32 blocks (in parallel) before training")
+    reader: str = opt("auto", "how ranks read windows: 'mpiio' = collective MPI-IO reads at "
+                              "the arrays' byte offsets, 'h5mpio' = parallel HDF5 (h5py "
+                              "built with MPI), 'mmap' = a memory map per rank (no MPI-IO); "
+                              "'auto' = h5mpio where h5py has MPI, else mpiio",
+                      ("auto", "mpiio", "h5mpio", "mmap"))
+    prefetch: bool = opt(True, "read the next step's batch in a background thread while "
+                               "the current step computes")
+    romio_hints: str = opt("", "ROMIO hints for MPI-IO, key=value,key=value (e.g. "
+                               "romio_cb_read=enable,cb_nodes=8); empty keeps hpctrain's "
+                               "defaults for random windows (see io/README.md)")
+    stage_dir: str = opt("", "copy the dataset to this node-local directory first (one rank "
+                             "per node) and read it there, e.g. /local/scratch on Polaris")
 
     def __post_init__(self):
         _check_choices(self)
+        from hpctrain.data.hints import parse_hints
+
+        try:
+            parse_hints(self.romio_hints)
+        except ConfigError as e:
+            raise ConfigError(f"data.romio_hints: {e}") from None
 
 
 @dataclass

@@ -1,21 +1,47 @@
-"""``hpctrain prepare``: text files -> one HDF5 token file (see ``format.py``).
+"""``hpctrain prepare``: text files -> one HDF5 token file (see ``format.py``), on one
+process or on every rank of an MPI job, with the same bytes either way.
 
 The files are read in the order given (directories and globs expand to sorted lists),
-joined with a newline where a file does not end in one, tokenized, and split: the last
-``val_fraction`` of the tokens is the validation split (nanoGPT's split for Shakespeare).
+joined with a newline where a file does not end in one (never after the last file),
+tokenized file by file, and split: the last ``val_fraction`` of the tokens is the
+validation split (nanoGPT's split for Shakespeare).
+
+Under ``mpiexec -n N``:
+
+1. rank 0 expands the inputs and broadcasts the file list and sizes;
+2. each rank takes a contiguous run of files holding about 1/N of the bytes;
+3. each rank reads and tokenizes its files; a character vocabulary is the sorted union
+   of every rank's characters (allgather);
+4. the token counts are allgathered: a rank's tokens start where the previous ranks' end;
+5. each rank checksums its pieces of the 64 MiB checksum blocks and rank 0 joins the
+   pieces (``crc32_combine``); rank 0 writes the HDF5 metadata, the checksums and the
+   space for the tokens under a temporary name (MPI-IO creates it first, so Lustre
+   striping hints apply);
+6. every rank writes its tokens at their byte offset with collective MPI-IO
+   (``Write_at_all``), and rank 0 renames the file into place.
+
+Work is split by files: a corpus of many files scales, a single huge file is one rank's
+work. Memory per rank is about its share of the text plus its tokens.
 """
 
 from __future__ import annotations
 
 import glob
+import os
+import uuid
+import zlib
 from pathlib import Path
 
 import numpy as np
 
-from hpctrain.data.format import write_token_file
-from hpctrain.data.tokenizers import TOKENIZERS, ByteTokenizer, CharTokenizer
-from hpctrain.errors import DataError
+from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_blocks,
+                                  create_token_file, crc32_combine, temp_name, token_dtype,
+                                  write_all, write_manifest)
+from hpctrain.data.tokenizers import TOKENIZERS, CharTokenizer, make_tokenizer
+from hpctrain.errors import DataError, UserError
 from hpctrain.progress import Progress
+
+WRITE_CHUNK_BYTES = 256 << 20  # a rank writes its tokens in collective rounds of this size
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:
@@ -37,48 +63,301 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
     return files
 
 
-def _read_all(files: list[Path], as_text: bool, progress: Progress) -> list:
+def assign_files(sizes: list[int], n_ranks: int) -> list[tuple[int, int]]:
+    """Rank r takes files ``[lo, hi)``: contiguous runs of about total/n bytes each (a file
+    goes to the rank whose share holds its middle byte)."""
+    total, pos, owners = sum(sizes), 0, []
+    for size in sizes:
+        owners.append(min(n_ranks - 1, (2 * pos + size) * n_ranks // (2 * total)) if total else 0)
+        pos += size
+    return [(sum(o < r for o in owners), sum(o <= r for o in owners)) for r in range(n_ranks)]
+
+
+def crc_pieces(data: memoryview, start: int, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> list:
+    """``data`` holds bytes ``[start, start + len)`` of an array: (block, CRC, length) of
+    each piece of it that falls in one checksum block."""
+    pieces, pos = [], 0
+    while pos < len(data):
+        block = (start + pos) // block_bytes
+        end = min(len(data), (block + 1) * block_bytes - start)
+        pieces.append((block, zlib.crc32(data[pos:end]), end - pos))
+        pos = end
+    return pieces
+
+
+def join_crc_pieces(pieces: list, nbytes: int, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> np.ndarray:
+    """The CRC of every block from the pieces of all ranks, in array order."""
+    crcs = [0] * max(1, -(-nbytes // block_bytes))
+    seen = [False] * len(crcs)
+    for block, crc, length in pieces:
+        crcs[block] = crc32_combine(crcs[block], crc, length) if seen[block] else crc
+        seen[block] = True
+    return np.array(crcs, dtype=np.uint32)
+
+
+# --------------------------------------------------------------- who does what, where
+
+class _Solo:
+    """One process, no MPI: the same algorithm as ``_Group`` on a world of one."""
+    rank, size = 0, 1
+
+    def allgather(self, obj):
+        return [obj]
+
+    def bcast(self, obj):
+        return obj
+
+    def check(self, error: str | None) -> None:
+        if error:
+            raise DataError(error)
+
+    def create(self, path: Path, hints: dict) -> Path:
+        def make():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return temp_name(path)
+        return _attempt(self, make)
+
+    def write(self, tmp: Path, hints: dict, writes: list[list[tuple[int, memoryview]]]) -> None:
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            for round_writes in writes:
+                for offset, data in round_writes:
+                    write_all(fd, data, offset)
+        finally:
+            os.close(fd)
+
+    def barrier(self) -> None:
+        pass
+
+
+class _Group(_Solo):
+    """Every rank of an MPI communicator."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+
+    def allgather(self, obj):
+        return self.comm.allgather(obj)
+
+    def bcast(self, obj):
+        return self.comm.bcast(obj, root=0)
+
+    def check(self, error: str | None) -> None:
+        """Raise the first rank's error on every rank (nobody is left in a collective)."""
+        errors = [e for e in self.comm.allgather(error) if e]
+        if errors:
+            raise DataError(errors[0])
+
+    def create(self, path: Path, hints: dict) -> Path:
+        from mpi4py import MPI
+
+        from hpctrain.data.mpiio import make_info
+
+        # MPI-IO creates the file so that striping hints (striping_factor, striping_unit)
+        # take effect on Lustre; h5py later truncates it, which keeps the striping.
+        def name():
+            if self.rank != 0:
+                return None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return str(path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+        tmp = Path(self.bcast(_attempt(self, name)))
+        info = make_info(hints)
+        try:
+            MPI.File.Open(self.comm, str(tmp), MPI.MODE_CREATE | MPI.MODE_WRONLY, info).Close()
+        finally:
+            info.Free()
+        return tmp
+
+    def write(self, tmp: Path, hints: dict, writes) -> None:
+        from mpi4py import MPI
+
+        from hpctrain.data.mpiio import make_info
+
+        info = make_info(hints)
+        fh = MPI.File.Open(self.comm, str(tmp), MPI.MODE_WRONLY, info)
+        info.Free()
+        empty, error = np.empty(0, np.uint8), None
+        try:
+            # One collective call per round on every rank, even after a failure here, so
+            # that no rank is left waiting in a collective.
+            for round_writes in writes:
+                for offset, data in (round_writes if error is None else []) or [(0, empty)]:
+                    try:
+                        fh.Write_at_all(offset, [data, MPI.BYTE])
+                    except MPI.Exception as exc:
+                        error = error or str(exc)
+        finally:
+            fh.Close()
+        if error:
+            raise DataError(f"writing {tmp} failed: {error}; check the free space and quota")
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+def _attempt(group, fn):
+    """Run ``fn`` on every rank; a user-fixable failure anywhere fails every rank."""
+    result, error = None, None
+    try:
+        result = fn()
+    except UserError as exc:
+        error = str(exc)
+    except OSError as exc:
+        error = f"{exc}; check the path and permissions"
+    group.check(error)
+    return result
+
+
+# --------------------------------------------------------------------------- prepare
+
+def _read_files(files: list[Path], first: int, n_total: int, as_text: bool,
+                progress: Progress) -> list:
     parts = []
-    for path in files:
+    for i, path in enumerate(files, start=first):
         raw = path.read_bytes()
-        if raw and not raw.endswith(b"\n") and path is not files[-1]:
+        if raw and not raw.endswith(b"\n") and i != n_total - 1:
             raw += b"\n"
         if as_text:
             try:
-                parts.append(raw.decode("utf-8"))
+                raw = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); "
                                 "use --tokenizer byte for arbitrary bytes") from None
-        else:
-            parts.append(raw)
+        parts.append(raw)
         progress.update(1, path.name[:30])
     return parts
 
 
 def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: str = "char",
-            val_fraction: float = 0.1, show_progress: bool = True) -> dict:
-    """Tokenize ``inputs`` into ``output``; return a summary dict."""
+            val_fraction: float = 0.1, show_progress: bool = True, comm=None,
+            romio_hints: dict | None = None) -> dict:
+    """Tokenize ``inputs`` into ``output``; return a summary dict.
+
+    With ``comm`` (an MPI communicator) every rank of it must call this with the same
+    arguments; the work is shared and the file is the one a single process writes.
+    """
+    group = _Solo() if comm is None else _Group(comm)
+    output, hints = Path(output), romio_hints or {}
     if tokenizer not in TOKENIZERS:
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction must be between 0 and 1, not {val_fraction}")
-    files = expand_inputs([str(p) for p in inputs])
-    progress = Progress(len(files), "read", enabled=show_progress)
-    parts = _read_all(files, as_text=tokenizer == "char", progress=progress)
+
+    # 1-2. the file list (read once, on rank 0) and this rank's run of files
+    def listing():
+        if group.rank != 0:
+            return None
+        files = expand_inputs([str(p) for p in inputs])
+        return [str(f) for f in files], [f.stat().st_size for f in files]
+    names, sizes = group.bcast(_attempt(group, listing))
+    lo, hi = assign_files(sizes, group.size)[group.rank]
+    mine = [Path(n) for n in names[lo:hi]]
+
+    # 3. read, build the vocabulary, tokenize
+    tok = None if tokenizer == "char" else _attempt(group, lambda: make_tokenizer(tokenizer))
+    show = show_progress and group.rank == 0
+    progress = Progress(len(mine), "tokenize" + (f" (rank 0 of {group.size})"
+                                                 if group.size > 1 else ""), enabled=show)
+    texts = _attempt(group, lambda: _read_files(mine, lo, len(names), tokenizer != "byte",
+                                                progress))
+    if tok is None:  # the character vocabulary: every rank's characters, sorted
+        chars = set().union(*map(set, texts))
+        union = set().union(*group.allgather("".join(sorted(chars))))
+        tok = _attempt(group, lambda: CharTokenizer("".join(sorted(union))))
+    dtype = token_dtype(tok.vocab_size).newbyteorder("<")
+    encoded = [np.asarray(tok.encode(t), dtype=dtype) for t in texts]
+    del texts
+    tokens = np.concatenate(encoded) if encoded else np.zeros(0, dtype)
+    del encoded
     progress.close()
-    if tokenizer == "char":
-        text = "".join(parts)
-        tok = CharTokenizer.from_texts([text]) if text else None
-        tokens = tok.encode(text) if tok else np.zeros(0, np.uint32)
-    else:
-        tok = ByteTokenizer()
-        tokens = tok.encode(b"".join(parts))
-    n = int(tokens.size)
+
+    # 4. where this rank's tokens go
+    counts = group.allgather(int(tokens.size))
+    start, n = sum(counts[:group.rank]), sum(counts)
     n_train = int(n * (1.0 - val_fraction))
     if n_train < 2 or n - n_train < 2:
         raise DataError(f"the input has only {n} tokens: too few for a train and a validation "
                         "split; give more text or change --val-fraction")
-    splits = {"train": tokens[:n_train], "val": tokens[n_train:]}
-    write_token_file(output, splits, tok.meta(), sources=[str(p) for p in files])
-    return {"output": str(output), "files": len(files), "tokens": n, "train_tokens": n_train,
-            "val_tokens": n - n_train, "vocab_size": tok.vocab_size, "tokenizer": tok.name}
+    bounds = {"train": (0, n_train), "val": (n_train, n)}
+    local, pieces = {}, {}
+    for name, (a, b) in bounds.items():
+        lo_t, hi_t = max(a, start), min(b, start + tokens.size)
+        chunk = tokens[max(0, lo_t - start):max(0, hi_t - start)]
+        local[name] = (max(0, lo_t - a), memoryview(np.ascontiguousarray(chunk)).cast("B"))
+        pieces[name] = crc_pieces(local[name][1], local[name][0] * dtype.itemsize)
+
+    # 5. checksums joined on rank 0, which writes the HDF5 part
+    gathered = group.allgather(pieces)
+    tmp = None
+    try:
+        tmp = group.create(output, hints)
+
+        def metadata():
+            if group.rank != 0:
+                return None
+            crcs = {name: join_crc_pieces([p for g in gathered for p in g[name]],
+                                          (b - a) * dtype.itemsize)
+                    for name, (a, b) in bounds.items()}
+            return create_token_file(tmp, n_tokens={k: b - a for k, (a, b) in bounds.items()},
+                                     dtype=dtype, tokenizer_meta=tok.meta(), crcs=crcs,
+                                     sources=names)
+        offsets = group.bcast(_attempt(group, metadata))
+
+        # 6. tokens at their offsets, in rounds of at most WRITE_CHUNK_BYTES per rank
+        writes = []
+        for name in SPLITS:
+            first, data = local[name]
+            base = offsets[name] + first * dtype.itemsize
+            writes += [(base + k, data[k:k + WRITE_CHUNK_BYTES])
+                       for k in range(0, len(data), WRITE_CHUNK_BYTES)]
+        rounds = max(group.allgather(len(writes)))
+        per_round = [[w] for w in writes] + [[] for _ in range(rounds - len(writes))]
+        _attempt(group, lambda: group.write(tmp, hints, per_round))
+        group.barrier()
+        if group.rank == 0:
+            os.replace(tmp, output)
+        tmp = None
+    finally:
+        if tmp is not None and group.rank == 0:
+            Path(tmp).unlink(missing_ok=True)
+    group.barrier()
+    return {"output": str(output), "files": len(names), "tokens": n, "train_tokens": n_train,
+            "val_tokens": n - n_train, "vocab_size": tok.vocab_size, "tokenizer": tok.name,
+            "ranks": group.size}
+
+
+def combine(shards: list[str] | list[Path], output: str | Path) -> dict:
+    """Write a manifest (``output``, ``.json``) that makes prepared files one dataset."""
+    from hpctrain.data.dataset import read_info
+
+    output = Path(output)
+    if output.suffix != ".json":
+        raise DataError(f"a manifest's name ends in .json, not {output.name}; e.g. "
+                        f"--output {output.with_suffix('.json')}")
+    infos = [read_info(s) for s in shards]
+    first = infos[0]
+    entries = []
+    for info in infos:
+        if len(info.files) != 1:
+            raise DataError(f"{info.path} is a manifest; combine token files (.h5) only")
+        if info.tokenizer_meta != first.tokenizer_meta:
+            raise DataError(f"{info.path} and {first.path} have different vocabularies; "
+                            "shards must share one tokenizer: prepare them with --tokenizer "
+                            "byte or gpt2, or as one dataset")
+        entry = {"path": os.path.relpath(info.path.resolve(), output.parent.resolve())}
+        for name in SPLITS:
+            split = info.splits[name]
+            entry[f"{name}_tokens"] = split.n_tokens
+            entry[f"{name}_crc32"] = _array_checksum(info, name)
+        entries.append(entry)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_manifest(output, entries, first.tokenizer_meta, first.splits["train"].dtype)
+    return {"output": str(output), "shards": len(entries),
+            "train_tokens": sum(e["train_tokens"] for e in entries),
+            "val_tokens": sum(e["val_tokens"] for e in entries)}
+
+
+def _array_checksum(info, name: str) -> int:
+    part = info.splits[name].parts[0]
+    return checksum_from_blocks(part.crc32, part.n_tokens * info.splits[name].dtype.itemsize,
+                                part.block_bytes)
