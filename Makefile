@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) perf/bench_convergence.py
 	$(PY) perf/bench_zero.py
 	$(PY) perf/bench_checkpoint.py
+	$(PY) perf/bench_io.py
 
 # Regenerate the example job scripts (tests/test_jobs.py checks they are in sync).
 jobscripts: $(STAMP)

@@ -23,7 +23,7 @@ from hpctrain.checkpoint.single_file import replicated_state, save_checkpoint
 from hpctrain.comm.collectives import allreduce_array
 from hpctrain.comm.world import World, threads_per_rank
 from hpctrain.config import Config, ConfigError, check_layout
-from hpctrain.data.dataset import TokenDataset
+from hpctrain.data.loader import open_dataset
 from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler
 from hpctrain.errors import CommTimeout, DataError, NonFiniteError
 from hpctrain.model.gpt import GPT, GPTConfig
@@ -62,7 +62,9 @@ class Trainer:
         torch.set_num_threads(cfg.train.threads or threads_per_rank(world.local_size))
         self.device = torch.device(world.device)
 
-        self.data = TokenDataset(cfg.data.path)
+        # Collective MPI-IO reads (--data.reader) through a prefetching thread.
+        self.data = open_dataset(cfg.data, world)
+        self._next_batch = None  # (step, read in flight) of the next training batch
         self.data.check_fits(cfg.model.block_size, cfg.model.vocab_size)
         if cfg.data.verify:
             self._verify_data()
@@ -119,9 +121,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _verify_data(self) -> None:
-        """Every rank checks the CRC of a share of the blocks; all agree on the verdict."""
+        """Every rank checks the CRC of a share of the blocks; all agree on the verdict.
+        Staged copies are checked node by node: each node reads its own copy."""
         w = self.world
-        bad = self.data.verify(w.rank, w.size)
+        staged = bool(self.cfg.data.stage_dir)
+        bad = self.data.verify(w.local_rank if staged else w.rank,
+                               w.local_size if staged else w.size)
         n_bad = int(allreduce_array(w.comm, [len(bad)], timeout=w.timeout,
                                     what="dataset checksum verdict")[0])
         if n_bad:
@@ -133,8 +138,31 @@ class Trainer:
         return allreduce_array(self.world.comm, values, timeout=self.world.timeout, what=what)
 
     def _batch(self, split: str, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.from_numpy(self.data.read(split, starts, self.block + 1))
-        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        rows = self.data.submit(self._load, split, np.array(starts, dtype=np.int64))
+        return self._to_device(*self.data.wait(rows, f"reading {split} data"))
+
+    def _train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's rows, read by the reader thread while the previous step computed;
+        the next step's read is queued now (the sampler is a pure function of the step)."""
+        pending, self._next_batch = self._next_batch, None
+        if pending is None or pending[0] != step:  # the first step, or a resumed one
+            pending = (step, self.data.submit(self._load_train, step))
+        if step + 1 < self.cfg.train.max_iters:
+            self._next_batch = (step + 1, self.data.submit(self._load_train, step + 1))
+        return self._to_device(*self.data.wait(pending[1], "the training batch"))
+
+    def _load_train(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # In the reader thread, the only user of self.sampler. Every rank reads as many
+        # rows, so the collective reads need not agree on a count first.
+        w = self.world
+        return self._load("train", self.sampler.local_starts(step, w.rank, w.size), uniform=True)
+
+    def _load(self, split: str, starts: np.ndarray, uniform: bool = False):
+        tokens = torch.from_numpy(self.data.reader.read(split, starts, self.block + 1,
+                                                        uniform=uniform))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.device.type == "cuda":
             x, y = x.pin_memory().to(self.device, non_blocking=True), \
                 y.pin_memory().to(self.device, non_blocking=True)
@@ -151,10 +179,9 @@ class Trainer:
     # ---------------------------------------------------------------- the step
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step; returns (this rank's mean loss, grad norm, data seconds)."""
-        w = self.world
         lr = learning_rate(step, self.cfg.optim, self.cfg.train.max_iters)
         t0 = time.perf_counter()
-        x, y = self._batch("train", self.sampler.local_starts(step, w.rank, w.size))
+        x, y = self._train_batch(step)
         data_s = time.perf_counter() - t0
         scale = self.dp.grad_scale / self.micro
         loss_sum = torch.zeros((), device=self.device)
@@ -264,6 +291,7 @@ class Trainer:
             self._log(f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved; "
                       "run the same command with --train.resume=auto to continue")
             self.dp.close()
+            self.data.close()
             self.metrics.close()
             return result
         if t.final_eval:
@@ -354,6 +382,7 @@ class Trainer:
             if self.world.is_root:
                 self._write_outputs(result, state, memory)
         self.dp.close()
+        self.data.close()
         self.metrics.close()
 
     def save_sharded(self, step: int, background: bool = False) -> Path | None:
