@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,8 +50,12 @@ def main(argv=None) -> dict:
     max_iters = a.max_iters or t.max_iters
     batch = a.batch_size or t.batch_size
     ds = TokenDataset(a.data)
-    train = torch.from_numpy(ds._maps["train"].astype("int64"))
-    val = torch.from_numpy(ds._maps["val"].astype("int64"))
+
+    def whole(split):  # nanoGPT keeps the whole token array in memory
+        n = ds.splits[split].n_tokens
+        return torch.from_numpy(ds.read(split, np.array([0]), n)[0].astype("int64"))
+
+    train, val = whole("train"), whole("val")
 
     def get_batch(split):
         data = train if split == "train" else val

@@ -83,6 +83,21 @@ class rss_growth_mb:
 BIG_TRAIN, PATCH = 1_000_000_000, 1 << 17  # 2 GB of uint16 tokens; known tokens per block
 
 
+def read_all_bounded(path, windows, comm) -> float:
+    """Read ``windows`` (16 per call) through MPI-IO on ``comm``, check each against numpy,
+    verify the file's checksums; return this rank's peak memory growth in MB."""
+    info = read_info(path)
+    with rss_growth_mb() as growth:
+        data = open_dataset(DataConfig(path=str(path), reader="mpiio"), World.create(comm))
+        assert data.verify(comm.rank, comm.size) == []
+        for k in range(0, len(windows), 16):
+            got = data.read("train", windows[k:k + 16], 1025, uniform=True)
+            assert np.array_equal(got, numpy_windows(path, info, "train", windows[k:k + 16],
+                                                     1025))
+        data.close()
+    return growth.mb
+
+
 def make_big_sparse_file(path, n_windows: int = 256, seed: int = 0):
     """A valid ~2 GB token file in a few seconds: the arrays are allocated but unwritten
     (a sparse file that reads as zeros) except for a patch of known tokens in every
@@ -484,17 +499,8 @@ def test_data_that_does_not_fit_the_model_stops_training(dataset_path, tmp_path)
 def test_a_2gb_dataset_is_read_with_bounded_memory(tmp_path):
     path, windows = make_big_sparse_file(tmp_path / "big.h5")
     try:
-        info = read_info(path)
-        with rss_growth_mb() as growth:
-            data = open_dataset(DataConfig(path=str(path), reader="mpiio"),
-                                World.create(MPI.COMM_SELF))
-            assert data.verify() == []
-            for k in range(0, len(windows), 16):
-                got = data.read("train", windows[k:k + 16], 1025, uniform=True)
-                assert np.array_equal(got, numpy_windows(path, info, "train",
-                                                         windows[k:k + 16], 1025))
-            data.close()
-        assert growth.mb < 200, f"memory grew by {growth.mb:.0f} MB"
+        growth = read_all_bounded(path, windows, MPI.COMM_SELF)
+        assert growth < 200, f"memory grew by {growth:.0f} MB"
     finally:
         path.unlink()
 

@@ -19,7 +19,7 @@ from hpctrain.data.prepare import combine, prepare
 from hpctrain.errors import DataError
 from hpctrain.train.trainer import Trainer
 from tests.helpers import tiny_config
-from tests.test_io import (_corrupt, make_big_sparse_file, numpy_windows, rss_growth_mb)
+from tests.test_io import _corrupt, make_big_sparse_file, numpy_windows, read_all_bounded
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -186,17 +186,9 @@ def test_a_2gb_dataset_is_read_with_bounded_memory(shared_tmp):
 
     path, windows = _on_root(lambda: make_big_sparse_file(Path(shared_tmp) / "big.h5"))
     try:
-        info = read_info(path)
         mine = np.array_split(windows, COMM.size)[COMM.rank][:48]
-        with rss_growth_mb() as growth:
-            data = open_dataset(DataConfig(path=str(path), reader="mpiio"), World.create(COMM))
-            assert data.verify(COMM.rank, COMM.size) == []
-            for k in range(0, len(mine), 16):
-                got = data.read("train", mine[k:k + 16], 1025, uniform=True)
-                assert np.array_equal(got, numpy_windows(path, info, "train",
-                                                         mine[k:k + 16], 1025))
-            data.close()
-        assert growth.mb < 200, f"rank {COMM.rank}: memory grew by {growth.mb:.0f} MB"
+        growth = read_all_bounded(path, mine, COMM)
+        assert growth < 200, f"rank {COMM.rank}: memory grew by {growth:.0f} MB"
     finally:
         COMM.Barrier()
         if COMM.rank == 0:
