@@ -38,17 +38,15 @@ def _replicated_shard(model, optimizer, rank: int):
     return "replicated", index, datasets, step
 
 
+def bucket_entry(names: dict, params: list, layout) -> dict:
+    """The manifest's record of one bucket: which parameter lies where, and the shards."""
+    return {"names": [names[id(p)] for p in params], "shapes": [list(p.shape) for p in params],
+            "offsets": list(layout.offsets), "shard": layout.shard, "world": layout.world}
+
+
 def _zero_index(model, zero) -> dict:
-    """ZeRO: per bucket, which parameters lie where in the flat buffer, and the shards."""
     names = {id(p): n for n, p in model.named_parameters()}
-    buckets = []
-    for b in zero.buckets:
-        lay = b.layout
-        buckets.append({"names": [names[id(p)] for p in b.params],
-                        "shapes": [list(p.shape) for p in b.params],
-                        "offsets": list(lay.offsets), "shard": lay.shard,
-                        "world": lay.world})
-    return {"buckets": buckets}
+    return {"buckets": [bucket_entry(names, b.params, b.layout) for b in zero.buckets]}
 
 
 def _zero_shard(model, zero):

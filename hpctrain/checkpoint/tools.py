@@ -98,7 +98,8 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     from hpctrain.checkpoint.sharded import FORMAT, VERSION, write_shard, write_synced
     from hpctrain.model.gpt import GPT, GPTConfig
     from hpctrain.parallel.shards import shard_layout
-    from hpctrain.parallel.zero import ALIGN, Zero
+    from hpctrain.checkpoint.collective import bucket_entry
+    from hpctrain.parallel.zero import ALIGN, Zero, pack_flat
 
     if world < 1 or zero not in (0, 1, 2, 3):
         raise CheckpointError(f"--world {world} --zero {zero}: use a world size >= 1 and a "
@@ -125,14 +126,9 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
         groups = Zero._groups(model, zero, list(model.h), bucket_mb, first_bucket_mb)
         for i, params in enumerate(groups):
             lay = shard_layout([p.numel() for p in params], world if zero else 1, ALIGN)
-            buckets.append({"names": [names[id(p)] for p in params],
-                            "shapes": [list(p.shape) for p in params],
-                            "offsets": list(lay.offsets), "shard": lay.shard,
-                            "world": lay.world})
+            buckets.append(bucket_entry(names, params, lay))
             for k in KEYS:
-                flat = np.zeros(lay.padded, dtype=np.float32)
-                for p, off in zip(params, lay.offsets):
-                    flat[off:off + p.numel()] = full[names[id(p)]][k].numpy().reshape(-1)
+                flat = pack_flat(lay, [full[names[id(p)]][k] for p in params]).numpy()
                 for r in range(world):
                     lo, hi = lay.rank_range(r if zero else 0)
                     shards[r][f"bucket_{i}/{k}"] = flat[lo:hi]

@@ -51,6 +51,14 @@ ALIGN = 16  # shard length multiple: 64-byte aligned fp32 shards for vector kern
 MAX_STAGING = 2  # fp32 reduction buffers before a new bucket waits for an old reduction
 
 
+def pack_flat(layout, tensors, device=None) -> torch.Tensor:
+    """``tensors`` laid back to back in one zero-padded fp32 buffer of ``layout.padded``."""
+    flat = torch.zeros(layout.padded, dtype=torch.float32, device=device)
+    for t, off in zip(tensors, layout.offsets):
+        flat[off:off + t.numel()] = t.detach().reshape(-1)
+    return flat
+
+
 def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> None:
     if world.size == 1:
         return
@@ -122,9 +130,7 @@ class ZeroBucket:
         device = params[0].device
         lay = self.layout
         with torch.no_grad():
-            master_full = torch.zeros(lay.padded, dtype=torch.float32, device=device)
-            for p, off in zip(params, lay.offsets):
-                master_full[off:off + p.numel()] = p.detach().reshape(-1)
+            master_full = pack_flat(lay, params, device)
             # Parameters in the compute dtype: every p.data becomes a view of `full`.
             self.full = master_full.to(dtype) if dtype != torch.float32 else master_full
             for p, off in zip(params, lay.offsets):
@@ -415,9 +421,6 @@ class Zero(BucketScheduler):
             b.full_mpi().from_mpi()
         self.stats.gathers += len(reqs)
 
-    def broadcast_parameters(self, root: int = 0) -> None:
-        """Nothing to do: the constructor shares ``root``'s parameters before sharding."""
-
     # ---------------------------------------------------------- stage 3 gathers
     def _install_gather_hooks(self, model, blocks) -> None:
         n = len(blocks)
@@ -536,11 +539,9 @@ class Zero(BucketScheduler):
         with torch.no_grad():
             for b, opt in zip(self.buckets, self.optimizers):
                 lo, hi = b.layout.rank_range(b.rank)
-                flat = {k: torch.zeros(b.layout.padded, dtype=torch.float32) for k in full[
-                    names[id(b.params[0])]]}
-                for p, off in zip(b.params, b.layout.offsets):
-                    for k, v in full[names[id(p)]].items():
-                        flat[k][off:off + p.numel()] = v.reshape(-1)
+                mine = [full[names[id(p)]] for p in b.params]
+                flat = {k: pack_flat(b.layout, [m[k] for m in mine])
+                        for k in ("param", "exp_avg", "exp_avg_sq")}
                 dev = b.master.device
                 b.master.copy_(flat["param"][lo:hi].to(dev))
                 b.exp_avg.copy_(flat["exp_avg"][lo:hi].to(dev))

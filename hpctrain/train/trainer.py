@@ -290,9 +290,7 @@ class Trainer:
             self.save_sharded(result.stopped_at)
             self._log(f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved; "
                       "run the same command with --train.resume=auto to continue")
-            self.dp.close()
-            self.data.close()
-            self.metrics.close()
+            self._close()
             return result
         if t.final_eval:
             result.final_val_loss = self.full_val_loss()
@@ -381,6 +379,10 @@ class Trainer:
         with self.dp.gathered() if gather else contextlib.nullcontext():
             if self.world.is_root:
                 self._write_outputs(result, state, memory)
+        self._close()
+
+    def _close(self) -> None:
+        """Release communicators, file handles and the metrics log (every rank)."""
         self.dp.close()
         self.data.close()
         self.metrics.close()
