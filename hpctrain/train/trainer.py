@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 from hpctrain.checkpoint.collective import begin_save, find_resume, load_checkpoint, model_shape
 from hpctrain.checkpoint.single_file import replicated_state, save_checkpoint
@@ -35,6 +36,7 @@ from hpctrain.train.metrics import MetricsLog, peak_tflops
 from hpctrain.train.optim import (build_optimizer, clip_grads_, global_grad_norm,
                                   learning_rate, param_groups)
 from hpctrain.train.stop import StopOnSignal
+from hpctrain.train.timing import peak_rss_bytes, summarize
 
 FULL_EVAL_ROWS = 64  # windows per forward pass in the final whole-split evaluation
 
@@ -48,6 +50,12 @@ class TrainResult:
     final_val_loss: float | None = None
     """Loss over the whole validation split at the end."""
     step_times: list[float] = field(default_factory=list)
+    data_times: list[float] = field(default_factory=list)
+    """Seconds each step waited for its batch (the reader thread was behind)."""
+    comm_times: list[float] = field(default_factory=list)
+    """Seconds each step waited for gradient reductions after backward (not hidden)."""
+    bubble_times: list[float] = field(default_factory=list)
+    """Seconds each step's pipeline stage sat idle waiting for a neighbour (pp > 1)."""
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
     stopped_at: int | None = None
@@ -305,12 +313,15 @@ class Trainer:
         window_t0, window_steps, data_s = time.perf_counter(), 0, 0.0
         wait0 = self.dp.stats.wait_s
         for step in range(self.start_step, t.max_iters):
-            t0 = time.perf_counter()
+            t0, comm0 = time.perf_counter(), self.dp.stats.wait_s
             try:
                 loss, norm, d = self.train_step(step)
             except CommTimeout as e:  # say where the job was when it stopped
                 raise CommTimeout(f"step {step + 1}: {e}") from None
             result.step_times.append(time.perf_counter() - t0)
+            result.data_times.append(d)
+            result.comm_times.append(self.dp.stats.wait_s - comm0)
+            result.bubble_times.append(0.0)
             if step == self.start_step:
                 self._log(f"memory per rank: {self.memory().describe()}", bar)
             window_losses.append(loss)
@@ -374,11 +385,14 @@ class Trainer:
             self.save_sharded(t.max_iters)
             state = self._consolidated_state()
         memory = self.memory()
+        # The largest rank's peak is what has to fit on a node's share of memory.
+        peak_rss = int(allreduce_array(self.world.comm, [peak_rss_bytes()], op=MPI.MAX,
+                                       timeout=self.world.timeout, what="peak memory")[0])
         # ZeRO-3 samples from gathered parameters (every rank gathers, rank 0 samples).
         gather = self.zero and t.sample_tokens > 0
         with self.dp.gathered() if gather else contextlib.nullcontext():
             if self.world.is_root:
-                self._write_outputs(result, state, memory)
+                self._write_outputs(result, state, memory, peak_rss)
         self._close()
 
     def _close(self) -> None:
@@ -416,13 +430,17 @@ class Trainer:
         params = {name: s.pop("param") for name, s in full.items()}
         return params, full
 
-    def _write_outputs(self, result: TrainResult, state, memory) -> None:
+    def _write_outputs(self, result: TrainResult, state, memory, peak_rss: int) -> None:
         t = self.cfg.train
         summary = {
             "steps": t.max_iters, "world_size": self.world.size,
             "final_val_loss": result.final_val_loss, "wall_s": result.wall_s,
             "tokens_per_s": result.tokens_per_s,
             "step_ms_median": 1e3 * statistics.median(result.step_times) if result.step_times else None,
+            "timing": summarize(result.step_times, result.data_times, result.comm_times,
+                                result.bubble_times),
+            "peak_rss_bytes_max_rank": peak_rss,
+            "flops_per_token": self.flops_per_token, "peak_tflops": self.peak,
             "params": self.model.num_params(), "memory_per_rank": memory.to_dict(),
             "config": self.cfg.to_dict()}
         if state is not None:
