@@ -102,10 +102,26 @@ class ParallelConfig:
     zero: int = opt(0, "ZeRO stage: 0 replicates everything (plain data parallelism), 1 "
                        "shards optimizer state, 2 also gradients, 3 also parameters",
                     (0, 1, 2, 3))
+    pp: int = opt(1, "pipeline stages: the model's layers are cut into pp stages, one per "
+                     "rank of a pipeline; the ranks are dp x pp")
+    schedule: str = opt("1f1b", "pipeline schedule (pp > 1): 1f1b (least activation "
+                                "memory), gpipe (all forwards, then all backwards), "
+                                "interleaved (virtual_stages chunks per rank: smaller "
+                                "bubble, more messages)", ("1f1b", "gpipe", "interleaved"))
+    virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedule)")
 
     def __post_init__(self):
         _check_choices(self)
         _require(self.micro_batches >= 1, "parallel.micro_batches must be at least 1")
+        _require(self.pp >= 1, "parallel.pp must be at least 1 (1: no pipeline)")
+        _require(self.virtual_stages >= 1, "parallel.virtual_stages must be at least 1")
+        _require(self.schedule == "interleaved" or self.virtual_stages == 1,
+                 f"--parallel.virtual_stages={self.virtual_stages} needs "
+                 "--parallel.schedule=interleaved")
+        _require(self.schedule != "interleaved" or self.micro_batches % self.pp == 0,
+                 f"the interleaved schedule takes micro-batches in groups of the {self.pp} "
+                 f"stages; make --parallel.micro_batches (now {self.micro_batches}) a "
+                 f"multiple of --parallel.pp={self.pp}")
         _require(self.bucket_mb > 0 and self.first_bucket_mb > 0,
                  "parallel.bucket_mb and parallel.first_bucket_mb must be positive")
 
@@ -202,6 +218,24 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     comm: CommConfig = field(default_factory=CommConfig)
 
+    def __post_init__(self):
+        p, t = self.parallel, self.train
+        if p.pp == 1:
+            return
+        # What the pipeline path does not do (yet); each message names the way out.
+        _require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO stage 0 or 1 along "
+                 "the data-parallel axis; use --parallel.zero=0 or 1 (stages 2-3 shard "
+                 "gradients per micro-batch, which the pipeline does not support)")
+        _require(t.dtype == "fp32", "pipeline parallelism runs in fp32; use "
+                 "--train.dtype=fp32 with --parallel.pp > 1")
+        _require(t.ckpt_interval == 0 and not t.resume,
+                 "sharded checkpoints (train.ckpt_interval, train.resume) are not supported "
+                 "with --parallel.pp > 1 yet; the run writes final.h5 at the end")
+        _require(self.model.n_layer >= p.pp * p.virtual_stages,
+                 f"model.n_layer={self.model.n_layer} cannot fill {p.pp} stage(s) x "
+                 f"{p.virtual_stages} virtual stage(s); lower --parallel.pp or "
+                 "--parallel.virtual_stages, or use more layers")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -213,14 +247,28 @@ _SECTION_TYPES = typing.get_type_hints(Config)
 _SECTION_NAMES = {cls: name for name, cls in _SECTION_TYPES.items()}
 
 
-def check_layout(cfg: Config, dp: int) -> None:
-    """Checks that need the number of data-parallel ranks ``dp``."""
+def factor_hint(size: int, pp: int) -> str:
+    """How to make ``size`` ranks and ``pp`` pipeline stages fit together."""
+    options = [d for d in range(1, size + 1) if size % d == 0]
+    more = pp * (size // pp + 1)
+    return (f"--parallel.pp must divide the number of ranks: one of "
+            f"{', '.join(map(str, options))}; or run on a multiple of {pp} ranks "
+            f"(mpiexec -n {more})")
+
+
+def check_layout(cfg: Config, world_size: int) -> None:
+    """Checks that need the number of ranks."""
+    pp = cfg.parallel.pp
+    if world_size % pp:
+        raise ConfigError(f"{world_size} rank(s) cannot form pipelines of "
+                          f"--parallel.pp={pp} stages: {factor_hint(world_size, pp)}")
+    dp = world_size // pp
     per_step = dp * cfg.parallel.micro_batches
     if cfg.train.batch_size % per_step:
         lower = max(per_step, cfg.train.batch_size // per_step * per_step)
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} cannot be split evenly over {dp} "
-            f"data-parallel rank(s) x {cfg.parallel.micro_batches} micro-batch(es); use a "
+            f"data-parallel replica(s) x {cfg.parallel.micro_batches} micro-batch(es); use a "
             f"multiple of {per_step} (e.g. --train.batch_size={lower} or "
             f"{lower + per_step}), or change the number of ranks")
 

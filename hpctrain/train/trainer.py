@@ -22,6 +22,7 @@ from mpi4py import MPI
 from hpctrain.checkpoint.collective import begin_save, find_resume, load_checkpoint, model_shape
 from hpctrain.checkpoint.single_file import replicated_state, save_checkpoint
 from hpctrain.comm.collectives import allreduce_array
+from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World, threads_per_rank
 from hpctrain.config import Config, ConfigError, check_layout
 from hpctrain.data.loader import open_dataset
@@ -29,6 +30,9 @@ from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler
 from hpctrain.errors import CommTimeout, DataError, NonFiniteError
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.data_parallel import DataParallel
+from hpctrain.parallel.pipeline.consolidate import gather_parameters
+from hpctrain.parallel.pipeline.executor import PipelineExecutor
+from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.parallel.zero import Zero
 from hpctrain.profiling import nvtx_range
 from hpctrain.progress import Progress
@@ -82,18 +86,31 @@ class Trainer:
                                  n_head=mcfg.n_head, n_embd=mcfg.n_embd,
                                  dropout=mcfg.dropout, bias=mcfg.bias)
         torch.manual_seed(cfg.train.seed)
-        self.model = GPT(self.gpt_cfg).to(self.device)
+        gpt = GPT(self.gpt_cfg).to(self.device)
+        self.n_params = gpt.num_params()
+        self.flops_per_token = gpt.flops_per_token()
         par = cfg.parallel
+        # dp x pp ranks; gradients are reduced over the data-parallel axis only.
+        self.grid = ProcessGrid.create(world, par.pp)
+        dp_world = self.grid.dp_world
+        self.pipe = None
+        if par.pp > 1:
+            # Every rank builds the whole model from the same seed and keeps its stage.
+            self.model = PipelineStage(gpt, self.grid.stage, par.pp, par.virtual_stages)
+        else:
+            self.model = gpt
+        del gpt
         # Plain data parallelism for fp32 without sharding; ZeRO for the rest (stage 0
         # with bf16 is replicated data parallelism with fp32 master weights).
         self.zero = par.zero > 0 or cfg.train.dtype != "fp32"
         if self.zero:
-            self.dp = Zero(self.model, world, cfg.optim, stage=par.zero, dtype=cfg.train.dtype,
-                           bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,
-                           blocks=list(self.model.h))
+            self.dp = Zero(self.model, dp_world, cfg.optim, stage=par.zero,
+                           dtype=cfg.train.dtype, bucket_mb=par.bucket_mb,
+                           first_bucket_mb=par.first_bucket_mb,
+                           blocks=list(self.model.h) if par.pp == 1 else None)
             self.optimizer = None
         else:
-            self.dp = DataParallel(self.model, world, bucket_mb=par.bucket_mb,
+            self.dp = DataParallel(self.model, dp_world, bucket_mb=par.bucket_mb,
                                    first_bucket_mb=par.first_bucket_mb)
             self.dp.broadcast_parameters()
             self.optimizer = build_optimizer(param_groups(self.model, cfg.optim.weight_decay),
@@ -102,15 +119,18 @@ class Trainer:
         t = cfg.train
         self.block = mcfg.block_size
         self.micro = cfg.parallel.micro_batches
-        self.rows_per_rank = t.batch_size // world.size
+        self.rows_per_rank = t.batch_size // self.grid.dp  # every stage of a replica alike
         self.rows_per_micro = self.rows_per_rank // self.micro
+        if par.pp > 1:
+            self.pipe = PipelineExecutor(self.model, self.grid, kind=par.schedule,
+                                         n_micro=self.micro, rows=self.rows_per_micro,
+                                         seq=self.block, timeout=world.timeout)
         self.sampler = make_sampler(cfg.data.sampler, self.data.splits["train"].n_tokens,
                                     self.block, t.batch_size, t.seed)
         # Periodic estimates use the same fixed random windows every time.
         self.eval_sampler = make_sampler("random", self.data.splits["val"].n_tokens,
                                          self.block, t.batch_size, t.seed, stream=EVAL_STREAM)
         self.tokens_per_step = t.batch_size * self.block
-        self.flops_per_token = self.model.flops_per_token()
         self.peak = peak_tflops(world.device, t.dtype, t.peak_tflops)
         self.out_dir = Path(t.out_dir)
         self.nonfinite_steps = 0
@@ -162,8 +182,9 @@ class Trainer:
     def _load_train(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         # In the reader thread, the only user of self.sampler. Every rank reads as many
         # rows, so the collective reads need not agree on a count first.
-        w = self.world
-        return self._load("train", self.sampler.local_starts(step, w.rank, w.size), uniform=True)
+        g = self.grid
+        return self._load("train", self.sampler.local_starts(step, g.dp_index, g.dp),
+                          uniform=True)
 
     def _load(self, split: str, starts: np.ndarray, uniform: bool = False):
         tokens = torch.from_numpy(self.data.reader.read(split, starts, self.block + 1,
@@ -192,19 +213,33 @@ class Trainer:
         x, y = self._train_batch(step)
         data_s = time.perf_counter() - t0
         scale = self.dp.grad_scale / self.micro
-        loss_sum = torch.zeros((), device=self.device)
-        for m in range(self.micro):
-            rows = slice(m * self.rows_per_micro, (m + 1) * self.rows_per_micro)
-            self.dp.prepare_for_backward(sync=m == self.micro - 1)
-            with nvtx_range("forward"):
-                loss = self.model(x[rows], y[rows])
-            with nvtx_range("backward"):
-                (loss * scale).backward()
-            loss_sum += loss.detach()
-        self.dp.finish()
+        if self.pipe is not None:
+            loss_sum = self._pipeline_step(x, y, scale)
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for m in range(self.micro):
+                rows = slice(m * self.rows_per_micro, (m + 1) * self.rows_per_micro)
+                self.dp.prepare_for_backward(sync=m == self.micro - 1)
+                with nvtx_range("forward"):
+                    loss = self.model(x[rows], y[rows])
+                with nvtx_range("backward"):
+                    (loss * scale).backward()
+                loss_sum += loss.detach()
+            self.dp.finish()
         norm = self._optimizer_step(lr)
         self.dp.zero_grad()
         return loss_sum / self.micro, norm, data_s
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        """Every micro-batch through the pipeline, then one gradient reduction over the
+        data-parallel axis. Returns the summed loss (zero except on the last stage)."""
+        self.dp.prepare_for_backward(sync=False)  # accumulate over the micro-batches
+        loss_sum = self.pipe.train_step(x.split(self.rows_per_micro),
+                                        y.split(self.rows_per_micro), scale)
+        self.pipe.tie_gradients()  # before the reduction: the embedding's whole gradient
+        self.dp.prepare_for_backward(sync=True)
+        self.dp.finish()  # launches every bucket's reduction and waits
+        return loss_sum if loss_sum is not None else torch.zeros((), device=self.device)
 
     def _optimizer_step(self, lr: float):
         """Clip to the global norm and update; returns the norm before clipping.
@@ -213,6 +248,11 @@ class Trainer:
         so a NaN or inf anywhere is seen everywhere and every rank decides alike."""
         clip = self.cfg.optim.grad_clip
         norm = self.dp.grad_norm() if self.zero else global_grad_norm(self.dp.grad_tensors())
+        if self.pipe is not None:  # the stages hold disjoint parameters: add the squares
+            squares = allreduce_array(self.grid.pp_comm, [float(norm) ** 2],
+                                      timeout=self.world.timeout, what="gradient norm over "
+                                      "pipeline stages")
+            norm = torch.tensor(float(squares[0]) ** 0.5)
         if not math.isfinite(float(norm)):
             self.nonfinite_steps += 1
             if self.cfg.train.on_nonfinite == "abort":
@@ -222,13 +262,16 @@ class Trainer:
                     "--train.on_nonfinite=skip to skip such steps")
             return norm  # skip: no update (zero_grad follows)
         if self.zero:
-            return self.dp.step(lr, clip, norm=float(norm))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if clip > 0:
-            clip_grads_(self.dp.grad_tensors(), clip, norm)
-        with nvtx_range("optimizer"):
-            self.optimizer.step()
+            self.dp.step(lr, clip, norm=float(norm))
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if clip > 0:
+                clip_grads_(self.dp.grad_tensors(), clip, norm)
+            with nvtx_range("optimizer"):
+                self.optimizer.step()
+        if self.pipe is not None:
+            self.pipe.tie_weights()
         return norm
 
     def memory(self):
@@ -239,32 +282,39 @@ class Trainer:
     @torch.no_grad()
     def estimate_val_loss(self) -> float:
         """Mean loss over ``eval_iters`` fixed global batches of the validation split."""
-        w = self.world
+        g = self.grid
         self.model.eval()
         local = 0.0
         for k in range(self.cfg.train.eval_iters):
-            x, y = self._batch("val", self.eval_sampler.local_starts(k, w.rank, w.size))
-            local += self.model(x, y).item()
+            x, y = self._batch("val", self.eval_sampler.local_starts(k, g.dp_index, g.dp))
+            local += self._eval_loss(x, y) or 0.0
         self.model.train()
         total = self._allreduce([local / self.cfg.train.eval_iters], "validation estimate")
-        return float(total[0]) / w.size
+        return float(total[0]) / g.dp  # one loss per replica (its last stage)
+
+    def _eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """Mean loss of a batch; None on the pipeline stages that do not hold the loss."""
+        if self.pipe is None:
+            return self.model(x, y).item()
+        loss = self.pipe.forward_loss(x, y)
+        return None if loss is None else loss.item()
 
     @torch.no_grad()
     def full_val_loss(self) -> float:
         """Token-weighted loss over every non-overlapping window of the validation split."""
-        w = self.world
+        g = self.grid
         self.model.eval()
         starts = all_windows(self.data.splits["val"].n_tokens, self.block)
-        mine = np.array_split(starts, w.size)[w.rank]
+        mine = np.array_split(starts, g.dp)[g.dp_index]
         # Every rank runs the same number of forward passes (ZeRO-3 gathers parameters
         # inside forward, collectively); a rank out of windows runs one and ignores it.
-        most = -(-len(starts) // w.size)
+        most = -(-len(starts) // g.dp)
         total, count = 0.0, 0
         for i in range(0, most, FULL_EVAL_ROWS):
             rows = mine[i:i + FULL_EVAL_ROWS]
             x, y = self._batch("val", rows if len(rows) else starts[:1])
-            loss = self.model(x, y).item()
-            if len(rows):
+            loss = self._eval_loss(x, y)
+            if len(rows) and loss is not None:
                 total += loss * y.numel()
                 count += y.numel()
         self.model.train()
@@ -276,7 +326,11 @@ class Trainer:
         cfg, w, t = self.cfg, self.world, self.cfg.train
         result = TrainResult()
         self._log(f"hpctrain: {w.describe()}; {torch.get_num_threads()} thread(s) per rank")
-        self._log(f"model: {self.model.num_params() / 1e6:.2f}M parameters, "
+        if self.pipe is not None:
+            self._log(f"pipeline: {self.grid.describe()}, {cfg.parallel.schedule} schedule, "
+                      f"{cfg.parallel.virtual_stages} chunk(s) per stage, layers "
+                      f"{self.model.chunk_layers}")
+        self._log(f"model: {self.n_params / 1e6:.2f}M parameters, "
                   f"{len(self.dp.buckets)} gradient bucket(s), ZeRO stage {cfg.parallel.zero}, "
                   f"{t.dtype}; global batch {t.batch_size} x "
                   f"{self.block} tokens = {self.rows_per_rank} row(s) per rank in "
@@ -295,9 +349,13 @@ class Trainer:
         steps_run = len(result.step_times)
         result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
         if result.stopped_at is not None:
-            self.save_sharded(result.stopped_at)
-            self._log(f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved; "
-                      "run the same command with --train.resume=auto to continue")
+            if self.pipe is None:
+                self.save_sharded(result.stopped_at)
+                self._log(f"stopped by {stop.name} after step {result.stopped_at}; checkpoint "
+                          "saved; run the same command with --train.resume=auto to continue")
+            else:
+                self._log(f"stopped by {stop.name} after step {result.stopped_at}; no "
+                          "checkpoint (not supported with --parallel.pp > 1 yet)")
             self._close()
             return result
         if t.final_eval:
@@ -313,7 +371,7 @@ class Trainer:
         window_t0, window_steps, data_s = time.perf_counter(), 0, 0.0
         wait0 = self.dp.stats.wait_s
         for step in range(self.start_step, t.max_iters):
-            t0, comm0 = time.perf_counter(), self.dp.stats.wait_s
+            t0, comm0, bubble0 = time.perf_counter(), self.dp.stats.wait_s, self._bubble_s()
             try:
                 loss, norm, d = self.train_step(step)
             except CommTimeout as e:  # say where the job was when it stopped
@@ -321,7 +379,7 @@ class Trainer:
             result.step_times.append(time.perf_counter() - t0)
             result.data_times.append(d)
             result.comm_times.append(self.dp.stats.wait_s - comm0)
-            result.bubble_times.append(0.0)
+            result.bubble_times.append(self._bubble_s() - bubble0)
             if step == self.start_step:
                 self._log(f"memory per rank: {self.memory().describe()}", bar)
             window_losses.append(loss)
@@ -341,7 +399,8 @@ class Trainer:
             self.finish_pending_save()
             elapsed = time.perf_counter() - window_t0
             local = torch.stack(window_losses).double().cpu().numpy()
-            global_losses = self._allreduce(local, "loss reduction") / w.size
+            # Each replica's last stage holds its loss; the other stages add zeros.
+            global_losses = self._allreduce(local, "loss reduction") / self.grid.dp
             result.losses.extend(global_losses.tolist())
             tok_s = self.tokens_per_step * window_steps / elapsed
             record = self._record(done, float(global_losses[-1]), tok_s, elapsed / window_steps,
@@ -360,6 +419,9 @@ class Trainer:
                 self.save_sharded(done, background=t.ckpt_background)
             wait0 = self.dp.stats.wait_s
             window_t0 = time.perf_counter()
+
+    def _bubble_s(self) -> float:
+        return self.pipe.stats.bubble_s if self.pipe is not None else 0.0
 
     def _record(self, step, loss, tok_s, step_s, norm, data_s, wait_s) -> dict:
         tflops = self.flops_per_token * tok_s / self.world.size / 1e12
@@ -380,8 +442,15 @@ class Trainer:
         t = self.cfg.train
         # Collective parts first (ZeRO consolidates shards and gathers parameters on every
         # rank); then rank 0 writes.
-        state = None
-        if t.save_checkpoint:
+        state = full_model = None
+        if self.pipe is not None:
+            # No sharded checkpoint yet: the stages are put together on rank 0 for
+            # final.h5 (parameters only) and the sample.
+            if t.save_checkpoint or t.sample_tokens > 0:
+                full_model = self._gather_pipeline()
+            if t.save_checkpoint and full_model is not None:
+                state = ({n: p.detach() for n, p in full_model.named_parameters()}, None)
+        elif t.save_checkpoint:
             self.save_sharded(t.max_iters)
             state = self._consolidated_state()
         memory = self.memory()
@@ -392,7 +461,8 @@ class Trainer:
         gather = self.zero and t.sample_tokens > 0
         with self.dp.gathered() if gather else contextlib.nullcontext():
             if self.world.is_root:
-                self._write_outputs(result, state, memory, peak_rss)
+                self._write_outputs(result, state, memory, peak_rss,
+                                    full_model if full_model is not None else self.model)
         self._close()
 
     def _close(self) -> None:
@@ -430,7 +500,17 @@ class Trainer:
         params = {name: s.pop("param") for name, s in full.items()}
         return params, full
 
-    def _write_outputs(self, result: TrainResult, state, memory, peak_rss: int) -> None:
+    def _gather_pipeline(self) -> GPT | None:
+        """The whole model on rank 0, put together from the stages (None elsewhere)."""
+        params = gather_parameters(self.model, self.grid, self.world.timeout)
+        if params is None:
+            return None
+        model = GPT(self.gpt_cfg)
+        model.load_state_dict({**params, "lm_head.weight": params["wte.weight"]})
+        return model.to(self.device)
+
+    def _write_outputs(self, result: TrainResult, state, memory, peak_rss: int,
+                       model: torch.nn.Module) -> None:
         t = self.cfg.train
         summary = {
             "steps": t.max_iters, "world_size": self.world.size,
@@ -441,7 +521,8 @@ class Trainer:
                                 result.bubble_times),
             "peak_rss_bytes_max_rank": peak_rss,
             "flops_per_token": self.flops_per_token, "peak_tflops": self.peak,
-            "params": self.model.num_params(), "memory_per_rank": memory.to_dict(),
+            "params": self.n_params, "memory_per_rank": memory.to_dict(),
+            "grid": {"dp": self.grid.dp, "pp": self.grid.pp},
             "config": self.cfg.to_dict()}
         if state is not None:
             path = save_checkpoint(self.out_dir / "final.h5", *state, step=t.max_iters,
@@ -449,18 +530,20 @@ class Trainer:
                                    tokenizer=self.data.tokenizer.meta())
             self._log(f"checkpoint: {path}")
         if t.sample_tokens > 0:
-            text = self.sample(t.sample_prompt, t.sample_tokens)
+            text = self.sample(t.sample_prompt, t.sample_tokens, model=model)
             (self.out_dir / "sample.txt").write_text(text)
             self._log(f"sample ({t.sample_tokens} tokens):\n{text}")
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self._log(f"done: {t.max_iters} steps in {result.wall_s:.1f} s, "
                   f"{result.tokens_per_s / 1e3:.1f}k tokens/s; outputs in {self.out_dir}/")
 
-    def sample(self, prompt: str, n_tokens: int, seed: int = 0) -> str:
+    def sample(self, prompt: str, n_tokens: int, seed: int = 0,
+               model: torch.nn.Module | None = None) -> str:
+        model = self.model if model is None else model
         tok = self.data.tokenizer
         ids = torch.tensor(tok.encode(prompt or "\n").astype(np.int64), device=self.device)[None]
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        self.model.eval()
-        out = self.model.generate(ids, n_tokens, temperature=0.8, top_k=50, generator=gen)
-        self.model.train()
+        model.eval()
+        out = model.generate(ids, n_tokens, temperature=0.8, top_k=50, generator=gen)
+        model.train()
         return tok.decode(out[0].tolist())

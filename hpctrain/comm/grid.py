@@ -1,0 +1,87 @@
+"""The process grid: data-parallel x pipeline-parallel ranks and their communicators.
+
+Rank r sits at pipeline stage ``r % pp`` of data-parallel replica ``r // pp`` by default,
+so the ranks of one pipeline are consecutive and, with the usual block placement of
+ranks on nodes, share a node: the frequent point-to-point activation traffic stays on
+NVLink / shared memory while the once-per-step gradient reduction crosses nodes.
+``pipeline_inner=False`` puts data-parallel replicas next to each other instead.
+
+Built once (collective over the world) and passed to whatever needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from hpctrain.comm.world import World
+from hpctrain.config import factor_hint
+from hpctrain.errors import UserError
+
+
+class GridError(UserError):
+    pass
+
+
+def grid_coords(rank: int, dp: int, pp: int, pipeline_inner: bool = True) -> tuple[int, int]:
+    """(data-parallel index, stage) of ``rank``."""
+    return divmod(rank, pp) if pipeline_inner else (rank % dp, rank // dp)
+
+
+def grid_rank(dp_index: int, stage: int, dp: int, pp: int, pipeline_inner: bool = True) -> int:
+    return dp_index * pp + stage if pipeline_inner else stage * dp + dp_index
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessGrid:
+    world: World
+    dp: int
+    pp: int
+    dp_index: int
+    """This rank's data-parallel replica (0..dp-1)."""
+    stage: int
+    """This rank's pipeline stage (0..pp-1)."""
+    dp_world: World
+    """The ranks at this stage in every replica (gradient reductions, ZeRO shards)."""
+    pp_comm: MPI.Comm
+    """The ranks of this replica's pipeline, ranked by stage (activations, gradients)."""
+
+    @classmethod
+    def create(cls, world: World, pp: int = 1, *, pipeline_inner: bool = True) -> "ProcessGrid":
+        """Collective over ``world.comm``."""
+        if pp < 1 or world.size % pp:
+            raise GridError(f"{world.size} rank(s) cannot form pipelines of {pp} "
+                            f"stage(s): {factor_hint(world.size, pp)}")
+        dp = world.size // pp
+        dp_index, stage = grid_coords(world.rank, dp, pp, pipeline_inner)
+        if pp == 1:
+            dp_comm, pp_comm = world.comm, MPI.COMM_SELF
+        else:
+            dp_comm = world.comm.Split(color=stage, key=dp_index)
+            pp_comm = world.comm.Split(color=dp_index, key=stage)
+        dp_world = dataclasses.replace(world, comm=dp_comm, rank=dp_index, size=dp)
+        grid = cls(world=world, dp=dp, pp=pp, dp_index=dp_index, stage=stage,
+                   dp_world=dp_world, pp_comm=pp_comm)
+        if pp > 1:
+            weakref.finalize(grid, _free, [dp_comm, pp_comm])
+        return grid
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    def describe(self) -> str:
+        return f"dp={self.dp} x pp={self.pp} (replica {self.dp_index}, stage {self.stage})"
+
+
+def _free(comms: list[MPI.Comm]) -> None:
+    if not MPI.Is_finalized():
+        for c in comms:
+            c.Free()

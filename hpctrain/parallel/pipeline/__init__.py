@@ -1,0 +1,1 @@
+"""Pipeline parallelism: pure schedules, GPT stages, and an MPI executor."""

@@ -1,0 +1,209 @@
+"""Run a pipeline schedule over MPI point-to-point.
+
+The executor walks this stage's action list (``schedules.schedule``) once per step:
+
+- ``forward``: run the local chunk on the micro-batch's tokens (first chunk) or on the
+  activation received from the previous stage; keep input and output for backward. The
+  last chunk returns the loss.
+- ``backward``: backpropagate the scaled loss (last chunk) or the gradient received from
+  the next stage into this chunk; the input's gradient is what goes back.
+- ``send_*``: ``Isend`` straight from the tensor's memory (shapes are known on both
+  sides, so nothing is pickled); the tensor is kept alive until the send completes.
+- ``recv_*``: wait for a receive that was posted earlier. Receives are posted
+  ``LOOKAHEAD`` actions ahead of their use, so a message that arrives early lands in
+  its buffer instead of waiting in MPI's unexpected queue, without holding a buffer
+  per micro-batch (which would cost 1F1B its memory advantage).
+
+Time blocked in receives is the stage's pipeline bubble (``stats.bubble_s``). Tags name
+(direction, micro-batch, receiving chunk), so messages never match the wrong receive.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from mpi4py import MPI
+
+from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.grid import ProcessGrid
+from hpctrain.comm.watchdog import wait_all
+from hpctrain.parallel.pipeline import schedules as S
+from hpctrain.parallel.pipeline.stage import PipelineStage
+from hpctrain.profiling import nvtx_range
+
+LOOKAHEAD = 2  # receives posted ahead of the action that consumes them
+TIE_TAG_OFFSET = 1  # tied-embedding messages use tags above every schedule tag
+
+
+@dataclass
+class PipelineStats:
+    bubble_s: float = 0.0
+    """Seconds blocked waiting for a neighbour's activation or gradient."""
+    messages: int = 0
+    bytes_sent: int = 0
+    peak_in_flight: int = 0
+    """Most micro-batch chunks held between their forward and backward."""
+
+
+class PipelineExecutor:
+    def __init__(self, stage: PipelineStage, grid: ProcessGrid, *, kind: str, n_micro: int,
+                 rows: int, seq: int, timeout: float, memory_probe=None):
+        self.stage, self.grid = stage, grid
+        self.kind, self.n_micro = kind, n_micro
+        self.p, self.s, self.v = grid.pp, grid.stage, stage.virtual
+        self.rows, self.seq = rows, seq
+        self.timeout = timeout
+        self.comm = grid.pp_comm
+        self.cuda_aware = grid.world.cuda_aware
+        self.device = next(stage.parameters()).device
+        self.actions = S.schedule(kind, self.p, n_micro, self.s, self.v)
+        self.stats = PipelineStats()
+        self.tie_tag = S.max_tag(self.p, max(n_micro, 1), self.v) + TIE_TAG_OFFSET
+        # Called after every forward with no argument; the benchmark samples memory there.
+        self.memory_probe = memory_probe
+
+    # ------------------------------------------------------------------ messages
+    def _tag(self, a: S.Action) -> int:
+        return S.message_tag(a.op, a.micro, a.chunk, self.s, self.p, self.v)
+
+    def _post_recv(self, a: S.Action, rows: int):
+        buf = torch.empty(self.stage.activation_shape(rows, self.seq), device=self.device)
+        mpi = MPIBuffer(buf, cuda_aware=self.cuda_aware)
+        req = self.comm.Irecv(mpi.to_mpi(), source=a.peer, tag=self._tag(a))
+        return buf, mpi, req
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int, pending: list) -> None:
+        tensor = tensor.detach().contiguous()
+        mpi = MPIBuffer(tensor, cuda_aware=self.cuda_aware)
+        obj = mpi.to_mpi()  # synchronizes the CUDA stream / stages to host first
+        pending.append((tensor, mpi, self.comm.Isend(obj, dest=peer, tag=tag)))
+        self.stats.messages += 1
+        self.stats.bytes_sent += tensor.numel() * tensor.element_size()
+
+    @staticmethod
+    def _drop_finished(pending: list) -> None:
+        # Free the memory of sends that completed (activations of finished micro-batches).
+        while pending and pending[0][2].Test():
+            pending.pop(0)
+
+    def _wait(self, requests: list, what: str, bubble: bool = True) -> None:
+        t0 = time.perf_counter()
+        wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}")
+        if bubble:
+            self.stats.bubble_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------- running
+    def run(self, actions: list[S.Action], xs: list, ys: list, loss_scale: float,
+            backward: bool) -> torch.Tensor | None:
+        """Run ``actions``; return the sum of the micro-batch losses on the last stage
+        (None elsewhere)."""
+        recv_at = [i for i, a in enumerate(actions) if a.op in S.RECVS]
+        posted: dict[int, tuple] = {}
+        next_post = 0
+
+        def post_ahead(upto: int) -> None:
+            nonlocal next_post
+            while next_post < len(recv_at) and recv_at[next_post] <= upto:
+                i = recv_at[next_post]
+                posted[i] = self._post_recv(actions[i], xs[actions[i].micro].size(0))
+                next_post += 1
+
+        inputs: dict[tuple, torch.Tensor] = {}
+        outputs: dict[tuple, torch.Tensor] = {}
+        received: dict[tuple, torch.Tensor] = {}
+        sends: list = []
+        loss_sum = None
+        in_flight = 0
+        recv_index = 0
+        for i, a in enumerate(actions):
+            key = (a.micro, a.chunk)
+            if a.op in S.RECVS:
+                # Keep LOOKAHEAD receives posted beyond this one.
+                post_ahead(recv_at[min(recv_index + LOOKAHEAD, len(recv_at) - 1)])
+                recv_index += 1
+                buf, mpi, req = posted.pop(i)
+                self._wait([req], f"{a} from stage {a.peer}")
+                mpi.from_mpi()
+                received[(a.op, *key)] = buf
+            elif a.op == S.FORWARD:
+                if self.stage.is_first_chunk(a.chunk):
+                    x = xs[a.micro]
+                else:
+                    x = received.pop((S.RECV_ACT, *key))
+                    x.requires_grad_(backward)
+                last = self.stage.is_last_chunk(a.chunk)
+                with nvtx_range(f"forward m{a.micro} c{a.chunk}"):
+                    out = self.stage.chunk_forward(a.chunk, x, ys[a.micro] if last else None)
+                if last:
+                    loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
+                if backward:
+                    inputs[key], outputs[key] = x, out
+                    in_flight += 1
+                    self.stats.peak_in_flight = max(self.stats.peak_in_flight, in_flight)
+                else:
+                    outputs[key] = out
+                if self.memory_probe is not None:
+                    self.memory_probe()
+            elif a.op == S.SEND_ACT:
+                out = outputs[key] if backward else outputs.pop(key)
+                self._send(out, a.peer, self._tag(a), sends)
+            elif a.op == S.BACKWARD:
+                x, out = inputs.pop(key), outputs.pop(key)
+                with nvtx_range(f"backward m{a.micro} c{a.chunk}"):
+                    if self.stage.is_last_chunk(a.chunk):
+                        (out * loss_scale).backward()
+                    else:
+                        out.backward(received.pop((S.RECV_GRAD, *key)))
+                in_flight -= 1
+                if not self.stage.is_first_chunk(a.chunk):
+                    inputs[key] = x  # its .grad goes back at the next send_grad
+                del out
+            elif a.op == S.SEND_GRAD:
+                x = inputs.pop(key)
+                self._send(x.grad, a.peer, self._tag(a), sends)
+            self._drop_finished(sends)
+        self._wait([r for _, _, r in sends], "completing sends")
+        return loss_sum
+
+    def train_step(self, xs: list, ys: list, loss_scale: float) -> torch.Tensor | None:
+        """Forward and backward of every micro-batch (``xs``/``ys``: one tensor each)."""
+        return self.run(self.actions, xs, ys, loss_scale, backward=True)
+
+    @torch.no_grad()
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """The loss of one batch through every stage (last stage; None elsewhere)."""
+        return self.run(S.forward_only(self.p, self.s, self.v), [x], [y], 1.0, backward=False)
+
+    # ------------------------------------------------------------ tied embedding
+    def tie_gradients(self) -> None:
+        """Add the head's gradient of the tied embedding (last stage) into the embedding's
+        gradient (first stage), before the data-parallel reduction."""
+        st, last = self.stage, self.p - 1
+        if st.has_head:
+            grad = st.head_weight.grad
+            sends: list = []
+            self._send(grad, 0, self.tie_tag, sends)
+            self._wait([r for _, _, r in sends], "sending the tied-embedding gradient", bubble=False)
+            st.head_weight.grad = None
+        elif st.has_embedding:
+            buf = torch.empty_like(st.wte.weight)
+            mpi = MPIBuffer(buf, cuda_aware=self.cuda_aware)
+            req = self.comm.Irecv(mpi.to_mpi(), source=last, tag=self.tie_tag)
+            self._wait([req], "receiving the tied-embedding gradient", bubble=False)
+            mpi.from_mpi()
+            st.wte.weight.grad.add_(buf)
+
+    def tie_weights(self) -> None:
+        """After the optimizer step: the head's copy takes the updated embedding."""
+        st, last = self.stage, self.p - 1
+        if st.has_embedding:
+            sends: list = []
+            self._send(st.wte.weight, last, self.tie_tag + 1, sends)
+            self._wait([r for _, _, r in sends], "sending the tied embedding", bubble=False)
+        elif st.has_head:
+            mpi = MPIBuffer(st.head_weight.data, cuda_aware=self.cuda_aware)
+            req = self.comm.Irecv(mpi.to_mpi(), source=0, tag=self.tie_tag + 1)
+            self._wait([req], "receiving the tied embedding", bubble=False)
+            mpi.from_mpi()

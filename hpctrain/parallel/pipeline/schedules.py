@@ -1,0 +1,238 @@
+"""Pipeline schedules as pure data: which action each stage runs, in which order.
+
+``schedule(kind, n_stages, n_micro, stage, virtual)`` lists one stage's actions for one
+optimizer step. Nothing here touches MPI or torch, so every schedule is checked by
+simulating all stages together (``simulate``): each micro-batch passes forward and
+backward through every model chunk once, every receive has its send, nothing deadlocks,
+and the idle time (the bubble) matches the formulas.
+
+Model chunks. With ``virtual`` = v chunks per stage and p stages, the model's layers are
+cut into G = v p chunks; chunk g lives on stage g mod p as that stage's local chunk
+g // p (Megatron-LM's interleaved layout). Activations flow from chunk g to g + 1, i.e.
+from stage s to stage (s + 1) mod p; gradients flow back the other way.
+
+Schedules (p stages, m micro-batches; bubble with unit-time forward and backward):
+
+- ``gpipe``: all forwards, then all backwards. Holds m micro-batches of activations.
+  Bubble (p - 1) / (m + p - 1).
+- ``1f1b`` (PipeDream-Flush): stage s runs p - s - 1 warm-up forwards, then alternates
+  one forward and one backward, then drains the backwards. Same bubble as GPipe, but at
+  most min(p - s, m) micro-batches in flight.
+- ``interleaved`` (Megatron-LM interleaved 1F1B): 1F1B over v chunks per stage, taking
+  micro-batches in groups of p. Bubble (p - 1) / (v m + p - 1): v times smaller relative
+  to the work, for v times more point-to-point messages. Needs m to be a multiple of p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("1f1b", "gpipe", "interleaved")
+
+FORWARD, BACKWARD = "forward", "backward"
+RECV_ACT, SEND_ACT = "recv_act", "send_act"
+RECV_GRAD, SEND_GRAD = "recv_grad", "send_grad"
+COMPUTE = (FORWARD, BACKWARD)
+SENDS = (SEND_ACT, SEND_GRAD)
+RECVS = (RECV_ACT, RECV_GRAD)
+
+
+@dataclass(frozen=True)
+class Action:
+    op: str
+    """forward, backward, send_act, recv_act, send_grad or recv_grad."""
+    micro: int
+    chunk: int = 0
+    """This stage's local model chunk (0 unless interleaved)."""
+    peer: int | None = None
+    """The stage sent to or received from (None for compute)."""
+
+    def __str__(self) -> str:
+        peer = "" if self.peer is None else f"@{self.peer}"
+        return f"{self.op}(m{self.micro},c{self.chunk}){peer}"
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def check_schedule_args(kind: str, n_stages: int, n_micro: int, virtual: int = 1) -> None:
+    """Raise ``ScheduleError`` naming the fix when the combination cannot run."""
+    if kind not in KINDS:
+        raise ScheduleError(f"unknown pipeline schedule {kind!r}; choose one of {', '.join(KINDS)}")
+    if n_stages < 1 or n_micro < 1 or virtual < 1:
+        raise ScheduleError("pipeline stages, micro-batches and virtual stages must be >= 1")
+    if kind != "interleaved" and virtual != 1:
+        raise ScheduleError(f"--parallel.virtual_stages={virtual} needs "
+                            "--parallel.schedule=interleaved")
+    if kind == "interleaved" and n_micro % n_stages:
+        raise ScheduleError(
+            f"the interleaved schedule takes micro-batches in groups of the {n_stages} "
+            f"stages; --parallel.micro_batches={n_micro} is not a multiple of {n_stages}")
+
+
+def compute_order(kind: str, n_stages: int, n_micro: int, stage: int,
+                  virtual: int = 1) -> list[tuple[str, int, int]]:
+    """The forward and backward passes of ``stage`` in order: (op, micro, chunk)."""
+    check_schedule_args(kind, n_stages, n_micro, virtual)
+    p, m, s = n_stages, n_micro, stage
+    if kind == "gpipe":
+        return [(FORWARD, i, 0) for i in range(m)] + [(BACKWARD, i, 0) for i in range(m)]
+    if kind == "1f1b" or virtual == 1:
+        forwards = [(FORWARD, i, 0) for i in range(m)]
+        backwards = [(BACKWARD, i, 0) for i in range(m)]
+        warmup = min(p - s - 1, m)
+    else:
+        # Megatron-LM's order: the k-th forward of a stage is micro-batch
+        # (k // (p v)) p + k % p of chunk (k // p) % v; backwards visit the chunks in
+        # reverse. The deeper warm-up lets every chunk's first group get going.
+        total = m * virtual
+        forwards, backwards = [], []
+        for k in range(total):
+            group, within = divmod(k, p * virtual)
+            micro = group * p + within % p
+            forwards.append((FORWARD, micro, within // p))
+            backwards.append((BACKWARD, micro, virtual - 1 - within // p))
+        warmup = min((p - s - 1) * 2 + (virtual - 1) * p, total)
+    order = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards):
+        order += [f, b]
+    order += backwards[len(forwards) - warmup:]
+    return order
+
+
+def schedule(kind: str, n_stages: int, n_micro: int, stage: int,
+             virtual: int = 1) -> list[Action]:
+    """Every action of ``stage`` for one step: each pass with its receive before it and
+    its send after it."""
+    p, g_last = n_stages, n_stages * virtual - 1
+    actions: list[Action] = []
+    for op, micro, chunk in compute_order(kind, n_stages, n_micro, stage, virtual):
+        g = chunk * p + stage  # the global chunk index
+        if op == FORWARD:
+            if g > 0:
+                actions.append(Action(RECV_ACT, micro, chunk, (stage - 1) % p))
+            actions.append(Action(FORWARD, micro, chunk))
+            if g < g_last:
+                actions.append(Action(SEND_ACT, micro, chunk, (stage + 1) % p))
+        else:
+            if g < g_last:
+                actions.append(Action(RECV_GRAD, micro, chunk, (stage + 1) % p))
+            actions.append(Action(BACKWARD, micro, chunk))
+            if g > 0:
+                actions.append(Action(SEND_GRAD, micro, chunk, (stage - 1) % p))
+    return actions
+
+
+def forward_only(n_stages: int, stage: int, virtual: int = 1) -> list[Action]:
+    """One micro-batch forward through every chunk (evaluation): no backward, no grads."""
+    actions = []
+    for chunk in range(virtual):
+        g = chunk * n_stages + stage
+        if g > 0:
+            actions.append(Action(RECV_ACT, 0, chunk, (stage - 1) % n_stages))
+        actions.append(Action(FORWARD, 0, chunk))
+        if g < n_stages * virtual - 1:
+            actions.append(Action(SEND_ACT, 0, chunk, (stage + 1) % n_stages))
+    return actions
+
+
+def message_tag(op: str, micro: int, chunk: int, stage: int, n_stages: int,
+                virtual: int) -> int:
+    """The MPI tag of the message a send or receive action moves, the same number on the
+    sending and the receiving side: (direction, micro-batch, receiving global chunk)."""
+    g = chunk * n_stages + stage
+    if op == SEND_ACT:
+        g_recv, direction = g + 1, 0
+    elif op == RECV_ACT:
+        g_recv, direction = g, 0
+    elif op == SEND_GRAD:
+        g_recv, direction = g - 1, 1
+    elif op == RECV_GRAD:
+        g_recv, direction = g, 1
+    else:
+        raise ValueError(f"{op} moves no message")
+    return (micro * n_stages * virtual + g_recv) * 2 + direction
+
+
+def max_tag(n_stages: int, n_micro: int, virtual: int) -> int:
+    return (n_micro * n_stages * virtual) * 2 + 1
+
+
+# ----------------------------------------------------------------------- simulation
+
+@dataclass
+class Simulation:
+    makespan: float
+    """Time until the last stage finishes."""
+    busy: list[float]
+    """Compute time per stage."""
+    peak_in_flight: list[int]
+    """Most micro-batch chunks forwarded but not yet backwarded, per stage."""
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of all stages' time."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+
+
+class Deadlock(RuntimeError):
+    pass
+
+
+def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
+             t_forward: float = 1.0, t_backward: float = 1.0) -> Simulation:
+    """Run every stage's actions together: compute takes time, a send delivers at once
+    (MPI ``Isend``), a receive waits for its send. Checks each chunk sees each
+    micro-batch forward once and then backward once; raises ``Deadlock`` if no stage can
+    move."""
+    p = n_stages
+    plans = [schedule(kind, p, n_micro, s, virtual) for s in range(p)]
+    pos, clock = [0] * p, [0.0] * p
+    busy = [0.0] * p
+    in_flight, peak = [0] * p, [0] * p
+    sent: dict[tuple, float] = {}  # message key -> time it was sent
+    done_fwd: set[tuple] = set()
+    done_bwd: set[tuple] = set()
+    while any(pos[s] < len(plans[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while pos[s] < len(plans[s]):
+                a = plans[s][pos[s]]
+                tag = (a.op in SENDS, message_tag(a.op, a.micro, a.chunk, s, p, virtual)) \
+                    if a.op not in COMPUTE else None
+                if a.op in RECVS:
+                    key = (s, a.peer, message_tag(a.op, a.micro, a.chunk, s, p, virtual))
+                    if key not in sent:
+                        break
+                    clock[s] = max(clock[s], sent.pop(key))
+                elif a.op in SENDS:
+                    sent[(a.peer, s, tag[1])] = clock[s]
+                else:
+                    key = (a.micro, a.chunk * p + s)
+                    if a.op == FORWARD:
+                        if key in done_fwd:
+                            raise AssertionError(f"stage {s}: {a} runs twice")
+                        done_fwd.add(key)
+                        in_flight[s] += 1
+                        peak[s] = max(peak[s], in_flight[s])
+                        cost = t_forward
+                    else:
+                        if key not in done_fwd or key in done_bwd:
+                            raise AssertionError(f"stage {s}: {a} before its forward or twice")
+                        done_bwd.add(key)
+                        in_flight[s] -= 1
+                        cost = t_backward
+                    clock[s] += cost
+                    busy[s] += cost
+                pos[s] += 1
+                moved = True
+        if not moved:
+            stuck = {s: str(plans[s][pos[s]]) for s in range(p) if pos[s] < len(plans[s])}
+            raise Deadlock(f"{kind} p={p} m={n_micro} v={virtual}: every stage waits: {stuck}")
+    expected = {(i, g) for i in range(n_micro) for g in range(p * virtual)}
+    if done_fwd != expected or done_bwd != expected:
+        raise AssertionError("some micro-batch missed a chunk")
+    if sent:
+        raise AssertionError(f"messages never received: {sorted(sent)[:3]}")
+    return Simulation(makespan=max(clock), busy=busy, peak_in_flight=peak)

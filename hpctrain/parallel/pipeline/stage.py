@@ -1,0 +1,84 @@
+"""Cut a GPT into pipeline stages by layers.
+
+With p stages and v chunks per stage, the model is G = v p chunks: the embeddings go
+with chunk 0, the transformer blocks are shared out as evenly as possible (earlier chunks
+take the remainder), and the final LayerNorm, the head and the loss go with chunk G - 1.
+Chunk g lives on stage g mod p (``schedules.py``).
+
+A stage keeps its parts under the GPT's own attribute names (``wte``, ``wpe``,
+``h.<layer>``, ``ln_f``), so its ``named_parameters()`` are the GPT's names for the
+same tensors: checkpoints, the optimizer's decay groups and the tests need no mapping.
+
+Tied embeddings. The head of the last stage uses the token embedding of the first. The
+last stage keeps a copy that is *not* one of its parameters: after backward its gradient
+is sent to the first stage and added to the embedding's gradient there (before the
+data-parallel reduction), the first stage updates the one real parameter, and the new
+values are copied back (``PipelineEngine.tie_*``). So the optimizer, the gradient norm
+and the checkpoint all see the embedding once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpctrain.model.gpt import GPT
+
+
+def layer_split(n_layer: int, n_chunks: int) -> list[range]:
+    """Contiguous layer ranges, one per chunk, sizes differing by at most one."""
+    if n_chunks > n_layer:
+        raise ValueError(f"{n_layer} layers cannot fill {n_chunks} pipeline chunks")
+    base, extra = divmod(n_layer, n_chunks)
+    out, start = [], 0
+    for c in range(n_chunks):
+        size = base + (1 if c < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class PipelineStage(nn.Module):
+    """One stage's chunks of a GPT. ``chunk_forward(c, x, targets)`` runs local chunk c."""
+
+    def __init__(self, gpt: GPT, stage: int, n_stages: int, virtual: int = 1):
+        super().__init__()
+        self.cfg = gpt.cfg
+        self.stage, self.n_stages, self.virtual = stage, n_stages, virtual
+        n_chunks = n_stages * virtual
+        splits = layer_split(gpt.cfg.n_layer, n_chunks)
+        self.chunk_layers = [list(splits[c * n_stages + stage]) for c in range(virtual)]
+        self.has_embedding = stage == 0
+        self.has_head = stage == n_stages - 1
+        if self.has_embedding:
+            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+        self.h = nn.ModuleDict({str(i): gpt.h[i] for layers in self.chunk_layers for i in layers})
+        if self.has_head:
+            self.ln_f = gpt.ln_f
+            # The head's copy of the tied embedding (see the module docstring).
+            self.head_weight = gpt.wte.weight.detach().clone().requires_grad_(True)
+
+    def is_first_chunk(self, chunk: int) -> bool:
+        return self.has_embedding and chunk == 0
+
+    def is_last_chunk(self, chunk: int) -> bool:
+        return self.has_head and chunk == self.virtual - 1
+
+    def chunk_forward(self, chunk: int, x: torch.Tensor,
+                      targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first chunk) or the residual stream in; the residual stream, or the
+        mean loss (last chunk, with targets) out."""
+        if self.is_first_chunk(chunk):
+            pos = torch.arange(x.size(1), device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for i in self.chunk_layers[chunk]:
+            x = self.h[str(i)](x)
+        if self.is_last_chunk(chunk):
+            logits = F.linear(self.ln_f(x), self.head_weight).float()
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                   ignore_index=-1)
+        return x
+
+    def activation_shape(self, rows: int, seq: int) -> tuple[int, int, int]:
+        return (rows, seq, self.cfg.n_embd)

@@ -1,0 +1,81 @@
+"""Pipeline pieces that need no MPI: the layer split, stages chained in one process, and
+the configuration checks."""
+
+import pytest
+import torch
+
+from hpctrain.config import check_layout
+from hpctrain.errors import ConfigError
+from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.parallel.pipeline.stage import PipelineStage, layer_split
+from tests.helpers import tiny_config
+
+
+def test_layer_split_is_contiguous_and_even():
+    assert layer_split(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [len(r) for r in layer_split(7, 3)] == [3, 2, 2]
+    with pytest.raises(ValueError):
+        layer_split(2, 3)
+
+
+@pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (2, 2), (3, 2)])
+def test_stages_chained_in_one_process_give_the_model_loss_and_gradients(p, v):
+    cfg = GPTConfig(vocab_size=40, block_size=12, n_layer=6, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    x, y = torch.randint(0, 40, (3, 12)), torch.randint(0, 40, (3, 12))
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    stages = []
+    for s in range(p):
+        torch.manual_seed(0)  # every rank builds the same model and keeps its stage
+        stages.append(PipelineStage(GPT(cfg), s, p, v))
+    # Chunk g lives on stage g % p as its local chunk g // p; activations are cut from
+    # the graph between chunks, as they are between ranks.
+    inputs, outputs, h = [], [], x
+    for g in range(p * v):
+        if g > 0:
+            h = h.detach().requires_grad_(True)
+        inputs.append(h)
+        h = stages[g % p].chunk_forward(g // p, h, y if g == p * v - 1 else None)
+        outputs.append(h)
+    torch.testing.assert_close(h, ref_loss, atol=1e-6, rtol=0)
+    grad = None
+    for g in range(p * v - 1, -1, -1):
+        outputs[g].backward(grad)
+        grad = inputs[g].grad if g > 0 else None
+    named = {n: t for st in stages for n, t in st.named_parameters()}
+    assert sorted(named) == sorted(n for n, _ in ref.named_parameters())
+    # The tied embedding: the head's gradient lives on the last stage's copy.
+    tied = named["wte.weight"].grad + stages[-1].head_weight.grad
+    torch.testing.assert_close(tied, ref.wte.weight.grad, atol=1e-6, rtol=0)
+    for n, t in named.items():
+        if n != "wte.weight":
+            torch.testing.assert_close(t.grad, dict(ref.named_parameters())[n].grad,
+                                       atol=1e-6, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"parallel.pp": 2, "parallel.zero": 2}, "ZeRO stage 0 or 1"),
+    ({"parallel.pp": 2, "train.dtype": "bf16"}, "fp32"),
+    ({"parallel.pp": 2, "train.ckpt_interval": 5}, "not supported"),
+    ({"parallel.pp": 3}, "cannot fill 3 stage"),
+    ({"parallel.pp": 2, "parallel.virtual_stages": 2}, "schedule=interleaved"),
+    ({"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
+      "parallel.micro_batches": 3}, "multiple of --parallel.pp=2"),
+    ({"parallel.pp": 0}, "at least 1"),
+])
+def test_pipeline_config_errors_name_the_fix(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny_config(tmp_path / "d.h5", tmp_path, **overrides)
+
+
+def test_world_size_must_be_a_multiple_of_pp(tmp_path):
+    cfg = tiny_config(tmp_path / "d.h5", tmp_path, **{"parallel.pp": 2})
+    check_layout(cfg, 4)
+    with pytest.raises(ConfigError, match=r"mpiexec -n 4"):
+        check_layout(cfg, 3)
+    cfg = tiny_config(tmp_path / "d.h5", tmp_path, **{"parallel.pp": 2,
+                                                      "parallel.micro_batches": 4})
+    with pytest.raises(ConfigError, match="over 6 data-parallel replica"):
+        check_layout(cfg, 12)  # 12 ranks = 6 replicas x 2 stages; 6 x 4 micro-batches > 8

@@ -1,0 +1,94 @@
+"""Pipeline parallelism over real MPI ranks, against the single-process result.
+
+At 2 ranks: pp=2. At 4 ranks: pp=4 and dp=2 x pp=2 (bucketed data parallelism and
+ZeRO-1 along dp). Every schedule; per-step losses and final parameters equal the plain
+single-process loop on the whole global batch.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpctrain.comm.world import World
+from hpctrain.train.trainer import Trainer
+from tests.helpers import assert_matches_reference, same_on_all_ranks, tiny_config
+
+pytestmark = pytest.mark.mpi(min_size=2)
+COMM = MPI.COMM_WORLD
+SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)]
+
+
+def _pipeline_config(mpi_dataset, shared_tmp, pp, schedule, virtual, **extra):
+    return tiny_config(mpi_dataset, shared_tmp, **{
+        "model.n_layer": 8, "parallel.pp": pp, "parallel.micro_batches": 4,
+        "parallel.schedule": schedule, "parallel.virtual_stages": virtual,
+        "parallel.bucket_mb": 0.02, "parallel.first_bucket_mb": 0.005,
+        "train.max_iters": 10, **extra})
+
+
+def _check(trainer, result, cfg):
+    grid = trainer.grid
+    # Replicas of one stage hold the same values; stages hold different parameters.
+    assert_matches_reference(trainer, result, cfg, grid.dp_world.comm)
+    from tests.reference import plain_torch_run
+    if trainer.model.has_head:  # the head's copy of the tied embedding followed the update
+        _, ref = plain_torch_run(cfg)
+        torch.testing.assert_close(trainer.model.head_weight.detach(), ref["wte.weight"],
+                                   atol=1e-5, rtol=0)
+    stats = trainer.pipe.stats
+    assert stats.messages > 0
+
+
+@pytest.mark.parametrize("schedule,virtual", SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_matches_single_process(mpi_dataset, shared_tmp, pp, schedule, virtual):
+    if COMM.size % pp:
+        pytest.skip(f"pp={pp} needs a multiple of {pp} ranks")
+    if pp * virtual > 8:
+        pytest.skip("more chunks than layers")
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, pp, schedule, virtual)
+    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    assert (trainer.grid.dp, trainer.grid.pp) == (COMM.size // pp, pp)
+    result = trainer.fit()
+    _check(trainer, result, cfg)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("schedule,virtual", SCHEDULES)
+def test_zero1_along_dp_with_pipeline(mpi_dataset, shared_tmp, schedule, virtual):
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, schedule, virtual,
+                           **{"parallel.zero": 1, "parallel.micro_batches": 2})
+    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    assert (trainer.grid.dp, trainer.grid.pp) == (2, 2)
+    result = trainer.fit()
+    _check(trainer, result, cfg)
+
+
+def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):
+    """Validation losses averaged over replicas, and final.h5 put together from the stages."""
+    if COMM.size % 2:
+        pytest.skip("needs an even number of ranks")
+    from hpctrain.checkpoint.single_file import load_checkpoint
+    common = {"train.eval_interval": 5, "train.eval_iters": 2, "train.final_eval": True,
+              "train.save_checkpoint": True}
+    out = Path(shared_tmp)
+    cfg = _pipeline_config(mpi_dataset, out / "pp", 2, "1f1b", 1, **common)
+    result = Trainer(cfg, World.create(COMM), verbose=False).fit()
+    assert result.val_losses.keys() == {5, 10}
+    assert same_on_all_ranks(COMM, torch.tensor([result.final_val_loss, *result.val_losses.values()]))
+    if COMM.rank == 0:  # the single-process run, on one rank
+        ref_cfg = tiny_config(mpi_dataset, out / "ref", **{
+            "model.n_layer": 8, "parallel.micro_batches": 4, "train.max_iters": 10, **common})
+        ref = Trainer(ref_cfg, World.create(MPI.COMM_SELF), verbose=False).fit()
+        for k in ref.val_losses:
+            assert abs(result.val_losses[k] - ref.val_losses[k]) <= 1e-5
+        assert abs(result.final_val_loss - ref.final_val_loss) <= 1e-5
+        ckpt = load_checkpoint(out / "pp" / "final.h5")
+        mine = load_checkpoint(out / "ref" / "final.h5")
+        assert sorted(ckpt.model) == sorted(mine.model)
+        for name, t in mine.model.items():
+            np.testing.assert_allclose(ckpt.model[name], t, atol=1e-5, rtol=0)
+    COMM.Barrier()
