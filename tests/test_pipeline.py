@@ -79,3 +79,29 @@ def test_world_size_must_be_a_multiple_of_pp(tmp_path):
                                                       "parallel.micro_batches": 4})
     with pytest.raises(ConfigError, match="over 6 data-parallel replica"):
         check_layout(cfg, 12)  # 12 ranks = 6 replicas x 2 stages; 6 x 4 micro-batches > 8
+
+
+def test_grid_places_a_pipeline_on_consecutive_ranks():
+    from hpctrain.comm.grid import grid_coords, grid_rank
+    dp, pp = 3, 4
+    coords = [grid_coords(r, dp, pp) for r in range(dp * pp)]
+    assert coords[:4] == [(0, 0), (0, 1), (0, 2), (0, 3)]  # replica 0's stages: ranks 0-3
+    assert sorted(coords) == [(d, s) for d in range(dp) for s in range(pp)]
+    for r, (d, s) in enumerate(coords):
+        assert grid_rank(d, s, dp, pp) == r
+    outer = [grid_coords(r, dp, pp, pipeline_inner=False) for r in range(dp * pp)]
+    assert outer[:3] == [(0, 0), (1, 0), (2, 0)]  # replicas of stage 0 side by side
+    for r, (d, s) in enumerate(outer):
+        assert grid_rank(d, s, dp, pp, pipeline_inner=False) == r
+
+
+def test_grid_on_one_rank_and_a_bad_size():
+    from mpi4py import MPI
+
+    from hpctrain.comm.grid import GridError, ProcessGrid
+    from hpctrain.comm.world import World
+    world = World.create(MPI.COMM_SELF)
+    grid = ProcessGrid.create(world)
+    assert (grid.dp, grid.pp, grid.stage, grid.is_first, grid.is_last) == (1, 1, 0, True, True)
+    with pytest.raises(GridError, match="--parallel.pp must divide"):
+        ProcessGrid.create(world, 2)

@@ -92,3 +92,18 @@ def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):
         for name, t in mine.model.items():
             np.testing.assert_allclose(ckpt.model[name], t, atol=1e-5, rtol=0)
     COMM.Barrier()
+
+
+def test_grid_communicators():
+    from hpctrain.comm.grid import ProcessGrid
+    if COMM.size % 2:
+        pytest.skip("needs an even number of ranks")
+    world = World.create(COMM)
+    grid = ProcessGrid.create(world, 2)
+    assert grid.pp_comm.size == 2 and grid.dp_world.size == COMM.size // 2
+    # Stage s of replica d is world rank 2 d + s: the pipeline's ranks are neighbours.
+    assert COMM.rank == 2 * grid.dp_index + grid.stage
+    assert grid.pp_comm.rank == grid.stage and grid.dp_world.comm.rank == grid.dp_index
+    members = grid.pp_comm.allgather(COMM.rank)
+    assert members == [2 * grid.dp_index, 2 * grid.dp_index + 1]
+    assert grid.dp_world.comm.allgather(grid.stage) == [grid.stage] * grid.dp
