@@ -405,7 +405,8 @@ class Trainer:
             tok_s = self.tokens_per_step * window_steps / elapsed
             record = self._record(done, float(global_losses[-1]), tok_s, elapsed / window_steps,
                                   float(norm), data_s / window_steps,
-                                  (self.dp.stats.wait_s - wait0) / window_steps)
+                                  (self.dp.stats.wait_s - wait0) / window_steps,
+                                  sum(result.bubble_times[-window_steps:]) / window_steps)
             if is_eval:
                 record["val_loss"] = result.val_losses[done] = self.estimate_val_loss()
                 self._log(f"step {done}: val loss {record['val_loss']:.4f}", bar)
@@ -423,14 +424,15 @@ class Trainer:
     def _bubble_s(self) -> float:
         return self.pipe.stats.bubble_s if self.pipe is not None else 0.0
 
-    def _record(self, step, loss, tok_s, step_s, norm, data_s, wait_s) -> dict:
+    def _record(self, step, loss, tok_s, step_s, norm, data_s, wait_s, bubble_s) -> dict:
         tflops = self.flops_per_token * tok_s / self.world.size / 1e12
         return {"step": step, "loss": loss,
                 "lr": learning_rate(step - 1, self.cfg.optim, self.cfg.train.max_iters),
                 "tokens_per_s": tok_s, "step_ms": step_s * 1e3, "grad_norm": norm,
                 "tflops_per_device": tflops,
                 "mfu": tflops / self.peak if self.peak else None,
-                "data_ms": data_s * 1e3, "comm_wait_ms": wait_s * 1e3}
+                "data_ms": data_s * 1e3, "comm_wait_ms": wait_s * 1e3,
+                "bubble_ms": bubble_s * 1e3}
 
     @staticmethod
     def _bar_text(r: dict) -> str:
@@ -457,11 +459,12 @@ class Trainer:
         # The largest rank's peak is what has to fit on a node's share of memory.
         peak_rss = int(allreduce_array(self.world.comm, [peak_rss_bytes()], op=MPI.MAX,
                                        timeout=self.world.timeout, what="peak memory")[0])
+        timing = self._timing(result)
         # ZeRO-3 samples from gathered parameters (every rank gathers, rank 0 samples).
         gather = self.zero and t.sample_tokens > 0
         with self.dp.gathered() if gather else contextlib.nullcontext():
             if self.world.is_root:
-                self._write_outputs(result, state, memory, peak_rss,
+                self._write_outputs(result, state, memory, peak_rss, timing,
                                     full_model if full_model is not None else self.model)
         self._close()
 
@@ -509,7 +512,20 @@ class Trainer:
         model.load_state_dict({**params, "lm_head.weight": params["wte.weight"]})
         return model.to(self.device)
 
-    def _write_outputs(self, result: TrainResult, state, memory, peak_rss: int,
+    def _timing(self, result: TrainResult) -> dict:
+        """Step-time summary, with each time share averaged over the ranks (pipeline
+        stages wait differently: the first stage idles at the end of a step, the last
+        at the start). Collective."""
+        timing = summarize(result.step_times, result.data_times, result.comm_times,
+                           result.bubble_times)
+        keys = ("compute", "comm", "bubble", "data")
+        local = [timing.get("shares", {}).get(k, 0.0) for k in keys]
+        mean = self._allreduce(local, "time shares") / self.world.size
+        if timing:
+            timing["shares"] = dict(zip(keys, map(float, mean)))
+        return timing
+
+    def _write_outputs(self, result: TrainResult, state, memory, peak_rss: int, timing: dict,
                        model: torch.nn.Module) -> None:
         t = self.cfg.train
         summary = {
@@ -517,8 +533,7 @@ class Trainer:
             "final_val_loss": result.final_val_loss, "wall_s": result.wall_s,
             "tokens_per_s": result.tokens_per_s,
             "step_ms_median": 1e3 * statistics.median(result.step_times) if result.step_times else None,
-            "timing": summarize(result.step_times, result.data_times, result.comm_times,
-                                result.bubble_times),
+            "timing": timing,
             "peak_rss_bytes_max_rank": peak_rss,
             "flops_per_token": self.flops_per_token, "peak_tflops": self.peak,
             "params": self.n_params, "memory_per_rank": memory.to_dict(),
