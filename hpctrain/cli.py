@@ -1,4 +1,4 @@
-"""``hpctrain`` command line: prepare, train, sample, ckpt, jobscript, launch.
+"""``hpctrain`` command line: prepare, train, sample, ckpt, jobscript, launch, scale, plan.
 
     hpctrain prepare --corpus stdlib --output datasets/stdlib-char.h5
     mpiexec -n 4 hpctrain train default --train.max_iters=200
@@ -6,6 +6,8 @@
     hpctrain jobscript --system polaris --nodes 2 --walltime 00:30:00 --queue debug \
         --account PROJECT --output job.sh -- train default
     hpctrain launch --dry-run -- train default        # inside a PBS/SLURM job
+    hpctrain scale run perf/studies/local.toml && hpctrain scale report runs/study-local
+    hpctrain plan --system polaris --nodes 64 --model gpt2-xl
 
 Errors a user can fix print one message and exit with status 2. MPI is initialized only
 by the subcommands that need it, after the configuration has been validated.
@@ -165,6 +167,77 @@ def _add_ckpt(sub) -> None:
     a.add_argument("--output", required=True, metavar="FILE_OR_DIR")
 
 
+def _add_scale(sub) -> None:
+    p = sub.add_parser("scale", help="scaling studies: run a sweep, report it, calibrate the "
+                                     "performance model",
+                       description="Scaling studies from a TOML sweep spec (see "
+                                   "perf/studies/local.toml): run every point, write one JSON "
+                                   "record per run, build a Markdown/HTML report with plots.")
+    acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    a = acts.add_parser("run", help="run every point of a study (or write job scripts)",
+                        description="Run each point with the system's launcher under a time "
+                                    "limit; a failed point is recorded and the study goes on. "
+                                    "With --jobs DIR nothing runs: job scripts are written.")
+    a.add_argument("study", metavar="STUDY.toml")
+    a.add_argument("--out", metavar="DIR", help="records and runs go here "
+                   "(default: runs/study-<name>)")
+    a.add_argument("--launch-system", metavar="NAME", default=None,
+                   help="job profile whose launcher runs the points: local (default), or "
+                        "polaris/aurora/... inside a job's allocation")
+    a.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
+                   help="before each run wait up to S seconds until other processes leave "
+                        "the cores alone (a shared machine); the busy cores are recorded")
+    a.add_argument("--jobs", metavar="DIR", help="write job scripts here instead of running")
+    a.add_argument("--one-job", action="store_true", help="with --jobs: one script that runs "
+                   "all points on one allocation (the largest point's nodes)")
+    for flag, hint in (("--system", "job profile for --jobs (polaris, aurora, ...)"),
+                       ("--account", "project to charge"), ("--queue", "queue"),
+                       ("--walltime", "HH:MM:SS per job")):
+        a.add_argument(flag, help=hint)
+    a.add_argument("--venv", metavar="DIR", help="environment the jobs activate")
+    a = acts.add_parser("report", help="tables and plots from a study's records",
+                        description="Write DIR/report.md, DIR/report.html and DIR/plots/*.png "
+                                    "from DIR/records/*.json.")
+    a.add_argument("folder", metavar="DIR")
+    a = acts.add_parser("calibrate", help="measure this machine for the performance model",
+                        description="Time forward+backward per model shape, AdamW, and the "
+                                    "collectives at each rank count (under mpiexec); write a "
+                                    "calibration file that studies and plan use.")
+    a.add_argument("study", nargs="?", metavar="STUDY.toml",
+                   help="calibrate for this study's model shapes, dtype and rank counts")
+    a.add_argument("--output", required=True, metavar="FILE.json")
+    a.add_argument("--ranks", type=int, nargs="+", metavar="N",
+                   help="group sizes for the collectives (default: the study's, else 2 4)")
+    a.add_argument("--model", default="default", metavar="NAME",
+                   help="model preset to calibrate without a study (default: default)")
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="rank the parallel layouts of a model on N nodes by "
+                                    "predicted step time",
+                       description="Enumerate (dp, pp, ZeRO stage, micro-batches) layouts that "
+                                   "fit device memory, predict each step with the performance "
+                                   "model and print them fastest first.")
+    p.add_argument("--system", required=True, metavar="NAME",
+                   help="polaris, aurora, local, or a .toml performance profile")
+    p.add_argument("--nodes", type=int, required=True, metavar="N")
+    p.add_argument("--model", required=True, metavar="NAME",
+                   help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-2.7b, gpt3-6.7b, "
+                        "gpt3-13b, default")
+    p.add_argument("--global-batch", type=int, default=0, metavar="SEQ",
+                   help="sequences per optimizer step (default: 512, GPT-2's, or one per "
+                        "rank when there are more ranks)")
+    p.add_argument("--seq-len", type=int, default=0, metavar="T",
+                   help="context length (default: the model's)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
+                   help="default: the system's (one per GPU or tile)")
+    p.add_argument("--calibration", metavar="FILE.json", help="measured numbers to use")
+    p.add_argument("--top", type=int, default=12, metavar="K", help="rows to print")
+    p.add_argument("--explain", nargs="?", const=1, type=int, metavar="RANK",
+                   help="show the terms of the layout ranked RANK (default 1)")
+
+
 def cmd_ckpt(args) -> int:
     from hpctrain.checkpoint import tools
 
@@ -192,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_jobscript(sub)
     _add_launch(sub)
     _add_ckpt(sub)
+    _add_scale(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -386,6 +461,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_prepare(args)
         if args.command == "ckpt":
             return cmd_ckpt(args)
+        if args.command == "scale":
+            from hpctrain.scaling.commands import cmd_scale
+
+            return cmd_scale(args)
+        if args.command == "plan":
+            from hpctrain.scaling.commands import cmd_plan
+
+            return cmd_plan(args)
         return cmd_sample(args)
     except UserError as exc:
         from hpctrain.comm.abort import abort_job, env_rank

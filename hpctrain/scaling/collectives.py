@@ -1,0 +1,110 @@
+"""Alpha-beta cost of the collectives a training step uses (pure functions, seconds).
+
+A message of ``n`` bytes over one link costs ``alpha + n / bandwidth`` (Hockney's model).
+The ring algorithms' costs are the classic ones (Thakur, Rabenseifner and Gropp,
+"Optimization of collective communication operations in MPICH", IJHPCA 2005; Patarasuk
+and Yuan 2009 for the bandwidth optimality of the ring allreduce), for a group of ``p``
+ranks and a buffer of ``n`` bytes (the whole gradient for reduce-scatter, the whole
+gathered result for allgather):
+
+    reduce-scatter, allgather   (p-1) alpha + (p-1)/p n / bw
+    allreduce (ring)            2 (p-1) alpha + 2 (p-1)/p n / bw
+    point-to-point              alpha + n / bw
+
+At large p the ring's 2(p-1) latencies dominate small buckets, and MPI libraries switch
+to recursive halving/doubling (Rabenseifner's allreduce: 2 log2(p) alpha plus the same
+bandwidth term; reduce-scatter and allgather: log2(p) alpha). ``FORMULAS`` takes the
+cheaper of the two, as the library's algorithm selection does.
+
+Where calibration measured a collective at exactly this group size (``Fit``), the fit is
+used as is: on one shared-memory machine the measured line already holds the
+oversubscription and the library's choice of algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KINDS = ("allreduce", "reduce_scatter", "allgather", "p2p")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the network: latency per message and achieved bandwidth."""
+
+    alpha_s: float
+    bandwidth: float
+    """Bytes per second one rank can push through this level (achieved, not the data sheet)."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A measured line ``t = alpha_s + beta_s_per_byte * n`` for one collective and size."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def time(self, n_bytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * n_bytes
+
+
+def ring_allreduce(p: int, n_bytes: float, link: Link) -> float:
+    if p <= 1 or n_bytes <= 0:
+        return 0.0
+    return 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * n_bytes / link.bandwidth
+
+
+def reduce_scatter(p: int, n_bytes: float, link: Link) -> float:
+    if p <= 1 or n_bytes <= 0:
+        return 0.0
+    return (p - 1) * link.alpha_s + (p - 1) / p * n_bytes / link.bandwidth
+
+
+def allgather(p: int, n_bytes: float, link: Link) -> float:
+    # The mirror image of reduce-scatter: the same steps and bytes, no arithmetic.
+    return reduce_scatter(p, n_bytes, link)
+
+
+def p2p(n_bytes: float, link: Link) -> float:
+    return 0.0 if n_bytes <= 0 else link.alpha_s + n_bytes / link.bandwidth
+
+
+def halving_doubling(kind: str, p: int, n_bytes: float, link: Link) -> float:
+    """Rabenseifner's allreduce and recursive-halving reduce-scatter / doubling allgather
+    (Thakur et al. 2005): log2(p) rounds instead of p - 1."""
+    if p <= 1 or n_bytes <= 0:
+        return 0.0
+    rounds = math.ceil(math.log2(p))
+    volume = (p - 1) / p * n_bytes / link.bandwidth
+    if kind == "allreduce":
+        return 2 * rounds * link.alpha_s + 2 * volume
+    return rounds * link.alpha_s + volume
+
+
+def _best(ring, kind):
+    def cost(p: int, n_bytes: float, link: Link) -> float:
+        return min(ring(p, n_bytes, link), halving_doubling(kind, p, n_bytes, link))
+    return cost
+
+
+FORMULAS = {"allreduce": _best(ring_allreduce, "allreduce"),
+            "reduce_scatter": _best(reduce_scatter, "reduce_scatter"),
+            "allgather": _best(allgather, "allgather")}
+
+
+def group_link(intra: Link, inter: Link, *, group_size: int, members_per_node: int,
+               ranks_per_node: int) -> Link:
+    """The link that limits a ring over ``group_size`` ranks, ``members_per_node`` of which
+    share each node.
+
+    Inside one node the ring runs on the node's fabric (NVLink, Xe Link). Across nodes
+    every ring enters and leaves each node once, and the node's NICs are shared by the
+    ``ranks_per_node / members_per_node`` groups that have members on the node (a
+    data-parallel group of a pipelined job holds one stage of each replica), so each ring
+    gets that share of the node's injection bandwidth, and never more than the fabric."""
+    if group_size <= members_per_node:
+        return intra
+    rings_per_node = max(1, ranks_per_node // max(1, members_per_node))
+    return Link(alpha_s=max(intra.alpha_s, inter.alpha_s),
+                bandwidth=min(intra.bandwidth, inter.bandwidth / rings_per_node))

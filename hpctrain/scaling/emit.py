@@ -1,0 +1,135 @@
+"""``hpctrain scale run STUDY --jobs DIR``: job scripts instead of local runs.
+
+Per point (default): one script per point and repeat, each made by the job generator
+(``hpctrain.jobs``: directives, queue limits, module setup, binding, records), with its
+run directory under ``DIR/runs``; ``DIR/submit_all.sh`` submits them all and
+``DIR/jobs.json`` maps job names to points, so ``hpctrain scale report DIR`` turns the
+finished runs' ``summary.json`` files into records.
+
+One job (``--one-job``): the generator's script for the largest point's node count, whose
+launch line is replaced by ``python -m hpctrain scale run STUDY --launch-system SYSTEM``:
+inside the allocation the study runner starts each point with the system's own launch
+line (``hpctrain.jobs.launch.plan_launch``) on as many nodes as the point needs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+from hpctrain.errors import UserError
+from hpctrain.scaling.runner import train_command
+from hpctrain.scaling.spec import Study
+
+
+def _spec(study: Study, *, system, nodes, command, job_name, run_root, account, queue,
+          walltime, venv):
+    from hpctrain.jobs.spec import build_spec
+
+    return build_spec(system=system, command=command, nodes=nodes, walltime=walltime,
+                      queue=queue, account=account, job_name=job_name, venv=venv,
+                      run_root=run_root)
+
+
+def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | None,
+              queue: str | None, walltime: str | None, venv: str | None,
+              one_job: bool = False) -> list[str]:
+    """Write the scripts; return lines to print."""
+    from hpctrain.jobs.render import SUBMIT, render, write_script
+
+    if not system:
+        raise UserError("--jobs needs --system (polaris, aurora, ...: the job profile)")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = (out / "runs").resolve()
+    lines = []
+    if one_job:
+        nodes = max(p.nodes for p in study.points)
+        first = study.points[0]
+        spec = _spec(study, system=system, nodes=nodes,
+                     command=[c for c in train_command(study, first, Path("x"))
+                              if not c.startswith("--train.out_dir=")],
+                     job_name=f"study-{study.name}"[:63], run_root=str(runs),
+                     account=account, queue=queue, walltime=walltime, venv=venv)
+        text = study_script(render(spec), study, system)
+        path = write_script(out / f"study-{study.name}.sh", text)
+        lines.append(f"wrote {path}: all {len(study.points)} point(s) in one job of {nodes} "
+                     f"node(s); submit with {SUBMIT[spec.profile.scheduler]} {path}; the "
+                     f"study's records land in {runs}/study-{study.name}-<job id>/study")
+        return lines
+    index, submit = {}, []
+    for i, point in enumerate(study.points):
+        for r in range(study.repeats):
+            name = f"{study.name}-p{i:03d}r{r}"[:63]
+            command = [c for c in train_command(study, point, Path("x"))
+                       if not c.startswith("--train.out_dir=")]
+            spec = _spec(study, system=system, nodes=point.nodes, command=command,
+                         job_name=name, run_root=str(runs), account=account, queue=queue,
+                         walltime=walltime, venv=venv)
+            path = write_script(out / f"{name}.sh", render(spec))
+            index[name] = {"point": point.id, "index": i, "repeat": r}
+            submit.append(f"{SUBMIT[spec.profile.scheduler]} {shlex.quote(str(path.resolve()))}")
+    (out / "jobs.json").write_text(json.dumps({"study": str(study.path.resolve()),
+                                               "jobs": index}, indent=1))
+    script = out / "submit_all.sh"
+    script.write_text("#!/bin/bash\nset -euo pipefail\n" + "\n".join(submit) + "\n")
+    script.chmod(0o755)
+    lines.append(f"wrote {len(index)} job script(s) to {out}/ and {script} to submit them; "
+                 f"afterwards: hpctrain scale report {out}")
+    return lines
+
+
+_LAUNCH = re.compile(r"^LAUNCH=\(\n.*?^\)\n", re.S | re.M)
+
+
+def study_script(text: str, study: Study, system: str) -> str:
+    """The generator's script with its launch line replaced by the study runner."""
+    from hpctrain.jobs.render import check_syntax
+    from hpctrain.jobs.shell import quote
+
+    run = ["scale", "run", str(study.path.resolve()), "--launch-system", system,
+           "--out"]
+    words = " ".join(quote(w) for w in run)
+    new = f'LAUNCH=(\n    "$PYTHON" -m hpctrain {words} "$RUN_DIR/study"\n)\n'
+    replaced, count = _LAUNCH.subn(lambda _: new, text, count=1)
+    if count != 1:
+        raise UserError("the job template has no LAUNCH=( ... ) block to replace; write "
+                        "per-point scripts (drop --one-job)")
+    check_syntax(replaced)
+    return replaced
+
+
+def collect(folder: str | Path) -> int:
+    """Records for the finished per-point jobs of ``folder`` (from their run directories'
+    ``summary.json`` and ``exit_code``); returns how many runs were found."""
+    from hpctrain.scaling import records
+    from hpctrain.scaling.commands import load_for_run
+    from hpctrain.scaling.perfmodel import predict
+    from hpctrain.scaling.runner import finish_record, new_record, write_study
+
+    folder = Path(folder)
+    index = json.loads((folder / "jobs.json").read_text())
+    study, system = load_for_run(index["study"])
+    points = {p.id: p for p in study.points}
+    if not (folder / "study.json").is_file():
+        write_study(study, folder, system, {"git": records.git_state(),
+                                            "environment": None, "launch_system": "jobs"})
+    found = 0
+    for name, job in index["jobs"].items():
+        dirs = sorted((folder / "runs").glob(f"{name}-*"), key=lambda d: d.stat().st_mtime)
+        if not dirs or job["point"] not in points:
+            continue  # not run yet
+        run, point = dirs[-1], points[job["point"]]
+        found += 1
+        rec = new_record(study, point, job["repeat"], job["index"],
+                         train_command(study, point, run))
+        rec["prediction"] = predict(system, point.model, point.layout).to_dict()
+        code = run / "exit_code"
+        rc = int(code.read_text().strip() or 1) if code.is_file() else 1
+        log = f"job {run.name} exited with status {rc}" if code.is_file() else \
+            f"job {run.name} has no exit_code (still running, or killed at its walltime)"
+        rec = finish_record(rec, run / "summary.json", rc, log, study.timeout_s, system)
+        records.write_record(records.record_path(folder, point.id, job["repeat"]), rec)
+    return found

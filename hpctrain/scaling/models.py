@@ -1,0 +1,106 @@
+"""GPT shapes for the performance model: parameter counts and FLOPs without building one.
+
+The counts follow ``hpctrain.model.gpt.GPT`` exactly (no biases, LayerNorm weights only,
+tied input/output embeddings), so that the model's FLOPs per token equal what the
+trainer reports (6N + 12 L C T, Chinchilla/PaLM appendix B); a test checks both against
+the real module.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from importlib import resources
+
+from hpctrain.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    vocab_size: int
+    name: str = ""
+
+    def __post_init__(self):
+        for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            if int(getattr(self, field)) < 1:
+                raise UserError(f"model {self.label}: {field} must be at least 1")
+        if self.n_embd % self.n_head:
+            raise UserError(f"model {self.label}: n_embd {self.n_embd} is not a multiple of "
+                            f"n_head {self.n_head}; pick a width divisible by the head count")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.key
+
+    @property
+    def key(self) -> str:
+        """Identifies a shape in calibration files (the compute rate depends on it)."""
+        return (f"L{self.n_layer}-H{self.n_head}-C{self.n_embd}-T{self.block_size}"
+                f"-V{self.vocab_size}")
+
+    @property
+    def layer_params(self) -> int:
+        c = self.n_embd
+        return 12 * c * c + 2 * c  # qkv 3C^2, proj C^2, MLP 8C^2, two LayerNorm weights
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embeddings (tied with the head) and the final LayerNorm."""
+        return self.vocab_size * self.n_embd + self.n_embd
+
+    @property
+    def params(self) -> int:
+        """All parameters, position embeddings included (what ranks store and reduce)."""
+        return (self.n_layer * self.layer_params + self.embedding_params
+                + self.block_size * self.n_embd)
+
+    @property
+    def params_non_embedding(self) -> int:
+        """``GPT.num_params()``: everything but the position embeddings."""
+        return self.params - self.block_size * self.n_embd
+
+    @property
+    def layer_flops_per_token(self) -> float:
+        """Forward + backward FLOPs of one block per token: 6 per weight, plus attention
+        scores and their weighted sum (12 C T)."""
+        return 6.0 * self.layer_params + 12.0 * self.n_embd * self.block_size
+
+    @property
+    def head_flops_per_token(self) -> float:
+        return 6.0 * self.embedding_params
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.n_layer * self.layer_flops_per_token + self.head_flops_per_token
+
+    def stage_params(self, pp: int) -> int:
+        """Parameters on the largest pipeline stage: ceil(L/pp) blocks, plus the tied
+        embedding on the first stage (the last keeps a copy too, see parallelism.md)."""
+        layers = -(-self.n_layer // pp)
+        extra = self.embedding_params + self.block_size * self.n_embd
+        return layers * self.layer_params + extra
+
+
+def presets() -> dict[str, dict]:
+    text = resources.files("hpctrain.scaling").joinpath("models.toml").read_text()
+    return tomllib.loads(text)
+
+
+def model_shape(name: str, **overrides) -> ModelShape:
+    """A preset by name, with any field overridden (``block_size=2048``)."""
+    table = presets()
+    if name not in table:
+        raise UserError(f"unknown model {name!r}; use one of {', '.join(table)} "
+                        "(or give n_layer, n_head, n_embd, block_size, vocab_size)")
+    fields = dict(table[name])
+    fields.update({k: v for k, v in overrides.items() if v})
+    return ModelShape(name=name, **fields)

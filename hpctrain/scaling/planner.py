@@ -1,0 +1,165 @@
+"""``hpctrain plan``: every legal (dp, pp, ZeRO, micro-batch) layout of a model on N
+nodes that fits device memory, ranked by the performance model's step time.
+
+Legal means what the trainer accepts: dp x pp = ranks, pp <= layers, the global batch
+splits into dp x micro-batches, pipelines only with ZeRO 0 or 1, and for pipelines 1F1B (GPipe is never faster and holds
+more activations) and interleaved 1F1B with 2 chunks per rank where the layers allow it.
+The micro-batch size ranges over 1, 2, 4, ... rows (gradient accumulation makes up the
+rest of the batch). Pipelines with fewer micro-batches than stages are left out: most of
+such a step would be bubble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctrain.errors import UserError
+from hpctrain.scaling.models import ModelShape, model_shape
+from hpctrain.scaling.perfmodel import Layout, Prediction, describe, fits, predict
+from hpctrain.scaling.systems import SystemPerf, load_system
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    prediction: Prediction
+
+
+@dataclass(frozen=True)
+class Plan:
+    system: SystemPerf
+    shape: ModelShape
+    nodes: int
+    ranks: int
+    global_batch: int
+    fitting: tuple
+    """Candidates that fit, fastest first."""
+    too_big: int
+    """Legal layouts left out because they do not fit device memory."""
+    smallest: Candidate | None
+    """The layout needing the least memory (to say how far off the rest is)."""
+
+
+def layouts(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
+            max_micro_rows: int = 64) -> list[Layout]:
+    out = []
+    for pp in range(1, min(ranks, shape.n_layer) + 1):
+        if ranks % pp:
+            continue
+        dp = ranks // pp
+        if global_batch % dp:
+            continue
+        rows_per_rank = global_batch // dp
+        schedules = [("1f1b", 1)]
+        if pp > 1 and shape.n_layer % (2 * pp) == 0:
+            schedules.append(("interleaved", 2))
+        b = 1
+        while b <= min(rows_per_rank, max_micro_rows):
+            if rows_per_rank % b == 0:
+                m = rows_per_rank // b
+                if pp == 1 or m >= pp:
+                    for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
+                        for sched, v in schedules:
+                            out.append(Layout(ranks=ranks, pp=pp, zero=zero, micro_batches=m,
+                                              global_batch=global_batch, dtype=dtype,
+                                              schedule=sched, virtual_stages=v))
+            b *= 2
+    return out
+
+
+DEFAULT_BATCH = 512
+"""Sequences per step when none is given (GPT-2's batch), or one per rank if more."""
+
+
+def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len: int = 0,
+         dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None) -> Plan:
+    perf = load_system(system, calibration)
+    if nodes < 1:
+        raise UserError(f"--nodes {nodes}: use at least 1")
+    rpn = ranks_per_node or perf.ranks_per_node
+    if rpn < 1:
+        raise UserError(f"system {perf.name} has no ranks per node; pass --ranks-per-node N")
+    if ranks_per_node and perf.ranks_per_node and ranks_per_node != perf.ranks_per_node:
+        from dataclasses import replace
+
+        perf = replace(perf, ranks_per_node=ranks_per_node)
+    shape = model_shape(model, block_size=seq_len)
+    ranks = nodes * rpn
+    global_batch = global_batch or max(DEFAULT_BATCH, ranks)
+    if global_batch < 1:
+        raise UserError(f"--global-batch {global_batch}: use at least 1 sequence")
+    cands = []
+    for lay in layouts(shape, ranks, global_batch, dtype):
+        cands.append(Candidate(lay, predict(perf, shape, lay)))
+    if not cands:
+        raise UserError(f"no layout splits a global batch of {global_batch} sequences over "
+                        f"{ranks} ranks ({nodes} node(s) x {rpn}) with at most "
+                        f"{shape.n_layer} pipeline stages; use a --global-batch that a "
+                        f"divisor of {ranks} divides, e.g. {ranks}")
+    ok = [c for c in cands if fits(perf, c.prediction.memory_bytes)]
+    ok.sort(key=lambda c: (c.prediction.step_s, c.prediction.memory_bytes))
+    smallest = min(cands, key=lambda c: c.prediction.memory_bytes)
+    if not ok:
+        need = smallest.prediction.memory_bytes / GIB
+        raise UserError(f"{shape.label} does not fit {perf.device} memory "
+                        f"({perf.device_memory / GIB:.0f} GiB) in any layout on {nodes} "
+                        f"node(s): the smallest needs {need:.1f} GiB per rank "
+                        f"({_layout_text(smallest.layout)}); use more nodes, a smaller "
+                        "--global-batch or --seq-len, or a smaller model")
+    return Plan(perf, shape, nodes, ranks, global_batch, tuple(ok), len(cands) - len(ok),
+                smallest)
+
+
+def _layout_text(lay: Layout) -> str:
+    pipe = f", {lay.schedule}" + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+    return (f"dp={lay.dp} pp={lay.pp} zero={lay.zero} micro-batches={lay.micro_batches} of "
+            f"{lay.micro_rows}" + (pipe if lay.pp > 1 else ""))
+
+
+def table(p: Plan, top: int = 12) -> str:
+    s = p.shape
+    head = (f"{s.label}: {s.params / 1e9:.2f}B parameters, {s.n_layer} layers, width "
+            f"{s.n_embd}, context {s.block_size}; {p.system.name}: {p.nodes} node(s) x "
+            f"{p.ranks // p.nodes} = {p.ranks} ranks, {p.system.device_memory / GIB:.0f} GiB "
+            f"per device; global batch {p.global_batch} x {s.block_size} tokens; "
+            f"{p.fitting[0].layout.dtype}")
+    cols = ["#", "dp", "pp", "sched", "zero", "micro", "rows", "step s", "tok/s", "TFLOP/s",
+            "MFU", "compute", "comm", "bubble", "mem GiB"]
+    rows = []
+    for i, c in enumerate(p.fitting[:top], 1):
+        lay, q = c.layout, c.prediction
+        sh = q.shares()
+        comm = (q.grad_comm_s + q.gather_s + q.p2p_s) / q.step_s
+        rows.append([str(i), str(lay.dp), str(lay.pp),
+                     "-" if lay.pp == 1 else lay.schedule[:5] + (
+                         f"{lay.virtual_stages}" if lay.virtual_stages > 1 else ""),
+                     str(lay.zero), str(lay.micro_batches), str(lay.micro_rows),
+                     f"{q.step_s:.3f}", f"{q.tokens_per_s:,.0f}",
+                     f"{q.flops_per_s_per_rank / 1e12:.1f}",
+                     f"{100 * q.mfu:.1f}%" if q.mfu is not None else "-",
+                     f"{100 * (q.compute_s + q.optimizer_s) / q.step_s:.0f}%",
+                     f"{100 * comm:.0f}%", f"{100 * sh['bubble']:.0f}%",
+                     f"{q.memory_bytes / GIB:.1f}"])
+    widths = [max(len(r[i]) for r in [cols] + rows) for i in range(len(cols))]
+    line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
+    out = [head, "", line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    shown = min(top, len(p.fitting))
+    out.append("")
+    out.append(f"{len(p.fitting)} layout(s) fit ({shown} shown, fastest first); "
+               f"{p.too_big} more do not fit device memory. Step times are predictions "
+               f"from the {p.system.name} profile ({p.system.source}"
+               + (f", calibration {p.system.calibration}" if p.system.calibration else "")
+               + "); --explain N shows the terms.")
+    return "\n".join(out)
+
+
+def explain(p: Plan, rank: int = 1) -> str:
+    if not 1 <= rank <= len(p.fitting):
+        raise UserError(f"--explain {rank}: the plan has {len(p.fitting)} layout(s)")
+    c = p.fitting[rank - 1]
+    rows = describe(c.prediction)
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([f"#{rank}: {_layout_text(c.layout)}"] +
+                     [f"  {k.ljust(width)}  {v}" for k, v in rows])

@@ -1,0 +1,258 @@
+"""A scaling study: a TOML sweep spec, checked in full and expanded into points.
+
+    [study]
+    name = "local"
+    scaling = "weak"              # weak: batch per data-parallel rank fixed; strong: global
+    ranks = [1, 2, 4]             # or nodes = [1, 2, 4] (x the system's ranks per node)
+    steps = 30                    # optimizer steps per run (the trainer drops a warm-up)
+    repeats = 1
+    recipe = "default"            # what `hpctrain train` starts from
+    system = "local"              # performance profile (hpctrain/scaling/systems)
+    calibration = "local-calibration.json"   # from `hpctrain scale calibrate`, optional
+    timeout_s = 300               # limit of each mpiexec
+    overrides = ["--data.path=datasets/stdlib-char.h5"]
+
+    [batch]
+    per_rank = 8                  # weak: sequences per data-parallel rank; strong: global = 32
+
+    [[models]]                    # one or more; a preset (models.toml) or a shape
+    name = "tiny"
+    n_layer = 4
+    n_head = 4
+    n_embd = 128
+    block_size = 128              # vocab_size: from the data file unless given
+
+    [[parallel]]                  # one or more; list values expand as a product
+    name = "zero"
+    zero = [0, 1, 2, 3]
+    pp = [1]
+    micro_batches = [1]
+    schedule = "1f1b"             # pp > 1: 1f1b | gpipe | interleaved
+    virtual_stages = 1
+
+Points are models x parallel configurations x rank counts, in that order. A combination
+the trainer cannot run (pp not dividing the ranks, a batch that does not split) is left
+out with the reason, never run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpctrain.errors import UserError
+from hpctrain.scaling.models import ModelShape, model_shape, presets
+from hpctrain.scaling.perfmodel import SCHEDULES, Layout
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+STUDY_KEYS = {"name", "scaling", "ranks", "nodes", "steps", "repeats", "recipe", "system",
+              "calibration", "timeout_s", "overrides", "dtype", "description"}
+PARALLEL_KEYS = {"name", "zero", "pp", "micro_batches", "schedule", "virtual_stages"}
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+
+
+@dataclass(frozen=True)
+class Point:
+    id: str
+    model: ModelShape
+    layout: Layout
+    parallel: str
+    """The name of the [[parallel]] entry (one line per name in plots)."""
+    nodes: int
+
+    def series(self) -> str:
+        """Points that differ only in their rank count form one scaling series."""
+        return f"{self.model.label} / {self.parallel}"
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    path: Path
+    scaling: str
+    ranks: tuple
+    nodes: tuple | None
+    steps: int
+    repeats: int
+    recipe: str
+    system: str
+    calibration: Path | None
+    timeout_s: float
+    overrides: tuple
+    dtype: str
+    batch_per_rank: int | None
+    global_batch: int | None
+    points: tuple
+    skipped: tuple = field(default=())
+    """``(description, reason)`` of combinations left out."""
+    description: str = ""
+
+
+def _err(path, msg: str) -> UserError:
+    return UserError(f"study {path}: {msg}")
+
+
+def _int_list(path, where: str, value, minimum: int = 1) -> list[int]:
+    items = value if isinstance(value, list) else [value]
+    if not items or any(not isinstance(i, int) or isinstance(i, bool) or i < minimum
+                        for i in items):
+        raise _err(path, f"{where} must be an integer >= {minimum} or a list of them, "
+                         f"not {value!r}")
+    return items
+
+
+def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
+               vocab_size: int | None = None) -> Study:
+    """Read and check a study spec. ``vocab_size`` is the data's, for shapes without one."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"study spec {path} does not exist; see perf/studies/local.toml")
+    try:
+        d = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise _err(path, f"not valid TOML ({e})") from None
+    s = d.get("study")
+    if not isinstance(s, dict):
+        raise _err(path, "needs a [study] table with name, scaling, ranks, steps")
+    unknown = set(s) - STUDY_KEYS
+    if unknown:
+        raise _err(path, f"unknown key(s) in [study]: {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(sorted(STUDY_KEYS))}")
+    unknown_tables = set(d) - {"study", "batch", "models", "parallel"}
+    if unknown_tables:
+        raise _err(path, f"unknown table(s) {', '.join(sorted(unknown_tables))}; use "
+                         "[study], [batch], [[models]], [[parallel]]")
+    name = s.get("name") or path.stem
+    scaling = s.get("scaling")
+    if scaling not in ("weak", "strong"):
+        raise _err(path, f"scaling = {scaling!r}: use \"weak\" (fixed batch per data-parallel "
+                         "rank) or \"strong\" (fixed global batch)")
+    if ("ranks" in s) == ("nodes" in s):
+        raise _err(path, "give exactly one of ranks = [...] or nodes = [...]")
+    nodes = None
+    if "nodes" in s:
+        nodes = tuple(_int_list(path, "nodes", s["nodes"]))
+        if not ranks_per_node:
+            raise _err(path, "nodes = [...] needs a system with ranks per node (polaris, "
+                             "aurora); on this machine use ranks = [...]")
+        ranks = tuple(n * ranks_per_node for n in nodes)
+    else:
+        ranks = tuple(_int_list(path, "ranks", s["ranks"]))
+    steps = _int_list(path, "steps", s.get("steps", 30), minimum=3)[0]
+    repeats = _int_list(path, "repeats", s.get("repeats", 1))[0]
+    timeout = s.get("timeout_s", 600)
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise _err(path, f"timeout_s must be a positive number of seconds, not {timeout!r}")
+    overrides = s.get("overrides", [])
+    if not isinstance(overrides, list) or any(not isinstance(o, str) or not o.startswith("--")
+                                              for o in overrides):
+        raise _err(path, "overrides must be a list of '--section.key=value' strings")
+    dtype = s.get("dtype", "fp32")
+    if dtype not in ("fp32", "bf16"):
+        raise _err(path, f"dtype {dtype!r}: use fp32 or bf16")
+    calibration = s.get("calibration")
+    calib_path = (path.parent / calibration) if calibration else None
+
+    batch = d.get("batch", {})
+    per_rank, global_batch = batch.get("per_rank"), batch.get("global")
+    if scaling == "weak" and (per_rank is None or global_batch is not None):
+        raise _err(path, "weak scaling fixes the batch per data-parallel rank: give "
+                         "[batch] per_rank = N (and no global)")
+    if scaling == "strong" and (global_batch is None or per_rank is not None):
+        raise _err(path, "strong scaling fixes the global batch: give [batch] global = N "
+                         "(and no per_rank)")
+    _int_list(path, "[batch]", per_rank if scaling == "weak" else global_batch)
+
+    models = [_model(path, m, vocab_size) for m in _tables(path, d, "models")]
+    parallels = [_parallel(path, p) for p in _tables(path, d, "parallel")]
+    points, skipped = [], []
+    for model, (pname, combos) in itertools.product(models, parallels):
+        seen = set()
+        for (zero, pp, micro, sched, v), n in itertools.product(combos, ranks):
+            if pp == 1:  # schedules only differ with stages: one point, not one per schedule
+                sched, v = "1f1b", 1
+                if (zero, micro, n) in seen:
+                    continue
+                seen.add((zero, micro, n))
+            label = f"{model.label} {pname} zero={zero} pp={pp} m={micro} ranks={n}"
+            if n % pp:
+                skipped.append((label, f"pp={pp} does not divide {n} rank(s)"))
+                continue
+            dp = n // pp
+            g = per_rank * dp if scaling == "weak" else global_batch
+            layout = Layout(ranks=n, pp=pp, zero=zero, micro_batches=micro, global_batch=g,
+                            dtype=dtype, schedule=sched, virtual_stages=v)
+            try:
+                layout.check(model)
+            except UserError as e:
+                skipped.append((label, str(e)))
+                continue
+            pipe = "" if pp == 1 else f"-{sched}" + (f"{v}" if sched == "interleaved" else "")
+            pid = f"{_slug(model.label)}-{_slug(pname)}-z{zero}-pp{pp}{pipe}-m{micro}-n{n}"
+            points.append(Point(pid, model, layout, pname,
+                                n // ranks_per_node if nodes else 1))
+    if not points:
+        raise _err(path, "no point can run: " + "; ".join(f"{a}: {b}" for a, b in skipped[:3]))
+    ids = [p.id for p in points]
+    if len(set(ids)) != len(ids):
+        raise _err(path, "two points have the same id; give each [[models]] and [[parallel]] "
+                         "entry its own name")
+    return Study(name=name, path=path, scaling=scaling, ranks=ranks, nodes=nodes, steps=steps,
+                 repeats=repeats, recipe=s.get("recipe", "default"),
+                 system=s.get("system", "local"), calibration=calib_path,
+                 timeout_s=float(timeout), overrides=tuple(overrides), dtype=dtype,
+                 batch_per_rank=per_rank, global_batch=global_batch, points=tuple(points),
+                 skipped=tuple(skipped), description=s.get("description", ""))
+
+
+def _tables(path, d: dict, key: str) -> list[dict]:
+    items = d.get(key)
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        raise _err(path, f"needs at least one [[{key}]] table")
+    return items
+
+
+def _model(path, m: dict, vocab_size: int | None) -> ModelShape:
+    unknown = set(m) - set(SHAPE_KEYS) - {"name", "preset"}
+    if unknown:
+        raise _err(path, f"unknown key(s) in [[models]]: {', '.join(sorted(unknown))}")
+    shape = {k: m[k] for k in SHAPE_KEYS if k in m}
+    if "preset" in m:
+        return model_shape(m["preset"], **shape)
+    shape.setdefault("vocab_size", vocab_size)
+    missing = [k for k in SHAPE_KEYS if not shape.get(k)]
+    if missing:
+        hint = " (or make the data file readable: the vocabulary comes from it)" \
+            if missing == ["vocab_size"] else f" (or preset = one of {', '.join(presets())})"
+        raise _err(path, f"model {m.get('name', '?')!r} lacks {', '.join(missing)}{hint}")
+    return ModelShape(name=str(m.get("name", "")), **shape)
+
+
+def _parallel(path, p: dict) -> tuple[str, list]:
+    unknown = set(p) - PARALLEL_KEYS
+    if unknown:
+        raise _err(path, f"unknown key(s) in [[parallel]]: {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(sorted(PARALLEL_KEYS))}")
+    zero = _int_list(path, "zero", p.get("zero", 0), minimum=0)
+    if any(z > 3 for z in zero):
+        raise _err(path, f"zero = {zero}: stages are 0, 1, 2, 3")
+    pp = _int_list(path, "pp", p.get("pp", 1))
+    micro = _int_list(path, "micro_batches", p.get("micro_batches", 1))
+    sched = p.get("schedule", "1f1b")
+    scheds = sched if isinstance(sched, list) else [sched]
+    if any(x not in SCHEDULES for x in scheds):
+        raise _err(path, f"schedule {sched!r}: use {', '.join(SCHEDULES)}")
+    v = _int_list(path, "virtual_stages", p.get("virtual_stages", 1))
+    name = str(p.get("name") or f"zero{zero[0]}")
+    return name, list(itertools.product(zero, pp, micro, scheds, v))
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in text)

@@ -1,0 +1,193 @@
+"""The performance model's pure parts: shapes, collective costs, bubble, memory, predict,
+and the planner built on them (no MPI, no runs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from hpctrain.errors import UserError
+from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.parallel.memory import zero_formula
+from hpctrain.scaling import collectives as coll
+from hpctrain.scaling import perfmodel as pm
+from hpctrain.scaling.models import ModelShape, model_shape
+from hpctrain.scaling.planner import plan
+from hpctrain.scaling.systems import ShapeRate, load_system
+
+LINK = coll.Link(alpha_s=1e-5, bandwidth=1e10)
+
+
+@pytest.mark.parametrize("dims", [(2, 2, 32, 16, 50), (3, 4, 64, 32, 97)])
+def test_shape_counts_match_the_real_model(dims):
+    L, H, C, T, V = dims
+    shape = ModelShape(L, H, C, T, V)
+    gpt = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C))
+    assert shape.params == gpt.num_params(non_embedding=False)
+    assert shape.params_non_embedding == gpt.num_params()
+    assert shape.flops_per_token == pytest.approx(gpt.flops_per_token())
+    assert shape.stage_params(1) == shape.params
+
+
+def test_shape_rejects_bad_dimensions():
+    with pytest.raises(UserError, match="multiple of n_head"):
+        ModelShape(2, 3, 32, 16, 50)
+    with pytest.raises(UserError, match="unknown model"):
+        model_shape("gpt5")
+
+
+def test_ring_costs_are_the_textbook_formulas():
+    n = 8e6
+    assert coll.ring_allreduce(4, n, LINK) == pytest.approx(6 * 1e-5 + 1.5 * n / 1e10)
+    assert coll.reduce_scatter(4, n, LINK) == pytest.approx(3 * 1e-5 + 0.75 * n / 1e10)
+    assert coll.allgather(4, n, LINK) == coll.reduce_scatter(4, n, LINK)
+    assert coll.p2p(n, LINK) == pytest.approx(1e-5 + n / 1e10)
+    assert coll.ring_allreduce(1, n, LINK) == 0.0
+
+
+def test_large_groups_use_the_log_latency_algorithm():
+    small = 1e4  # latency-bound: 2 log2(p) alpha beats 2 (p - 1) alpha
+    cost = coll.FORMULAS["allreduce"](1024, small, LINK)
+    assert cost == pytest.approx(coll.halving_doubling("allreduce", 1024, small, LINK))
+    assert cost < coll.ring_allreduce(1024, small, LINK) / 50
+
+
+def test_group_link_inside_a_node_and_shared_nics():
+    intra, inter = coll.Link(1e-5, 1e11), coll.Link(2e-5, 4e10)
+    assert coll.group_link(intra, inter, group_size=4, members_per_node=4,
+                           ranks_per_node=4) is intra
+    one_ring = coll.group_link(intra, inter, group_size=8, members_per_node=4, ranks_per_node=4)
+    assert one_ring.bandwidth == 4e10 and one_ring.alpha_s == 2e-5
+    # pp=4: each data-parallel group has one member per node; 4 groups share the NICs.
+    shared = coll.group_link(intra, inter, group_size=8, members_per_node=1, ranks_per_node=4)
+    assert shared.bandwidth == pytest.approx(1e10)
+
+
+@pytest.mark.parametrize("p,m,sched,v,want", [(1, 8, "1f1b", 1, 0.0), (4, 8, "1f1b", 1, 3 / 11),
+                                              (4, 8, "gpipe", 1, 3 / 11),
+                                              (4, 8, "interleaved", 2, 3 / 19)])
+def test_bubble_fraction(p, m, sched, v, want):
+    assert pm.bubble_fraction(p, m, sched, v) == pytest.approx(want)
+
+
+def test_activation_memory_korthikanti():
+    shape = ModelShape(1, 4, 64, 128, 10)
+    flash = pm.activation_bytes_per_layer(shape, 2, "bf16", flash_attention=True)
+    full = pm.activation_bytes_per_layer(shape, 2, "bf16", flash_attention=False)
+    assert flash == 128 * 2 * 64 * 34
+    assert full == 128 * 2 * 64 * (34 + 5 * 4 * 128 / 64)
+    assert pm.activation_bytes_per_layer(shape, 2, "fp32", True) == 2 * flash
+    assert pm.micro_batches_in_flight(4, 8, "1f1b") == 4
+    assert pm.micro_batches_in_flight(4, 8, "gpipe") == 8
+
+
+def _cpu_system(cores=2):
+    base = load_system("local")
+    return dataclasses.replace(base, cores_per_node=cores, base_memory=0.0,
+                               shapes={}, fits={}, overlap=0.0)
+
+
+def test_predicted_bubble_matches_the_formula():
+    sys_ = load_system("polaris")
+    shape = model_shape("gpt2")
+    pred = pm.predict(sys_, shape, pm.Layout(ranks=4, pp=4, micro_batches=8, global_batch=8,
+                                             dtype="bf16"))
+    assert pred.bubble_s / pred.compute_s == pytest.approx(3 / 8)
+    inter = pm.predict(sys_, shape, pm.Layout(ranks=4, pp=4, micro_batches=8, global_batch=8,
+                                              dtype="bf16", schedule="interleaved",
+                                              virtual_stages=3))
+    assert inter.bubble_s / inter.compute_s == pytest.approx(3 / 24)
+    assert inter.p2p_s == pytest.approx(3 * pred.p2p_s)  # v times the messages
+
+
+def test_oversubscribed_ranks_share_cores():
+    sys_ = _cpu_system(cores=2)
+    shape = ModelShape(2, 2, 64, 32, 50)
+    one = pm.predict(sys_, shape, pm.Layout(ranks=2, global_batch=8))
+    four = pm.predict(sys_, shape, pm.Layout(ranks=4, global_batch=16))
+    assert one.oversubscription == 1.0 and four.oversubscription == 2.0
+    assert four.compute_s == pytest.approx(2 * one.compute_s)  # same rows per rank
+    assert four.optimizer_s == pytest.approx(2 * one.optimizer_s)
+
+
+def test_measured_fits_and_shape_rates_win():
+    shape = ModelShape(2, 2, 64, 32, 50)
+    sys_ = _cpu_system()
+    fitted = dataclasses.replace(
+        sys_, fits={2: {"allreduce": coll.Fit(1e-3, 0.0)}},
+        shapes={shape.key: {"fp32": ShapeRate(1e9, 0.0)}})
+    lay = pm.Layout(ranks=2, global_batch=4)
+    pred = pm.predict(fitted, shape, lay)
+    n_buckets = len(pm.bucket_sizes(4.0 * shape.params, lay.bucket_mb))
+    assert pred.grad_comm_total_s == pytest.approx(n_buckets * 1e-3)
+    tokens = lay.micro_rows * shape.block_size
+    assert pred.compute_s == pytest.approx(tokens * shape.flops_per_token / 1e9)
+
+
+def test_zero_stages_memory_and_communication():
+    sys_ = dataclasses.replace(load_system("polaris"), overlap=0.0)  # nothing hidden
+    shape = model_shape("gpt2")
+    preds = {z: pm.predict(sys_, shape, pm.Layout(ranks=8, zero=z, global_batch=16,
+                                                  dtype="bf16")) for z in range(4)}
+    for z, p in preds.items():
+        assert p.memory_terms["model_state"] == pytest.approx(
+            zero_formula(z, "bf16", 8) * shape.params)
+    assert preds[0].gather_s == 0.0 and preds[1].gather_s > 0.0
+    assert preds[3].gather_s > preds[1].gather_s  # 2 gathers per block and micro-batch
+    assert preds[3].optimizer_s < preds[0].optimizer_s  # 1/N of the update
+    single = pm.predict(sys_, shape, pm.Layout(ranks=1, zero=3, global_batch=2, dtype="bf16"))
+    assert single.comm_s == 0.0
+
+
+@pytest.mark.parametrize("layout,match", [
+    (pm.Layout(ranks=6, pp=4, global_batch=8), "do not split"),
+    (pm.Layout(ranks=2, global_batch=3), "multiple of 2"),
+    (pm.Layout(ranks=4, pp=2, zero=3, global_batch=8), "ZeRO stage 0 or 1"),
+    (pm.Layout(ranks=2, pp=2, schedule="zb", global_batch=2), "schedule"),
+])
+def test_illegal_layouts_name_the_fix(layout, match):
+    with pytest.raises(UserError, match=match):
+        layout.check(model_shape("gpt2"))
+
+
+@pytest.mark.parametrize("system", ["polaris", "aurora"])
+@pytest.mark.parametrize("nodes", [1, 8, 64, 512])
+def test_plan_is_sorted_legal_and_fits(system, nodes):
+    p = plan(system=system, nodes=nodes, model="gpt2-xl")
+    assert p.fitting
+    times = [c.prediction.step_s for c in p.fitting]
+    assert times == sorted(times)
+    for c in p.fitting:
+        lay = c.layout
+        assert lay.dp * lay.pp == p.ranks and lay.global_batch % (lay.dp * lay.micro_batches) == 0
+        assert c.prediction.memory_bytes <= p.system.device_memory
+        assert lay.pp == 1 or lay.zero <= 1
+        assert math.isfinite(c.prediction.step_s) and c.prediction.step_s > 0
+
+
+def test_plan_prefers_more_nodes_for_throughput():
+    small = plan(system="polaris", nodes=2, model="gpt2-xl").fitting[0].prediction
+    big = plan(system="polaris", nodes=16, model="gpt2-xl").fitting[0].prediction
+    assert big.tokens_per_s > 4 * small.tokens_per_s
+
+
+def test_plan_refuses_a_model_that_cannot_fit():
+    with pytest.raises(UserError, match="does not fit"):
+        plan(system="polaris", nodes=1, model="gpt3-13b", dtype="fp32")
+    with pytest.raises(UserError, match="unknown system"):
+        plan(system="summit", nodes=1, model="gpt2")
+
+
+def test_every_preset_plans_on_a_login_node_quickly():
+    # hpctrain plan runs on login nodes: predictions are arithmetic, no tensors.
+    import time
+
+    from hpctrain.scaling.models import presets
+
+    t0 = time.perf_counter()
+    for name in presets():
+        if name != "default":
+            assert plan(system="aurora", nodes=64, model=name).fitting
+    assert time.perf_counter() - t0 < 10.0
