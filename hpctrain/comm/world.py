@@ -90,3 +90,8 @@ def threads_per_rank(local_size: int) -> int:
     if cores < node_cores:  # the launcher bound us to our own cores already
         return max(1, cores)
     return max(1, node_cores // max(1, local_size))
+
+
+def node_oversubscribed(local_size: int, threads: int) -> bool:
+    """True when this node's ranks run more threads than it has cores."""
+    return local_size * max(1, threads) > (os.cpu_count() or 1)

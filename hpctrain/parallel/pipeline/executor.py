@@ -29,12 +29,18 @@ from mpi4py import MPI
 from hpctrain.comm.buffers import MPIBuffer
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.watchdog import wait_all
+from hpctrain.comm.world import node_oversubscribed
 from hpctrain.parallel.pipeline import schedules as S
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.profiling import nvtx_range
 
 LOOKAHEAD = 2  # receives posted ahead of the action that consumes them
 TIE_TAG_OFFSET = 1  # tied-embedding messages use tags above every schedule tag
+# With more ranks than cores, a stage waiting for its neighbour sleeps between polls
+# instead of yielding: the neighbour it waits for may share its core. Measured with
+# 4 ranks on 2 cores (perf/bench_pipeline.py, p=4, m=8): 517 ms per step with 50 us
+# sleeps against 569 ms yielding; with a core per rank yielding wakes up sooner.
+OVERSUBSCRIBED_POLL_SLEEP_S = 5e-5
 
 
 @dataclass
@@ -58,6 +64,8 @@ class PipelineExecutor:
         self.comm = grid.pp_comm
         self.cuda_aware = grid.world.cuda_aware
         self.device = next(stage.parameters()).device
+        self.poll_sleep = OVERSUBSCRIBED_POLL_SLEEP_S if node_oversubscribed(
+            grid.world.local_size, torch.get_num_threads()) else 0.0
         self.actions = S.schedule(kind, self.p, n_micro, self.s, self.v)
         self.stats = PipelineStats()
         self.tie_tag = S.max_tag(self.p, max(n_micro, 1), self.v) + TIE_TAG_OFFSET
@@ -90,7 +98,8 @@ class PipelineExecutor:
 
     def _wait(self, requests: list, what: str, bubble: bool = True) -> None:
         t0 = time.perf_counter()
-        wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}")
+        wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}",
+                 poll_sleep=self.poll_sleep)
         if bubble:
             self.stats.bubble_s += time.perf_counter() - t0
 
