@@ -90,7 +90,6 @@ def _ours(comm, p, m, kind, steps):
         peak[0] = base
         b0, t0 = ex.stats.bubble_s, time.perf_counter()
         ex.train_step(list(x.split(ROWS)), list(y.split(ROWS)), 1.0 / m)
-        ex.tie_gradients()
         opt.step()
         ex.tie_weights()
         dt = time.perf_counter() - t0

@@ -107,3 +107,20 @@ def test_grid_communicators():
     members = grid.pp_comm.allgather(COMM.rank)
     assert members == [2 * grid.dp_index, 2 * grid.dp_index + 1]
     assert grid.dp_world.comm.allgather(grid.stage) == [grid.stage] * grid.dp
+
+
+@pytest.mark.mpi(min_size=4)
+def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp):
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1)
+    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    dp, rows = trainer.dp, trainer.rows_per_micro
+    assert len(dp.buckets) >= 2
+    x, y = trainer._train_batch(0)
+    dp.prepare_for_backward(sync=False)
+    trainer.pipe.train_step(x.split(rows), y.split(rows), dp.grad_scale / trainer.micro,
+                            before_last_backward=lambda: dp.prepare_for_backward(sync=True))
+    launched_in_backward = dp.stats.reductions
+    dp.finish()
+    assert launched_in_backward >= 1  # overlapped with the stage's last backward pass
+    assert dp.stats.reductions == len(dp.buckets)
+    trainer._close()

@@ -234,11 +234,13 @@ class Trainer:
         """Every micro-batch through the pipeline, then one gradient reduction over the
         data-parallel axis. Returns the summed loss (zero except on the last stage)."""
         self.dp.prepare_for_backward(sync=False)  # accumulate over the micro-batches
-        loss_sum = self.pipe.train_step(x.split(self.rows_per_micro),
-                                        y.split(self.rows_per_micro), scale)
-        self.pipe.tie_gradients()  # before the reduction: the embedding's whole gradient
-        self.dp.prepare_for_backward(sync=True)
-        self.dp.finish()  # launches every bucket's reduction and waits
+        # Bucket reductions start from the hooks of the stage's last backward pass (with
+        # one chunk per stage every bucket fills then; interleaved chunks whose last
+        # pass came earlier are launched by finish()).
+        loss_sum = self.pipe.train_step(
+            x.split(self.rows_per_micro), y.split(self.rows_per_micro), scale,
+            before_last_backward=lambda: self.dp.prepare_for_backward(sync=True))
+        self.dp.finish()
         return loss_sum if loss_sum is not None else torch.zeros((), device=self.device)
 
     def _optimizer_step(self, lr: float):

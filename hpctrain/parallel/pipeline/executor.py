@@ -105,9 +105,13 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------- running
     def run(self, actions: list[S.Action], xs: list, ys: list, loss_scale: float,
-            backward: bool) -> torch.Tensor | None:
+            backward: bool, before_last_backward=None) -> torch.Tensor | None:
         """Run ``actions``; return the sum of the micro-batch losses on the last stage
-        (None elsewhere)."""
+        (None elsewhere). ``before_last_backward()`` is called right before this stage's
+        last backward pass (with the tied embedding's whole gradient in place)."""
+        last_backward = max((i for i, a in enumerate(actions) if a.op == S.BACKWARD),
+                            default=-1)
+        tie_recv = self._post_tie_recv() if backward else None
         recv_at = [i for i, a in enumerate(actions) if a.op in S.RECVS]
         posted: dict[int, tuple] = {}
         next_post = 0
@@ -160,12 +164,19 @@ class PipelineExecutor:
                 self._send(out, a.peer, self._tag(a), sends)
             elif a.op == S.BACKWARD:
                 x, out = inputs.pop(key), outputs.pop(key)
+                if i == last_backward:
+                    if tie_recv is not None:
+                        self._add_tied_gradient(*tie_recv)
+                    if before_last_backward is not None:
+                        before_last_backward()
                 with nvtx_range(f"backward m{a.micro} c{a.chunk}"):
                     if self.stage.is_last_chunk(a.chunk):
                         (out * loss_scale).backward()
                     else:
                         out.backward(received.pop((S.RECV_GRAD, *key)))
                 in_flight -= 1
+                if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
+                    self._send_tied_gradient(sends)
                 if not self.stage.is_first_chunk(a.chunk):
                     inputs[key] = x  # its .grad goes back at the next send_grad
                 del out
@@ -176,9 +187,13 @@ class PipelineExecutor:
         self._wait([r for _, _, r in sends], "completing sends")
         return loss_sum
 
-    def train_step(self, xs: list, ys: list, loss_scale: float) -> torch.Tensor | None:
-        """Forward and backward of every micro-batch (``xs``/``ys``: one tensor each)."""
-        return self.run(self.actions, xs, ys, loss_scale, backward=True)
+    def train_step(self, xs: list, ys: list, loss_scale: float,
+                   before_last_backward=None) -> torch.Tensor | None:
+        """Forward and backward of every micro-batch (``xs``/``ys``: one tensor each).
+        The data-parallel engine syncs from ``before_last_backward``, so its bucket
+        reductions start during this stage's last backward pass."""
+        return self.run(self.actions, xs, ys, loss_scale, backward=True,
+                        before_last_backward=before_last_backward)
 
     @torch.no_grad()
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -186,23 +201,30 @@ class PipelineExecutor:
         return self.run(S.forward_only(self.p, self.s, self.v), [x], [y], 1.0, backward=False)
 
     # ------------------------------------------------------------ tied embedding
-    def tie_gradients(self) -> None:
-        """Add the head's gradient of the tied embedding (last stage) into the embedding's
-        gradient (first stage), before the data-parallel reduction."""
-        st, last = self.stage, self.p - 1
-        if st.has_head:
-            grad = st.head_weight.grad
-            sends: list = []
-            self._send(grad, 0, self.tie_tag, sends)
-            self._wait([r for _, _, r in sends], "sending the tied-embedding gradient", bubble=False)
-            st.head_weight.grad = None
-        elif st.has_embedding:
-            buf = torch.empty_like(st.wte.weight)
-            mpi = MPIBuffer(buf, cuda_aware=self.cuda_aware)
-            req = self.comm.Irecv(mpi.to_mpi(), source=last, tag=self.tie_tag)
-            self._wait([req], "receiving the tied-embedding gradient", bubble=False)
-            mpi.from_mpi()
-            st.wte.weight.grad.add_(buf)
+    # The last stage sends the head's gradient of the tied embedding as soon as its
+    # last micro-batch has gone backward; the first stage adds it to the embedding's
+    # gradient before its own last backward pass, so the bucket holding the embedding
+    # is complete when its reduction starts (the hooks launch it during that pass).
+    def _post_tie_recv(self):
+        if not self.stage.has_embedding or self.p == 1:
+            return None
+        buf = torch.empty_like(self.stage.wte.weight)
+        mpi = MPIBuffer(buf, cuda_aware=self.cuda_aware)
+        return buf, mpi, self.comm.Irecv(mpi.to_mpi(), source=self.p - 1, tag=self.tie_tag)
+
+    def _add_tied_gradient(self, buf, mpi, req) -> None:
+        self._wait([req], "receiving the tied-embedding gradient", bubble=False)
+        mpi.from_mpi()
+        wte = self.stage.wte.weight
+        if wte.grad is None:
+            wte.grad = buf
+        else:
+            wte.grad.add_(buf)
+
+    def _send_tied_gradient(self, sends: list) -> None:
+        st = self.stage
+        self._send(st.head_weight.grad, 0, self.tie_tag, sends)
+        st.head_weight.grad = None  # the send holds the tensor until it completes
 
     def tie_weights(self) -> None:
         """After the optimizer step: the head's copy takes the updated embedding."""
