@@ -228,9 +228,6 @@ class Config:
                  "gradients per micro-batch, which the pipeline does not support)")
         _require(t.dtype == "fp32", "pipeline parallelism runs in fp32; use "
                  "--train.dtype=fp32 with --parallel.pp > 1")
-        _require(t.ckpt_interval == 0 and not t.resume,
-                 "sharded checkpoints (train.ckpt_interval, train.resume) are not supported "
-                 "with --parallel.pp > 1 yet; the run writes final.h5 at the end")
         _require(self.model.n_layer >= p.pp * p.virtual_stages,
                  f"model.n_layer={self.model.n_layer} cannot fill {p.pp} stage(s) x "
                  f"{p.virtual_stages} virtual stage(s); lower --parallel.pp or "

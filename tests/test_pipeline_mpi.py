@@ -124,3 +124,51 @@ def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp):
     assert launched_in_backward >= 1  # overlapped with the stage's last backward pass
     assert dp.stats.reductions == len(dp.buckets)
     trainer._close()
+
+
+def _ckpt_config(mpi_dataset, out, pp, zero, **extra):
+    return _pipeline_config(mpi_dataset, out, pp, "1f1b", 1, **{
+        "train.max_iters": 10, "train.ckpt_interval": 5, "train.save_checkpoint": True,
+        "parallel.zero": zero, "parallel.micro_batches": 2, **extra})
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_pipeline_checkpoint_resumes_bit_for_bit(mpi_dataset, shared_tmp, zero):
+    from hpctrain.checkpoint.sharded import read_manifest
+    if COMM.size % 2:
+        pytest.skip("needs an even number of ranks")
+    out = Path(shared_tmp)
+    full = Trainer(_ckpt_config(mpi_dataset, out / "a", 2, zero), World.create(COMM),
+                   verbose=False).fit()
+    step5 = out / "a" / "checkpoints" / "step_000005"
+    manifest = read_manifest(step5)
+    assert manifest.world_size == COMM.size
+    trainer = Trainer(_ckpt_config(mpi_dataset, out / "b", 2, zero,
+                                   **{"train.resume": str(step5)}),
+                      World.create(COMM), verbose=False)
+    assert trainer.start_step == 5
+    resumed = trainer.fit()
+    assert resumed.losses == full.losses[5:]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_pipeline_checkpoint_reshards_to_plain_data_parallelism_and_back(mpi_dataset,
+                                                                         shared_tmp, zero):
+    """pp=2 -> pp=1 (every rank data-parallel, other ZeRO stage) -> pp=2: the losses
+    continue the uninterrupted run's to fp32 round-off."""
+    if COMM.size % 2:
+        pytest.skip("needs an even number of ranks")
+    out = Path(shared_tmp)
+    full = Trainer(_ckpt_config(mpi_dataset, out / "pp", 2, zero), World.create(COMM),
+                   verbose=False).fit()
+    flat_cfg = tiny_config(mpi_dataset, out / "flat", **{
+        "model.n_layer": 8, "parallel.micro_batches": 2 if COMM.size == 2 else 1,
+        "parallel.zero": 1 - zero, "train.max_iters": 10, "train.ckpt_interval": 2,
+        "train.save_checkpoint": True,
+        "train.resume": str(out / "pp" / "checkpoints" / "step_000005")})
+    flat = Trainer(flat_cfg, World.create(COMM), verbose=False).fit()
+    np.testing.assert_allclose(flat.losses, full.losses[5:], atol=1e-5, rtol=0)
+    back = Trainer(_ckpt_config(mpi_dataset, out / "back", 2, zero, **{
+        "train.resume": str(out / "flat" / "checkpoints" / "step_000008")}),
+        World.create(COMM), verbose=False).fit()
+    np.testing.assert_allclose(back.losses, full.losses[8:], atol=1e-5, rtol=0)

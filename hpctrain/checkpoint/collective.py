@@ -13,19 +13,22 @@ import numpy as np
 import torch
 
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, MODEL_KEYS, VERSION, CheckpointError,
-                                         check_compatible, publish, read_full_state,
+                                         bucket_key, bucket_ranks, check_compatible,
+                                         publish, read_full_state,
                                          read_manifest, read_own_shards, read_rng, shard_name,
                                          write_shard,
                                          write_synced)
 from hpctrain.comm.collectives import bcast_json, gather_json
+from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World
 
 
-def _replicated_shard(model, optimizer, rank: int):
-    """Plain data parallelism: rank 0 writes every parameter and its moments by name."""
+def _replicated_shard(model, optimizer, writes: bool):
+    """Plain data parallelism: one rank (per pipeline stage) writes every parameter of
+    its model and their moments by name."""
     index = {"params": {n: list(p.shape) for n, p in model.named_parameters()}}
     datasets, step = {}, 0.0
-    if rank == 0:
+    if writes:
         for name, p in model.named_parameters():
             state = optimizer.state.get(p, {})
             datasets[f"param/{name}"] = p.detach().float().cpu().numpy()
@@ -44,18 +47,42 @@ def bucket_entry(names: dict, params: list, layout) -> dict:
             "offsets": list(layout.offsets), "shard": layout.shard, "world": layout.world}
 
 
-def _zero_index(model, zero) -> dict:
+def _zero_index(model, zero, grid: ProcessGrid | None = None) -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
-    return {"buckets": [bucket_entry(names, b.params, b.layout) for b in zero.buckets]}
+    entries = [bucket_entry(names, b.params, b.layout) for b in zero.buckets]
+    if _pipelined(grid):  # each stage's buckets live on that stage's ranks only
+        for i, e in enumerate(entries):
+            e.update(ranks=grid.stage_ranks(), key=f"stage{grid.stage}_bucket_{i}")
+    return {"buckets": entries}
 
 
-def _zero_shard(model, zero):
-    index = _zero_index(model, zero)
+def _zero_shard(model, zero, grid):
+    index = _zero_index(model, zero, grid)
     datasets = {}
-    for i, s in enumerate(zero.shard_state()):
+    for i, (entry, s) in enumerate(zip(index["buckets"], zero.shard_state())):
         for k, key in zip(KEYS, ("master", "exp_avg", "exp_avg_sq")):
-            datasets[f"bucket_{i}/{k}"] = s[key].detach().float().cpu().numpy()
+            datasets[f"{bucket_key(entry, i)}/{k}"] = s[key].detach().float().cpu().numpy()
     return "zero", index, datasets, zero.optimizer_step()
+
+
+def _pipelined(grid: ProcessGrid | None) -> bool:
+    return grid is not None and grid.pp > 1
+
+
+def _merge_stage_indexes(world: World, grid: ProcessGrid, layout: str, index: dict,
+                         what: str) -> dict | None:
+    """The whole model's index on rank 0, from replica 0's stages (collective)."""
+    mine = index if grid.dp_index == 0 else None
+    if mine is not None and layout == "replicated":
+        mine = {**mine, "owners": {n: world.rank for n in mine["params"]}}
+    parts = [p for p in gather_json(world.comm, mine, timeout=world.timeout, what=what) or []
+             if p is not None]
+    if not world.is_root:
+        return None
+    if layout == "replicated":
+        return {"params": {n: s for p in parts for n, s in p["params"].items()},
+                "owners": {n: r for p in parts for n, r in p["owners"].items()}}
+    return {"buckets": [b for p in parts for b in p["buckets"]]}
 
 
 class PendingSave:
@@ -119,12 +146,17 @@ class PendingSave:
 
 def begin_save(root: Path, step: int, *, model, engine, optimizer, world: World,
                config: dict, model_shape: dict, keep: int, tokenizer: dict | None = None,
-               background: bool = False) -> PendingSave:
-    """Start writing ``root/step_<step>`` (collective); ``.finish()`` completes it."""
+               background: bool = False, grid: ProcessGrid | None = None) -> PendingSave:
+    """Start writing ``root/step_<step>`` (collective); ``.finish()`` completes it.
+    With a pipeline (``grid.pp > 1``) every stage writes its own parameters."""
     if optimizer is not None:
-        layout, index, datasets, opt_step = _replicated_shard(model, optimizer, world.rank)
+        writes = grid.dp_index == 0 if _pipelined(grid) else world.rank == 0
+        layout, index, datasets, opt_step = _replicated_shard(model, optimizer, writes)
     else:
-        layout, index, datasets, opt_step = _zero_shard(model, engine)
+        layout, index, datasets, opt_step = _zero_shard(model, engine, grid)
+    if _pipelined(grid):
+        index = _merge_stage_indexes(world, grid, layout, index,
+                                     f"checkpoint index of every stage (step {step})")
     datasets["rng/torch"] = torch.get_rng_state().numpy()
     if background:  # training goes on and changes the tensors: write a copy
         datasets = {k: np.array(v, copy=True) for k, v in datasets.items()}
@@ -153,12 +185,13 @@ def model_shape(gpt_cfg) -> dict:
 
 
 def load_checkpoint(path: str | Path, *, model, engine, optimizer, world: World,
-                    model_shape: dict) -> int:
-    """Load the checkpoint at ``path`` into this run's layout; returns its step."""
+                    model_shape: dict, grid: ProcessGrid | None = None) -> int:
+    """Load the checkpoint at ``path`` into this run's layout; returns its step. With a
+    pipeline, each stage takes its own parameters (the caller re-ties the embedding)."""
     manifest = read_manifest(path)
     check_compatible(manifest, model_shape)
     opt_step = float(manifest.data["optimizer_step"])
-    if optimizer is None and _same_zero_layout(manifest, model, engine, world):
+    if optimizer is None and _same_zero_layout(manifest, model, engine, world, grid):
         engine.load_own_shards(read_own_shards(manifest, world.rank), opt_step)
     else:
         _load_resharded(manifest, model, engine, optimizer, opt_step)
@@ -167,12 +200,14 @@ def load_checkpoint(path: str | Path, *, model, engine, optimizer, world: World,
     return manifest.step
 
 
-def _same_zero_layout(manifest, model, engine, world: World) -> bool:
-    """True when the checkpoint's buckets and shards are exactly this engine's."""
+def _same_zero_layout(manifest, model, engine, world: World, grid) -> bool:
+    """True when the checkpoint's buckets and shards on this rank are exactly this
+    engine's."""
     data = manifest.data
     if data["layout"] != "zero" or manifest.world_size != world.size:
         return False
-    return _zero_index(model, engine)["buckets"] == data["index"]["buckets"]
+    theirs = [b for b in data["index"]["buckets"] if world.rank in bucket_ranks(manifest, b)]
+    return _zero_index(model, engine, grid)["buckets"] == theirs
 
 
 def _load_resharded(manifest, model, engine, optimizer, opt_step: float) -> None:

@@ -193,23 +193,43 @@ def _read(manifest: Manifest, f, rank: int, name: str) -> np.ndarray:
     return a
 
 
+def bucket_ranks(manifest: Manifest, entry: dict) -> list[int]:
+    """World ranks holding the shards of a bucket, in shard order (all ranks unless the
+    checkpoint comes from a pipeline, where each stage has its own buckets)."""
+    return entry.get("ranks", list(range(manifest.world_size)))
+
+
+def bucket_key(entry: dict, i: int) -> str:
+    return entry.get("key", f"bucket_{i}")
+
+
 def read_full_state(manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
     """Whole fp32 parameters and Adam moments by parameter name, from any layout."""
     data = manifest.data
     out: dict[str, dict[str, torch.Tensor]] = {}
     if data["layout"] == "replicated":
-        with _open_shard(manifest, 0) as f:
-            for name, shape in data["index"]["params"].items():
-                out[name] = {k: torch.from_numpy(_read(manifest, f, 0, f"{k}/{name}"))
-                             .reshape(shape) for k in KEYS}
+        # One writer per pipeline stage (rank 0 alone without a pipeline).
+        owners = data["index"].get("owners", {})
+        by_rank: dict[int, list[str]] = {}
+        for name in data["index"]["params"]:
+            by_rank.setdefault(int(owners.get(name, 0)), []).append(name)
+        for rank, names in sorted(by_rank.items()):
+            with _open_shard(manifest, rank) as f:
+                for name in names:
+                    shape = data["index"]["params"][name]
+                    out[name] = {k: torch.from_numpy(_read(manifest, f, rank, f"{k}/{name}"))
+                                 .reshape(shape) for k in KEYS}
         return out
     buckets = data["index"]["buckets"]
     flats = [{k: [] for k in KEYS} for _ in buckets]
     for rank in range(manifest.world_size):
+        mine = [i for i, b in enumerate(buckets) if rank in bucket_ranks(manifest, b)]
+        if not mine:
+            continue
         with _open_shard(manifest, rank) as f:
-            for i in range(len(buckets)):
+            for i in mine:
                 for k in KEYS:
-                    flats[i][k].append(_read(manifest, f, rank, f"bucket_{i}/{k}"))
+                    flats[i][k].append(_read(manifest, f, rank, f"{bucket_key(buckets[i], i)}/{k}"))
     for i, b in enumerate(buckets):
         full = {k: np.concatenate(flats[i][k]) for k in KEYS}
         for name, shape, off in zip(b["names"], b["shapes"], b["offsets"]):
@@ -220,12 +240,13 @@ def read_full_state(manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def read_own_shards(manifest: Manifest, rank: int) -> list[dict[str, np.ndarray]]:
-    """This rank's slices of every bucket (``param``, ``exp_avg``, ``exp_avg_sq``), for a
-    resume with the layout the checkpoint was written with: 1/N of the reading."""
+    """This rank's slices of every bucket it holds (``param``, ``exp_avg``,
+    ``exp_avg_sq``), for a resume with the layout the checkpoint was written with: 1/N
+    of the reading."""
     buckets = manifest.data["index"]["buckets"]
     with _open_shard(manifest, rank) as f:
-        return [{k: _read(manifest, f, rank, f"bucket_{i}/{k}") for k in KEYS}
-                for i in range(len(buckets))]
+        return [{k: _read(manifest, f, rank, f"{bucket_key(b, i)}/{k}") for k in KEYS}
+                for i, b in enumerate(buckets) if rank in bucket_ranks(manifest, b)]
 
 
 def read_rng(manifest: Manifest, rank: int) -> torch.Tensor:

@@ -48,6 +48,7 @@ class ProcessGrid:
     """The ranks at this stage in every replica (gradient reductions, ZeRO shards)."""
     pp_comm: MPI.Comm
     """The ranks of this replica's pipeline, ranked by stage (activations, gradients)."""
+    pipeline_inner: bool = True
 
     @classmethod
     def create(cls, world: World, pp: int = 1, *, pipeline_inner: bool = True) -> "ProcessGrid":
@@ -64,7 +65,7 @@ class ProcessGrid:
             pp_comm = world.comm.Split(color=dp_index, key=stage)
         dp_world = dataclasses.replace(world, comm=dp_comm, rank=dp_index, size=dp)
         grid = cls(world=world, dp=dp, pp=pp, dp_index=dp_index, stage=stage,
-                   dp_world=dp_world, pp_comm=pp_comm)
+                   dp_world=dp_world, pp_comm=pp_comm, pipeline_inner=pipeline_inner)
         if pp > 1:
             weakref.finalize(grid, _free, [dp_comm, pp_comm])
         return grid
@@ -76,6 +77,12 @@ class ProcessGrid:
     @property
     def is_last(self) -> bool:
         return self.stage == self.pp - 1
+
+    def stage_ranks(self, stage: int | None = None) -> list[int]:
+        """World ranks holding ``stage`` (default: this rank's), in replica order."""
+        stage = self.stage if stage is None else stage
+        return [grid_rank(d, stage, self.dp, self.pp, self.pipeline_inner)
+                for d in range(self.dp)]
 
     def describe(self) -> str:
         return f"dp={self.dp} x pp={self.pp} (replica {self.dp_index}, stage {self.stage})"

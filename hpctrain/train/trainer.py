@@ -140,7 +140,9 @@ class Trainer:
         if resume_from is not None:
             self.start_step = load_checkpoint(
                 resume_from, model=self.model, engine=self.dp, optimizer=self.optimizer,
-                world=world, model_shape=model_shape(self.gpt_cfg))
+                world=world, model_shape=model_shape(self.gpt_cfg), grid=self.grid)
+            if self.pipe is not None:  # the head's copy of the embedding, from stage 0
+                self.pipe.tie_weights()
             if self.start_step > t.max_iters:
                 raise ConfigError(f"the checkpoint is at step {self.start_step}, past "
                                   f"--train.max_iters={t.max_iters}; raise max_iters to go on")
@@ -351,13 +353,9 @@ class Trainer:
         steps_run = len(result.step_times)
         result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
         if result.stopped_at is not None:
-            if self.pipe is None:
-                self.save_sharded(result.stopped_at)
-                self._log(f"stopped by {stop.name} after step {result.stopped_at}; checkpoint "
-                          "saved; run the same command with --train.resume=auto to continue")
-            else:
-                self._log(f"stopped by {stop.name} after step {result.stopped_at}; no "
-                          "checkpoint (not supported with --parallel.pp > 1 yet)")
+            self.save_sharded(result.stopped_at)
+            self._log(f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved; "
+                      "run the same command with --train.resume=auto to continue")
             self._close()
             return result
         if t.final_eval:
@@ -448,8 +446,10 @@ class Trainer:
         # rank); then rank 0 writes.
         state = full_model = None
         if self.pipe is not None:
-            # No sharded checkpoint yet: the stages are put together on rank 0 for
-            # final.h5 (parameters only) and the sample.
+            # Every stage writes its part of the sharded checkpoint; the stages are put
+            # together on rank 0 for final.h5 (parameters only) and the sample.
+            if t.save_checkpoint:
+                self.save_sharded(t.max_iters)
             if t.save_checkpoint or t.sample_tokens > 0:
                 full_model = self._gather_pipeline()
             if t.save_checkpoint and full_model is not None:
@@ -484,7 +484,7 @@ class Trainer:
             self.out_dir / "checkpoints", step, model=self.model, engine=self.dp,
             optimizer=self.optimizer, world=self.world, config=self.cfg.to_dict(),
             model_shape=model_shape(self.gpt_cfg), keep=self.cfg.train.ckpt_keep,
-            tokenizer=self.data.tokenizer.meta(), background=background)
+            tokenizer=self.data.tokenizer.meta(), background=background, grid=self.grid)
         if background:
             self._pending_save = pending
             return None
