@@ -12,8 +12,10 @@ In one run (8-layer GPT, width 256, block 128, 2 rows per micro-batch, 1 thread/
   C. Steps per second of our 1F1B vs torch.distributed.pipelining ``Schedule1F1B``
      (gloo) with the same stage modules, micro-batches and AdamW step, p = 2 and 4,
      m = 8, interleaved in the same run. Target: >= 1.2x. Beside it, our interleaved
-     schedule with 2 chunks per stage (same layers, a smaller bubble). torch's stages do
-     not keep the tied embedding in sync; ours do (two small messages per step).
+     schedule with 2 chunks per stage (same layers, a smaller bubble), and 1F1B's ideal
+     step from one process running the whole model in the same run:
+     T(1 process) / p x (m + p - 1) / m. torch's stages do not keep the tied embedding in
+     sync; ours do (two small messages per step).
 
 4 ranks share this machine's 2 cores, so at p = 4 two stages run on one core: compute
 slows while both are busy and speeds up while one waits, which flatters the bubble at
@@ -153,6 +155,32 @@ def _torch_pipelining(comm, p, m, steps):
     return {"step_s": statistics.median(times)}
 
 
+def _single_process(m, steps):
+    """The whole model on one rank, micro-batches accumulated: the compute a pipeline
+    splits, and from it the schedule's ideal step time."""
+    import torch
+
+    from hpctrain.model.gpt import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, MODEL["vocab_size"], (m * ROWS, MODEL["block_size"]), generator=gen)
+    y = torch.randint(0, MODEL["vocab_size"], (m * ROWS, MODEL["block_size"]), generator=gen)
+    times = []
+    for i in range(WARMUP + steps):
+        opt.zero_grad(set_to_none=False)
+        t0 = time.perf_counter()
+        for xs, ys in zip(x.split(ROWS), y.split(ROWS)):
+            (model(xs, ys) / m).backward()
+        opt.step()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times)}
+
+
 def worker(out: Path, args: list[str]) -> None:
     import json
 
@@ -161,7 +189,12 @@ def worker(out: Path, args: list[str]) -> None:
     comm = MPI.COMM_WORLD
     mode, kind, m, steps = args[0], args[1], int(args[2]), int(args[3])
     p = comm.size
-    res = _ours(comm, p, m, kind, steps) if mode == "ours" else _torch_pipelining(comm, p, m, steps)
+    if mode == "ours":
+        res = _ours(comm, p, m, kind, steps)
+    elif mode == "torch":
+        res = _torch_pipelining(comm, p, m, steps)
+    else:
+        res = _single_process(m, steps)
     everyone = comm.gather(res, root=0)
     if comm.rank == 0:
         out.write_text(json.dumps(everyone))
@@ -202,20 +235,25 @@ def main(quick: bool) -> None:
         return max(s["step_s"] for s in run_worker(p, __file__, [mode, kind, str(m), str(steps)]))
 
     for p in (2, 4):
-        ours, inter, theirs = [], [], []
-        for _ in range(2):  # interleaved, so drift on this noisy machine hits both
+        ours, inter, theirs, single = [], [], [], []
+        for _ in range(2):  # interleaved, so drift on this noisy machine hits all alike
             ours.append(slowest_stage("ours", "1f1b", p))
             inter.append(slowest_stage("ours", "interleaved", p))
             theirs.append(slowest_stage("torch", "1f1b", p))
+            single.append(slowest_stage("single", "-", 1))
         o, i, t = min(ours), min(inter), min(theirs)
-        rows_c.append([p, m, o * 1e3, t * 1e3, t / o, "met" if t / o >= 1.2 else "MISSED",
+        # 1F1B's ideal: each stage does 1/p of one process's work, stretched by the bubble.
+        ideal = min(single) / p * (m + p - 1) / m
+        rows_c.append([p, m, ideal * 1e3, o * 1e3, t * 1e3, t / o,
+                       "met" if t / o >= 1.2 else "MISSED", o / ideal, t / ideal,
                        i * 1e3, t / i])
         results["vs_torch"].append({"p": p, "m": m, "ours_step_s": ours, "torch_step_s": theirs,
-                                    "ours_interleaved_v2_step_s": inter, "speedup": t / o,
-                                    "speedup_interleaved_v2": t / i})
+                                    "ours_interleaved_v2_step_s": inter,
+                                    "single_process_step_s": single, "ideal_1f1b_s": ideal,
+                                    "speedup": t / o, "speedup_interleaved_v2": t / i})
     print_table("C. step time vs torch.distributed.pipelining Schedule1F1B (gloo), same split",
-                ["p", "m", "ours 1F1B ms", "torch ms", "speedup", "target 1.2x",
-                 "ours interleaved v=2 ms", "speedup"], rows_c)
+                ["p", "m", "1F1B ideal ms", "ours ms", "torch ms", "speedup", "target 1.2x",
+                 "ours/ideal", "torch/ideal", "ours interleaved v=2 ms", "speedup"], rows_c)
     write_result("pipeline", results)
 
 
