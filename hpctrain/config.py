@@ -226,8 +226,6 @@ class Config:
         _require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO stage 0 or 1 along "
                  "the data-parallel axis; use --parallel.zero=0 or 1 (stages 2-3 shard "
                  "gradients per micro-batch, which the pipeline does not support)")
-        _require(t.dtype == "fp32", "pipeline parallelism runs in fp32; use "
-                 "--train.dtype=fp32 with --parallel.pp > 1")
         _require(self.model.n_layer >= p.pp * p.virtual_stages,
                  f"model.n_layer={self.model.n_layer} cannot fill {p.pp} stage(s) x "
                  f"{p.virtual_stages} virtual stage(s); lower --parallel.pp or "

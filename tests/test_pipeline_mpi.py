@@ -172,3 +172,26 @@ def test_pipeline_checkpoint_reshards_to_plain_data_parallelism_and_back(mpi_dat
         "train.resume": str(out / "flat" / "checkpoints" / "step_000008")}),
         World.create(COMM), verbose=False).fit()
     np.testing.assert_allclose(back.losses, full.losses[8:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_bf16_pipeline_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, zero):
+    """bf16 compute, fp32 master weights and moments, activations sent in bf16."""
+    from tests.reference import plain_torch_run
+    from tests.test_zero_mpi import BF16_LOSS_ATOL, BF16_PARAM_ATOL
+    if COMM.size % 2:
+        pytest.skip("needs an even number of ranks")
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1, **{
+        "train.dtype": "bf16", "parallel.zero": zero, "parallel.micro_batches": 2})
+    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    assert trainer.pipe.dtype == torch.bfloat16
+    result = trainer.fit()
+    ref_losses, ref_params = plain_torch_run(cfg)
+    np.testing.assert_allclose(result.losses, ref_losses, atol=BF16_LOSS_ATOL, rtol=0)
+    master = trainer.dp.consolidated_state()
+    assert set(master) == {n for n, _ in trainer.model.named_parameters()}
+    for name, state in master.items():
+        assert same_on_all_ranks(trainer.grid.dp_world.comm, state["param"])
+        assert (state["param"] - ref_params[name]).abs().max() < BF16_PARAM_ATOL, name
+    if trainer.model.has_head:  # the head computes with the embedding's bf16 values
+        assert trainer.model.head_weight.dtype == torch.bfloat16

@@ -116,6 +116,8 @@ class Trainer:
             self.optimizer = build_optimizer(param_groups(self.model, cfg.optim.weight_decay),
                                              cfg.optim, world.device)
 
+        if par.pp > 1:  # the engine may have turned the parameters into bf16
+            self.model.sync_head_dtype()
         t = cfg.train
         self.block = mcfg.block_size
         self.micro = cfg.parallel.micro_batches
@@ -507,7 +509,11 @@ class Trainer:
 
     def _gather_pipeline(self) -> GPT | None:
         """The whole model on rank 0, put together from the stages (None elsewhere)."""
-        params = gather_parameters(self.model, self.grid, self.world.timeout)
+        # The fp32 master weights (ZeRO keeps them apart from bf16 compute parameters);
+        # consolidating ZeRO state is collective over the data-parallel ranks.
+        mine = ({n: s["param"] for n, s in self.dp.consolidated_state().items()} if self.zero
+                else dict(self.model.named_parameters()))
+        params = gather_parameters(mine, self.grid, self.world.timeout)
         if params is None:
             return None
         model = GPT(self.gpt_cfg)

@@ -14,19 +14,18 @@ import torch
 from hpctrain.comm.collectives import gather_json
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.watchdog import wait_all
-from hpctrain.parallel.pipeline.stage import PipelineStage
 
 TAG = 7
 
 
-def gather_parameters(stage: PipelineStage, grid: ProcessGrid,
+def gather_parameters(params: dict[str, torch.Tensor], grid: ProcessGrid,
                       timeout: float) -> dict[str, torch.Tensor] | None:
-    """Every GPT parameter by name on world rank 0 (fp32, CPU); None elsewhere.
-    Collective over the ranks of replica 0."""
+    """Every stage's ``params`` (name -> tensor, e.g. the fp32 master weights) on world
+    rank 0 (fp32, CPU); None elsewhere. Collective over the ranks of replica 0."""
     if grid.dp_index != 0:
         return None
     comm = grid.pp_comm
-    named = [(n, p.detach().float().cpu()) for n, p in stage.named_parameters()]
+    named = [(n, p.detach().float().cpu()) for n, p in params.items()]
     meta = gather_json(comm, [(n, list(t.shape)) for n, t in named], timeout=timeout,
                        what="parameter names of every pipeline stage")
     flat = np.concatenate([t.numpy().ravel() for _, t in named]) if named else np.zeros(0, np.float32)

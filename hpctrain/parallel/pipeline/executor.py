@@ -64,6 +64,7 @@ class PipelineExecutor:
         self.comm = grid.pp_comm
         self.cuda_aware = grid.world.cuda_aware
         self.device = next(stage.parameters()).device
+        self.dtype = next(stage.parameters()).dtype  # activations travel in it (bf16)
         self.poll_sleep = OVERSUBSCRIBED_POLL_SLEEP_S if node_oversubscribed(
             grid.world.local_size, torch.get_num_threads()) else 0.0
         self.actions = S.schedule(kind, self.p, n_micro, self.s, self.v)
@@ -77,7 +78,8 @@ class PipelineExecutor:
         return S.message_tag(a.op, a.micro, a.chunk, self.s, self.p, self.v)
 
     def _post_recv(self, a: S.Action, rows: int):
-        buf = torch.empty(self.stage.activation_shape(rows, self.seq), device=self.device)
+        buf = torch.empty(self.stage.activation_shape(rows, self.seq), dtype=self.dtype,
+                          device=self.device)
         mpi = MPIBuffer(buf, cuda_aware=self.cuda_aware)
         req = self.comm.Irecv(mpi.to_mpi(), source=a.peer, tag=self._tag(a))
         return buf, mpi, req

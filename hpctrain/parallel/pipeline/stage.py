@@ -80,5 +80,12 @@ class PipelineStage(nn.Module):
                                    ignore_index=-1)
         return x
 
+    def sync_head_dtype(self) -> None:
+        """Give the head's copy the compute dtype the engine gave the parameters (bf16)."""
+        if self.has_head:
+            dtype = next(self.parameters()).dtype
+            if self.head_weight.dtype != dtype:
+                self.head_weight = self.head_weight.detach().to(dtype).requires_grad_(True)
+
     def activation_shape(self, rows: int, seq: int) -> tuple[int, int, int]:
         return (rows, seq, self.cfg.n_embd)
