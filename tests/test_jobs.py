@@ -19,7 +19,9 @@ from hpctrain.jobs.spec import build_spec
 from hpctrain.jobs.systems import load_profile, profile_names
 
 REPO = Path(__file__).resolve().parents[1]
-CMD = ["train", "default", "--data.path=datasets/stdlib-char.h5"]
+# A global batch that splits over every job size below (8 to 1600 ranks): the job
+# generator checks the training layout against the job's rank count.
+CMD = ["train", "default", "--data.path=datasets/stdlib-char.h5", "--train.batch_size=9600"]
 NASTY = ["x'; touch PWNED; '", "$(touch PWNED)", "`touch PWNED`", "a\ntouch PWNED",
          'say "hi" \\ $HOME ${X} * ? ~ # !', "tab\there\rcr", "ünïcødé ∑"]
 CLUSTERS = {
@@ -473,3 +475,17 @@ def test_job_commands_import_neither_torch_nor_mpi4py():
 def test_a_command_without_the_separator_is_explained(capsys):
     assert main(["launch", "--dry-run", "train", "default"]) == EXIT_USER_ERROR
     assert "the command to run goes after '--'" in capsys.readouterr().err
+
+
+def test_the_training_layout_is_checked_against_the_jobs_ranks():
+    # Polaris: 4 ranks per node. 2 nodes = 8 ranks: pp=4 fits, pp=3 does not.
+    polaris = {**CLUSTERS["polaris"], "nodes": 2}
+    build_spec(system="polaris", command=[*CMD, "--parallel.pp=4", "--train.batch_size=12"],
+               **polaris)
+    with pytest.raises(JobError, match=r"8 rank\(s\) cannot form pipelines of --parallel.pp=3"):
+        build_spec(system="polaris", command=[*CMD, "--parallel.pp=3"], **polaris)
+    with pytest.raises(JobError, match="cannot be split evenly over 8"):
+        build_spec(system="polaris", command=[*CMD, "--train.batch_size=12"], **polaris)
+    # --ranks-per-node changes the count: 2 nodes x 3 ranks take pp=3.
+    build_spec(system="polaris", command=[*CMD, "--parallel.pp=3", "--train.batch_size=12"],
+               **{**polaris, "ranks_per_node": 3})

@@ -18,12 +18,15 @@ ARRAY_INDEX = "{array_index}"
 
 
 def check_command(command: list[str], *, array: bool = False,
-                  forbid: dict[str, str] | None = None) -> tuple[str, list[str]]:
+                  forbid: dict[str, str] | None = None,
+                  ranks: int | None = None) -> tuple[str, list[str]]:
     """``['train', RECIPE, *overrides]`` -> ``(RECIPE, overrides)``, or a ``JobError``.
 
     ``forbid`` maps options the caller sets itself to the reason the user must drop them.
+    With ``ranks`` (the job's rank count) the layout is checked too: pipeline stages that
+    do not divide the ranks, or a batch that does not split, fail here, not in the queue.
     """
-    from hpctrain.config import load_config, parse_overrides
+    from hpctrain.config import check_layout, load_config, parse_overrides
 
     example = "-- train default --data.path=datasets/stdlib-char.h5"
     if not command:
@@ -42,7 +45,9 @@ def check_command(command: list[str], *, array: bool = False,
         for key, reason in (forbid or {}).items():
             if key in keys:
                 raise JobError(f"drop --{key}: {reason}")
-        load_config(recipe, keys)
+        cfg = load_config(recipe, keys)
+        if ranks:
+            check_layout(cfg, ranks)
     except ConfigError as e:
         raise JobError(f"the training command is invalid: {e}") from None
     return recipe, overrides

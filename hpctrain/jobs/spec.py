@@ -144,7 +144,9 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
             raise JobError(f"--setup {setup_file}: cannot read it ({e.strerror})") from None
         setup = tuple(line.strip() for line in text.splitlines()
                       if line.strip() and not line.strip().startswith("#"))
-    check_command(command, array=bool(array), forbid={"train.out_dir": OUT_DIR_REASON})
+    per_node = ranks_per_node or profile.ranks_per_node  # 0: one per core, not known here
+    check_command(command, array=bool(array), forbid={"train.out_dir": OUT_DIR_REASON},
+                  ranks=n_nodes * per_node if per_node else None)
     spec = JobSpec(profile=profile, nodes=n_nodes,
                    walltime=validate.format_walltime(walltime_s) if walltime_s else None,
                    queue=queue, account=account, job_name=name_, filesystems=tuple(fs),
