@@ -86,7 +86,7 @@ class Trainer:
                                  n_head=mcfg.n_head, n_embd=mcfg.n_embd,
                                  dropout=mcfg.dropout, bias=mcfg.bias)
         torch.manual_seed(cfg.train.seed)
-        gpt = GPT(self.gpt_cfg).to(self.device)
+        gpt = GPT(self.gpt_cfg)  # on the host; what this rank keeps goes to the device
         self.n_params = gpt.num_params()
         self.flops_per_token = gpt.flops_per_token()
         par = cfg.parallel
@@ -96,9 +96,10 @@ class Trainer:
         self.pipe = None
         if par.pp > 1:
             # Every rank builds the whole model from the same seed and keeps its stage.
-            self.model = PipelineStage(gpt, self.grid.stage, par.pp, par.virtual_stages)
+            self.model = PipelineStage(gpt, self.grid.stage, par.pp, par.virtual_stages,
+                                       device=self.device)
         else:
-            self.model = gpt
+            self.model = gpt.to(self.device)
         del gpt
         # Plain data parallelism for fp32 without sharding; ZeRO for the rest (stage 0
         # with bf16 is replicated data parallelism with fp32 master weights).

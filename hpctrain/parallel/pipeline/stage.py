@@ -42,7 +42,8 @@ def layer_split(n_layer: int, n_chunks: int) -> list[range]:
 class PipelineStage(nn.Module):
     """One stage's chunks of a GPT. ``chunk_forward(c, x, targets)`` runs local chunk c."""
 
-    def __init__(self, gpt: GPT, stage: int, n_stages: int, virtual: int = 1):
+    def __init__(self, gpt: GPT, stage: int, n_stages: int, virtual: int = 1,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.cfg = gpt.cfg
         self.stage, self.n_stages, self.virtual = stage, n_stages, virtual
@@ -56,8 +57,12 @@ class PipelineStage(nn.Module):
         self.h = nn.ModuleDict({str(i): gpt.h[i] for layers in self.chunk_layers for i in layers})
         if self.has_head:
             self.ln_f = gpt.ln_f
+        # Only this stage goes to the device: the whole model need not fit there.
+        if device is not None:
+            self.to(device)
+        if self.has_head:
             # The head's copy of the tied embedding (see the module docstring).
-            self.head_weight = gpt.wte.weight.detach().clone().requires_grad_(True)
+            self.head_weight = gpt.wte.weight.detach().to(device).clone().requires_grad_(True)
 
     def is_first_chunk(self, chunk: int) -> bool:
         return self.has_embedding and chunk == 0
