@@ -18,9 +18,16 @@ TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.b
         "--train.sample_tokens=0", "--train.progress=false", "--data.verify=false"]
 
 
+PIPELINE = ["--parallel.pp=2", "--parallel.micro_batches=2"]
+
+
+@pytest.mark.parametrize("extra,waits_in", [([], "gradient reduction"),
+                                            (PIPELINE, "pipeline stage 0: recv_grad")])
 def test_a_stalled_rank_trips_the_watchdog_naming_rank_step_and_operation(dataset_path,
-                                                                          tmp_path):
-    # Rank 1 stops answering at step 6; rank 0 waits in the gradient reduction.
+                                                                          tmp_path, extra,
+                                                                          waits_in):
+    # Rank 1 stops answering at step 6; rank 0 waits in the gradient reduction (data
+    # parallel) or for stage 1's gradient (pipeline).
     script = tmp_path / "stall.py"
     script.write_text(
         "import sys, time\n"
@@ -36,11 +43,11 @@ def test_a_stalled_rank_trips_the_watchdog_naming_rank_step_and_operation(datase
     t0 = time.monotonic()
     p = run(mpiexec(2, sys.executable, str(script), "train", "default",
                     f"--data.path={dataset_path}", f"--train.out_dir={tmp_path}/out",
-                    "--comm.timeout=3", "--train.max_iters=50", *TINY), timeout=90)
+                    "--comm.timeout=3", "--train.max_iters=50", *TINY, *extra), timeout=90)
     elapsed = time.monotonic() - t0
     assert p.returncode != 0
     assert elapsed < 60, f"took {elapsed:.0f} s"
-    assert "[rank 0/2]" in p.stderr and "CommTimeout: step 6: gradient reduction" in p.stderr
+    assert "[rank 0/2]" in p.stderr and f"CommTimeout: step 6: {waits_in}" in p.stderr
     assert "did not complete within 3 s (--comm.timeout)" in p.stderr
 
 
@@ -76,9 +83,10 @@ def _wait_for_metrics(out, deadline_s=60):
         time.sleep(0.2)
 
 
-def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(dataset_path, tmp_path):
+@pytest.mark.parametrize("extra", [[], PIPELINE], ids=["dp", "pipeline"])
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(dataset_path, tmp_path, extra):
     out = tmp_path / "walltime"
-    job = _start_training(dataset_path, out, "--train.max_iters=100000")
+    job = _start_training(dataset_path, out, "--train.max_iters=100000", *extra)
     try:
         _wait_for_metrics(out)
         job.send_signal(signal.SIGTERM)  # what the batch system does at walltime
@@ -93,6 +101,6 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(dataset_path, tmp_
     assert 0 < stopped < 100000
     p = run(mpiexec(2, *hpctrain_cmd(
         "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}", *TINY,
-        f"--train.max_iters={stopped + 5}", "--train.resume=auto")), timeout=120)
+        f"--train.max_iters={stopped + 5}", "--train.resume=auto", *extra)), timeout=120)
     assert p.returncode == 0, p.stderr
     assert f"resumed from the checkpoint of step {stopped}" in p.stdout
