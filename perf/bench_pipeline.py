@@ -81,7 +81,7 @@ def _ours(comm, p, m, kind, steps):
 
     world, grid, stage, x, y, opt = _stage_setup(comm, p, m, 2 if kind == "interleaved" else 1)
     peak = [0]
-    ex = PipelineExecutor(stage, grid, kind=kind, n_micro=m, rows=ROWS,
+    ex = PipelineExecutor(stage, grid, kind=kind, n_micro=m,
                           seq=MODEL["block_size"], timeout=120,
                           memory_probe=lambda: peak.__setitem__(0, max(peak[0], heap_in_use())))
     times, bubbles, acts = [], [], []

@@ -126,8 +126,8 @@ class Trainer:
         self.rows_per_micro = self.rows_per_rank // self.micro
         if par.pp > 1:
             self.pipe = PipelineExecutor(self.model, self.grid, kind=par.schedule,
-                                         n_micro=self.micro, rows=self.rows_per_micro,
-                                         seq=self.block, timeout=world.timeout)
+                                         n_micro=self.micro, seq=self.block,
+                                         timeout=world.timeout)
         self.sampler = make_sampler(cfg.data.sampler, self.data.splits["train"].n_tokens,
                                     self.block, t.batch_size, t.seed)
         # Periodic estimates use the same fixed random windows every time.

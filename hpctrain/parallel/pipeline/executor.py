@@ -55,11 +55,11 @@ class PipelineStats:
 
 class PipelineExecutor:
     def __init__(self, stage: PipelineStage, grid: ProcessGrid, *, kind: str, n_micro: int,
-                 rows: int, seq: int, timeout: float, memory_probe=None):
+                 seq: int, timeout: float, memory_probe=None):
         self.stage, self.grid = stage, grid
         self.kind, self.n_micro = kind, n_micro
         self.p, self.s, self.v = grid.pp, grid.stage, stage.virtual
-        self.rows, self.seq = rows, seq
+        self.seq = seq  # tokens per row; a received activation has its micro-batch's rows
         self.timeout = timeout
         self.comm = grid.pp_comm
         self.cuda_aware = grid.world.cuda_aware
