@@ -47,11 +47,17 @@ class _MallInfo2(ctypes.Structure):
         "uordblks", "fordblks", "keepcost")]
 
 
+_LIBC = None
+
+
 def heap_in_use() -> int:
-    """Bytes the C heap has handed out: small blocks in arenas plus mmap'd large ones."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
+    """Bytes the C heap has handed out: small blocks in arenas plus mmap'd large ones.
+    Called after every forward: the library is opened once."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL("libc.so.6")
+        _LIBC.mallinfo2.restype = _MallInfo2
+    info = _LIBC.mallinfo2()
     return int(info.uordblks + info.hblkhd)
 
 
@@ -72,14 +78,14 @@ def _stage_setup(comm, p, m, virtual=1):
     x = torch.randint(0, MODEL["vocab_size"], (m * ROWS, MODEL["block_size"]), generator=gen)
     y = torch.randint(0, MODEL["vocab_size"], (m * ROWS, MODEL["block_size"]), generator=gen)
     opt = torch.optim.AdamW([q for q in stage.parameters()], lr=1e-4, fused=True)
-    return world, grid, stage, x, y, opt
+    return grid, stage, x, y, opt
 
 
 def _ours(comm, p, m, kind, steps):
     """Per-step wall time, busy share and peak activation bytes of one stage."""
     from hpctrain.parallel.pipeline.executor import PipelineExecutor
 
-    world, grid, stage, x, y, opt = _stage_setup(comm, p, m, 2 if kind == "interleaved" else 1)
+    grid, stage, x, y, opt = _stage_setup(comm, p, m, 2 if kind == "interleaved" else 1)
     peak = [0]
     ex = PipelineExecutor(stage, grid, kind=kind, n_micro=m,
                           seq=MODEL["block_size"], timeout=120,
@@ -109,7 +115,7 @@ def _torch_pipelining(comm, p, m, steps):
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B
 
-    world, grid, stage, x, y, opt = _stage_setup(comm, p, m)
+    grid, stage, x, y, opt = _stage_setup(comm, p, m)
 
     class StageModule(torch.nn.Module):
         def __init__(self, st):

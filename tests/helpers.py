@@ -64,8 +64,9 @@ def same_on_all_ranks(comm, tensor) -> bool:
     return bool(comm.allreduce(int(np.array_equal(mine, root)), op=MPI.MIN))
 
 
-def assert_matches_reference(trainer, result, cfg, comm=None) -> None:
-    """Per-step losses and final parameters equal the plain single-process loop (1e-5)."""
+def assert_matches_reference(trainer, result, cfg, comm=None) -> dict:
+    """Per-step losses and final parameters equal the plain single-process loop (1e-5).
+    Returns the reference's final parameters by name."""
     import numpy as np
     import torch
 
@@ -80,3 +81,4 @@ def assert_matches_reference(trainer, result, cfg, comm=None) -> None:
             torch.testing.assert_close(p.detach(), ref_params[name], atol=1e-5, rtol=0)
             if comm is not None:
                 assert same_on_all_ranks(comm, p), f"{name} differs between ranks"
+    return ref_params

@@ -371,8 +371,7 @@ class Trainer:
     def _loop(self, result: TrainResult, bar: Progress, stop: StopOnSignal) -> None:
         t, w = self.cfg.train, self.world
         window_losses: list[torch.Tensor] = []
-        window_t0, window_steps, data_s = time.perf_counter(), 0, 0.0
-        wait0 = self.dp.stats.wait_s
+        window_t0, window_steps = time.perf_counter(), 0
         for step in range(self.start_step, t.max_iters):
             t0, comm0, bubble0 = time.perf_counter(), self.dp.stats.wait_s, self._bubble_s()
             try:
@@ -387,7 +386,6 @@ class Trainer:
                 self._log(f"memory per rank: {self.memory().describe()}", bar)
             window_losses.append(loss)
             window_steps += 1
-            data_s += d
             done = step + 1
             stopping = stop.agreed(done)  # the same answer on every rank
             is_eval = t.eval_interval > 0 and done % t.eval_interval == 0 and not stopping
@@ -406,22 +404,22 @@ class Trainer:
             global_losses = self._allreduce(local, "loss reduction") / self.grid.dp
             result.losses.extend(global_losses.tolist())
             tok_s = self.tokens_per_step * window_steps / elapsed
+            window = slice(-window_steps, None)  # this log window's steps
             record = self._record(done, float(global_losses[-1]), tok_s, elapsed / window_steps,
-                                  float(norm), data_s / window_steps,
-                                  (self.dp.stats.wait_s - wait0) / window_steps,
-                                  sum(result.bubble_times[-window_steps:]) / window_steps)
+                                  float(norm), *(statistics.fmean(times[window]) for times in (
+                                      result.data_times, result.comm_times,
+                                      result.bubble_times)))
             if is_eval:
                 record["val_loss"] = result.val_losses[done] = self.estimate_val_loss()
                 self._log(f"step {done}: val loss {record['val_loss']:.4f}", bar)
             self.metrics.write(record)
             bar.update(1, self._bar_text(record), force=True)
-            window_losses, window_steps, data_s = [], 0, 0.0
+            window_losses, window_steps = [], 0
             if stopping:
                 result.stopped_at = done
                 return
             if is_ckpt:
                 self.save_sharded(done, background=t.ckpt_background)
-            wait0 = self.dp.stats.wait_s
             window_t0 = time.perf_counter()
 
     def _bubble_s(self) -> float:
