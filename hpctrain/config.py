@@ -99,6 +99,11 @@ class ParallelConfig:
     bucket_mb: float = opt(25.0, "gradient bucket cap in MiB (PyTorch DDP's default)")
     first_bucket_mb: float = opt(1.0, "cap of the first bucket reduced, so that "
                                       "communication starts early in backward")
+    allreduce: str = opt("auto", "how plain data parallelism sums gradients: shm sums CPU "
+                                 "gradients in the node's shared memory (and with MPI "
+                                 "between nodes), mpi with MPI collectives only, auto picks "
+                                 "shm for CPU gradients when every node holds the same "
+                                 "number (>1) of ranks", ("auto", "shm", "mpi"))
     zero: int = opt(0, "ZeRO stage: 0 replicates everything (plain data parallelism), 1 "
                        "shards optimizer state, 2 also gradients, 3 also parameters",
                     (0, 1, 2, 3))

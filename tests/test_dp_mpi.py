@@ -24,13 +24,15 @@ def _same_on_all_ranks(tensor: torch.Tensor) -> bool:
     return same_on_all_ranks(COMM, tensor)
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_dp_matches_single_process(mpi_dataset, shared_tmp, micro_batches):
+@pytest.mark.parametrize("micro_batches,allreduce", [(1, "shm"), (2, "shm"), (1, "mpi")])
+def test_dp_matches_single_process(mpi_dataset, shared_tmp, micro_batches, allreduce):
     cfg = tiny_config(mpi_dataset, shared_tmp, **{"parallel.micro_batches": micro_batches,
+                                                  "parallel.allreduce": allreduce,
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
     trainer = Trainer(cfg, World.create(COMM), verbose=False)
     assert len(trainer.dp.buckets) >= 3  # several buckets in flight, not one
+    assert (trainer.dp.shm is not None) == (allreduce == "shm")
     result = trainer.fit()
     assert_matches_reference(trainer, result, cfg, COMM)
 
@@ -53,14 +55,15 @@ def _flats_equal_across_ranks(dp) -> bool:
     return all(_same_on_all_ranks(b.flat) for b in dp.buckets)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_no_communication_on_non_final_micro_batches(persistent):
+@pytest.mark.parametrize("allreduce,persistent", [("mpi", False), ("mpi", True),
+                                                  ("shm", None)])
+def test_no_communication_on_non_final_micro_batches(allreduce, persistent):
     spy = CountingComm(COMM)
     world = dataclasses.replace(World.create(COMM), comm=spy)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
     dp = DataParallel(model, world, bucket_mb=0.01, first_bucket_mb=0.004,
-                      persistent=persistent)
+                      persistent=persistent, allreduce=allreduce)
     x = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(COMM.rank))
     for micro in range(2):
         dp.prepare_for_backward(sync=False)
@@ -73,10 +76,14 @@ def test_no_communication_on_non_final_micro_batches(persistent):
     launched_during_backward = dp.stats.reductions
     dp.finish()
     assert dp.stats.reductions == len(dp.buckets) > 2
-    assert spy.iallreduce_calls == (0 if persistent else len(dp.buckets))
+    assert spy.iallreduce_calls == (len(dp.buckets) if persistent is False else 0)
     assert launched_during_backward >= 1  # reductions overlap the backward pass
     assert _flats_equal_across_ranks(dp)
-    dp.close()
+    summed = [b.flat.clone() for b in dp.buckets]
+    dp.close()  # the gradients stay readable (and in place) once the window is freed
+    assert all(torch.equal(b.flat, s) for b, s in zip(dp.buckets, summed))
+    assert all(p.grad.data_ptr() == v.data_ptr() for b in dp.buckets
+               for p, v in zip(b.params, b.views))
 
 
 def test_bucket_layout_and_broadcast_agree_across_ranks():

@@ -32,6 +32,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
@@ -44,21 +45,30 @@ MiB = 1 << 20
 class Bucket:
     """A flat fp32 gradient buffer; each parameter's ``.grad`` is a view into it."""
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], cuda_aware):
-        self.index = index
-        self.params = params
-        numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
+    def __init__(self, index: int, params: list[torch.nn.Parameter], cuda_aware,
+                 flat: torch.Tensor | None = None):
         for p in params:
             if p.dtype != torch.float32:
                 raise TypeError(f"bucketed allreduce expects fp32 parameters, got {p.dtype}")
-            self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.buffer = MPIBuffer(self.flat, cuda_aware=cuda_aware)
+        self.index = index
+        self.params = params
+        self.cuda_aware = cuda_aware
+        numel = sum(p.numel() for p in params)
+        # ``flat`` given: the bucket lives in the node's shared-memory window.
+        self.use_flat(torch.zeros(numel, dtype=torch.float32, device=params[0].device)
+                      if flat is None else flat)
         self.pending = len(params)
         self.persistent: MPI.Prequest | None = None
+
+    def use_flat(self, flat: torch.Tensor) -> None:
+        """Make ``flat`` the bucket's buffer: the per-parameter views point into it."""
+        self.flat = flat
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params:
+            self.views.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.buffer = MPIBuffer(flat, cuda_aware=self.cuda_aware)
 
     def start_allreduce(self, comm: MPI.Comm) -> MPI.Request:
         obj = self.buffer.to_mpi()
@@ -100,7 +110,8 @@ class DataParallel(BucketScheduler):
     """Keeps ``model``'s gradients identical on every rank of ``world``."""
 
     def __init__(self, model: torch.nn.Module, world: World, *, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, persistent: bool | None = None):
+                 first_bucket_mb: float = 1.0, persistent: bool | None = None,
+                 allreduce: str = "auto"):
         self.model = model
         self.world = world
         self.comm = world.comm
@@ -109,14 +120,20 @@ class DataParallel(BucketScheduler):
         order = params[::-1]
         groups = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
                               int(first_bucket_mb * MiB))
-        self.buckets = [Bucket(i, [order[j] for j in g], world.cuda_aware)
+        numels = [sum(order[j].numel() for j in g) for g in groups]
+        device = params[0].device
+        self.shm = SharedMemoryAllreduce(self.comm, numels) \
+            if use_shared_memory(allreduce, self.comm, device, numels) else None
+        self.buckets = [Bucket(i, [order[j] for j in g], world.cuda_aware,
+                               self.shm.flat(i) if self.shm else None)
                         for i, g in enumerate(groups)]
         super().__init__(self.buckets, timeout=world.timeout)
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
         if persistent is None:
-            persistent = self.size > 1 and persistent_collectives_supported(self.comm)
+            persistent = (self.size > 1 and self.shm is None
+                          and persistent_collectives_supported(self.comm))
         self.persistent = persistent
         owned: list[MPI.Prequest] = []
         if persistent:
@@ -126,6 +143,13 @@ class DataParallel(BucketScheduler):
         # Free the persistent requests before MPI_Finalize (atexit runs this first).
         self._release = weakref.finalize(self, _free_requests, owned)
         self.zero_grad()
+
+    @property
+    def transport(self) -> str:
+        """How gradients are summed: node shared memory, or MPI (and which call)."""
+        if self.shm is not None:
+            return "shared memory" + (" + MPI between nodes" if self.shm.cross else "")
+        return "MPI persistent Allreduce" if self.persistent else "MPI Iallreduce"
 
     @property
     def grad_scale(self) -> float:
@@ -164,6 +188,8 @@ class DataParallel(BucketScheduler):
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes
         with nvtx_range(f"allreduce bucket {b.index}"):
+            if self.shm is not None:
+                return self.shm.start(b.index)
             return b.start_allreduce(self.comm)
 
     def complete(self, b: Bucket) -> None:
@@ -185,5 +211,12 @@ class DataParallel(BucketScheduler):
         return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=staging)
 
     def close(self) -> None:
-        """Release MPI resources (persistent requests). Idempotent."""
+        """Release MPI resources (persistent requests, the shared window). Collective
+        when the gradients live in shared memory; idempotent."""
         self._release()
+        if self.shm is not None:
+            for b in self.buckets:  # keep the gradients readable once the window is gone
+                b.use_flat(b.flat.clone())
+                b.bind_grads()
+            self.shm.close()
+            self.shm = None

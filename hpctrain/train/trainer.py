@@ -112,7 +112,8 @@ class Trainer:
             self.optimizer = None
         else:
             self.dp = DataParallel(self.model, dp_world, bucket_mb=par.bucket_mb,
-                                   first_bucket_mb=par.first_bucket_mb)
+                                   first_bucket_mb=par.first_bucket_mb,
+                                   allreduce=par.allreduce)
             self.dp.broadcast_parameters()
             self.optimizer = build_optimizer(param_groups(self.model, cfg.optim.weight_decay),
                                              cfg.optim, world.device)
@@ -338,7 +339,9 @@ class Trainer:
                       f"{cfg.parallel.virtual_stages} chunk(s) per stage, layers "
                       f"{self.model.chunk_layers}")
         self._log(f"model: {self.n_params / 1e6:.2f}M parameters, "
-                  f"{len(self.dp.buckets)} gradient bucket(s), ZeRO stage {cfg.parallel.zero}, "
+                  f"{len(self.dp.buckets)} gradient bucket(s)"
+                  f"{f' summed by {self.dp.transport}' if self.grid.dp > 1 and not self.zero else ''}"
+                  f", ZeRO stage {cfg.parallel.zero}, "
                   f"{t.dtype}; global batch {t.batch_size} x "
                   f"{self.block} tokens = {self.rows_per_rank} row(s) per rank in "
                   f"{self.micro} micro-batch(es)")

@@ -1,0 +1,241 @@
+"""Gradient allreduce through the node's shared memory (MPI-3 shared windows), for CPU
+gradients.
+
+An MPI allreduce between ranks of one node copies every byte through the library's
+shared-memory cells: the sender copies in, the receiver copies out and adds, and the
+result travels back the same way. Here the gradient buckets themselves live in one
+``MPI_Win_allocate_shared`` window per node, so each rank reads its peers' gradients in
+place (the reduce-scatter/allgather of a ring, without the messages):
+
+1. ARRIVED  a rank's bucket is complete (its backward wrote the last gradient);
+2. REDUCED  once every local rank has arrived, rank i adds its peers' slice i into its
+            own slice i; on several nodes it then allreduces that slice with the ranks
+            holding the same slice on the other nodes (a communicator per local index),
+            which is the hierarchical allreduce (node reduce-scatter, inter-node
+            allreduce, node allgather);
+3. GATHERED once every local rank has reduced, rank i copies the other slices from
+            their owners; when all ranks have gathered, no one reads the bucket any more
+            and its owner may change it (clip, zero) again.
+
+Each phase is announced by writing the bucket's reduction count (its epoch) into the
+rank's flag row; peers poll the rows. ``MPI_Win_sync`` is the memory barrier between
+data and flag (MPI's separate/unified memory model for shared windows): after writing
+data before raising a flag, and after seeing a flag before reading data.
+
+Each slice is summed by one rank only, so every rank ends with the same bits. Measured
+here (2 ranks, 2 cores): 3 MiB 0.26 ms against MPICH's ``Allreduce`` 0.48 ms; 43 MB
+4.6 ms against 19 ms.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpctrain.errors import ConfigError
+
+ARRIVED, REDUCED, GATHERED = 0, 1, 2
+_ALIGN = 64  # bytes: slices and buckets start on their own cache line
+_FLAG_STRIDE = _ALIGN // 8  # int64 flags per bucket row (one cache line)
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def slice_bounds(numel: int, parts: int) -> list[int]:
+    """Split ``numel`` fp32 elements into ``parts`` slices on cache-line boundaries (the
+    last slices may be empty when the bucket is tiny)."""
+    per = _ALIGN // 4
+    step = -(-numel // parts)
+    step = -(-step // per) * per
+    return [min(numel, i * step) for i in range(parts + 1)]
+
+
+def shared_bytes_needed(numels: list[int]) -> int:
+    """Bytes of one rank's segment: a flag row per bucket, then the buckets."""
+    return len(numels) * _ALIGN + sum(_align(4 * n) for n in numels)
+
+
+_OPEN: list["SharedMemoryAllreduce"] = []
+"""Windows not closed yet, oldest first. Freeing a window is collective, so it happens
+only in ``close()`` (called on every rank alike) or at exit, in creation order on every
+rank, never from the garbage collector, whose timing differs between ranks."""
+
+
+@atexit.register
+def _close_open_windows() -> None:
+    while _OPEN:
+        _OPEN[0].close()
+
+
+def free_shared_memory_bytes(path: str = "/dev/shm") -> int | None:
+    """Free bytes where MPI maps shared windows on Linux; None when it cannot tell."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class SharedMemoryAllreduce:
+    """Holds every local rank's gradient buckets in one shared window and sums them.
+
+    Collective over ``comm``: every rank passes the same bucket sizes. ``flat(i)`` is
+    this rank's bucket i (give it to the gradients); ``start(i)`` returns a request whose
+    ``Test()`` advances the reduction and is True when the bucket holds the sum and no
+    peer reads it any more. ``node_comm`` (default: the shared-memory split of ``comm``)
+    can be narrower than a real node, which is how tests play several nodes on one.
+    """
+
+    def __init__(self, comm: MPI.Comm, numels: list[int], *, node_comm: MPI.Comm | None = None):
+        if not numels:
+            raise ValueError("no buckets to reduce")
+        self.node = node_comm or comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        self.local, self.local_size = self.node.rank, self.node.size
+        n_nodes = comm.size // self.local_size
+        if comm.allreduce(self.local_size, op=MPI.MAX) != comm.allreduce(self.local_size,
+                                                                         op=MPI.MIN):
+            raise ValueError("the shared-memory allreduce needs the same number of ranks on "
+                             "every node; use --parallel.allreduce=mpi")
+        # Ranks holding the same slice on every node reduce it across nodes.
+        self.cross = comm.Split(self.local, comm.rank) if n_nodes > 1 else None
+        self.numels = list(numels)
+        self.bounds = [slice_bounds(n, self.local_size) for n in numels]
+        nbytes = shared_bytes_needed(numels)
+        self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.node)
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # passive epoch for Sync (no locking done)
+        self.flags: list[np.ndarray] = []
+        self.flats: list[list[torch.Tensor]] = []  # [local rank][bucket]
+        for r in range(self.local_size):
+            mem, _ = self.win.Shared_query(r)
+            seg = np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+            self.flags.append(seg[:len(numels) * _ALIGN].view(np.int64)
+                              .reshape(len(numels), _FLAG_STRIDE))
+            offset, flats = len(numels) * _ALIGN, []
+            for n in numels:
+                flats.append(torch.from_numpy(seg[offset:offset + 4 * n].view(np.float32)))
+                offset += _align(4 * n)
+            self.flats.append(flats)
+        self.flags[self.local][:] = 0
+        self.epochs = [0] * len(numels)
+        self.node.Barrier()  # every row zeroed before anyone polls it
+        self._closed = False
+        _OPEN.append(self)
+
+    def flat(self, bucket: int) -> torch.Tensor:
+        """This rank's bucket ``bucket``: a flat fp32 tensor in the shared window."""
+        return self.flats[self.local][bucket]
+
+    def start(self, bucket: int) -> "ShmReduction":
+        self.epochs[bucket] += 1
+        return ShmReduction(self, bucket, self.epochs[bucket])
+
+    # -------------------------------------------------------------- the phases
+    def raise_flag(self, bucket: int, phase: int, epoch: int) -> None:
+        self.win.Sync()  # our data writes are visible before the flag is
+        self.flags[self.local][bucket, phase] = epoch
+
+    def all_reached(self, bucket: int, phase: int, epoch: int) -> bool:
+        for row in self.flags:
+            if row[bucket, phase] < epoch:
+                return False
+        self.win.Sync()  # the peers' data is read only after their flags were seen
+        return True
+
+    def reduce_own_slice(self, bucket: int) -> torch.Tensor:
+        lo, hi = self.bounds[bucket][self.local], self.bounds[bucket][self.local + 1]
+        mine = self.flats[self.local][bucket][lo:hi]
+        for r in range(self.local_size):
+            if r != self.local:
+                mine.add_(self.flats[r][bucket][lo:hi])
+        return mine
+
+    def gather_slices(self, bucket: int) -> None:
+        bounds, mine = self.bounds[bucket], self.flats[self.local][bucket]
+        for r in range(self.local_size):
+            if r != self.local and bounds[r + 1] > bounds[r]:
+                mine[bounds[r]:bounds[r + 1]].copy_(self.flats[r][bucket][bounds[r]:bounds[r + 1]])
+
+    def close(self) -> None:
+        """Free the window. Collective over the node; idempotent."""
+        if self._closed or MPI.Is_finalized():
+            return
+        self._closed = True
+        _OPEN.remove(self)
+        self.flats, self.flags = [], []  # drop the views into the window first
+        self.win.Unlock_all()
+        self.win.Free()
+        if self.cross is not None:
+            self.cross.Free()
+        self.node.Free()
+
+
+class ShmReduction:
+    """One bucket's reduction in flight; ``Test()`` does what its phase allows without
+    waiting (so the scheduler can poll it from gradient hooks and from ``wait_all``)."""
+
+    def __init__(self, arena: SharedMemoryAllreduce, bucket: int, epoch: int):
+        self.arena, self.bucket, self.epoch = arena, bucket, epoch
+        self.cross_req: MPI.Request | None = None
+        self.waiting_for = ARRIVED  # the phase every local rank must reach next
+        arena.raise_flag(bucket, ARRIVED, epoch)
+
+    def Test(self) -> bool:  # noqa: N802 (the MPI.Request spelling, for wait_all)
+        a, b, e = self.arena, self.bucket, self.epoch
+        if self.waiting_for == ARRIVED:
+            if not a.all_reached(b, ARRIVED, e):
+                return False
+            mine = a.reduce_own_slice(b)
+            if a.cross is not None:  # then sum our slice over the nodes
+                self.cross_req = a.cross.Iallreduce(MPI.IN_PLACE, mine.numpy(), op=MPI.SUM)
+            else:
+                a.raise_flag(b, REDUCED, e)
+            self.waiting_for = REDUCED
+        if self.cross_req is not None:
+            if not self.cross_req.Test():
+                return False
+            self.cross_req = None
+            a.raise_flag(b, REDUCED, e)
+        if self.waiting_for == REDUCED:
+            if not a.all_reached(b, REDUCED, e):
+                return False
+            a.gather_slices(b)
+            a.raise_flag(b, GATHERED, e)
+            self.waiting_for = GATHERED
+        return a.all_reached(b, GATHERED, e)
+
+
+def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[int]) -> bool:
+    """Decide, the same on every rank, whether gradients are summed through the node's
+    shared memory. Collective over ``comm``.
+
+    ``setting`` is ``mpi`` (never), ``shm`` (always; an error when impossible) or
+    ``auto``: for CPU gradients when nodes hold several ranks each, the same number on
+    every node, and ``/dev/shm`` has room for the node's buckets."""
+    if setting == "mpi" or comm.size == 1:
+        return False
+    if str(device).startswith("cuda"):
+        if setting == "shm":
+            raise ConfigError("--parallel.allreduce=shm sums CPU gradients; GPU gradients go "
+                             "through (CUDA-aware) MPI: use --parallel.allreduce=auto or mpi")
+        return False
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    local_size = node.size
+    free = free_shared_memory_bytes()
+    room = free is None or free > 1.25 * local_size * shared_bytes_needed(numels)
+    node.Free()
+    sizes = comm.allgather(local_size)
+    even = len(set(sizes)) == 1 and local_size > 1
+    fits = bool(comm.allreduce(int(room), op=MPI.MIN))
+    if setting == "shm" and not (even and fits):
+        why = ("nodes hold different numbers of ranks" if len(set(sizes)) > 1 else
+               "every node holds a single rank" if not even else
+               "/dev/shm has too little room for the node's gradient buckets")
+        raise ConfigError(f"--parallel.allreduce=shm is impossible here: {why}; use "
+                         "--parallel.allreduce=auto or mpi")
+    return even and fits
