@@ -3,8 +3,11 @@ the same bytes vs torch.distributed (gloo) all_reduce, at 2 and 4 ranks.
 
     python perf/bench_allreduce.py            # launches the workers, prints, writes JSON
 
-"bucketed" is the production path (MPI-4 persistent collectives where the library has
-them, as here); "bucketed Iallreduce" is the path MPI-3 libraries get.
+"bucketed" is the production path for CPU gradients: the buckets live in the node's
+shared memory and each rank sums its slice of every bucket in place
+(``--parallel.allreduce=auto``, ``hpctrain/comm/shm_allreduce.py``). "bucketed MPI" is
+the same buckets reduced by MPI-4 persistent collectives (``--parallel.allreduce=mpi``,
+the path GPU gradients take), "bucketed Iallreduce" the path MPI-3 libraries get.
 
 Bus bandwidth = bytes x 2(n-1)/n / time (the ring-allreduce traffic per rank, as
 nccl-tests reports it). Each worker times the MPI methods in the same process, interleaved, then gloo,
@@ -50,9 +53,11 @@ def worker(out: Path, model_name: str) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C))
     world = World.create(comm)
-    dp = DataParallel(model, world)  # persistent collectives when the MPI has them
-    dp_nb = DataParallel(model, world, persistent=False)  # Iallreduce (MPI-3 libraries)
-    for b in dp.buckets + dp_nb.buckets:
+    dp = DataParallel(model, world)  # shared memory within the node (CPU gradients)
+    dp_mpi = DataParallel(model, world, allreduce="mpi")  # persistent collectives
+    dp_nb = DataParallel(model, world, allreduce="mpi", persistent=False)  # Iallreduce
+    assert dp.shm is not None and dp_mpi.persistent and not dp_nb.persistent
+    for b in dp.buckets + dp_mpi.buckets + dp_nb.buckets:
         b.flat.normal_()
     nbytes = sum(b.nbytes for b in dp.buckets)
     raw = torch.randn(nbytes // 4)
@@ -63,6 +68,9 @@ def worker(out: Path, model_name: str) -> None:
         # order and waits for all of them under the watchdog.
         d.prepare_for_backward(sync=True)
         d.finish()
+
+    def bucketed_mpi():
+        bucketed(dp_mpi)
 
     def bucketed_iallreduce():
         bucketed(dp_nb)
@@ -95,18 +103,19 @@ def worker(out: Path, model_name: str) -> None:
 
     # MPI first, interleaved; gloo starts afterwards so that its background threads do
     # not compete for the cores while MPI is timed (and vice versa).
-    times = timed({"bucketed": bucketed, "bucketed_iallreduce": bucketed_iallreduce,
-                   "raw_mpi": raw_mpi})
+    times = timed({"bucketed": bucketed, "bucketed_mpi": bucketed_mpi,
+                   "bucketed_iallreduce": bucketed_iallreduce, "raw_mpi": raw_mpi})
     init_gloo(comm)
     times.update(timed({"gloo": gloo}))
     dist.destroy_process_group()
-    dp.close()
+    for d in (dp, dp_mpi, dp_nb):
+        d.close()
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         factor = 2 * (n - 1) / n
         out.write_text(json.dumps({
             "model": model_name, "ranks": n, "bytes": nbytes, "buckets": len(dp.buckets),
-            "persistent": dp.persistent,
+            "transport": dp.transport,
             "time_ms": {k: 1e3 * v for k, v in med.items()},
             "busbw_GBps": {k: nbytes * factor / v / 1e9 for k, v in med.items()}}))
 
@@ -119,16 +128,21 @@ def main() -> None:
             records.append(r)
             bw = r["busbw_GBps"]
             rows.append([n, name, f"{r['bytes'] / 2**20:.1f}", r["buckets"],
-                         bw["bucketed"], bw["bucketed_iallreduce"], bw["raw_mpi"], bw["gloo"],
-                         bw["bucketed"] / bw["raw_mpi"],
+                         bw["bucketed"], bw["bucketed_mpi"], bw["bucketed_iallreduce"],
+                         bw["raw_mpi"], bw["gloo"], bw["bucketed"] / bw["raw_mpi"],
+                         bw["bucketed_mpi"] / bw["raw_mpi"],
                          bw["bucketed_iallreduce"] / bw["raw_mpi"], bw["bucketed"] / bw["gloo"]])
     print_table("Gradient allreduce bus bandwidth (GB/s), median of repeats",
-                ["ranks", "model", "MiB", "buckets", "bucketed", "bucketed Iallreduce",
-                 "raw MPI", "gloo", "bucketed/raw", "Iallreduce/raw", "bucketed/gloo"], rows)
-    worst = min(r[8] for r in rows)
+                ["ranks", "model", "MiB", "buckets", "bucketed", "bucketed MPI",
+                 "bucketed Iallreduce", "raw MPI", "gloo", "bucketed/raw", "MPI/raw",
+                 "Iallreduce/raw", "bucketed/gloo"], rows)
+    worst = min(r[9] for r in rows)
+    worst_mpi = min(r[10] for r in rows)
     print(f"\ntarget bucketed >= 0.9x raw MPI: worst ratio {worst:.2f} -> "
-          f"{'MET' if worst >= 0.9 else 'NOT MET'}")
+          f"{'MET' if worst >= 0.9 else 'NOT MET'} (buckets reduced by MPI instead: worst "
+          f"{worst_mpi:.2f})")
     write_result("allreduce", {"records": records, "worst_bucketed_over_raw": worst,
+                               "worst_bucketed_mpi_over_raw": worst_mpi,
                                "target": 0.9, "met": worst >= 0.9})
 
 

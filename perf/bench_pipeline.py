@@ -238,7 +238,8 @@ def main(quick: bool) -> None:
     rows_c = []
 
     def slowest_stage(mode, kind, p):
-        return max(s["step_s"] for s in run_worker(p, __file__, [mode, kind, str(m), str(steps)]))
+        return max(s["step_s"] for s in run_worker(p, __file__, [mode, kind, str(m), str(steps)],
+                                                   retries=1 if mode == "torch" else 0))
 
     for p in (2, 4):
         ours, inter, theirs, single = [], [], [], []

@@ -41,8 +41,26 @@ def machine() -> dict:
 
 
 def run_worker(n: int, script: str | Path, args: list[str], *, threads: int = 1,
-               timeout: float = 1200, mpi: bool = True, env: dict | None = None) -> dict:
-    """Run ``script --worker --out FILE args`` (under ``mpiexec -n n``); return its JSON."""
+               timeout: float = 1200, mpi: bool = True, env: dict | None = None,
+               retries: int = 0) -> dict:
+    """Run ``script --worker --out FILE args`` (under ``mpiexec -n n``); return its JSON.
+
+    ``retries``: for third-party baselines only (torch's gloo teardown aborts now and
+    then with "terminate called without an active exception"); a failure is reported on
+    stderr before the retry. hpctrain's own workers get none: their failures are bugs."""
+    for attempt in range(retries + 1):
+        try:
+            return _run_worker_once(n, script, args, threads, timeout, mpi, env)
+        except RuntimeError as e:
+            if attempt == retries:
+                raise
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            print(f"note: a baseline worker failed ({last}); running it again",
+                  file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _run_worker_once(n, script, args, threads, timeout, mpi, env) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         cmd = [sys.executable, str(script), "--worker", "--out", str(out), *args]

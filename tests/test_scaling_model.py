@@ -126,6 +126,18 @@ def test_measured_fits_and_shape_rates_win():
     assert pred.compute_s == pytest.approx(tokens * shape.flops_per_token / 1e9)
 
 
+def test_cpu_data_parallelism_uses_the_shared_memory_fit_where_calibrated():
+    shape = ModelShape(2, 2, 64, 32, 50)
+    fits = {"allreduce": coll.Fit(1e-3, 0.0), "shm_allreduce": coll.Fit(2e-4, 0.0)}
+    sys_ = dataclasses.replace(_cpu_system(), fits={2: fits})
+    n_buckets = len(pm.bucket_sizes(4.0 * shape.params, 25.0))
+    plain = pm.predict(sys_, shape, pm.Layout(ranks=2, global_batch=4))
+    assert plain.grad_comm_total_s == pytest.approx(n_buckets * 2e-4)
+    # ZeRO and bf16 go through the ZeRO engine's MPI collectives, not the shared window.
+    bf16 = pm.predict(sys_, shape, pm.Layout(ranks=2, global_batch=4, dtype="bf16"))
+    assert bf16.grad_comm_total_s == pytest.approx(n_buckets * 1e-3)
+
+
 def test_zero_stages_memory_and_communication():
     sys_ = dataclasses.replace(load_system("polaris"), overlap=0.0)  # nothing hidden
     shape = model_shape("gpt2")

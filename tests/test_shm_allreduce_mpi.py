@@ -72,3 +72,28 @@ def test_the_choice_is_collective_and_refuses_what_cannot_work():
     with pytest.raises(ConfigError, match="--parallel.allreduce=auto or mpi"):
         use_shared_memory("shm", COMM, "cuda:0", NUMELS)
     assert not use_shared_memory("auto", MPI.COMM_SELF, "cpu", NUMELS)  # one rank
+
+
+@pytest.mark.parametrize("nodes", ["one", "two"])
+def test_data_parallel_gradients_through_shared_memory_equal_the_mpi_path(nodes):
+    from hpctrain.comm.world import World
+    from hpctrain.model.gpt import GPT, GPTConfig
+    from hpctrain.parallel.data_parallel import DataParallel
+
+    world = World.create(COMM)
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(COMM.rank))
+    grads = {}
+    for allreduce in ("shm", "mpi"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
+        dp = DataParallel(model, world, bucket_mb=0.01, first_bucket_mb=0.004,
+                          allreduce=allreduce, node_comm=_node_comm(nodes))
+        assert (dp.shm is not None) == (allreduce == "shm")
+        dp.prepare_for_backward(sync=True)
+        (model(x, x) * dp.grad_scale).backward()
+        dp.finish()
+        grads[allreduce] = [b.flat.clone() for b in dp.buckets]
+        dp.close()
+    for shm, mpi in zip(grads["shm"], grads["mpi"]):
+        torch.testing.assert_close(shm, mpi, rtol=1e-6, atol=1e-7)
+        assert len(set(COMM.allgather(shm.numpy().tobytes()))) == 1

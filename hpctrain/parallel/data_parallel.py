@@ -111,7 +111,7 @@ class DataParallel(BucketScheduler):
 
     def __init__(self, model: torch.nn.Module, world: World, *, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, persistent: bool | None = None,
-                 allreduce: str = "auto"):
+                 allreduce: str = "auto", node_comm: MPI.Comm | None = None):
         self.model = model
         self.world = world
         self.comm = world.comm
@@ -122,7 +122,8 @@ class DataParallel(BucketScheduler):
                               int(first_bucket_mb * MiB))
         numels = [sum(order[j].numel() for j in g) for g in groups]
         device = params[0].device
-        self.shm = SharedMemoryAllreduce(self.comm, numels) \
+        # node_comm: the ranks sharing a window (default: the node; tests pass less)
+        self.shm = SharedMemoryAllreduce(self.comm, numels, node_comm=node_comm) \
             if use_shared_memory(allreduce, self.comm, device, numels) else None
         self.buckets = [Bucket(i, [order[j] for j in g], world.cuda_aware,
                                self.shm.flat(i) if self.shm else None)

@@ -2,8 +2,9 @@
 
     mpiexec -n 4 python -m hpctrain.scaling.calib_worker --output fits.json
 
-Times ``Allreduce``, ``Reduce_scatter_block``, ``Allgather`` and a neighbour exchange
-(``Sendrecv``, the pipeline's point-to-point) on fp32 buffers of several sizes, the way
+Times ``Allreduce``, ``Reduce_scatter_block``, ``Allgather``, a neighbour exchange
+(``Sendrecv``, the pipeline's point-to-point) and, where the ranks share a node, the
+trainer's shared-memory gradient allreduce on fp32 buffers of several sizes, the way
 mpi4py's benchmarks do (``Barrier``, then ``Wtime`` around the call, after warm-up; the
 slowest rank's time counts), and fits ``t = alpha + beta * bytes`` per collective by
 least squares. ``--busy-ms`` puts a burst of computation on every rank before each call
@@ -41,8 +42,18 @@ def measure(comm, kind: str, n_bytes: int, reps: int, busy_s: float) -> float:
     part = np.empty(count // p, dtype=np.float32)
     right, left = (rank + 1) % p, (rank - 1) % p
 
+    arena = None
+    if kind == "shm_allreduce":
+        from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce
+        from hpctrain.comm.watchdog import wait_all
+
+        arena = SharedMemoryAllreduce(comm, [count])
+        arena.flat(0).fill_(1.0)
+
     def call():
-        if kind == "allreduce":
+        if arena is not None:
+            wait_all([arena.start(0)], timeout=60, what="shared-memory allreduce")
+        elif kind == "allreduce":
             comm.Allreduce(send, recv, op=MPI.SUM)
         elif kind == "reduce_scatter":
             comm.Reduce_scatter_block(send, part, op=MPI.SUM)
@@ -60,6 +71,8 @@ def measure(comm, kind: str, n_bytes: int, reps: int, busy_s: float) -> float:
         t = MPI.Wtime() - t0
         if i >= 2:  # warm-up: first calls set up connections and buffers
             times.append(comm.allreduce(t, op=MPI.MAX))
+    if arena is not None:
+        arena.close()
     return float(np.median(times))
 
 
@@ -117,7 +130,12 @@ def main(argv=None) -> int:
     result = {"ranks": comm.Get_size(), "points": {}, "fits": {}, "compute_s": {}}
     for key in args.compute:
         result["compute_s"][key] = concurrent_compute(comm, key, args.rows, args.reps)
-    for kind in ("allreduce", "reduce_scatter", "allgather", "p2p"):
+    from hpctrain.comm.shm_allreduce import use_shared_memory
+
+    kinds = ["allreduce", "reduce_scatter", "allgather", "p2p"]
+    if use_shared_memory("auto", comm, "cpu", [max(SIZES) // 4]):
+        kinds.append("shm_allreduce")
+    for kind in kinds:
         times = [measure(comm, kind, n, args.reps, args.busy_ms / 1e3) for n in SIZES]
         alpha, beta = fit_line(SIZES, times)
         result["points"][kind] = dict(zip(map(str, SIZES), times))

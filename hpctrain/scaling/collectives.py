@@ -26,7 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-KINDS = ("allreduce", "reduce_scatter", "allgather", "p2p")
+KINDS = ("allreduce", "reduce_scatter", "allgather", "p2p", "shm_allreduce")
+"""``shm_allreduce`` is the trainer's node shared-memory reduction of CPU gradients
+(``hpctrain/comm/shm_allreduce.py``): it has no formula, only a calibrated fit, and the
+model uses it where a calibration has one."""
 
 
 @dataclass(frozen=True)

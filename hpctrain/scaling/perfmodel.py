@@ -5,7 +5,9 @@ step = pipeline compute (m micro-batches of forward + backward on the largest st
      + pipeline bubble               (p-1)/(m+p-1) of the pipeline, 1F1B and GPipe;
                                      (p-1)/(v m) of the useful work, interleaved (v chunks)
      + point-to-point activations    2 transfers per micro-batch slot and chunk
-     + exposed gradient reduction    what backward does not hide (``overlap``)
+     + exposed gradient reduction    what backward does not hide (``overlap``); plain
+                                     data parallelism of CPU gradients uses the
+                                     calibrated shared-memory allreduce where there is one
      + ZeRO parameter gathers        allgather after the step (ZeRO-1/2), per block
                                      before forward and backward (ZeRO-3, 3 Psi in all)
      + optimizer                     AdamW over the parameters this rank updates
@@ -226,7 +228,11 @@ def predict(system: SystemPerf, shape: ModelShape, layout: Layout) -> Prediction
     rs = sum(collective(system, "reduce_scatter", dp, b, members) for b in buckets)
     ar = sum(collective(system, "allreduce", dp, b, members) for b in buckets)
     last = buckets[-1] if buckets else 0.0
-    if layout.zero == 0:
+    if layout.zero == 0 and layout.dtype == "fp32" and system.fit("shm_allreduce", dp):
+        # CPU gradients on one node: the trainer sums them in shared memory.
+        total = sum(collective(system, "shm_allreduce", dp, b, members) for b in buckets)
+        tail = collective(system, "shm_allreduce", dp, last, members)
+    elif layout.zero == 0:
         total, tail = ar, collective(system, "allreduce", dp, last, members)
     elif layout.zero == 1:  # reduce-scatter only on the last micro-batch
         total, tail = rs, collective(system, "reduce_scatter", dp, last, members)
