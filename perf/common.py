@@ -113,46 +113,62 @@ def init_gloo(comm) -> None:
                             rank=comm.rank, world_size=comm.size)
 
 
+class TorchDDP:
+    """torch DDP (gloo) on this MPI job's ranks with the same model, data and sampler as
+    hpctrain; ``make_optimizer(model, cfg)`` picks the optimizer. ``step(i)`` trains
+    step ``i`` (the global batch of step i, this rank's rows); ``close()`` ends gloo."""
+
+    def __init__(self, args: list[str], make_optimizer):
+        import torch
+        from mpi4py import MPI
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from hpctrain.config import load_config
+        from hpctrain.data.dataset import TokenDataset
+        from hpctrain.data.sampler import make_sampler
+        from hpctrain.model.gpt import GPT, GPTConfig
+
+        self.comm = MPI.COMM_WORLD
+        init_gloo(self.comm)
+        self.cfg = cfg = load_config("shakespeare-char", args)
+        m, t = cfg.model, cfg.train
+        self.ds = TokenDataset(cfg.data.path)
+        torch.manual_seed(t.seed)
+        self.model = GPT(GPTConfig(vocab_size=self.ds.vocab_size, block_size=m.block_size,
+                                   n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd))
+        self.ddp = DDP(self.model, gradient_as_bucket_view=True)  # DDP's fastest setting
+        self.opt = make_optimizer(self.model, cfg)
+        self.sampler = make_sampler(cfg.data.sampler, self.ds.splits["train"].n_tokens,
+                                    m.block_size, t.batch_size, t.seed)
+
+    def step(self, step: int) -> None:
+        import torch
+
+        starts = self.sampler.local_starts(step, self.comm.rank, self.comm.size)
+        tokens = torch.from_numpy(self.ds.read("train", starts, self.cfg.model.block_size + 1))
+        loss = self.ddp(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
 def torch_ddp_step_times(args: list[str], make_optimizer) -> list[float]:
-    """Train a config with torch DDP (gloo) on this MPI job's ranks, same model, data and
-    sampler as hpctrain; ``make_optimizer(model, cfg)`` picks the optimizer. Returns the
-    step times in seconds."""
+    """Train a config's ``train.max_iters`` steps with ``TorchDDP``; the step times (s)."""
     import time
 
-    import torch
-    import torch.distributed as dist
-    from mpi4py import MPI
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from hpctrain.config import load_config
-    from hpctrain.data.dataset import TokenDataset
-    from hpctrain.data.sampler import make_sampler
-    from hpctrain.model.gpt import GPT, GPTConfig
-
-    comm = MPI.COMM_WORLD
-    init_gloo(comm)
-    cfg = load_config("shakespeare-char", args)
-    m, t = cfg.model, cfg.train
-    ds = TokenDataset(cfg.data.path)
-    torch.manual_seed(t.seed)
-    model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=m.block_size, n_layer=m.n_layer,
-                          n_head=m.n_head, n_embd=m.n_embd))
-    ddp = DDP(model, gradient_as_bucket_view=True)  # DDP's fastest documented setting
-    opt = make_optimizer(model, cfg)
-    sampler = make_sampler(cfg.data.sampler, ds.splits["train"].n_tokens, m.block_size,
-                           t.batch_size, t.seed)
+    runner = TorchDDP(args, make_optimizer)
     times = []
-    for step in range(t.max_iters):
+    for step in range(runner.cfg.train.max_iters):
         t0 = time.perf_counter()
-        starts = sampler.local_starts(step, comm.rank, comm.size)
-        tokens = torch.from_numpy(ds.read("train", starts, m.block_size + 1))
-        loss = ddp(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        runner.step(step)
         times.append(time.perf_counter() - t0)
-    dist.destroy_process_group()
+    runner.close()
     return times
 
 

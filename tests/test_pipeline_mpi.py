@@ -121,7 +121,7 @@ def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp):
     dp.finish()
     assert launched_in_backward >= 1  # overlapped with the stage's last backward pass
     assert dp.stats.reductions == len(dp.buckets)
-    trainer._close()
+    trainer.close()
 
 
 def _ckpt_config(mpi_dataset, out, pp, zero, **extra):

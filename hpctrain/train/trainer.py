@@ -362,7 +362,7 @@ class Trainer:
             self.save_sharded(result.stopped_at)
             self._log(f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved; "
                       "run the same command with --train.resume=auto to continue")
-            self._close()
+            self.close()
             return result
         if t.final_eval:
             result.final_val_loss = self.full_val_loss()
@@ -472,9 +472,9 @@ class Trainer:
             if self.world.is_root:
                 self._write_outputs(result, state, memory, peak_rss, timing,
                                     full_model if full_model is not None else self.model)
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
         """Release communicators, file handles and the metrics log (every rank)."""
         self.dp.close()
         self.data.close()
