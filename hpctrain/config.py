@@ -103,7 +103,8 @@ class ParallelConfig:
                                  "gradients in the node's shared memory (and with MPI "
                                  "between nodes), mpi with MPI collectives only, auto picks "
                                  "shm for CPU gradients when every node holds the same "
-                                 "number (>1) of ranks", ("auto", "shm", "mpi"))
+                                 "number (>1) of ranks and /dev/shm has room; shm insists "
+                                 "(an error where it cannot work)", ("auto", "shm", "mpi"))
     zero: int = opt(0, "ZeRO stage: 0 replicates everything (plain data parallelism), 1 "
                        "shards optimizer state, 2 also gradients, 3 also parameters",
                     (0, 1, 2, 3))
@@ -225,6 +226,10 @@ class Config:
 
     def __post_init__(self):
         p, t = self.parallel, self.train
+        _require(p.allreduce != "shm" or (p.zero == 0 and t.dtype == "fp32"),
+                 "--parallel.allreduce=shm is the plain data-parallel path (fp32, ZeRO stage "
+                 "0); ZeRO stages and bf16 reduce with MPI collectives: drop "
+                 "--parallel.allreduce=shm")
         if p.pp == 1:
             return
         # What the pipeline path does not do (yet); each message names the way out.

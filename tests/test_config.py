@@ -38,6 +38,9 @@ def test_unknown_option_suggests_the_close_one():
     (["--train.batch_size=0"], "train.batch_size must be at least 1"),
     (["train.max_iters=5"], "options look like --section.key=value"),
     (["--train.max_iters"], "needs a value"),
+    (["--parallel.allreduce=shm", "--parallel.zero=1"], "drop --parallel.allreduce=shm"),
+    (["--parallel.allreduce=shm", "--train.dtype=bf16"], "drop --parallel.allreduce=shm"),
+    (["--parallel.allreduce=ring"], "not one of auto, shm, mpi"),
 ])
 def test_bad_values_name_the_fix(args, message):
     with pytest.raises(ConfigError, match=message):

@@ -37,32 +37,49 @@ def _node_comm(nodes: str):
 def test_sums_equal_mpi_allreduce_and_are_the_same_bits_on_every_rank(nodes):
     arena = SharedMemoryAllreduce(COMM, NUMELS, node_comm=_node_comm(nodes))
     assert (arena.cross is not None) == (nodes == "two")
-    try:
-        for epoch in range(3):  # the same window, step after step
-            if epoch == 1 and COMM.rank == COMM.size - 1:
-                time.sleep(0.2)  # a late rank: nobody may read its bucket before it arrives
-            values = _fill(arena, epoch)
-            wait_all([arena.start(i) for i in range(len(NUMELS))], timeout=60, what="test")
-            for i, v in enumerate(values):
-                expected = v.clone()
-                COMM.Allreduce(MPI.IN_PLACE, expected.numpy(), op=MPI.SUM)
-                torch.testing.assert_close(arena.flat(i), expected, rtol=1e-6, atol=1e-6)
-                assert len(set(COMM.allgather(arena.flat(i).numpy().tobytes()))) == 1
-    finally:
-        arena.close()
+    for epoch in range(3):  # the same window, step after step
+        if epoch == 1 and COMM.rank == COMM.size - 1:
+            time.sleep(0.2)  # a late rank: nobody may read its bucket before it arrives
+        values = _fill(arena, epoch)
+        wait_all([arena.start(i) for i in range(len(NUMELS))], timeout=60, what="test")
+        for i, v in enumerate(values):
+            expected = v.clone()
+            COMM.Allreduce(MPI.IN_PLACE, expected.numpy(), op=MPI.SUM)
+            torch.testing.assert_close(arena.flat(i), expected, rtol=1e-6, atol=1e-6)
+            assert len(set(COMM.allgather(arena.flat(i).numpy().tobytes()))) == 1
+    arena.close()  # collective: only on success (a failure aborts all ranks)
+
+
+def test_no_rank_changes_its_bucket_while_a_peer_still_copies_from_it(monkeypatch):
+    arena = SharedMemoryAllreduce(COMM, NUMELS)
+    last = COMM.rank == COMM.size - 1
+    expected = [v.clone() for v in _fill(arena, 0)]
+    for e in expected:
+        COMM.Allreduce(MPI.IN_PLACE, e.numpy(), op=MPI.SUM)
+    if last:  # copies the other slices late
+        gather = arena.gather_slices
+        monkeypatch.setattr(arena, "gather_slices",
+                            lambda bucket: (time.sleep(0.2), gather(bucket)))
+    wait_all([arena.start(i) for i in range(len(NUMELS))], timeout=60, what="test")
+    if not last:  # done: the next step may write the buckets at once
+        for i in range(len(NUMELS)):
+            arena.flat(i).fill_(float("nan"))
+    else:
+        for i, e in enumerate(expected):
+            torch.testing.assert_close(arena.flat(i), e, rtol=1e-6, atol=1e-6)
+    COMM.Barrier()
+    arena.close()  # collective: only on success (a failure aborts all ranks)
 
 
 def test_a_reduction_waits_for_every_rank_and_times_out_without_one():
     arena = SharedMemoryAllreduce(COMM, [100])
-    try:
-        if COMM.rank == 0:
-            request = arena.start(0)
-            assert not request.Test()  # the others have not arrived: nothing blocks
-            with pytest.raises(CommTimeout, match="bucket 0"):
-                wait_all([request], timeout=0.5, what="gradient reduction (bucket 0)")
-        COMM.Barrier()
-    finally:
-        arena.close()
+    if COMM.rank == 0:
+        request = arena.start(0)
+        assert not request.Test()  # the others have not arrived: nothing blocks
+        with pytest.raises(CommTimeout, match="bucket 0"):
+            wait_all([request], timeout=0.5, what="gradient reduction (bucket 0)")
+    COMM.Barrier()
+    arena.close()  # collective: only on success (a failure aborts all ranks)
 
 
 def test_the_choice_is_collective_and_refuses_what_cannot_work():
@@ -72,6 +89,8 @@ def test_the_choice_is_collective_and_refuses_what_cannot_work():
     with pytest.raises(ConfigError, match="--parallel.allreduce=auto or mpi"):
         use_shared_memory("shm", COMM, "cuda:0", NUMELS)
     assert not use_shared_memory("auto", MPI.COMM_SELF, "cpu", NUMELS)  # one rank
+    with pytest.raises(ConfigError, match="/dev/shm has too little room"):
+        use_shared_memory("shm", COMM, "cpu", [1 << 40])  # 4 TiB of gradients per rank
 
 
 @pytest.mark.parametrize("nodes", ["one", "two"])

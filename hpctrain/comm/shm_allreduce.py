@@ -30,6 +30,7 @@ here (2 ranks, 2 cores): 3 MiB 0.26 ms against MPICH's ``Allreduce`` 0.48 ms; 43
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 
 import numpy as np
@@ -89,21 +90,29 @@ class SharedMemoryAllreduce:
     this rank's bucket i (give it to the gradients); ``start(i)`` returns a request whose
     ``Test()`` advances the reduction and is True when the bucket holds the sum and no
     peer reads it any more. ``node_comm`` (default: the shared-memory split of ``comm``)
-    can be narrower than a real node, which is how tests play several nodes on one.
+    can be narrower than a real node, which is how tests play several nodes on one; the
+    arena works on its own duplicate of it.
     """
 
     def __init__(self, comm: MPI.Comm, numels: list[int], *, node_comm: MPI.Comm | None = None):
         if not numels:
             raise ValueError("no buckets to reduce")
-        self.node = node_comm or comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-        self.local, self.local_size = self.node.rank, self.node.size
+        node = (node_comm.Dup() if node_comm is not None
+                else comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank))
+        sizes = comm.allgather(node.size)
+        if len(set(sizes)) > 1:  # the same answer on every rank: all raise together
+            node.Free()
+            raise ConfigError("the shared-memory allreduce needs the same number of ranks "
+                              f"on every node (found {sorted(set(sizes))}); use "
+                              "--parallel.allreduce=mpi")
+        self.node = node
+        self.local, self.local_size = node.rank, node.size
         n_nodes = comm.size // self.local_size
-        if comm.allreduce(self.local_size, op=MPI.MAX) != comm.allreduce(self.local_size,
-                                                                         op=MPI.MIN):
-            raise ValueError("the shared-memory allreduce needs the same number of ranks on "
-                             "every node; use --parallel.allreduce=mpi")
-        # Ranks holding the same slice on every node reduce it across nodes.
+        # Ranks holding the same slice on every node reduce it across nodes. Collectives
+        # on it must start in the same order everywhere: bucket launch order, kept by
+        # ``cross_queue`` whatever order the requests are tested in.
         self.cross = comm.Split(self.local, comm.rank) if n_nodes > 1 else None
+        self.cross_queue: collections.deque = collections.deque()
         self.numels = list(numels)
         self.bounds = [slice_bounds(n, self.local_size) for n in numels]
         nbytes = shared_bytes_needed(numels)
@@ -133,7 +142,10 @@ class SharedMemoryAllreduce:
 
     def start(self, bucket: int) -> "ShmReduction":
         self.epochs[bucket] += 1
-        return ShmReduction(self, bucket, self.epochs[bucket])
+        request = ShmReduction(self, bucket, self.epochs[bucket])
+        if self.cross is not None:
+            self.cross_queue.append(request)
+        return request
 
     # -------------------------------------------------------------- the phases
     def raise_flag(self, bucket: int, phase: int, epoch: int) -> None:
@@ -188,11 +200,14 @@ class ShmReduction:
     def Test(self) -> bool:  # noqa: N802 (the MPI.Request spelling, for wait_all)
         a, b, e = self.arena, self.bucket, self.epoch
         if self.waiting_for == ARRIVED:
+            if a.cross is not None and a.cross_queue[0] is not self:
+                return False  # an earlier bucket's inter-node collective starts first
             if not a.all_reached(b, ARRIVED, e):
                 return False
             mine = a.reduce_own_slice(b)
             if a.cross is not None:  # then sum our slice over the nodes
                 self.cross_req = a.cross.Iallreduce(MPI.IN_PLACE, mine.numpy(), op=MPI.SUM)
+                a.cross_queue.popleft()
             else:
                 a.raise_flag(b, REDUCED, e)
             self.waiting_for = REDUCED
@@ -210,13 +225,16 @@ class ShmReduction:
         return a.all_reached(b, GATHERED, e)
 
 
-def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[int]) -> bool:
+def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[int],
+                      ranks_on_node: int | None = None) -> bool:
     """Decide, the same on every rank, whether gradients are summed through the node's
     shared memory. Collective over ``comm``.
 
     ``setting`` is ``mpi`` (never), ``shm`` (always; an error when impossible) or
     ``auto``: for CPU gradients when nodes hold several ranks each, the same number on
-    every node, and ``/dev/shm`` has room for the node's buckets."""
+    every node, and ``/dev/shm`` has room for the node's buckets. ``ranks_on_node``: all
+    the job's ranks on this node (each allocates a segment, whatever group it reduces
+    in: pipeline stages on one node each have a window); default, ``comm``'s."""
     if setting == "mpi" or comm.size == 1:
         return False
     if str(device).startswith("cuda"):
@@ -226,9 +244,10 @@ def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[in
         return False
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     local_size = node.size
-    free = free_shared_memory_bytes()
-    room = free is None or free > 1.25 * local_size * shared_bytes_needed(numels)
     node.Free()
+    free = free_shared_memory_bytes()
+    segments = max(local_size, ranks_on_node or 0)
+    room = free is None or free > 1.25 * segments * shared_bytes_needed(numels)
     sizes = comm.allgather(local_size)
     even = len(set(sizes)) == 1 and local_size > 1
     fits = bool(comm.allreduce(int(room), op=MPI.MIN))

@@ -124,7 +124,8 @@ class DataParallel(BucketScheduler):
         device = params[0].device
         # node_comm: the ranks sharing a window (default: the node; tests pass less)
         self.shm = SharedMemoryAllreduce(self.comm, numels, node_comm=node_comm) \
-            if use_shared_memory(allreduce, self.comm, device, numels) else None
+            if use_shared_memory(allreduce, self.comm, device, numels,
+                                 ranks_on_node=world.local_size) else None
         self.buckets = [Bucket(i, [order[j] for j in g], world.cuda_aware,
                                self.shm.flat(i) if self.shm else None)
                         for i, g in enumerate(groups)]
@@ -136,6 +137,10 @@ class DataParallel(BucketScheduler):
             persistent = (self.size > 1 and self.shm is None
                           and persistent_collectives_supported(self.comm))
         self.persistent = persistent
+        self.transport = ("shared memory" + (" + MPI between nodes" if self.shm.cross else "")
+                          if self.shm is not None else "MPI persistent Allreduce" if persistent
+                          else "MPI Iallreduce")
+        """How gradients are summed (kept after ``close()``, for reports)."""
         owned: list[MPI.Prequest] = []
         if persistent:
             for b in self.buckets:
@@ -144,13 +149,6 @@ class DataParallel(BucketScheduler):
         # Free the persistent requests before MPI_Finalize (atexit runs this first).
         self._release = weakref.finalize(self, _free_requests, owned)
         self.zero_grad()
-
-    @property
-    def transport(self) -> str:
-        """How gradients are summed: node shared memory, or MPI (and which call)."""
-        if self.shm is not None:
-            return "shared memory" + (" + MPI between nodes" if self.shm.cross else "")
-        return "MPI persistent Allreduce" if self.persistent else "MPI Iallreduce"
 
     @property
     def grad_scale(self) -> float:
