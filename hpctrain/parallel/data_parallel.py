@@ -11,9 +11,12 @@ How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
    count reaches zero the bucket's reduction is started, strictly in bucket order (MPI
    needs every rank to start collectives in the same order). Every hook also tests the
    outstanding requests, which is what makes MPICH progress them during backward.
-   A bucket's buffer never moves, so with an MPI-4 library the reduction is a persistent
-   collective (``Allreduce_init`` once, ``Start`` each step: the schedule is built once);
-   MPI-3 libraries (Cray MPICH 8, for one) get ``Iallreduce``.
+   CPU gradients on a node with several ranks live in a shared-memory window and are
+   summed there (``hpctrain/comm/shm_allreduce.py``, ``--parallel.allreduce``). Otherwise
+   (GPU gradients, ``--parallel.allreduce=mpi``) MPI reduces them: a bucket's buffer never
+   moves, so with an MPI-4 library the reduction is a persistent collective
+   (``Allreduce_init`` once, ``Start`` each step: the schedule is built once); MPI-3
+   libraries (Cray MPICH 8, for one) get ``Iallreduce``.
 4. ``finish()`` launches any bucket still pending (parameters that got no gradient) and
    waits for all reductions, under the watchdog deadline, before the optimizer step.
 
