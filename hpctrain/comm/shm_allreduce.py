@@ -113,7 +113,6 @@ class SharedMemoryAllreduce:
         # ``cross_queue`` whatever order the requests are tested in.
         self.cross = comm.Split(self.local, comm.rank) if n_nodes > 1 else None
         self.cross_queue: collections.deque = collections.deque()
-        self.numels = list(numels)
         self.bounds = [slice_bounds(n, self.local_size) for n in numels]
         nbytes = shared_bytes_needed(numels)
         self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.node)
@@ -248,11 +247,12 @@ def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[in
     free = free_shared_memory_bytes()
     segments = max(local_size, ranks_on_node or 0)
     room = free is None or free > 1.25 * segments * shared_bytes_needed(numels)
-    sizes = comm.allgather(local_size)
-    even = len(set(sizes)) == 1 and local_size > 1
-    fits = bool(comm.allreduce(int(room), op=MPI.MIN))
+    every = comm.allgather((local_size, room))  # one collective for both answers
+    sizes = {size for size, _ in every}
+    even = len(sizes) == 1 and local_size > 1
+    fits = all(ok for _, ok in every)
     if setting == "shm" and not (even and fits):
-        why = ("nodes hold different numbers of ranks" if len(set(sizes)) > 1 else
+        why = ("nodes hold different numbers of ranks" if len(sizes) > 1 else
                "every node holds a single rank" if not even else
                "/dev/shm has too little room for the node's gradient buckets")
         raise ConfigError(f"--parallel.allreduce=shm is impossible here: {why}; use "

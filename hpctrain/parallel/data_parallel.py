@@ -140,9 +140,10 @@ class DataParallel(BucketScheduler):
             persistent = (self.size > 1 and self.shm is None
                           and persistent_collectives_supported(self.comm))
         self.persistent = persistent
-        self.transport = ("shared memory" + (" + MPI between nodes" if self.shm.cross else "")
-                          if self.shm is not None else "MPI persistent Allreduce" if persistent
-                          else "MPI Iallreduce")
+        if self.shm is not None:
+            self.transport = "shared memory" + (" + MPI between nodes" if self.shm.cross else "")
+        else:
+            self.transport = "MPI persistent Allreduce" if persistent else "MPI Iallreduce"
         """How gradients are summed (kept after ``close()``, for reports)."""
         owned: list[MPI.Prequest] = []
         if persistent:

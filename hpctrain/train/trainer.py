@@ -338,10 +338,11 @@ class Trainer:
             self._log(f"pipeline: {self.grid.describe()}, {cfg.parallel.schedule} schedule, "
                       f"{cfg.parallel.virtual_stages} chunk(s) per stage, layers "
                       f"{self.model.chunk_layers}")
+        summed = (f" summed by {self.dp.transport}" if self.grid.dp > 1 and not self.zero
+                  else "")
         self._log(f"model: {self.n_params / 1e6:.2f}M parameters, "
-                  f"{len(self.dp.buckets)} gradient bucket(s)"
-                  f"{f' summed by {self.dp.transport}' if self.grid.dp > 1 and not self.zero else ''}"
-                  f", ZeRO stage {cfg.parallel.zero}, "
+                  f"{len(self.dp.buckets)} gradient bucket(s){summed}, "
+                  f"ZeRO stage {cfg.parallel.zero}, "
                   f"{t.dtype}; global batch {t.batch_size} x "
                   f"{self.block} tokens = {self.rows_per_rank} row(s) per rank in "
                   f"{self.micro} micro-batch(es)")
