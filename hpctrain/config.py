@@ -134,6 +134,10 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = opt("adamw", "optimizer: adamw (decoupled weight decay, fused kernel), or sgd "
+                             "(plain gradient descent, no momentum: the update is lr x gradient, "
+                             "so any error in the gradient's scale shows at the first step)",
+                    ("adamw", "sgd"))
     lr: float = opt(1e-3, "peak learning rate")
     min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
     warmup_iters: int = opt(100, "linear warm-up steps")

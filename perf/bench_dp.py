@@ -83,7 +83,7 @@ def worker(out: Path, model: str, rounds: int) -> None:
     alone = Trainer(load_config("shakespeare-char", _overrides(spec, data, b) + [tmp]),
                     World.create(MPI.COMM_SELF), verbose=False)
     ddp = TorchDDP(_overrides(spec, data, 2 * b), lambda m, cfg: build_optimizer(
-        param_groups(m, cfg.optim.weight_decay), cfg.optim, "cpu"))  # same fused AdamW
+        param_groups(m, cfg.optim.weight_decay), cfg.optim))  # same fused AdamW
     next_step = {"dp2": 0, "alone": 0, "ddp2": 0}
 
     def step(phase: str) -> float:

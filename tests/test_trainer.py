@@ -11,8 +11,7 @@ from hpctrain.checkpoint.single_file import load_checkpoint
 from hpctrain.comm.world import World
 from hpctrain.errors import ConfigError
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
-from tests.reference import plain_torch_run
+from tests.helpers import SGD, fit_against_reference, tiny_config
 
 
 def _train(cfg):
@@ -22,13 +21,17 @@ def _train(cfg):
 
 def test_trainer_matches_the_plain_pytorch_loop(dataset_path, tmp_path):
     cfg = tiny_config(dataset_path, tmp_path)
-    ref_losses, ref_params = plain_torch_run(cfg)
-    trainer, result = _train(cfg)
-    assert len(result.losses) == cfg.train.max_iters
-    np.testing.assert_allclose(result.losses, ref_losses, atol=1e-5, rtol=0)
+    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    result, _ = fit_against_reference(trainer, cfg)
     assert result.losses[-1] < result.losses[0] - 0.3  # it learns
-    for name, p in trainer.model.named_parameters():
-        torch.testing.assert_close(p.detach(), ref_params[name], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_trainer_with_plain_sgd_matches_the_plain_loop(dataset_path, tmp_path, micro_batches):
+    """SGD, no clipping: forgetting to divide by the micro-batch count doubles the step."""
+    cfg = tiny_config(dataset_path, tmp_path, **SGD, **{"parallel.micro_batches": micro_batches})
+    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    fit_against_reference(trainer, cfg)
 
 
 def test_gradient_accumulation_equals_the_full_batch(dataset_path, tmp_path):

@@ -43,7 +43,7 @@ from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
 from hpctrain.parallel.memory import MemoryReport, tensor_bytes
 from hpctrain.parallel.shards import shard_layout
 from hpctrain.profiling import nvtx_range
-from hpctrain.train.optim import clip_coefficient
+from hpctrain.train.optim import build_optimizer, clip_coefficient
 
 MiB = 1 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -243,8 +243,9 @@ class Zero(BucketScheduler):
         units = [[p for p in blk.parameters() if p.requires_grad] for blk in reversed(blocks)]
         return units + [[p for p in params if id(p) not in in_blocks]]
 
-    def _optimizer(self, b: ZeroBucket) -> torch.optim.AdamW:
-        """AdamW over this rank's pieces of ``b``; its state is the bucket's flat shards."""
+    def _optimizer(self, b: ZeroBucket) -> torch.optim.Optimizer:
+        """The optimizer over this rank's pieces of ``b``; AdamW's state is the bucket's
+        flat shards."""
         cfg = self.optim_cfg
         grad_source = self.scratch if self.scratch is not None else b.grad_shard
         decay, no_decay, state = [], [], {}
@@ -259,10 +260,10 @@ class Zero(BucketScheduler):
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         if not groups:  # this rank owns only padding of this bucket
             groups = [{"params": [torch.nn.Parameter(b.master[:0], requires_grad=False)]}]
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                eps=cfg.eps, fused=True)
-        for view, s in state.items():
-            opt.state[view] = s
+        opt = build_optimizer(groups, cfg)
+        if isinstance(opt, torch.optim.AdamW):  # SGD keeps no state
+            for view, s in state.items():
+                opt.state[view] = s
         return opt
 
     # ------------------------------------------------------------- reductions

@@ -82,7 +82,7 @@ def measure_optimizer(sizes=(250_000, 2_000_000), reps: int = 7) -> dict:
     for n in sizes:
         p = torch.nn.Parameter(torch.randn(n))
         p.grad = torch.randn(n) * 1e-3
-        opt = build_optimizer([{"params": [p], "weight_decay": 0.1}], OptimConfig(), "cpu")
+        opt = build_optimizer([{"params": [p], "weight_decay": 0.1}], OptimConfig())
 
         def step():
             norm = global_grad_norm([p.grad])

@@ -19,7 +19,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(groups: list[dict], cfg: OptimConfig, device: str) -> torch.optim.AdamW:
+def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """``cfg.name``'s optimizer over ``groups`` (each group sets its own weight decay)."""
+    if cfg.name == "sgd":
+        # No momentum and L2 decay folded into the gradient (torch's SGD): the update is
+        # exactly lr x (gradient + decay x weight), which the tests use to see scale errors.
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.0)
     # The fused kernel updates all tensors in one pass per group (CPU and CUDA); it
     # keeps the per-step Python overhead out of a step that may take only 50 ms.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

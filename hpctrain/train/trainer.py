@@ -116,7 +116,7 @@ class Trainer:
                                    allreduce=par.allreduce)
             self.dp.broadcast_parameters()
             self.optimizer = build_optimizer(param_groups(self.model, cfg.optim.weight_decay),
-                                             cfg.optim, world.device)
+                                             cfg.optim)
 
         if par.pp > 1:  # the engine may have turned the parameters into bf16
             self.model.sync_head_dtype()
