@@ -148,12 +148,15 @@ def fit_against_reference(trainer, cfg, comm=None, *, param_atol: float = 1e-5,
     Returns (result, reference)."""
     from mpi4py import MPI
 
+    from tests.reference import reference_run
+
     first = capture_first_step(trainer)
     result = trainer.fit()
+    # The gradients first: a wrong one names the parameter, a wrong loss only the step.
+    replica = trainer.grid.pp_comm if trainer.grid.pp > 1 else None
+    assert_gradients_match(first, reference_run(cfg), replica, rtol=grad_rtol)
     ref = assert_matches_reference(trainer, result, cfg, comm, param_atol=param_atol,
                                    loss_atol=loss_atol)
-    replica = trainer.grid.pp_comm if trainer.grid.pp > 1 else None
-    assert_gradients_match(first, ref, replica, rtol=grad_rtol)
     if MPI.COMM_WORLD.size > 1:  # a failed assertion aborts every rank (conftest)
         MPI.COMM_WORLD.Barrier()
     return result, ref
