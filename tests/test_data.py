@@ -10,9 +10,9 @@ from hpctrain.data.corpus import stdlib_files
 from hpctrain.data.dataset import TokenDataset
 from hpctrain.data.format import token_dtype
 from hpctrain.data.prepare import prepare
-from hpctrain.data.split import SPLIT_SEED, shuffled_order, val_tokens_per_file
 from hpctrain.data.sampler import (EpochSampler, RandomWindowSampler, all_windows,
                                     shard_range)
+from hpctrain.data.split import SPLIT_SEED, shuffled_order, val_tokens_per_file
 from hpctrain.data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_meta
 from hpctrain.errors import DataError
 
@@ -42,9 +42,9 @@ def test_prepare_then_read_equals_the_text(tmp_path):
     n_train = int(len(text) * 0.75)
     assert ds.splits["train"].n_tokens == n_train
     assert ds.splits["train"].dtype == np.uint16
-    # The seeded order takes a.txt (26 tokens) wholly, then the last 131 of b.txt's 600
-    # (test_split_takes_whole_files_in_seeded_order_then_the_tail_of_one); each split
-    # keeps the input order: train is the head of b.txt, val is a.txt then b.txt's tail.
+    # The seeded order (data/split.py) puts a.txt first: all its 26 tokens go to val,
+    # then the last 131 of b.txt's 600. Each split keeps the input order: train is the
+    # head of b.txt, val is a.txt then the tail of b.txt.
     assert val_tokens_per_file([len(a_text), len(b_text)], len(text) - n_train) == [26, 131]
     train, val = b_text[:-131], a_text + b_text[-131:]
     starts = np.array([0, 5, n_train - 11])
