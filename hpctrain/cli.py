@@ -43,7 +43,8 @@ def _add_prepare(sub) -> None:
                    help="char (vocabulary from the text), byte (256), gpt2 (GPT-2 BPE via "
                         "tiktoken, from its local cache)")
     p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="last fraction of the tokens used for validation (default 0.1)")
+                   help="fraction of the tokens used for validation (default 0.1): "
+                        "whole files in a fixed random order; of one file, its last tokens")
     p.add_argument("--max-bytes", type=int, default=None,
                    help="size budget of the built-in corpus (default 4 MB)")
     p.add_argument("--romio-hints", default="", metavar="K=V,...",

@@ -12,6 +12,7 @@ from hpctrain.data.format import token_dtype
 from hpctrain.data.prepare import prepare
 from hpctrain.data.sampler import (EpochSampler, RandomWindowSampler, all_windows,
                                     shard_range)
+from hpctrain.data.split import SPLIT_SEED, shuffled_order, val_tokens_per_file
 from hpctrain.data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_meta
 from hpctrain.errors import DataError
 
@@ -34,17 +35,23 @@ def test_prepare_then_read_equals_the_text(tmp_path):
     b.write_text("second file\n" * 50)
     out = tmp_path / "d.h5"
     summary = prepare([tmp_path], out, val_fraction=0.25, show_progress=False)
-    text = "first file\nwith two lines\n" + "second file\n" * 50
+    a_text, b_text = "first file\nwith two lines\n", "second file\n" * 50
+    text = a_text + b_text
     assert summary["tokens"] == len(text) and summary["files"] == 2
     ds = TokenDataset(out)
     n_train = int(len(text) * 0.75)
     assert ds.splits["train"].n_tokens == n_train
     assert ds.splits["train"].dtype == np.uint16
+    # The seeded order (data/split.py) puts a.txt first: all its 26 tokens go to val,
+    # then the last 131 of b.txt's 600. Each split keeps the input order: train is the
+    # head of b.txt, val is a.txt then the tail of b.txt.
+    assert val_tokens_per_file([len(a_text), len(b_text)], len(text) - n_train) == [26, 131]
+    train, val = b_text[:-131], a_text + b_text[-131:]
     starts = np.array([0, 5, n_train - 11])
     got = ds.read("train", starts, 11)
     for s, row in zip(starts, got):
-        assert ds.tokenizer.decode(row) == text[s:s + 11]
-    assert ds.tokenizer.decode(ds.read("val", np.array([0]), 5)[0]) == text[n_train:n_train + 5]
+        assert ds.tokenizer.decode(row) == train[s:s + 11]
+    assert ds.tokenizer.decode(ds.read("val", np.array([0]), len(val))[0]) == val
     with h5py.File(out) as f:  # contiguous: a fixed byte offset, as MPI-IO needs
         assert f["train"].chunks is None and f["train"].id.get_offset() is not None
     assert ds.verify() == []
@@ -63,6 +70,72 @@ def test_stdlib_corpus_is_deterministic_and_ascii():
     assert files == stdlib_files(200_000) and files
     assert all(f.read_bytes().isascii() for f in files)
     assert sum(f.stat().st_size for f in files) <= 200_000
+
+
+def test_split_order_is_the_documented_hash_order():
+    # io/FORMAT.md documents this order; a change would silently move every dataset's
+    # validation split, so it is pinned here.
+    assert SPLIT_SEED == 0
+    assert shuffled_order(10) == [3, 7, 9, 8, 5, 4, 2, 6, 0, 1]
+    assert sorted(shuffled_order(1000)) == list(range(1000))
+    assert shuffled_order(10, seed=1) != shuffled_order(10)
+
+
+def test_split_takes_whole_files_in_seeded_order_then_the_tail_of_one():
+    counts = [100] * 100
+    val = val_tokens_per_file(counts, 1000)
+    chosen = [i for i, v in enumerate(val) if v]
+    assert sorted(set(val)) == [0, 100] and chosen == sorted(shuffled_order(100)[:10])
+    assert min(chosen) < 50 <= max(chosen)  # from the whole list, not its tail
+    assert val_tokens_per_file(counts, 1000, seed=1) != val
+    # 1050: ten whole files, then the last 50 tokens of the eleventh in the order
+    val = val_tokens_per_file(counts, 1050)
+    assert sum(val) == 1050 and val[shuffled_order(100)[10]] == 50
+    assert sorted(val).count(50) == 1
+
+
+def test_split_sizes_are_exact_and_at_most_one_file_is_cut():
+    counts = np.random.default_rng(3).integers(0, 5000, 300).tolist()
+    counts[7] = 0  # an empty file is never a problem
+    for n_val in (0, 1, 12_345, sum(counts) // 2, sum(counts)):
+        val = val_tokens_per_file(counts, n_val)
+        assert sum(val) == n_val and all(0 <= v <= c for v, c in zip(val, counts))
+        assert sum(0 < v < c for v, c in zip(val, counts)) <= 1
+    with pytest.raises(ValueError):
+        val_tokens_per_file(counts, sum(counts) + 1)
+
+
+def test_a_single_file_keeps_the_tail_split():
+    # nanoGPT's rule for one file (tiny Shakespeare): its last tokens are validation.
+    assert val_tokens_per_file([1_115_394], 111_540) == [111_540]
+
+
+def test_stdlib_validation_split_is_drawn_from_the_whole_corpus(dataset_path):
+    """The default corpus is sorted by path; its tail (``encodings/cp*.py`` at full size)
+    is not a sample of it. The validation split must come from files all over the list,
+    and the file must be exactly the rule's reference layout."""
+    files = stdlib_files(300_000)  # tests/helpers.py make_dataset
+    texts = [f.read_bytes().decode() for f in files]  # bytes: no newline translation
+    texts = [t + "\n" if t and not t.endswith("\n") and i < len(texts) - 1 else t
+             for i, t in enumerate(texts)]  # prepare's joining rule
+    corpus = "".join(texts)
+    ds = TokenDataset(dataset_path)
+    n_val = ds.splits["val"].n_tokens
+    assert n_val == len(corpus) - int(len(corpus) * 0.9)
+    train, val = (ds.tokenizer.decode(ds.read(name, np.array([0]), ds.splits[name].n_tokens)[0])
+                  for name in ("train", "val"))
+    assert val != corpus[-n_val:]  # the old rule: the last 10% of the joined files
+    take = val_tokens_per_file([len(t) for t in texts], n_val)
+    in_val = [i for i, v in enumerate(take) if v]
+    assert min(in_val) < len(files) // 2 <= max(in_val), in_val  # early and late files
+    assert any(0 < v == len(t) for v, t in zip(take, texts))  # some files wholly in val
+    # the reference layout: each split is its parts of the files, in input order
+    assert val == "".join(t[len(t) - v:] for t, v in zip(texts, take))
+    assert train == "".join(t[:len(t) - v] for t, v in zip(texts, take))
+    with h5py.File(dataset_path) as f:
+        assert json.loads(f.attrs["split"]) == {"rule": "shuffled-files", "seed": SPLIT_SEED,
+                                                "val_fraction": 0.1}
+        assert f["source_tokens"][()].tolist() == [[len(t) - v, v] for t, v in zip(texts, take)]
 
 
 @pytest.mark.parametrize("cls", [EpochSampler, RandomWindowSampler])

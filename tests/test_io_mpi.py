@@ -5,6 +5,7 @@ a 2 GB file with bounded memory, and corrupt inputs failing every rank the same 
 
 from __future__ import annotations
 
+import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -15,7 +16,7 @@ from hpctrain.data.corpus import stdlib_files
 from hpctrain.data.dataset import TokenDataset, read_info
 from hpctrain.data.loader import agree, open_dataset
 from hpctrain.data.mpiio import MPIIODataset
-from hpctrain.data.prepare import combine, prepare
+from hpctrain.data.prepare import assign_files, combine, prepare
 from hpctrain.errors import DataError
 from hpctrain.train.trainer import Trainer
 from tests.helpers import tiny_config
@@ -112,6 +113,12 @@ def test_parallel_preparation_writes_the_single_process_bytes(shared_tmp, tokeni
     if COMM.rank == 0:
         assert Path(out["output"]).read_bytes() == Path(serial).read_bytes()
         assert not [p for p in Path(shared_tmp).iterdir() if p.name.endswith(".tmp")]
+        # The comparison above catches a split that depends on the rank count (e.g. each
+        # rank choosing from its own files) only if several ranks hold validation files.
+        with h5py.File(serial) as f:
+            per_file = f["source_tokens"][()]
+        runs = assign_files([p.stat().st_size for p in files], COMM.size)
+        assert sum(per_file[lo:hi, 1].sum() > 0 for lo, hi in runs) >= 2
 
 
 def test_a_bad_file_on_one_rank_fails_every_rank_and_writes_nothing(shared_tmp):

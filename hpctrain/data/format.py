@@ -11,6 +11,9 @@ Layout (format version 2; ``io/FORMAT.md`` is the user-facing spec):
                       CRC-32 of each CHECKSUM_BLOCK_BYTES block of the array's bytes, so
                       ranks can verify a large file in parallel, block by block
     /sources          the input file names, one JSON list (provenance)
+    /source_tokens    int64 (files, 2): each source's tokens in /train and in /val; with
+                      the root attr split (JSON: rule, seed, val_fraction), how prepare
+                      chose the validation split (``split.py``; provenance, not read back)
 
 A manifest (``*.json``) lists shard files of the same tokenizer with their token counts
 and checksums; each split is the concatenation of the shards' arrays, in order.
@@ -119,9 +122,12 @@ def checksum_from_blocks(crcs: np.ndarray, nbytes: int, block_bytes: int) -> int
 
 def create_token_file(path: str | os.PathLike, *, n_tokens: dict[str, int], dtype: np.dtype,
                       tokenizer_meta: dict, crcs: dict[str, np.ndarray],
-                      sources: list[str]) -> dict[str, int]:
+                      sources: list[str], split: dict | None = None,
+                      source_tokens: list[tuple[int, int]] | None = None) -> dict[str, int]:
     """Write the HDF5 part of a token file (all but the token bytes); return each split's
-    byte offset, where its tokens go.
+    byte offset, where its tokens go. ``split`` (the rule that chose the validation
+    tokens) and ``source_tokens`` (each source's train and val token counts) are
+    provenance that ``prepare`` records; files written otherwise leave them out.
 
     The token arrays are allocated at creation ("early") and never filled, so the
     metadata does not depend on who writes the tokens, or when; nothing in the file
@@ -158,6 +164,11 @@ def create_token_file(path: str | os.PathLike, *, n_tokens: dict[str, int], dtyp
             f[f"crc32/{name}"].attrs["block_bytes"] = CHECKSUM_BLOCK_BYTES
             offsets[name] = int(d.id.get_offset() or 0)
         f.create_dataset("sources", data=json.dumps(sources), track_times=False)
+        if split is not None:
+            f.attrs["split"] = json.dumps(split)
+        if source_tokens is not None:
+            f.create_dataset("source_tokens", data=np.asarray(source_tokens, np.int64)
+                             .reshape(-1, 2), track_times=False)
     return offsets
 
 

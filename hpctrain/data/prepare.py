@@ -2,9 +2,12 @@
 process or on every rank of an MPI job, with the same bytes either way.
 
 The files are read in the order given (directories and globs expand to sorted lists),
-joined with a newline where a file does not end in one (never after the last file),
-tokenized file by file, and split: the last ``val_fraction`` of the tokens is the
-validation split (nanoGPT's split for Shakespeare).
+a newline is added where a file does not end in one (never after the last file), and
+each file is tokenized. The split (``split.py``) takes ``val_fraction`` of the tokens for
+validation from files all over the list: whole files in a seeded random order, the last
+one cut so the count is exact (its last tokens go to validation). Inside each split the
+files keep the input order. A single file's validation split is its last
+``val_fraction`` of tokens, nanoGPT's split for Shakespeare.
 
 Under ``mpiexec -n N``:
 
@@ -12,7 +15,9 @@ Under ``mpiexec -n N``:
 2. each rank takes a contiguous run of files holding about 1/N of the bytes;
 3. each rank reads and tokenizes its files; a character vocabulary is the sorted union
    of every rank's characters (allgather);
-4. the token counts are allgathered: a rank's tokens start where the previous ranks' end;
+4. every file's token count is allgathered and every rank computes the same split from
+   them; since the files keep their order inside a split, a rank's parts of its files
+   are one piece of each split, starting where the previous ranks' parts end;
 5. each rank checksums its pieces of the 64 MiB checksum blocks and rank 0 joins the
    pieces (``crc32_combine``); rank 0 writes the HDF5 metadata, the checksums and the
    space for the tokens under a temporary name (MPI-IO creates it first, so Lustre
@@ -37,6 +42,7 @@ import numpy as np
 from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_blocks,
                                   create_token_file, crc32_combine, temp_name, token_dtype,
                                   write_all, write_manifest)
+from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
 from hpctrain.data.tokenizers import TOKENIZERS, CharTokenizer, make_tokenizer
 from hpctrain.errors import DataError, UserError
 from hpctrain.progress import Progress
@@ -267,24 +273,29 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
     dtype = token_dtype(tok.vocab_size).newbyteorder("<")
     encoded = [np.asarray(tok.encode(t), dtype=dtype) for t in texts]
     del texts
-    tokens = np.concatenate(encoded) if encoded else np.zeros(0, dtype)
-    del encoded
     progress.close()
 
-    # 4. where this rank's tokens go
-    counts = group.allgather(int(tokens.size))
-    start, n = sum(counts[:group.rank]), sum(counts)
+    # 4. the split (from every file's token count) and where this rank's tokens go
+    counts = [c for run in group.allgather([int(e.size) for e in encoded]) for c in run]
+    n = sum(counts)
     n_train = int(n * (1.0 - val_fraction))
     if n_train < 2 or n - n_train < 2:
         raise DataError(f"the input has only {n} tokens: too few for a train and a validation "
                         "split; give more text or change --val-fraction")
-    bounds = {"train": (0, n_train), "val": (n_train, n)}
+    val = val_tokens_per_file(counts, n - n_train)
+    n_tokens = {"train": n_train, "val": n - n_train}
+    # Files keep their input order inside a split, so this rank's parts of its run of
+    # files are one piece of each split, after the parts of the files before the run.
+    heads = [e.size - v for e, v in zip(encoded, val[lo:hi])]  # each file's train part
+    mine = {"train": [e[:h] for e, h in zip(encoded, heads)],
+            "val": [e[h:] for e, h in zip(encoded, heads)]}
+    before = {"train": sum(counts[:lo]) - sum(val[:lo]), "val": sum(val[:lo])}
     local, pieces = {}, {}
-    for name, (a, b) in bounds.items():
-        lo_t, hi_t = max(a, start), min(b, start + tokens.size)
-        chunk = tokens[max(0, lo_t - start):max(0, hi_t - start)]
-        local[name] = (max(0, lo_t - a), memoryview(np.ascontiguousarray(chunk)).cast("B"))
-        pieces[name] = crc_pieces(local[name][1], local[name][0] * dtype.itemsize)
+    for name in SPLITS:
+        chunk = np.concatenate(mine[name]) if mine[name] else np.zeros(0, dtype)
+        local[name] = (before[name], memoryview(np.ascontiguousarray(chunk)).cast("B"))
+        pieces[name] = crc_pieces(local[name][1], before[name] * dtype.itemsize)
+    del encoded, mine
 
     # 5. checksums joined on rank 0, which writes the HDF5 part
     gathered = group.allgather(pieces)
@@ -296,11 +307,13 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
             if group.rank != 0:
                 return None
             crcs = {name: join_crc_pieces([p for g in gathered for p in g[name]],
-                                          (b - a) * dtype.itemsize)
-                    for name, (a, b) in bounds.items()}
-            return create_token_file(tmp, n_tokens={k: b - a for k, (a, b) in bounds.items()},
-                                     dtype=dtype, tokenizer_meta=tok.meta(), crcs=crcs,
-                                     sources=names)
+                                          count * dtype.itemsize)
+                    for name, count in n_tokens.items()}
+            split = {"rule": SPLIT_RULE, "seed": SPLIT_SEED, "val_fraction": val_fraction}
+            return create_token_file(tmp, n_tokens=n_tokens, dtype=dtype,
+                                     tokenizer_meta=tok.meta(), crcs=crcs, sources=names,
+                                     split=split,
+                                     source_tokens=[(c - v, v) for c, v in zip(counts, val)])
         offsets = group.bcast(_attempt(group, metadata))
 
         # 6. tokens at their offsets, in rounds of at most WRITE_CHUNK_BYTES per rank
