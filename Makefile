@@ -1,6 +1,7 @@
 # Two commands set up and exercise everything on a fresh Linux machine:
 #   make run    virtualenv + default data + a short real training under mpiexec
 #   make test   the whole test suite (single process, then MPI tests at 2 and 4 ranks)
+#   make test-fast   the same without the `slow` end-to-end tests
 #
 # Overrides (see README, "HPC systems"):
 #   TORCH="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124"   GPU build
@@ -24,7 +25,7 @@ DATA := datasets/stdlib-char.h5
 # Several ranks share the cores of one machine: one thread each.
 RUN_ENV := OMP_NUM_THREADS=1
 
-.PHONY: run test install bench jobscripts clean
+.PHONY: run test test-fast install bench jobscripts clean
 
 install: $(STAMP)
 
@@ -41,10 +42,21 @@ $(DATA): | $(STAMP)
 run: $(STAMP) $(DATA)
 	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train default $(ARGS)
 
+# The suite in three legs: one process, then the MPI tests at 2 and 4 ranks. The
+# single-process reference runs are kept in a temporary directory for the legs to share
+# (tests/reference.py); SELECT narrows every leg (test-fast leaves out `slow` tests:
+# subprocess trainings, signals, job scripts, scaling studies).
+SELECT ?=
 test: $(STAMP)
-	$(RUN_ENV) timeout $(TIME_LIMIT) $(PY) -m pytest -q tests
-	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi tests
-	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi tests
+	@ref=$$(mktemp -d) && trap 'rm -rf "$$ref"' EXIT && export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV) && \
+	start=$$(date +%s) && \
+	timeout $(TIME_LIMIT) $(PY) -m pytest -q tests $(SELECT) && \
+	timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) && \
+	timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) && \
+	echo "all legs passed in $$(( $$(date +%s) - start )) s"
+
+test-fast: $(STAMP)
+	@$(MAKE) --no-print-directory test SELECT='-m "not slow"'
 
 bench: $(STAMP)
 	$(PY) perf/bench_allreduce.py

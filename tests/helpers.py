@@ -184,5 +184,5 @@ def assert_matches_reference(trainer, result, cfg, comm=None, *, param_atol: flo
 
 
 # Plain SGD without clipping (overrides for tiny_config): the update is lr x gradient.
-SGD = {"optim.name": "sgd", "optim.lr": 0.5, "optim.grad_clip": 0.0, "optim.warmup_iters": 0,
+SGD = {"optim.name": "sgd", "optim.lr": 0.1, "optim.grad_clip": 0.0, "optim.warmup_iters": 0,
        "optim.schedule": "constant", "train.max_iters": 6}
