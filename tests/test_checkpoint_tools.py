@@ -62,18 +62,66 @@ def test_safetensors_export_reads_back(trained, tmp_path):
         np.testing.assert_array_equal(got, p.numpy())
 
 
-def test_hugging_face_export_gives_the_same_logits(trained, tmp_path):
+@pytest.mark.hf
+def test_safetensors_package_reads_the_export(trained, tmp_path):
+    safetensors = pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    out, _, params = trained
+    path = tools.export(out, "safetensors", tmp_path / "w.safetensors")
+    got = load_file(path)
+    assert set(got) == set(params)
+    for name, p in params.items():
+        assert got[name].dtype == p.dtype
+        torch.testing.assert_close(got[name], p, atol=0, rtol=0)
+    with safetensors.safe_open(path, "pt") as f:
+        assert f.metadata() == {"format": "pt", "hpctrain_step": "20"}
+
+
+@pytest.mark.hf
+def test_safetensors_package_reads_every_dtype_and_shape_we_write(tmp_path):
+    """The writer's corners: each dtype it knows, a scalar, an empty tensor, a transposed
+    (non-contiguous) one, and names that do not sort as they were given."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    from hpctrain.checkpoint.export import write_safetensors
+
+    tensors = {"z.half": torch.linspace(-2, 2, 12, dtype=torch.float16).reshape(3, 4),
+               "a.step": torch.tensor(7, dtype=torch.int64),
+               "m.empty": torch.zeros(0, 5),
+               "b.t": torch.arange(6, dtype=torch.float32).reshape(2, 3).t()}
+    got = load_file(write_safetensors(tmp_path / "x.safetensors", tensors))
+    assert set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        torch.testing.assert_close(got[name], t, atol=0, rtol=0)
+
+
+@pytest.mark.hf
+def test_hugging_face_export_gives_the_same_logits(trained, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local directory: never the Hub
     transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from hpctrain.checkpoint.export import hf_gpt2_state
+
     out, gpt_cfg, params = trained
     hf_dir = tools.export(out, "hf", tmp_path / "hf")
-    hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    state = load_file(hf_dir / "model.safetensors")
+    expected_state = hf_gpt2_state(params, vars(gpt_cfg))
+    assert set(state) == set(expected_state)
+    for name, t in expected_state.items():
+        torch.testing.assert_close(state[name], t, atol=0, rtol=0)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, local_files_only=True).eval()
+    assert hf.dtype == torch.float32
     ours = _model(gpt_cfg, params)
     idx = torch.randint(0, gpt_cfg.vocab_size, (2, gpt_cfg.block_size),
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = ours.logits(_hidden(ours, idx))
         got = hf(idx).logits
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def _hidden(model, idx):

@@ -25,7 +25,8 @@ _DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("int
 def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> Path:
     path = Path(path)
-    arrays = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in tensors.items()}
+    # torch's contiguous(), not np.ascontiguousarray: that one turns a 0-d tensor into (1,)
+    arrays = {k: v.detach().cpu().contiguous().numpy() for k, v in tensors.items()}
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name in sorted(arrays):
