@@ -73,3 +73,22 @@ jobscripts: $(STAMP)
 
 clean:
 	rm -rf $(VENV) datasets runs *.egg-info
+
+# ---- the hf leg -------------------------------------------------------------------
+#   make test-hf     the tests marked `hf`: the Hugging Face export read back by
+#                    transformers and safetensors, the gpt2 tokenizer on GPT-2's real BPE
+HF_STAMP := $(VENV)/.installed-hf
+GPT2_BPE := $(VENV)/share/hpctrain/r50k_base.tiktoken
+
+.PHONY: test-hf
+
+$(HF_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,hf]'
+	touch $@
+
+# GPT-2's BPE ranks, from openai-whisper's sdist on PyPI (tests/fetch_gpt2_bpe.py says why).
+$(GPT2_BPE): | $(STAMP)
+	$(PY) tests/fetch_gpt2_bpe.py $@
+
+test-hf: $(HF_STAMP) $(GPT2_BPE)
+	$(RUN_ENV) HF_HUB_OFFLINE=1 HPCTRAIN_TEST_GPT2_BPE=$(abspath $(GPT2_BPE)) timeout $(TIME_LIMIT) $(PY) -m pytest -q -m hf tests
