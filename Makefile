@@ -50,9 +50,9 @@ SELECT ?=
 test: $(STAMP)
 	@ref=$$(mktemp -d) && trap 'rm -rf "$$ref"' EXIT && export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV) && \
 	start=$$(date +%s) && \
-	timeout $(TIME_LIMIT) $(PY) -m pytest -q tests $(SELECT) && \
-	timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) && \
-	timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) && \
+	timeout $(TIME_LIMIT) $(PY) -m pytest -q tests $(SELECT) --junitxml=test-reports/unit.xml && \
+	timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) --junitxml=test-reports/mpi2.xml && \
+	timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) --junitxml=test-reports/mpi4.xml && \
 	echo "all legs passed in $$(( $$(date +%s) - start )) s"
 
 test-fast: $(STAMP)
@@ -72,15 +72,18 @@ jobscripts: $(STAMP)
 	PYTHON=$(PY) bash jobscripts/generate.sh
 
 clean:
-	rm -rf $(VENV) datasets runs *.egg-info
+	rm -rf $(VENV) datasets runs *.egg-info test-reports
 
-# ---- the hf leg -------------------------------------------------------------------
+# ---- the hf leg and the skip audit ------------------------------------------------
 #   make test-hf     the tests marked `hf`: the Hugging Face export read back by
 #                    transformers and safetensors, the gpt2 tokenizer on GPT-2's real BPE
+#   make test-audit  reads test-reports/*.xml (from test and test-hf) and fails on a test
+#                    that no leg runs (tests/skip_audit.py, tests/skip_allowlist.txt)
 HF_STAMP := $(VENV)/.installed-hf
 GPT2_BPE := $(VENV)/share/hpctrain/r50k_base.tiktoken
+LEGS ?= unit,mpi2,mpi4,hf
 
-.PHONY: test-hf
+.PHONY: test-hf test-audit
 
 $(HF_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,hf]'
@@ -91,4 +94,7 @@ $(GPT2_BPE): | $(STAMP)
 	$(PY) tests/fetch_gpt2_bpe.py $@
 
 test-hf: $(HF_STAMP) $(GPT2_BPE)
-	$(RUN_ENV) HF_HUB_OFFLINE=1 HPCTRAIN_TEST_GPT2_BPE=$(abspath $(GPT2_BPE)) timeout $(TIME_LIMIT) $(PY) -m pytest -q -m hf tests
+	$(RUN_ENV) HF_HUB_OFFLINE=1 HPCTRAIN_TEST_GPT2_BPE=$(abspath $(GPT2_BPE)) timeout $(TIME_LIMIT) $(PY) -m pytest -q -m hf tests --junitxml=test-reports/hf.xml
+
+test-audit: $(STAMP)
+	$(PY) -m tests.skip_audit --expect $(LEGS) test-reports
