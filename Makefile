@@ -49,7 +49,7 @@ run: $(STAMP) $(DATA)
 SELECT ?=
 test: $(STAMP)
 	@ref=$$(mktemp -d) && trap 'rm -rf "$$ref"' EXIT && export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV) && \
-	start=$$(date +%s) && \
+	start=$$(date +%s) && rm -rf test-reports && \
 	timeout $(TIME_LIMIT) $(PY) -m pytest -q tests $(SELECT) --junitxml=test-reports/unit.xml && \
 	timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) --junitxml=test-reports/mpi2.xml && \
 	timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) --junitxml=test-reports/mpi4.xml && \
