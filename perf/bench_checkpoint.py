@@ -6,15 +6,15 @@ Adam moments (12 bytes per parameter, ~360 MB), ZeRO-1 so that each rank holds a
 writes 1/N of it. Save time includes the fsync of every file and the atomic rename (the
 torch file is fsynced too, so both are on disk when the clock stops); load time includes
 reading, CRC checks and resharding into the engine (warm page cache: the file was just
-written). Bandwidth = state bytes / time. Median of REPEATS.
+written). Bandwidth = state bytes / median time. Median of REPEATS [min, max].
 
-      python perf/bench_checkpoint.py
+      python perf/bench_checkpoint.py --shakespeare PATH [--quick]
 
 Second part: the cost of checkpointing during training. ``shakespeare-char`` data, the
 10.7M-parameter GPT (6 layers, width 384, block 256, 4 rows per rank), 2 ranks, ZeRO-1,
 20 steps with a checkpoint every 5: wall time of the training loop with no periodic
 checkpoints, with synchronous ones, and with background ones (a thread writes the shard
-while training goes on), interleaved rounds, median.
+while training goes on), interleaved rounds, median [min, max].
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import print_table, run_worker, worker_args, write_result  # noqa: E402
+from perf.common import (bench_parser, fmt_spread, print_table, run_worker,  # noqa: E402
+                         shakespeare_dataset, worker_args, write_result)
 
 MODEL = dict(vocab_size=65, block_size=128, n_layer=8, n_head=8, n_embd=576)
 REPEATS = 5
 
 
-def worker(out: Path, mode: str) -> None:
+def worker(out: Path, mode: str, repeats: int) -> None:
     import time
 
     import torch
@@ -62,7 +63,7 @@ def worker(out: Path, mode: str) -> None:
         model(x, x).backward()
         opt.step()
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             path = Path(tmp) / "state.pt"
             t0 = time.perf_counter()
             with open(path, "wb") as f:
@@ -83,7 +84,7 @@ def worker(out: Path, mode: str) -> None:
         model(x, x).backward()
         zero.finish()
         zero.step(1e-3, 1.0)
-        for rep in range(REPEATS):
+        for rep in range(repeats):
             comm.Barrier()
             t0 = MPI.Wtime()
             path = save_checkpoint(Path(tmp) / "checkpoints", rep + 1, model=model, engine=zero,
@@ -108,7 +109,7 @@ def worker(out: Path, mode: str) -> None:
 TRAIN_STEPS, TRAIN_EVERY, TRAIN_ROUNDS = 20, 5, 3
 
 
-def worker_train(out: Path, mode: str) -> None:
+def worker_train(out: Path, mode: str, data: str) -> None:
     import tempfile as tf
 
     from mpi4py import MPI
@@ -116,13 +117,12 @@ def worker_train(out: Path, mode: str) -> None:
     from hpctrain.comm.world import World
     from hpctrain.config import load_config
     from hpctrain.train.trainer import Trainer
-    from perf.common import shakespeare_dataset
 
     comm = MPI.COMM_WORLD
     tmp = comm.bcast(tf.mkdtemp(prefix="hpctrain-bench-ckpt-train-") if comm.rank == 0
                      else None, root=0)
     cfg = load_config("shakespeare-char", [
-        f"--data.path={shakespeare_dataset()}", "--model.n_layer=6", "--model.n_head=6",
+        f"--data.path={data}", "--model.n_layer=6", "--model.n_head=6",
         "--model.n_embd=384", "--model.block_size=256", f"--train.batch_size={4 * comm.size}",
         f"--train.max_iters={TRAIN_STEPS}", "--parallel.zero=1", "--data.verify=false",
         "--train.eval_interval=0", "--train.final_eval=false", "--train.sample_tokens=0",
@@ -143,36 +143,44 @@ def _config() -> dict:
     return build_config({}).to_dict()
 
 
-def main() -> None:
-    torch_r = run_worker(1, __file__, ["torch"])
+def main(argv: list[str]) -> None:
+    args = bench_parser(__doc__, shakespeare=True).parse_args(argv)
+    data = shakespeare_dataset(args.shakespeare)
+    repeats, rounds = (2, 1) if args.quick else (REPEATS, TRAIN_ROUNDS)
+    torch_r = run_worker(1, __file__, ["torch", str(repeats)])
     rows, records = [], {"torch": torch_r, "hpctrain": {}}
     gb = torch_r["bytes"] / 1e9
-    rows.append(["torch.save/load", 1, torch_r["save_s"], gb / torch_r["save_s"],
-                 torch_r["load_s"], gb / torch_r["load_s"], 1.0, 1.0])
+
+    def row(method, n, r):
+        return [method, n, fmt_spread(r["all_s"]["save"]), gb / r["save_s"],
+                fmt_spread(r["all_s"]["load"]), gb / r["load_s"],
+                torch_r["save_s"] / r["save_s"], torch_r["load_s"] / r["load_s"]]
+
+    rows.append(row("torch.save/load", 1, torch_r))
     for n in (1, 2, 4):
-        r = run_worker(n, __file__, ["sharded"])
+        r = run_worker(n, __file__, ["sharded", str(repeats)])
         records["hpctrain"][n] = r
-        rows.append(["hpctrain sharded", n, r["save_s"], gb / r["save_s"], r["load_s"],
-                     gb / r["load_s"], torch_r["save_s"] / r["save_s"],
-                     torch_r["load_s"] / r["load_s"]])
+        rows.append(row("hpctrain sharded", n, r))
     print_table(f"Checkpoint of {torch_r['params'] / 1e6:.1f}M parameters "
-                f"({torch_r['bytes'] / 2**20:.0f} MiB: fp32 params + Adam moments), "
-                f"median of {REPEATS}",
+                f"({torch_r['bytes'] / 2**20:.0f} MiB: fp32 params + Adam moments); "
+                f"seconds: median [min, max] of {repeats}; GB/s and ratios from the medians",
                 ["method", "ranks", "save s", "save GB/s", "load s", "load GB/s",
                  "save vs torch", "load vs torch"], rows)
     walls: dict[str, list[float]] = {"none": [], "sync": [], "background": []}
-    for _ in range(TRAIN_ROUNDS):
+    for _ in range(rounds):
         for mode in walls:
-            walls[mode].append(run_worker(2, __file__, ["train", mode])["wall_s"])
+            walls[mode].append(run_worker(2, __file__, ["train", mode, str(data)])["wall_s"])
     med = {k: statistics.median(v) for k, v in walls.items()}
     print_table(f"Training wall time, {TRAIN_STEPS} steps, a checkpoint every {TRAIN_EVERY} "
-                f"(10.7M parameters, 2 ranks, ZeRO-1), median of {TRAIN_ROUNDS}",
+                f"(10.7M parameters, 2 ranks, ZeRO-1); median [min, max] of {rounds}; "
+                "overhead from the medians",
                 ["checkpoints", "wall s", "overhead"],
-                [[k, v, v / med["none"] - 1] for k, v in med.items()])
+                [[k, fmt_spread(walls[k]), v / med["none"] - 1] for k, v in med.items()])
     records["training"] = {"wall_s": walls, "median_s": med,
                            "overhead_sync": med["sync"] / med["none"] - 1,
                            "overhead_background": med["background"] / med["none"] - 1}
-    write_result("checkpoint", {"model": MODEL, "records": records})
+    write_result("checkpoint", {"quick": args.quick, "repeats": repeats, "model": MODEL,
+                                "records": records}, smoke=args.quick)
 
 
 if __name__ == "__main__":
@@ -180,8 +188,8 @@ if __name__ == "__main__":
     if is_worker:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         if rest[0] == "train":
-            worker_train(out, rest[1])
+            worker_train(out, rest[1], rest[2])
         else:
-            worker(out, rest[0])
+            worker(out, rest[0], int(rest[1]))
     else:
-        main()
+        main(rest)

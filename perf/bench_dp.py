@@ -21,7 +21,7 @@ hardware takes from what hpctrain's communication takes. A phase's step time is 
 median of its K steps (after warm-up steps at the start of the job); each ratio is taken
 within a round and the median over all rounds of all jobs counts.
 
-    python perf/bench_dp.py [--quick]
+    python perf/bench_dp.py --shakespeare PATH [--quick]
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import (ROOT, TorchDDP, print_table, run_worker,  # noqa: E402
-                         shakespeare_dataset, timed_command, worker_args, write_result)
+from perf.common import (ROOT, TorchDDP, bench_parser, fmt, print_table,  # noqa: E402
+                         run_worker, shakespeare_dataset, timed_command, worker_args,
+                         write_result)
 
 # name -> (n_layer, n_head, n_embd, block_size, per-rank batch, steps per phase, warm-up)
 MODELS = {
@@ -64,7 +65,7 @@ def _sleeping_barrier(comm) -> None:
         time.sleep(1e-3)
 
 
-def worker(out: Path, model: str, rounds: int) -> None:
+def worker(out: Path, model: str, rounds: int, data: str) -> None:
     from mpi4py import MPI
 
     from hpctrain.comm.world import World
@@ -76,7 +77,6 @@ def worker(out: Path, model: str, rounds: int) -> None:
     assert comm.size == 2, "the benchmark compares 2 ranks with 1"
     spec = MODELS[model]
     b, k, warmup = spec[4], spec[5], spec[6]
-    data = shakespeare_dataset()
     tmp = f"--train.out_dir=/tmp/hpctrain-bench-dp-{comm.rank}"
     dp2 = Trainer(load_config("shakespeare-char", _overrides(spec, data, 2 * b) + [tmp]),
                   World.create(comm), verbose=False)
@@ -137,7 +137,8 @@ def measure(name: str, data: Path, jobs: int, rounds: int) -> dict:
     L, H, C, T, b, k, _ = MODELS[name]
     records, single2t = [], []
     for _ in range(jobs):
-        r = run_worker(2, __file__, [name, str(rounds)], retries=1)  # gloo inside: retry
+        r = run_worker(2, __file__, [name, str(rounds), str(data)],
+                       retries=1)  # gloo inside: retry
         records += r["rounds"]
         _, stdout = timed_command(
             [sys.executable, str(ROOT / "perf" / "nanogpt_baseline.py"), "--data", str(data),
@@ -164,10 +165,11 @@ def measure(name: str, data: Path, jobs: int, rounds: int) -> dict:
             "per_round": ratios, "all_rounds": records, "single2t_runs": single2t}
 
 
-def main() -> None:
-    quick = "--quick" in sys.argv
+def main(argv: list[str]) -> None:
+    args = bench_parser(__doc__, shakespeare=True).parse_args(argv)
+    quick = args.quick
     jobs, rounds = (1, 2) if quick else (JOBS, ROUNDS)
-    data = shakespeare_dataset()
+    data = shakespeare_dataset(args.shakespeare)
     results, rows = {}, []
     for name in MODELS:
         r = results[name] = measure(name, data, jobs, rounds)
@@ -177,7 +179,7 @@ def main() -> None:
                      r["communication_efficiency"], r["vs_ddp"], r["vs_single_2threads"],
                      r["comm_wait_ms"]])
         print(f"{name}: {r['rounds']} rounds; weak-scaling efficiency per round: "
-              + " ".join(f"{x:.3f}" for x in r["per_round"]["weak_scaling_efficiency"]),
+              + " ".join(fmt(x) for x in r["per_round"]["weak_scaling_efficiency"]),
               flush=True)
     print_table(f"Training throughput (tokens/s, median of {jobs} x {rounds} rounds) and ratios "
                 "(median over the rounds of each round's ratio)",
@@ -185,17 +187,18 @@ def main() -> None:
                  "weak eff", "ceiling", "comm eff", "vs DDP", "vs 1p2t", "comm wait ms"], rows)
     eff = min(r["weak_scaling_efficiency"] for r in results.values())
     vs = min(r["vs_ddp"] for r in results.values())
-    print(f"\ntargets: efficiency >= 0.95: worst {eff:.3f} -> {'MET' if eff >= 0.95 else 'NOT MET'};"
-          f" >= 1.0x torch DDP: worst {vs:.2f}x -> {'MET' if vs >= 1.0 else 'NOT MET'}")
+    print(f"\ntargets: efficiency >= 0.95: worst {fmt(eff)} -> "
+          f"{'MET' if eff >= 0.95 else 'NOT MET'}; >= 1.0x torch DDP: worst {fmt(vs)}x -> "
+          f"{'MET' if vs >= 1.0 else 'NOT MET'}")
     write_result("dp", {"models": results, "quick": quick,
                         "targets": {"efficiency": 0.95, "vs_ddp": 1.0},
-                        "met": eff >= 0.95 and vs >= 1.0})
+                        "met": eff >= 0.95 and vs >= 1.0}, smoke=quick)
 
 
 if __name__ == "__main__":
     is_worker, out, rest = worker_args(sys.argv[1:])
     if is_worker:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        worker(out, rest[0], int(rest[1]))
+        worker(out, rest[0], int(rest[1]), rest[2])
     else:
-        main()
+        main(rest)

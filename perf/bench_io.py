@@ -24,7 +24,7 @@ share of training time spent waiting for data.
 
 Targets: MPI-IO >= 0.8x memmap bandwidth; data wait < 2% of step time.
 
-    python perf/bench_io.py [--quick] [--keep]
+    python perf/bench_io.py --shakespeare PATH [--quick] [--keep]
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import (MPIEXEC, ROOT, print_table, run_worker,  # noqa: E402
-                         shakespeare_dataset, worker_args, write_result)
+from perf.common import (MPIEXEC, ROOT, bench_parser, fmt, print_table,  # noqa: E402
+                         run_worker, shakespeare_dataset, worker_args, write_result)
 
 TOKENS = 512 << 20  # 1 GiB of uint16
 BLOCK, PER_RANK = 1024, 16
@@ -197,11 +197,10 @@ def read_bandwidth(path: Path, quick: bool) -> tuple[list, dict]:
     return rows, {"reads": results, "cold_measured": cold}
 
 
-def data_wait(quick: bool) -> tuple[list, dict]:
+def data_wait(data: Path, quick: bool) -> tuple[list, dict]:
     import subprocess
     import tempfile
 
-    data = shakespeare_dataset()
     steps = 100 if quick else 300
     configs = {"MPI-IO + prefetch (default)": ["--data.reader=mpiio", "--data.prefetch=true"],
                "MPI-IO, no prefetch": ["--data.reader=mpiio", "--data.prefetch=false"],
@@ -236,8 +235,12 @@ def data_wait(quick: bool) -> tuple[list, dict]:
     return rows, {"steps": steps, "ranks": 2, "configs": out}
 
 
-def main() -> None:
-    quick, keep = "--quick" in sys.argv, "--keep" in sys.argv
+def main(argv: list[str]) -> None:
+    ap = bench_parser(__doc__, shakespeare=True)
+    ap.add_argument("--keep", action="store_true", help="keep the 1 GiB test file")
+    args = ap.parse_args(argv)
+    quick, keep = args.quick, args.keep
+    data = shakespeare_dataset(args.shakespeare)  # before the long part: fail early
     path = make_file(SCRATCH / "gpt2-like.h5")
     try:
         rows, reads = read_bandwidth(path, quick)
@@ -248,22 +251,22 @@ def main() -> None:
                 f"offsets in a 1 GiB file, {PER_RANK} per rank per step; median of 3 rounds)",
                 ["ranks", "cache", "MPI-IO (hpctrain)", "np.memmap (nanoGPT)", "MPI-IO/memmap",
                  "memmap+MADV_RANDOM", "MPI-IO/that", "MPI-IO, one call + file view"], rows)
-    wait_rows, wait = data_wait(quick)
+    wait_rows, wait = data_wait(data, quick)
     print_table("Data wait while training shakespeare-char on 2 ranks (median of 2 runs)",
                 ["reader", "data ms/step", "step ms", "data wait %"], wait_rows)
     worst = min(r["ratio"] for r in reads["reads"].values())
     worst_random = min(r["ratio_vs_madv_random"] for r in reads["reads"].values())
     share = wait["configs"]["MPI-IO + prefetch (default)"]["share"]
     met = worst >= 0.8 and share < 0.02
-    print(f"\ntargets: MPI-IO >= 0.8x memmap: worst {worst:.2f}x -> "
-          f"{'MET' if worst >= 0.8 else 'NOT MET'}; data wait < 2%: {100 * share:.2f}% -> "
+    print(f"\ntargets: MPI-IO >= 0.8x memmap: worst {fmt(worst)}x -> "
+          f"{'MET' if worst >= 0.8 else 'NOT MET'}; data wait < 2%: {fmt(100 * share)}% -> "
           f"{'MET' if share < 0.02 else 'NOT MET'}"
           + ("" if reads["cold_measured"] else " (cold reads not measured: no root)"))
-    print(f"(against memmap with MADV_RANDOM, not nanoGPT's method: worst {worst_random:.2f}x)")
+    print(f"(against memmap with MADV_RANDOM, not nanoGPT's method: worst {fmt(worst_random)}x)")
     write_result("io", {"quick": quick, **reads, "data_wait": wait,
                         "targets": {"mpiio_vs_memmap": 0.8, "data_wait_share": 0.02},
                         "worst_ratio": worst, "worst_ratio_vs_madv_random": worst_random,
-                        "data_wait_share": share, "met": met})
+                        "data_wait_share": share, "met": met}, smoke=quick)
 
 
 if __name__ == "__main__":
@@ -272,4 +275,4 @@ if __name__ == "__main__":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         worker_read(out, rest[1:])
     else:
-        main()
+        main(rest)

@@ -2,14 +2,20 @@
 
 Each benchmark is a driver (``python perf/bench_X.py``) that launches its workers under
 ``mpiexec`` at several sizes, compares against its anchor measured in the same run, prints
-a table and writes ``perf/results/<name>.json``.
+a table and writes ``perf/results/<name>.json``. Every result records the commit and
+whether the tree was clean (``write_result``); repeated measurements are stored raw and
+summarised as median [min, max] (``spread``), printed with one formatter (``fmt``) that
+``perf/make_results.py`` uses too, so a figure reads the same on the console and in
+``perf/RESULTS.md``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,24 +26,99 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "perf" / "results"
 BIN = Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 CACHE = ROOT / "datasets"
+SHAKESPEARE_ENV = "HPCTRAIN_SHAKESPEARE"
+SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                   "tinyshakespeare/input.txt")
+RESULTS_DIR_PREFIX = "perf/results/"  # results being written do not make a tree dirty
+_STARTED = time.monotonic()  # the driver's start: write_result records the run's duration
+
+
+def _git(*args: str) -> str | None:
+    try:
+        p = subprocess.run(["git", *args], cwd=ROOT, text=True, capture_output=True,
+                           timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout if p.returncode == 0 else None
 
 
 def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    out = _git("rev-parse", "--short", "HEAD")
+    return out.strip() if out and out.strip() else "unknown"
+
+
+def dirty_paths(porcelain: str, ignore: str = RESULTS_DIR_PREFIX) -> list[str]:
+    """Paths that ``git status --porcelain`` lists (changed, staged or untracked), except
+    those under ``ignore``. A rename counts both of its names."""
+    paths = []
+    for line in porcelain.splitlines():
+        if len(line) < 4:
+            continue
+        for path in line[3:].split(" -> "):
+            path = path.strip().strip('"')
+            if path and not path.startswith(ignore):
+                paths.append(path)
+    return paths
+
+
+def git_state() -> dict:
+    """The commit and whether the tree matches it (None: not a git checkout)."""
+    status = _git("status", "--porcelain")
+    if status is None:
+        return {"git_sha": git_sha(), "tree_clean": None}
+    dirty = dirty_paths(status)
+    state = {"git_sha": git_sha(), "tree_clean": not dirty}
+    if dirty:
+        state["dirty_paths"] = dirty[:50]
+    return state
 
 
 def machine() -> dict:
     import torch
 
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.cuda.is_available()}
+    return {"cpus": os.cpu_count(), "cpu_model": _cpu_model(),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# ------------------------------------------------------------------ command line, data
+
+def bench_parser(doc: str | None, *, shakespeare: bool = False) -> argparse.ArgumentParser:
+    """The options every benchmark shares: ``--quick`` (a smoke test of a minute or two,
+    not a result to quote) and, for those that train on it, ``--shakespeare PATH``."""
+    ap = argparse.ArgumentParser(description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="few repetitions and configurations: checks that it runs")
+    if shakespeare:
+        ap.add_argument("--shakespeare", metavar="PATH", default=None,
+                        help=f"tiny Shakespeare text (default: ${SHAKESPEARE_ENV}); "
+                             f"karpathy/char-rnn's input.txt, {SHAKESPEARE_URL}")
+    return ap
+
+
+def shakespeare_text(path: str | Path | None) -> Path:
+    """The tiny Shakespeare text file: ``path``, else $HPCTRAIN_SHAKESPEARE."""
+    given = path if path else os.environ.get(SHAKESPEARE_ENV)
+    how = (f"download karpathy/char-rnn's tiny Shakespeare ({SHAKESPEARE_URL}) and pass "
+           f"--shakespeare PATH or set {SHAKESPEARE_ENV}=PATH")
+    if not given:
+        raise SystemExit(f"this benchmark needs tiny Shakespeare: {how}")
+    text = Path(given).expanduser().resolve()
+    if not text.is_file():
+        raise SystemExit(f"{text} (tiny Shakespeare) does not exist: {how}")
+    return text
 
 
 def run_worker(n: int, script: str | Path, args: list[str], *, threads: int = 1,
@@ -85,15 +166,17 @@ def timed_command(cmd: list[str], *, threads: int, timeout: float = 1800) -> tup
     return wall, p.stdout
 
 
-def shakespeare_dataset() -> Path:
-    """The tiny Shakespeare token file (char), prepared once from ../shared/data."""
+def shakespeare_dataset(text: str | Path | None = None) -> Path:
+    """The tiny Shakespeare token file (char) in datasets/, prepared once from the text
+    (``shakespeare_text``); the text is needed only while that file does not exist, but a
+    path that is given must exist."""
     path = CACHE / "shakespeare-char.h5"
+    if text or os.environ.get(SHAKESPEARE_ENV) or not path.exists():
+        source = shakespeare_text(text)
     if not path.exists():
-        if not SHAKESPEARE.exists():
-            raise SystemExit(f"{SHAKESPEARE} is missing: the benchmarks need tiny Shakespeare")
         from hpctrain.data.prepare import prepare
 
-        prepare([SHAKESPEARE], path, show_progress=False)
+        prepare([source], path, show_progress=False)
     return path
 
 
@@ -172,30 +255,85 @@ def torch_ddp_step_times(args: list[str], make_optimizer) -> list[float]:
     return times
 
 
-def print_table(title: str, columns: list[str], rows: list[list]) -> None:
-    cells = [[_fmt(v) for v in row] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    print(f"\n{title}")
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+# ---------------------------------------------------------------- figures and tables
+
+def spread(values) -> dict:
+    """Median, mean, min and max of repeated measurements (``n``: how many)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "mean": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "mean": statistics.fmean(values),
+            "min": min(values), "max": max(values), "n": len(values)}
 
 
-def _fmt(v) -> str:
-    if isinstance(v, float):
+def fmt(v, scale: float = 1.0) -> str:
+    """One rounding for the console, the JSON's readers and RESULTS.md: 3 decimals below
+    100, whole numbers with thousands separators above; ``scale`` multiplies first."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool) or isinstance(v, int) and scale == 1.0:
+        return str(v)
+    if isinstance(v, (int, float)):
+        v = float(v) * scale
         return f"{v:.3f}" if abs(v) < 100 else f"{v:,.0f}"
     return str(v)
 
 
-def write_result(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    payload = {"benchmark": name, "git_sha": git_sha(), "machine": machine(),
-               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
-    path.write_text(json.dumps(payload, indent=1))
-    print(f"\nwrote {path.relative_to(ROOT)}")
+def fmt_spread(values, scale: float = 1.0, center: str = "median") -> str:
+    """``median [min, max]`` (or ``mean [min, max]``) of repeated measurements; just the
+    value when there is one."""
+    s = spread(values)
+    if s["n"] <= 1:
+        return fmt(s[center], scale)
+    return f"{fmt(s[center], scale)} [{fmt(s['min'], scale)}, {fmt(s['max'], scale)}]"
+
+
+def table_lines(columns: list[str], rows: list[list], markdown: bool = False) -> list[str]:
+    cells = [[v if isinstance(v, str) else fmt(v) for v in row] for row in rows]
+    if markdown:
+        return ["| " + " | ".join(columns) + " |",
+                "|" + "|".join("---" for _ in columns) + "|",
+                *("| " + " | ".join(r) + " |" for r in cells)]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    return ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip(),
+            "  ".join("-" * w for w in widths),
+            *("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)]
+
+
+def print_table(title: str, columns: list[str], rows: list[list]) -> None:
+    print(f"\n{title}")
+    print("\n".join(table_lines(columns, rows)), flush=True)
+
+
+def write_result(name: str, payload: dict, *, smoke: bool = False) -> Path:
+    """Write ``perf/results/<name>.json`` with the commit, whether the tree was clean
+    (results in perf/results/ aside), the machine and the time; say so if it was not.
+    A smoke test (``--quick``, fewer steps) goes to perf/results/quick/ (not committed),
+    so it never replaces a result that RESULTS.md is made from."""
+    folder = RESULTS / "quick" if smoke else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    state = git_state()
+    t = os.times()  # the workers' CPU time counts once mpiexec has reaped them
+    payload = {"benchmark": name, **state, "machine": machine(),
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "duration_s": time.monotonic() - _STARTED,
+               "cpu_s": t.user + t.system + t.children_user + t.children_system, **payload}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"\nwrote {path.relative_to(ROOT)} (commit {state['git_sha']}, "
+          f"{describe_tree(state.get('tree_clean'))}; {payload['duration_s']:.0f} s, "
+          f"{payload['cpu_s']:.0f} CPU s)")
+    if state.get("tree_clean") is False:
+        shown = ", ".join(state["dirty_paths"][:5])
+        more = len(state["dirty_paths"]) - 5
+        print(f"WARNING: run from a dirty tree ({shown}{f' and {more} more' if more > 0 else ''}"
+              f"): these numbers are not those of commit {state['git_sha']}; commit and "
+              "run again before quoting them", flush=True)
     return path
+
+
+def describe_tree(clean: bool | None) -> str:
+    return {True: "clean tree", False: "DIRTY tree"}.get(clean, "tree state unknown")
 
 
 def worker_args(argv: list[str]) -> tuple[bool, Path | None, list[str]]:
