@@ -1,21 +1,33 @@
 """Pipeline parallelism: measured bubble vs theory, activation memory of 1F1B vs GPipe,
-and throughput against torch.distributed.pipelining.
+and each of our schedules against torch.distributed.pipelining's schedule of the same kind.
 
 In one run (8-layer GPT, width 256, block 128, 2 rows per micro-batch, 1 thread/rank):
   A. For p = 2, 4 stages and m = 4, 8, 16 micro-batches, 1F1B and GPipe: the share of
-     each stage's step spent blocked on a neighbour (the executor's receive waits) and
-     the pipeline efficiency = busy share / ideal m / (m + p - 1). Target: >= 0.9.
+     each stage's pipeline time spent blocked on a neighbour (the executor's receive
+     waits, mean over stages) against theory (p - 1) / (m + p - 1), and the pipeline
+     efficiency (below). Median over the steps of one run, with min and max.
   B. Peak activation memory per stage within a step: the heap in use (glibc
      ``mallinfo2``: malloc'd + mmap'd bytes) sampled after every forward, minus the heap
      at the start of the step (parameters, gradient buffers and optimizer state exist
      already). Target: 1F1B <= (p/m) x GPipe (+10%), worst stage vs worst stage.
-  C. Steps per second of our 1F1B vs torch.distributed.pipelining ``Schedule1F1B``
-     (gloo) with the same stage modules, micro-batches and AdamW step, p = 2 and 4,
-     m = 8, interleaved in the same run. Target: >= 1.2x. Beside it, our interleaved
-     schedule with 2 chunks per stage (same layers, a smaller bubble), and 1F1B's ideal
-     step from one process running the whole model in the same run:
-     T(1 process) / p x (m + p - 1) / m. torch's stages do not keep the tied embedding in
-     sync; ours do (two small messages per step).
+  C. Step time of each of our schedules against torch's own schedule of the same kind
+     (gloo), p = 2 and 4, m = 8: 1F1B vs ``Schedule1F1B``, interleaved with 2 chunks per
+     stage vs ``ScheduleInterleaved1F1B`` with 2 stages per rank (the same layers on
+     the same ranks: chunk g on rank g mod p), GPipe vs ``ScheduleGPipe``. Same stage
+     modules, micro-batches, loss, and fused AdamW step (timed in the step). ROUNDS
+     rounds, each running every job once in turn (drift on this machine hits all
+     alike); a job's figure is the median over its steps; the table gives the median
+     over the rounds with [min, max], and the speedup is the median of the per-round
+     ratios torch / ours. Target: 1F1B >= 1.2x torch. torch's stages do not keep the
+     tied embedding in sync; ours do (two small messages per step, in our step time).
+
+Pipeline efficiency = (forward + backward seconds of the busiest stage) / (seconds of
+the pipeline phase of the step: from the common start after a barrier to the end of the
+slowest stage's last pass), both without the optimizer step. A stage's passes run within
+its own phase, so it is at most 1 by construction; 1 - efficiency is the time the
+busiest stage is not computing (bubble, messages, scheduling). Compute is timed around
+each pass: ``PipelineStats.compute_s`` in ours, ``forward_one_chunk`` /
+``backward_one_chunk`` and the loss function in torch's.
 
 4 ranks share this machine's 2 cores, so at p = 4 two stages run on one core: compute
 slows while both are busy and speeds up while one waits, which flatters the bubble at
@@ -34,11 +46,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import init_gloo, print_table, run_worker, worker_args, write_result  # noqa: E402
+from perf.common import (bench_parser, fmt, fmt_spread, init_gloo, print_table,  # noqa: E402
+                         run_worker, worker_args, write_result)
 
 MODEL = dict(vocab_size=96, block_size=128, n_layer=8, n_head=8, n_embd=256)
 ROWS = 2  # per micro-batch
-WARMUP, STEPS = 2, 5
+WARMUP, STEPS, ROUNDS = 2, 5, 3
+VIRTUAL = 2  # chunks per stage of the interleaved schedules
+TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "gpipe": "ScheduleGPipe"}
+TARGET_VS_TORCH = 1.2  # for 1F1B
 
 
 class _MallInfo2(ctypes.Structure):
@@ -61,6 +78,37 @@ def heap_in_use() -> int:
     return int(info.uordblks + info.hblkhd)
 
 
+# ----------------------------------------------------------------- pure bookkeeping
+
+def pipeline_efficiency(compute_s: list[float], pipe_s: list[float]) -> float:
+    """Busiest stage's compute / the pipeline phase (the slowest stage's), one step.
+    Each stage's compute lies within its own phase, so the result is <= 1."""
+    return max(compute_s) / max(pipe_s)
+
+
+def combine_stages(stages: list[dict]) -> dict:
+    """Per-step figures of the whole pipeline from every stage's per-step lists
+    (``step_s``, ``pipe_s``, ``compute_s``, optionally ``bubble_s``)."""
+    n = len(stages[0]["step_s"])
+    out = {"step_s": [max(s["step_s"][i] for s in stages) for i in range(n)],
+           "pipe_s": [max(s["pipe_s"][i] for s in stages) for i in range(n)],
+           "busiest_compute_s": [max(s["compute_s"][i] for s in stages) for i in range(n)]}
+    out["efficiency"] = [pipeline_efficiency([s["compute_s"][i] for s in stages],
+                                             [s["pipe_s"][i] for s in stages])
+                         for i in range(n)]
+    if "bubble_s" in stages[0]:
+        out["bubble"] = [statistics.fmean(s["bubble_s"][i] / s["pipe_s"][i] for s in stages)
+                         for i in range(n)]
+    return out
+
+
+def bubble_theory(p: int, m: int, virtual: int = 1) -> float:
+    """Idle share of a stage with unit-time passes (Narayanan et al. 2021, eq. 1-2)."""
+    return (p - 1) / (virtual * m + p - 1)
+
+
+# --------------------------------------------------------------------------- workers
+
 def _stage_setup(comm, p, m, virtual=1):
     import torch
 
@@ -77,114 +125,146 @@ def _stage_setup(comm, p, m, virtual=1):
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, MODEL["vocab_size"], (m * ROWS, MODEL["block_size"]), generator=gen)
     y = torch.randint(0, MODEL["vocab_size"], (m * ROWS, MODEL["block_size"]), generator=gen)
-    opt = torch.optim.AdamW([q for q in stage.parameters()], lr=1e-4, fused=True)
-    return grid, stage, x, y, opt
+    return grid, stage, x, y
 
 
-def _ours(comm, p, m, kind, steps):
-    """Per-step wall time, busy share and peak activation bytes of one stage."""
+def _timed_steps(comm, steps, run_pipeline, after, compute, extra=None) -> dict:
+    """WARMUP + steps steps from a common start; per timed step this stage's whole step,
+    its pipeline phase and its compute seconds (``compute()``: a running total)."""
+    rec = {"step_s": [], "pipe_s": [], "compute_s": []}
+    for i in range(WARMUP + steps):
+        comm.Barrier()
+        c0 = compute()
+        extra_before = extra.before() if extra else None
+        t0 = time.perf_counter()
+        run_pipeline()
+        t1 = time.perf_counter()
+        after()
+        t2 = time.perf_counter()
+        if i >= WARMUP:
+            rec["step_s"].append(t2 - t0)
+            rec["pipe_s"].append(t1 - t0)
+            rec["compute_s"].append(compute() - c0)
+            if extra:
+                extra.after(rec, extra_before)
+    return rec
+
+
+def _ours(comm, p, m, kind, steps, probe_memory):
+    """This stage's per-step times, receive waits and (optionally) peak activation bytes."""
+    import torch
+
     from hpctrain.parallel.pipeline.executor import PipelineExecutor
 
-    grid, stage, x, y, opt = _stage_setup(comm, p, m, 2 if kind == "interleaved" else 1)
+    grid, stage, x, y = _stage_setup(comm, p, m, VIRTUAL if kind == "interleaved" else 1)
+    opt = torch.optim.AdamW(list(stage.parameters()), lr=1e-4, fused=True)
     peak = [0]
-    ex = PipelineExecutor(stage, grid, kind=kind, n_micro=m,
-                          seq=MODEL["block_size"], timeout=120,
-                          memory_probe=lambda: peak.__setitem__(0, max(peak[0], heap_in_use())))
-    times, bubbles, acts = [], [], []
-    for i in range(WARMUP + steps):
-        comm.Barrier()
+    probe = (lambda: peak.__setitem__(0, max(peak[0], heap_in_use()))) if probe_memory \
+        else None
+    ex = PipelineExecutor(stage, grid, kind=kind, n_micro=m, seq=MODEL["block_size"],
+                          timeout=120, memory_probe=probe)
+    xs, ys = list(x.split(ROWS)), list(y.split(ROWS))
+
+    class Extra:  # receive waits and the activation peak of each step
+        @staticmethod
+        def before():
+            base = heap_in_use() if probe_memory else 0
+            peak[0] = base
+            return ex.stats.bubble_s, base
+
+        @staticmethod
+        def after(rec, before):
+            rec.setdefault("bubble_s", []).append(ex.stats.bubble_s - before[0])
+            if probe_memory:
+                rec.setdefault("act_bytes", []).append(peak[0] - before[1])
+
+    def step():
         opt.zero_grad(set_to_none=False)
-        base = heap_in_use()
-        peak[0] = base
-        b0, t0 = ex.stats.bubble_s, time.perf_counter()
-        ex.train_step(list(x.split(ROWS)), list(y.split(ROWS)), 1.0 / m)
+        ex.train_step(xs, ys, 1.0 / m)
+
+    def optimizer():
         opt.step()
         ex.tie_weights()
-        dt = time.perf_counter() - t0
-        if i >= WARMUP:
-            times.append(dt)
-            bubbles.append((ex.stats.bubble_s - b0) / dt)
-            acts.append(peak[0] - base)
-    return {"step_s": statistics.median(times), "bubble": statistics.mean(bubbles),
-            "act_bytes": max(acts)}
+
+    return _timed_steps(comm, steps, step, optimizer, lambda: ex.stats.compute_s, Extra)
 
 
-def _torch_pipelining(comm, p, m, steps):
+def _torch_pipelining(comm, p, m, kind, steps):
+    """The same stages under torch.distributed.pipelining's schedule of the same kind."""
     import torch
+    import torch.distributed.pipelining as pipelining
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage as TorchStage
-    from torch.distributed.pipelining import Schedule1F1B
 
-    grid, stage, x, y, opt = _stage_setup(comm, p, m)
+    virtual = VIRTUAL if kind == "interleaved" else 1
+    grid, stage, x, y = _stage_setup(comm, p, m, virtual)
+    clock = {"compute_s": 0.0}
 
-    class StageModule(torch.nn.Module):
-        def __init__(self, st):
+    class Chunk(torch.nn.Module):
+        """One chunk of our stage, holding only its own parts (torch scales the grads of
+        each stage module's parameters: a shared module would be scaled twice)."""
+
+        def __init__(self, c):
             super().__init__()
-            self.st = st
+            self.first, self.last = stage.is_first_chunk(c), stage.is_last_chunk(c)
+            if self.first:
+                self.wte, self.wpe, self.drop = stage.wte, stage.wpe, stage.drop
+            self.layers = torch.nn.ModuleList(stage.h[str(i)] for i in stage.chunk_layers[c])
+            if self.last:
+                self.ln_f = stage.ln_f
+                self.head_weight = torch.nn.Parameter(stage.head_weight.detach().clone())
 
         def forward(self, h):
-            st = self.st
-            if st.has_embedding:
-                pos = torch.arange(h.size(1))
-                h = st.drop(st.wte(h) + st.wpe(pos))
-            for i in st.chunk_layers[0]:
-                h = st.h[str(i)](h)
-            if st.has_head:
-                return F.linear(st.ln_f(h), st.head_weight)
+            if self.first:
+                h = self.drop(self.wte(h) + self.wpe(torch.arange(h.size(1))))
+            for block in self.layers:
+                h = block(h)
+            if self.last:
+                return F.linear(self.ln_f(h), self.head_weight)
             return h
 
-    def loss_fn(logits, target):
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), target.view(-1))
+    class TimedStage(pipelining.PipelineStage):
+        """torch's stage with its forward and backward passes timed."""
+
+        def forward_one_chunk(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super().forward_one_chunk(*args, **kwargs)
+            finally:
+                clock["compute_s"] += time.perf_counter() - t0
+
+        def backward_one_chunk(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super().backward_one_chunk(*args, **kwargs)
+            finally:
+                clock["compute_s"] += time.perf_counter() - t0
+
+    def loss_fn(logits, target):  # our last chunk's loss, timed as forward compute
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), target.view(-1))
+        clock["compute_s"] += time.perf_counter() - t0
+        return loss
 
     init_gloo(comm)
-    module = StageModule(stage)
-    if stage.has_head:
-        stage.head_weight = torch.nn.Parameter(stage.head_weight.detach())
-        opt.add_param_group({"params": [stage.head_weight]})
-    pstage = TorchStage(module, grid.stage, p, torch.device("cpu"))
-    sched = Schedule1F1B(pstage, m, loss_fn=loss_fn)
-    times = []
-    for i in range(WARMUP + steps):
-        comm.Barrier()
+    chunks = [Chunk(c) for c in range(virtual)]
+    opt = torch.optim.AdamW([q for c in chunks for q in c.parameters()], lr=1e-4, fused=True)
+    # Chunk c of this rank is global stage c * p + rank (Megatron's and torch's layout).
+    stages = [TimedStage(chunk, c * p + grid.stage, p * virtual, torch.device("cpu"))
+              for c, chunk in enumerate(chunks)]
+    cls = getattr(pipelining, TORCH_SCHEDULES[kind])
+    sched = cls(stages if virtual > 1 else stages[0], m, loss_fn=loss_fn)
+
+    def step():
         opt.zero_grad(set_to_none=False)
-        t0 = time.perf_counter()
         if stage.has_embedding:
             sched.step(x)
         elif stage.has_head:
             sched.step(target=y, losses=[])
         else:
             sched.step()
-        opt.step()
-        dt = time.perf_counter() - t0
-        if i >= WARMUP:
-            times.append(dt)
-    return {"step_s": statistics.median(times)}
 
-
-def _single_process(m, steps):
-    """The whole model on one rank, micro-batches accumulated: the compute a pipeline
-    splits, and from it the schedule's ideal step time."""
-    import torch
-
-    from hpctrain.model.gpt import GPT, GPTConfig
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**MODEL))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, MODEL["vocab_size"], (m * ROWS, MODEL["block_size"]), generator=gen)
-    y = torch.randint(0, MODEL["vocab_size"], (m * ROWS, MODEL["block_size"]), generator=gen)
-    times = []
-    for i in range(WARMUP + steps):
-        opt.zero_grad(set_to_none=False)
-        t0 = time.perf_counter()
-        for xs, ys in zip(x.split(ROWS), y.split(ROWS)):
-            (model(xs, ys) / m).backward()
-        opt.step()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times)}
+    rec = _timed_steps(comm, steps, step, opt.step, lambda: clock["compute_s"])
+    return rec
 
 
 def worker(out: Path, args: list[str]) -> None:
@@ -195,73 +275,112 @@ def worker(out: Path, args: list[str]) -> None:
     comm = MPI.COMM_WORLD
     mode, kind, m, steps = args[0], args[1], int(args[2]), int(args[3])
     p = comm.size
-    if mode == "ours":
-        res = _ours(comm, p, m, kind, steps)
-    elif mode == "torch":
-        res = _torch_pipelining(comm, p, m, steps)
+    if mode in ("ours", "ours-memory"):
+        res = _ours(comm, p, m, kind, steps, probe_memory=mode == "ours-memory")
     else:
-        res = _single_process(m, steps)
+        res = _torch_pipelining(comm, p, m, kind, steps)
     everyone = comm.gather(res, root=0)
     if comm.rank == 0:
-        out.write_text(json.dumps(everyone))
+        out.write_text(json.dumps({"stages": everyone, **combine_stages(everyone)}))
 
 
-def main(quick: bool) -> None:
-    steps = 3 if quick else STEPS
-    micro = [4, 8] if quick else [4, 8, 16]
-    rows_a, rows_b, results = [], [], {"model": MODEL, "rows_per_micro": ROWS,
-                                       "steps": steps, "bubble": [], "vs_torch": []}
+# ---------------------------------------------------------------------------- driver
+
+def part_bubble(micro: list[int], steps: int) -> tuple[list[dict], list[list], list[list]]:
+    records, rows_a, rows_b = [], [], []
     for p in (2, 4):
         for m in micro:
             per = {}
             for kind in ("1f1b", "gpipe"):
-                stages = run_worker(p, __file__, ["ours", kind, str(m), str(steps)])
-                busy = 1 - statistics.mean(s["bubble"] for s in stages)
-                ideal = m / (m + p - 1)
-                per[kind] = {"stages": stages, "step_s": max(s["step_s"] for s in stages),
-                             "bubble_measured": 1 - busy, "bubble_theory": 1 - ideal,
-                             "efficiency_vs_ideal": busy / ideal,
-                             "act_bytes_max": max(s["act_bytes"] for s in stages)}
-                rows_a.append([p, m, kind, 1 - ideal, 1 - busy, busy / ideal,
-                               per[kind]["step_s"] * 1e3])
+                r = run_worker(p, __file__, ["ours-memory", kind, str(m), str(steps)])
+                act = [max(s["act_bytes"]) for s in r["stages"]]
+                per[kind] = {"per_step": {k: r[k] for k in ("step_s", "pipe_s",
+                                                            "busiest_compute_s",
+                                                            "efficiency", "bubble")},
+                             "bubble_theory": bubble_theory(p, m), "act_bytes": act,
+                             "act_bytes_max": max(act)}
+                rows_a.append([p, m, kind, bubble_theory(p, m), fmt_spread(r["bubble"]),
+                               fmt_spread(r["efficiency"]), fmt_spread(r["step_s"], 1e3)])
             ratio = per["1f1b"]["act_bytes_max"] / per["gpipe"]["act_bytes_max"]
             rows_b.append([p, m, per["1f1b"]["act_bytes_max"] / 2**20,
                            per["gpipe"]["act_bytes_max"] / 2**20, ratio, p / m,
                            "met" if ratio <= 1.1 * p / m else "MISSED"])
-            results["bubble"].append({"p": p, "m": m, **per,
-                                      "act_ratio": ratio, "act_target": p / m})
-    print_table("A. bubble (share of step time blocked on a neighbour, mean over stages)",
-                ["p", "m", "schedule", "theory", "measured", "eff/ideal", "step ms"], rows_a)
+            records.append({"p": p, "m": m, **per, "act_ratio": ratio, "act_target": p / m})
+    return records, rows_a, rows_b
+
+
+def part_vs_torch(m: int, steps: int, rounds: int) -> list[dict]:
+    records = []
+    for p in (2, 4):
+        runs = {kind: {"ours": [], "torch": []} for kind in TORCH_SCHEDULES}
+        for _ in range(rounds):  # every job once per round, so drift hits all alike
+            for kind in TORCH_SCHEDULES:
+                for impl in ("ours", "torch"):
+                    r = run_worker(p, __file__, [impl, kind, str(m), str(steps)],
+                                   retries=1 if impl == "torch" else 0)
+                    runs[kind][impl].append(r)
+        for kind, by_impl in runs.items():
+            rec = {"p": p, "m": m, "schedule": kind,
+                   "virtual": VIRTUAL if kind == "interleaved" else 1,
+                   "torch_class": TORCH_SCHEDULES[kind]}
+            for impl, rs in by_impl.items():
+                rec[impl] = {k: [statistics.median(r[k]) for r in rs]
+                             for k in ("step_s", "pipe_s", "busiest_compute_s", "efficiency")}
+            rec["speedup_per_round"] = [t / o for t, o in zip(rec["torch"]["step_s"],
+                                                              rec["ours"]["step_s"])]
+            rec["speedup"] = statistics.median(rec["speedup_per_round"])
+            records.append(rec)
+            print(f"  p={p} {kind}: ours {fmt_spread(rec['ours']['step_s'], 1e3)} ms, "
+                  f"torch {fmt_spread(rec['torch']['step_s'], 1e3)} ms", flush=True)
+    return records
+
+
+def vs_torch_rows(records: list[dict]) -> list[list]:
+    rows = []
+    for r in records:
+        target = ("met" if r["speedup"] >= TARGET_VS_TORCH else "MISSED") \
+            if r["schedule"] == "1f1b" else "-"
+        name = r["schedule"] + (f" v={r['virtual']}" if r["virtual"] > 1 else "")
+        rows.append([r["p"], r["m"], name, r["torch_class"],
+                     fmt_spread(r["ours"]["step_s"], 1e3), fmt_spread(r["torch"]["step_s"], 1e3),
+                     fmt_spread(r["speedup_per_round"]), target,
+                     fmt_spread(r["ours"]["efficiency"]), fmt_spread(r["torch"]["efficiency"])])
+    return rows
+
+
+VS_TORCH_COLUMNS = ["p", "m", "schedule", "torch schedule", "ours ms", "torch ms",
+                    "speedup", f"target {TARGET_VS_TORCH}x", "ours eff", "torch eff"]
+
+
+def main(argv: list[str]) -> None:
+    args = bench_parser(__doc__).parse_args(argv)
+    steps = 3 if args.quick else STEPS
+    micro = [4, 8] if args.quick else [4, 8, 16]
+    rounds = 1 if args.quick else ROUNDS
+    print(f"A+B. bubble and activation memory (p = 2, 4; m = {micro}; {steps} steps)",
+          flush=True)
+    bubble, rows_a, rows_b = part_bubble(micro, steps)
+    print_table("A. bubble: share of the pipeline phase blocked on a neighbour (mean over "
+                "stages) and efficiency (busiest stage's compute / phase); median [min, max] "
+                "over steps",
+                ["p", "m", "schedule", "theory", "measured", "efficiency", "step ms"], rows_a)
     print_table("B. peak activation memory per step, worst stage (MiB)",
                 ["p", "m", "1F1B", "GPipe", "ratio", "p/m", "target"], rows_b)
-    m = 8
-    rows_c = []
-
-    def slowest_stage(mode, kind, p):
-        return max(s["step_s"] for s in run_worker(p, __file__, [mode, kind, str(m), str(steps)],
-                                                   retries=1 if mode == "torch" else 0))
-
-    for p in (2, 4):
-        ours, inter, theirs, single = [], [], [], []
-        for _ in range(2):  # interleaved, so drift on this noisy machine hits all alike
-            ours.append(slowest_stage("ours", "1f1b", p))
-            inter.append(slowest_stage("ours", "interleaved", p))
-            theirs.append(slowest_stage("torch", "1f1b", p))
-            single.append(slowest_stage("single", "-", 1))
-        o, i, t = min(ours), min(inter), min(theirs)
-        # 1F1B's ideal: each stage does 1/p of one process's work, stretched by the bubble.
-        ideal = min(single) / p * (m + p - 1) / m
-        rows_c.append([p, m, ideal * 1e3, o * 1e3, t * 1e3, t / o,
-                       "met" if t / o >= 1.2 else "MISSED", o / ideal, t / ideal,
-                       i * 1e3, t / i])
-        results["vs_torch"].append({"p": p, "m": m, "ours_step_s": ours, "torch_step_s": theirs,
-                                    "ours_interleaved_v2_step_s": inter,
-                                    "single_process_step_s": single, "ideal_1f1b_s": ideal,
-                                    "speedup": t / o, "speedup_interleaved_v2": t / i})
-    print_table("C. step time vs torch.distributed.pipelining Schedule1F1B (gloo), same split",
-                ["p", "m", "1F1B ideal ms", "ours ms", "torch ms", "speedup", "target 1.2x",
-                 "ours/ideal", "torch/ideal", "ours interleaved v=2 ms", "speedup"], rows_c)
-    write_result("pipeline", results)
+    print(f"\nC. our schedules vs torch.distributed.pipelining's (m = 8, {rounds} round(s))",
+          flush=True)
+    vs_torch = part_vs_torch(8, steps, rounds)
+    print_table(f"C. step time (ms, optimizer included) vs torch's schedule of the same kind "
+                f"(gloo), same stages; median [min, max] over {rounds} round(s); speedup = "
+                "torch / ours per round; eff = busiest stage's compute / pipeline phase",
+                VS_TORCH_COLUMNS, vs_torch_rows(vs_torch))
+    worst = min(r["speedup"] for r in vs_torch if r["schedule"] == "1f1b")
+    print(f"\ntarget: our 1F1B >= {fmt(TARGET_VS_TORCH)}x torch's Schedule1F1B: worst "
+          f"{fmt(worst)}x -> {'MET' if worst >= TARGET_VS_TORCH else 'NOT MET'}")
+    write_result("pipeline", {"quick": args.quick, "model": MODEL, "rows_per_micro": ROWS,
+                              "steps": steps, "warmup": WARMUP, "rounds": rounds,
+                              "virtual": VIRTUAL, "bubble": bubble, "vs_torch": vs_torch,
+                              "target_vs_torch": TARGET_VS_TORCH,
+                              "met": worst >= TARGET_VS_TORCH}, smoke=args.quick)
 
 
 if __name__ == "__main__":
@@ -269,4 +388,4 @@ if __name__ == "__main__":
     if is_worker:
         worker(out, rest)
     else:
-        main("--quick" in rest)
+        main(rest)

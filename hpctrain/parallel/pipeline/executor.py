@@ -14,7 +14,8 @@ The executor walks this stage's action list (``schedules.schedule``) once per st
   its buffer instead of waiting in MPI's unexpected queue, without holding a buffer
   per micro-batch (which would cost 1F1B its memory advantage).
 
-Time blocked in receives is the stage's pipeline bubble (``stats.bubble_s``). Tags name
+Time blocked in receives is the stage's pipeline bubble (``stats.bubble_s``); time in
+forward and backward passes is its compute (``stats.compute_s``). Tags name
 (direction, micro-batch, receiving chunk), so messages never match the wrong receive.
 """
 
@@ -47,6 +48,9 @@ OVERSUBSCRIBED_POLL_SLEEP_S = 5e-5
 class PipelineStats:
     bubble_s: float = 0.0
     """Seconds blocked waiting for a neighbour's activation or gradient."""
+    compute_s: float = 0.0
+    """Seconds in this stage's forward and backward passes (host clock: on a GPU it
+    counts kernel launches, not kernels still running)."""
     messages: int = 0
     bytes_sent: int = 0
     peak_in_flight: int = 0
@@ -149,8 +153,10 @@ class PipelineExecutor:
                     x = received.pop((S.RECV_ACT, *key))
                     x.requires_grad_(backward)
                 last = self.stage.is_last_chunk(a.chunk)
+                t0 = time.perf_counter()
                 with nvtx_range(f"forward m{a.micro} c{a.chunk}"):
                     out = self.stage.chunk_forward(a.chunk, x, ys[a.micro] if last else None)
+                self.stats.compute_s += time.perf_counter() - t0
                 if last:
                     loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
                 if backward:
@@ -171,11 +177,13 @@ class PipelineExecutor:
                         self._add_tied_gradient(*tie_recv)
                     if before_last_backward is not None:
                         before_last_backward()
+                t0 = time.perf_counter()
                 with nvtx_range(f"backward m{a.micro} c{a.chunk}"):
                     if self.stage.is_last_chunk(a.chunk):
                         (out * loss_scale).backward()
                     else:
                         out.backward(received.pop((S.RECV_GRAD, *key)))
+                self.stats.compute_s += time.perf_counter() - t0
                 in_flight -= 1
                 if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
                     self._send_tied_gradient(sends)
