@@ -5,6 +5,18 @@ It follows nanoGPT's train.py (no MPI, no buckets): random windows drawn with
 and ``estimate_loss`` on train *and* val every ``eval_interval`` steps (its behaviour).
 It uses hpctrain's GPT class, which is nanoGPT's architecture, so only the loop differs.
 
+Three choices can be switched to hpctrain's, so that a comparison isolates the rest:
+``--optimizer hpctrain`` (``build_optimizer``: the fused AdamW kernel; nanoGPT's default
+on CPU is the per-tensor loop), ``--sampler hpctrain`` (the recipe's ``make_sampler``:
+the global batch of step s is ``global_starts(s)``, as every rank of hpctrain reads its
+share of it) and ``--eval hpctrain`` (the trainer's periodic estimate: val only, on the
+fixed windows of its eval sampler, at steps 250, 500, ...). With all three and the same
+seed, the run computes what ``hpctrain train`` computes (same initial weights, same
+batches, same updates), in one process.
+
+The seed sets the initial weights and the data order in every mode (``torch.randint``
+draws from the generator the model was initialised from; the sampler is seeded).
+
     OMP_NUM_THREADS=2 python perf/nanogpt_baseline.py --data datasets/shakespeare-char.h5
 """
 
@@ -16,6 +28,7 @@ import math
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.data.dataset import TokenDataset  # noqa: E402
-from hpctrain.data.sampler import all_windows  # noqa: E402
+from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler  # noqa: E402
 from hpctrain.model.gpt import GPT, GPTConfig  # noqa: E402
+from hpctrain.train.optim import build_optimizer, param_groups  # noqa: E402
+
+CHOICES = ("nanogpt", "hpctrain")
 
 
 def main(argv=None) -> dict:
@@ -40,6 +56,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--full-val", action="store_true", help="whole-split val loss at the end "
                                                             "(outside the timed part)")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--optimizer", choices=CHOICES, default="nanogpt",
+                    help="nanoGPT's AdamW (per-tensor loop on CPU) or hpctrain's (fused)")
+    ap.add_argument("--sampler", choices=CHOICES, default="nanogpt",
+                    help="torch.randint windows or hpctrain's make_sampler (the recipe's)")
+    ap.add_argument("--eval", choices=CHOICES, default="nanogpt",
+                    help="train + val estimates from step 0, or hpctrain's val estimates")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cfg = load_config(a.recipe)
@@ -57,20 +79,36 @@ def main(argv=None) -> dict:
 
     train, val = whole("train"), whole("val")
 
-    def get_batch(split):
-        data = train if split == "train" else val
-        ix = torch.randint(len(data) - block, (batch,))
+    def windows(data, ix):
         x = torch.stack([data[i:i + block] for i in ix])
         y = torch.stack([data[i + 1:i + 1 + block] for i in ix])
         return x, y
 
-    torch.manual_seed(t.seed if a.seed is None else a.seed)
+    def get_batch(split):
+        data = train if split == "train" else val
+        return windows(data, torch.randint(len(data) - block, (batch,)))
+
+    seed = t.seed if a.seed is None else a.seed
+    sampler = make_sampler(cfg.data.sampler, len(train), block, batch, seed)
+    eval_sampler = make_sampler("random", len(val), block, batch, seed, stream=EVAL_STREAM)
+
+    def train_batch(it):
+        if a.sampler == "hpctrain":
+            return windows(train, sampler.global_starts(it).tolist())
+        return get_batch("train")
+
+    torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=block, n_layer=n_layer,
                           n_head=n_head, n_embd=n_embd, dropout=m.dropout, bias=m.bias))
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
+    init_checksum = float(sum(p.detach().double().sum() for p in params))
+    if a.optimizer == "hpctrain":
+        opt = build_optimizer(param_groups(model, o.weight_decay), o, "cpu")
+    else:  # nanoGPT: fused only on CUDA, so the default (per-tensor) kernel here
+        groups = [{"params": [p for p in params if p.dim() >= 2],
+                   "weight_decay": o.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
     decay_iters = o.lr_decay_iters or max_iters
 
     def get_lr(it):
@@ -85,23 +123,37 @@ def main(argv=None) -> dict:
     def estimate_loss():
         model.eval()
         out = {}
-        for split in ("train", "val"):
-            out[split] = sum(model(*get_batch(split)).item() for _ in range(t.eval_iters)) / t.eval_iters
+        if a.eval == "hpctrain":
+            out["val"] = sum(model(*windows(val, eval_sampler.global_starts(k).tolist())).item()
+                             for k in range(t.eval_iters)) / t.eval_iters
+        else:
+            for split in ("train", "val"):
+                out[split] = sum(model(*get_batch(split)).item()
+                                 for _ in range(t.eval_iters)) / t.eval_iters
         model.train()
         return out
 
-    step_times, evals = [], {}
+    def eval_due(it):
+        if a.no_eval or not t.eval_interval or it % t.eval_interval:
+            return False
+        return it > 0 if a.eval == "hpctrain" else True  # hpctrain: after steps, not at 0
+
+    step_times, evals, losses = [], {}, []
+    first_batch = None
     t_start = time.perf_counter()
     for it in range(max_iters + 1):
-        if not a.no_eval and t.eval_interval and it % t.eval_interval == 0:
+        if eval_due(it):
             evals[it] = estimate_loss()
         if it == max_iters:
             break
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = get_lr(it)
-        x, y = get_batch("train")
+        x, y = train_batch(it)
+        if first_batch is None:  # a fingerprint of step 0's batch (data-order check)
+            first_batch = zlib.crc32(x.numpy().tobytes())
         loss = model(x, y)
+        losses.append(loss.detach())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
         opt.step()
@@ -109,7 +161,10 @@ def main(argv=None) -> dict:
         step_times.append(time.perf_counter() - t0)
     loop_s = time.perf_counter() - t_start
     result = {"max_iters": max_iters, "batch_size": batch, "block_size": block,
-              "threads": torch.get_num_threads(), "loop_s": loop_s,
+              "threads": torch.get_num_threads(), "seed": seed, "optimizer": a.optimizer,
+              "sampler": a.sampler, "eval": a.eval, "loop_s": loop_s,
+              "init_checksum": init_checksum, "first_batch_crc32": first_batch,
+              "loss_step10": float(losses[9]) if len(losses) >= 10 else None,
               "step_ms_median": 1e3 * statistics.median(step_times[5:] or step_times),
               "evals": evals}
     if a.full_val:
