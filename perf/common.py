@@ -337,9 +337,21 @@ def describe_tree(clean: bool | None) -> str:
 
 
 def worker_args(argv: list[str]) -> tuple[bool, Path | None, list[str]]:
-    """Split ``--worker --out FILE`` from the rest of the arguments."""
+    """Split ``--worker --out FILE`` from the rest of the arguments. In a worker, an
+    uncaught exception aborts the whole MPI job: the other ranks would otherwise wait
+    for it in their next collective until run_worker's timeout."""
     if "--worker" not in argv:
         return False, None, argv
+    sys.excepthook = _abort_on_exception
     rest = [a for a in argv if a != "--worker"]
     i = rest.index("--out")
     return True, Path(rest[i + 1]), rest[:i] + rest[i + 2:]
+
+
+def _abort_on_exception(kind, value, tb) -> None:
+    sys.__excepthook__(kind, value, tb)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
+            and mpi.COMM_WORLD.size > 1:
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(1)
