@@ -7,17 +7,22 @@ In one run, on the shakespeare data (training steps are real):
      the ZeRO formulas (fp32: 16, 8+8/N, 4+12/N, 16/N bytes per parameter; bf16 mixed:
      16, 4+12/N, 2+14/N, 16/N). Target: within 5%; communication buffers are reported
      beside them (bounded by the bucket caps).
-  B. step time of each stage relative to stage 0 (plain DP) in the same run, and ZeRO-1
-     against torch's ZeroRedundancyOptimizer (gloo, wrapped in DDP, as its docs pair them)
-     on the same model, data and ranks.
-  C. the largest GPT (16 layers, width in steps of 32) that trains two steps on 4 ranks
-     while every rank's peak resident memory grows by at most CAP_MIB over what the
-     process held before the model was built, stage 0 vs stage 3. Target: ZeRO-3 trains
-     >= 3x the parameters of DP. glibc is told to return large blocks to the OS at once
+  B. step time of each stage relative to stage 0 (plain DP) in the same run (median
+     over the steps of the slowest rank's step time, with min and max), and ZeRO-1
+     against torch's ZeroRedundancyOptimizer (gloo, wrapped in DDP, as its docs pair
+     them) on the same model, data, sampler and ranks, twice: with its defaults and with
+     ``parameters_as_bucket_view=True`` (parameters packed into a bucket per rank, so
+     the broadcast after each step sends one message per rank instead of one per
+     parameter). A's jobs time 4 steps after 4 warm-up steps; these 8 after 4, in
+     ROUNDS rounds, every job once per round; median over the rounds [min, max].
+  C. the largest GPT (16 layers, width 128-640 in steps of 32) that trains two steps
+     on 4 ranks while every rank's peak resident memory grows by at most CAP_MIB over
+     what the process held before the model was built, stage 0 vs stage 3 (binary
+     search, one run per width). Target: ZeRO-3 trains >= 3x the parameters of DP. glibc is told to return large blocks to the OS at once
      (MALLOC_MMAP_THRESHOLD_), so a freed ZeRO-3 gather does not linger in the RSS, and
      a tiny model runs first so torch's lazily loaded kernels are not counted.
 
-    python perf/bench_zero.py [--quick]
+    python perf/bench_zero.py --shakespeare PATH [--quick]
 """
 
 from __future__ import annotations
@@ -30,15 +35,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import (print_table, run_worker, shakespeare_dataset,  # noqa: E402
-                         torch_ddp_step_times, worker_args, write_result)
+from perf.common import (bench_parser, fmt, fmt_spread, print_table,  # noqa: E402
+                         run_worker, shakespeare_dataset, torch_ddp_step_times,
+                         worker_args, write_result)
 
 MODEL = (6, 6, 384, 128)  # layers, heads, width, block: ~10.7M parameters
 ROWS_PER_RANK = 2
-STEPS, WARMUP = 12, 4
+STEPS, WARMUP = 12, 4  # ZeRO-1 vs torch: 8 timed steps per job
+STEPS_MEMORY = 8  # the memory sweep: its step times are secondary, 4 timed steps
+ROUNDS = 3
+# torch's ZeroRedundancyOptimizer: its defaults, then its flat parameter buffer.
+TORCH_ZERO = {"torch": {}, "torch_bucket_view": {"parameters_as_bucket_view": True}}
 CAP_MIB = 256
 CAP_LAYERS, CAP_BLOCK, CAP_HEAD = 16, 64, 32
-CAP_WIDTHS = list(range(128, 1025, 32))
+# Searched widths: 128-640 (stage 0 fitted 224 and stage 3 416 under the cap so far);
+# a stage that fits the top one is reported as such.
+CAP_WIDTHS = list(range(128, 641, 32))
 
 
 def _overrides(data, spec, ranks, steps, stage, dtype) -> list[str]:
@@ -92,16 +104,22 @@ def worker_train(out: Path, args: list[str], measure_peak: bool) -> None:
     growth = (_rss_kib("VmHWM") - base) * 1024 if measure_peak else 0
     mem = trainer.memory()
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    step_ms = comm.gather(1e3 * statistics.median(result.step_times[WARMUP:] or
-                                                  result.step_times), root=0)
+    times = comm.gather(result.step_times[WARMUP:] or result.step_times, root=0)
     growth = comm.gather(growth, root=0)
     if comm.rank == 0:
-        out.write_text(json.dumps({"step_ms": max(step_ms), "params": n_params,
+        step_ms = slowest_rank_ms(times)
+        out.write_text(json.dumps({"step_ms": statistics.median(step_ms),
+                                   "step_ms_all": step_ms, "params": n_params,
                                    "memory": mem.to_dict(), "peak_rss_growth": max(growth),
                                    "final_loss": result.losses[-1]}))
 
 
-def worker_zro(out: Path, args: list[str]) -> None:
+def slowest_rank_ms(per_rank: list[list[float]]) -> list[float]:
+    """Per step, the slowest rank's step time (ms): the step of a synchronous job."""
+    return [1e3 * max(step) for step in zip(*per_rank)]
+
+
+def worker_zro(out: Path, variant: str, args: list[str]) -> None:
     """torch's ZeRO-1: DDP allreduce + ZeroRedundancyOptimizer (sharded AdamW, broadcast)."""
     import torch
     from mpi4py import MPI
@@ -111,16 +129,20 @@ def worker_zro(out: Path, args: list[str]) -> None:
         o = cfg.optim
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                       weight_decay=o.weight_decay, fused=True)
+                                       weight_decay=o.weight_decay, fused=True,
+                                       **TORCH_ZERO[variant])
 
-    times = torch_ddp_step_times(args, zero_redundancy_adamw)
+    times = MPI.COMM_WORLD.gather(torch_ddp_step_times(args, zero_redundancy_adamw)[WARMUP:],
+                                  root=0)
     if MPI.COMM_WORLD.rank == 0:
-        out.write_text(json.dumps({"step_ms": 1e3 * statistics.median(times[WARMUP:])}))
+        step_ms = slowest_rank_ms(times)
+        out.write_text(json.dumps({"step_ms": statistics.median(step_ms),
+                                   "step_ms_all": step_ms}))
 
 
 def part_memory_and_speed(data, quick: bool) -> tuple[list[dict], list[list]]:
     records, rows = [], []
-    steps = STEPS // 2 if quick else STEPS
+    steps = STEPS // 2 if quick else STEPS_MEMORY
     for n in (2, 4):
         base_ms = {}
         for dtype in ("fp32", "bf16"):
@@ -138,10 +160,11 @@ def part_memory_and_speed(data, quick: bool) -> tuple[list[dict], list[list]]:
                        "step_vs_stage0": r["step_ms"] / base_ms[dtype]}
                 records.append(rec)
                 rows.append([n, dtype, stage, per_param, formula, rec["vs_formula"],
-                             r["memory"]["comm_buffers"] / 2**20, r["step_ms"],
-                             rec["step_vs_stage0"]])
-                print(f"  N={n} {dtype} stage {stage}: {per_param:.2f} B/param "
-                      f"(formula {formula:.2f}), {r['step_ms']:.0f} ms/step", flush=True)
+                             r["memory"]["comm_buffers"] / 2**20,
+                             fmt_spread(r["step_ms_all"]), rec["step_vs_stage0"]])
+                print(f"  N={n} {dtype} stage {stage}: {fmt(per_param)} B/param "
+                      f"(formula {fmt(formula)}), {fmt_spread(r['step_ms_all'])} ms/step",
+                      flush=True)
     return records, rows
 
 
@@ -149,19 +172,38 @@ def part_vs_torch(data, quick: bool) -> list[dict]:
     out = []
     steps = STEPS // 2 if quick else STEPS
     for n in (2, 4):
-        ours, theirs = [], []
-        for _ in range(1 if quick else 3):  # interleaved rounds; medians count
-            ours.append(run_worker(n, __file__, ["train", *_overrides(data, MODEL, n, steps,
-                                                                      1, "fp32")])["step_ms"])
-            theirs.append(run_worker(n, __file__, ["zro", *_overrides(data, MODEL, n, steps,
-                                                                      1, "fp32")],
-                                     retries=1)["step_ms"])
-        o, t = statistics.median(ours), statistics.median(theirs)
-        out.append({"ranks": n, "hpctrain_zero1_ms": o, "torch_zro_ms": t,
-                    "speedup": t / o, "all_ms": {"hpctrain": ours, "torch": theirs}})
-        print(f"  N={n}: ZeRO-1 {o:.0f} ms/step vs ZeroRedundancyOptimizer {t:.0f} ms/step",
-              flush=True)
+        args = _overrides(data, MODEL, n, steps, 1, "fp32")
+        all_ms = {"hpctrain": [], **{v: [] for v in TORCH_ZERO}}
+        for _ in range(1 if quick else ROUNDS):  # every job once per round; medians count
+            all_ms["hpctrain"].append(run_worker(n, __file__, ["train", *args])["step_ms"])
+            for variant in TORCH_ZERO:
+                all_ms[variant].append(run_worker(n, __file__, [f"zro-{variant}", *args],
+                                                  retries=1)["step_ms"])
+        med = {k: statistics.median(v) for k, v in all_ms.items()}
+        out.append({"ranks": n, "hpctrain_zero1_ms": med["hpctrain"],
+                    "torch_zro_ms": med["torch"],
+                    "torch_zro_bucket_view_ms": med["torch_bucket_view"],
+                    "speedup": med["torch"] / med["hpctrain"],
+                    "speedup_bucket_view": med["torch_bucket_view"] / med["hpctrain"],
+                    "all_ms": all_ms})
+        print(f"  N={n}: ZeRO-1 {fmt_spread(all_ms['hpctrain'])} ms/step; "
+              f"ZeroRedundancyOptimizer {fmt_spread(all_ms['torch'])}, with "
+              f"parameters_as_bucket_view {fmt_spread(all_ms['torch_bucket_view'])}", flush=True)
     return out
+
+
+def vs_torch_rows(records: list[dict]) -> list[list]:
+    rows = []
+    for r in records:
+        ours = r["all_ms"]["hpctrain"]
+        for variant, label in (("torch", "defaults"),
+                               ("torch_bucket_view", "parameters_as_bucket_view=True")):
+            theirs = r["all_ms"].get(variant)
+            if not theirs:
+                continue
+            rows.append([r["ranks"], label, fmt_spread(ours), fmt_spread(theirs),
+                         statistics.median(theirs) / statistics.median(ours)])
+    return rows
 
 
 def _fits(data, width: int, stage: int) -> tuple[bool, dict]:
@@ -192,13 +234,17 @@ def part_capacity(data) -> dict:
                 best, lo = {"width": CAP_WIDTHS[mid], **r}, mid + 1
             else:
                 hi = mid - 1
+        if best is not None and best["width"] == CAP_WIDTHS[-1]:
+            print(f"  stage {stage} fits the widest model searched ({CAP_WIDTHS[-1]}): "
+                  "raise CAP_WIDTHS to find its limit", flush=True)
         found[stage] = best
     return found
 
 
-def main() -> None:
-    quick = "--quick" in sys.argv
-    data = shakespeare_dataset()
+def main(argv: list[str]) -> None:
+    args = bench_parser(__doc__, shakespeare=True).parse_args(argv)
+    quick = args.quick
+    data = shakespeare_dataset(args.shakespeare)
     print("A+B. memory and step time per stage (model 6L/6H/384, block 128, "
           f"{ROWS_PER_RANK} rows per rank)", flush=True)
     records, rows = part_memory_and_speed(data, quick)
@@ -208,10 +254,10 @@ def main() -> None:
     print("\nB. ZeRO-1 vs torch ZeroRedundancyOptimizer (gloo), same model and batches",
           flush=True)
     torch_rows = part_vs_torch(data, quick)
-    print_table("ZeRO-1 step time (median of interleaved rounds)",
-                ["ranks", "hpctrain ZeRO-1 ms", "torch ZeRO ms", "speedup"],
-                [[r["ranks"], r["hpctrain_zero1_ms"], r["torch_zro_ms"], r["speedup"]]
-                 for r in torch_rows])
+    print_table("ZeRO-1 step time (ms), median [min, max] over interleaved rounds; speedup = "
+                "torch / ours (medians)",
+                ["ranks", "ZeroRedundancyOptimizer", "hpctrain ZeRO-1 ms", "torch ms",
+                 "speedup"], vs_torch_rows(torch_rows))
     capacity = {}
     if not quick:
         print(f"\nC. largest model training on 4 ranks under {CAP_MIB} MiB per rank", flush=True)
@@ -223,16 +269,16 @@ def main() -> None:
                      for s, c in capacity.items() if c])
     worst = max(abs(r["vs_formula"] - 1) for r in records)
     ratio = capacity[3]["params"] / capacity[0]["params"] if capacity else None
-    print(f"\ntargets: model state within 5% of the formulas: worst {100 * worst:.1f}% -> "
-          f"{'MET' if worst <= 0.05 else 'NOT MET'}")
+    print(f"\ntargets: model state within 5% of the formulas: worst deviation {fmt(worst)} "
+          f"-> {'MET' if worst <= 0.05 else 'NOT MET'}")
     if ratio is not None:
-        print(f"ZeRO-3 trains >= 3x the parameters of DP under the cap: {ratio:.2f}x -> "
+        print(f"ZeRO-3 trains >= 3x the parameters of DP under the cap: {fmt(ratio)}x -> "
               f"{'MET' if ratio >= 3 else 'NOT MET'}")
     write_result("zero", {"quick": quick, "model": MODEL, "rows_per_rank": ROWS_PER_RANK,
                           "memory_and_speed": records, "vs_torch_zero": torch_rows,
                           "capacity": {"cap_mib": CAP_MIB, "by_stage": capacity,
                                        "ratio": ratio},
-                          "worst_formula_deviation": worst})
+                          "worst_formula_deviation": worst}, smoke=quick)
 
 
 if __name__ == "__main__":
@@ -240,9 +286,9 @@ if __name__ == "__main__":
     if is_worker:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         kind, args = rest[0], rest[1:]
-        if kind == "zro":
-            worker_zro(out, args)
+        if kind.startswith("zro-"):
+            worker_zro(out, kind[len("zro-"):], args)
         else:
             worker_train(out, args, measure_peak=kind == "train-peak")
     else:
-        main()
+        main(rest)
