@@ -60,11 +60,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) perf/bench_allreduce.py
-	$(PY) perf/bench_dp.py
-	$(PY) perf/bench_convergence.py
-	$(PY) perf/bench_zero.py
-	$(PY) perf/bench_checkpoint.py
-	$(PY) perf/bench_io.py
+	$(PY) perf/bench_dp.py --shakespeare $${HPCTRAIN_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+	$(PY) perf/bench_convergence.py --shakespeare $${HPCTRAIN_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+	$(PY) perf/bench_zero.py --shakespeare $${HPCTRAIN_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+	$(PY) perf/bench_checkpoint.py --shakespeare $${HPCTRAIN_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+	$(PY) perf/bench_io.py --shakespeare $${HPCTRAIN_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}
 	$(PY) perf/bench_pipeline.py
 
 # Regenerate the example job scripts (tests/test_jobs.py checks they are in sync).
@@ -98,3 +98,8 @@ test-hf: $(HF_STAMP) $(GPT2_BPE)
 
 test-audit: $(STAMP)
 	$(PY) -m tests.skip_audit --expect $(LEGS) test-reports
+
+# perf/RESULTS.md from perf/results/*.json (tests/test_results_doc.py checks they agree).
+.PHONY: results
+results: $(STAMP)
+	$(PY) perf/make_results.py

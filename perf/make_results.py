@@ -1,0 +1,382 @@
+"""Write perf/RESULTS.md from perf/results/*.json, so the document cannot drift from
+the measurements (tests/test_results_doc.py regenerates it and compares).
+
+Every section states where its numbers come from (commit, clean or dirty tree, date,
+machine) and gives repeated measurements as median [min, max] (convergence: mean [min,
+max] over seeds), computed here from the raw values each JSON keeps; figures use the
+benchmarks' own formatter (``perf.common.fmt``). JSON written before a field existed is
+rendered with what it has ("unknown", "n/a", "not recorded").
+
+    python perf/make_results.py            # or: make results
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.common import RESULTS, ROOT, fmt, fmt_spread, table_lines  # noqa: E402
+
+DOC = ROOT / "perf" / "RESULTS.md"
+
+
+# ------------------------------------------------------------------------- helpers
+
+def _table(columns: list[str], rows: list[list]) -> list[str]:
+    return [*table_lines(columns, rows, markdown=True), ""]
+
+
+def _median(values):
+    values = [v for v in values or [] if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def provenance(d: dict) -> str:
+    """One line: commit, tree state, date, machine, duration."""
+    clean = d.get("tree_clean")
+    tree = {True: "clean", False: "**dirty**"}.get(clean, "unknown")
+    m = d.get("machine", {})
+    cpu = f"{m.get('cpus', '?')} CPUs" + (f" ({m['cpu_model']})" if m.get("cpu_model") else "")
+    cuda = ", CUDA" if m.get("cuda") else ""
+    took = f"{fmt(d['duration_s'] / 60)} min" if d.get("duration_s") is not None else "unknown"
+    line = (f"Commit `{d.get('git_sha', 'unknown')}`, tree clean: {tree}; run "
+            f"{d.get('time', 'unknown').replace('T', ' ')}; machine: {cpu}, "
+            f"{m.get('platform', 'unknown')}, Python {m.get('python', '?')}, torch "
+            f"{m.get('torch', '?')}{cuda}; duration: {took}.")
+    if clean is False:
+        line += (" Run from a tree with uncommitted changes (" +
+                 ", ".join(f"`{p}`" for p in d.get("dirty_paths", [])[:5]) + ").")
+    if d.get("quick"):
+        line += " **A --quick smoke test, not a result to quote.**"
+    return line
+
+
+# ------------------------------------------------------------------------ sections
+
+def render_allreduce(d: dict) -> list[str]:
+    methods = [("bucketed", "bucketed (shm)"), ("bucketed_mpi", "bucketed MPI"),
+               ("bucketed_iallreduce", "bucketed Iallreduce"), ("raw_mpi", "raw MPI"),
+               ("gloo", "gloo")]
+    rows = []
+    for r in d["records"]:
+        factor = 2 * (r["ranks"] - 1) / r["ranks"]
+        every = r.get("time_ms_all", {})
+
+        def bw(k):
+            if every.get(k):
+                return fmt_spread([r["bytes"] * factor / (t / 1e3) / 1e9 for t in every[k]])
+            return fmt(r["busbw_GBps"][k])
+
+        bws = r["busbw_GBps"]
+        rows.append([r["ranks"], r["model"], fmt(r["bytes"] / 2**20), r["buckets"],
+                     r.get("transport", "unknown"), *(bw(k) for k, _ in methods),
+                     fmt(bws["bucketed"] / bws["raw_mpi"]), fmt(bws["bucketed"] / bws["gloo"])])
+    n = d.get("repeats", 21)
+    spread_note = ("median [min, max]" if any(r.get("time_ms_all") for r in d["records"])
+                   else "median (min and max not recorded in this JSON)")
+    out = [f"Bus bandwidth (GB/s) of one gradient reduction, {spread_note} of {n} timed "
+           "batches; ratios from the medians.", "",
+           *_table(["ranks", "model", "MiB", "buckets", "transport",
+                    *(label for _, label in methods), "bucketed/raw", "bucketed/gloo"], rows)]
+    if "worst_bucketed_over_raw" in d:
+        out += [f"Target bucketed >= {fmt(d.get('target', 0.9))}x raw MPI: worst "
+                f"{fmt(d['worst_bucketed_over_raw'])}x -> {'met' if d.get('met') else 'missed'}.",
+                ""]
+    return out
+
+
+def render_dp(d: dict) -> list[str]:
+    phases = [("dp1", "DP=1"), ("pair", "2 x DP=1 at once"), ("dp2", "DP=2"),
+              ("ddp2", "torch DDP, 2 ranks")]
+    ratios = [("weak_scaling_efficiency", "weak-scaling eff."),
+              ("contention_ceiling", "contention ceiling"),
+              ("communication_efficiency", "communication eff."), ("vs_ddp", "vs DDP")]
+    tput, rat = [], []
+    for name, m in d["models"].items():
+        rounds = m.get("all_rounds", [])
+        cells = [fmt_spread([r["tokens_per_s"][k] for r in rounds]) if rounds
+                 else fmt(m["tokens_per_s"][k]) for k, _ in phases]
+        single = fmt_spread(m["single2t_runs"]) if m.get("single2t_runs") \
+            else fmt(m["tokens_per_s"].get("single2t"))
+        tput.append([name, m["per_rank_batch"], m.get("rounds", "?"), *cells, single])
+        rat.append([name, *(fmt_spread(m["per_round"][k]) if m.get("per_round", {}).get(k)
+                            else fmt(m.get(k)) for k, _ in ratios),
+                    fmt(m.get("vs_single_2threads"))])
+    out = ["Training throughput, tokens/s, median [min, max] over rounds (the 1-process "
+           "column: over its runs).", "",
+           *_table(["model", "batch/rank", "rounds", *(label for _, label in phases),
+                    "1 process, 2 threads"], tput),
+           "Ratios, each taken within a round: median [min, max] over rounds (vs 1 process: "
+           "from the medians).", "",
+           *_table(["model", *(label for _, label in ratios), "vs 1 process 2 threads"], rat)]
+    t = d.get("targets", {})
+    if t:
+        out += [f"Targets: weak-scaling efficiency >= {fmt(t.get('efficiency'))}, >= "
+                f"{fmt(t.get('vs_ddp'))}x torch DDP -> {'met' if d.get('met') else 'missed'}.", ""]
+    return out
+
+
+def render_zero(d: dict) -> list[str]:
+    rows = []
+    for r in d["memory_and_speed"]:
+        step = fmt_spread(r["step_ms_all"]) if r.get("step_ms_all") else fmt(r["step_ms"])
+        rows.append([r["ranks"], r["dtype"], r["stage"], fmt(r["bytes_per_param"]),
+                     fmt(float(r["formula"])), fmt(r["vs_formula"]),
+                     fmt(r["memory"]["comm_buffers"] / 2**20), step, fmt(r["step_vs_stage0"])])
+    step_note = ("median [min, max] over the steps" if any(
+        r.get("step_ms_all") for r in d["memory_and_speed"]) else "median over the steps")
+    out = [f"Model-state bytes per parameter per rank against the ZeRO formulas; step time "
+           f"(ms) {step_note}, slowest rank.", "",
+           *_table(["ranks", "dtype", "stage", "B/param", "formula", "ratio", "comm MiB",
+                    "step ms", "vs stage 0"], rows)]
+    vs = []
+    for r in d.get("vs_torch_zero", []):
+        ours = r["all_ms"]["hpctrain"]
+        for key, label in (("torch", "defaults"),
+                           ("torch_bucket_view", "parameters_as_bucket_view=True")):
+            theirs = r["all_ms"].get(key)
+            if theirs:
+                vs.append([r["ranks"], label, fmt_spread(ours), fmt_spread(theirs),
+                           fmt(_ratio(_median(theirs), _median(ours)))])
+    if vs:
+        out += ["ZeRO-1 against torch's ZeroRedundancyOptimizer (DDP + gloo), step ms, "
+                "median [min, max] over interleaved rounds; speedup = torch / hpctrain "
+                "(medians).", "",
+                *_table(["ranks", "ZeroRedundancyOptimizer", "hpctrain ZeRO-1 ms", "torch ms",
+                         "speedup"], vs)]
+    cap = d.get("capacity", {})
+    found = [(s, c) for s, c in cap.get("by_stage", {}).items() if c]
+    if found:
+        out += [f"Largest GPT training on 4 ranks under {cap.get('cap_mib')} MiB peak RSS "
+                "growth per rank (one run per width, binary search).", "",
+                *_table(["stage", "width", "parameters", "peak growth MiB"],
+                        [[s, c["width"], c["params"], fmt(c["peak_rss_growth"] / 2**20)]
+                         for s, c in found]),
+                f"ZeRO-3 / DP parameters: {fmt(cap.get('ratio'))}x (target >= 3).", ""]
+    if "worst_formula_deviation" in d:
+        out += [f"Worst deviation from the formulas: {fmt(d['worst_formula_deviation'])} "
+                "(target <= 0.05).", ""]
+    return out
+
+
+def _pipeline_vs_torch(d: dict) -> list[dict]:
+    """Rows of the comparison with torch; the old format (our 1F1B and interleaved
+    against torch's 1F1B, best of 2) is mapped onto the current one."""
+    rows = []
+    for r in d.get("vs_torch", []):
+        if "schedule" in r:
+            rows.append(r)
+            continue
+        rows.append({"p": r["p"], "m": r["m"], "schedule": "1f1b", "virtual": 1,
+                     "torch_class": "Schedule1F1B", "ours": {"step_s": r["ours_step_s"]},
+                     "torch": {"step_s": r["torch_step_s"]},
+                     "speedup_per_round": [t / o for t, o in zip(r["torch_step_s"],
+                                                                 r["ours_step_s"])]})
+        if r.get("ours_interleaved_v2_step_s"):
+            rows.append({"p": r["p"], "m": r["m"], "schedule": "interleaved", "virtual": 2,
+                         "torch_class": "not measured",
+                         "ours": {"step_s": r["ours_interleaved_v2_step_s"]}, "torch": {},
+                         "speedup_per_round": []})
+    return rows
+
+
+def render_pipeline(d: dict) -> list[str]:
+    a, b = [], []
+    for r in d["bubble"]:
+        for kind in ("1f1b", "gpipe"):
+            k = r[kind]
+            per = k.get("per_step")
+            if per:
+                a.append([r["p"], r["m"], kind, fmt(k["bubble_theory"]),
+                          fmt_spread(per["bubble"]), fmt_spread(per["efficiency"]),
+                          fmt_spread(per["step_s"], 1e3)])
+            else:  # before per-step lists: one figure, no efficiency
+                a.append([r["p"], r["m"], kind, fmt(k["bubble_theory"]),
+                          fmt(k.get("bubble_measured")), "not recorded", fmt(k["step_s"], 1e3)])
+        b.append([r["p"], r["m"], fmt(r["1f1b"]["act_bytes_max"] / 2**20),
+                  fmt(r["gpipe"]["act_bytes_max"] / 2**20), fmt(r["act_ratio"]),
+                  fmt(r["act_target"]),
+                  "met" if r["act_ratio"] <= 1.1 * r["act_target"] else "missed"])
+    steps = d.get("steps", "?")
+    how = (f"median [min, max] over {steps} steps of one run" if a and d["bubble"][0]["1f1b"].get(
+        "per_step") else f"this JSON predates per-step lists: the mean over {steps} steps "
+           "(bubble) and the slowest stage's median (step time)")
+    out = [f"A. Bubble: share of the pipeline phase a stage spends blocked on a neighbour "
+           f"(mean over stages) against (p - 1) / (m + p - 1); efficiency = busiest stage's "
+           f"forward + backward time / the pipeline phase (<= 1; optimizer outside both); "
+           f"{how}.", "",
+           *_table(["p", "m", "schedule", "theory", "measured", "efficiency", "step ms"], a),
+           "B. Peak activation memory per step, worst stage (MiB); target 1F1B <= 1.1 p/m "
+           "x GPipe.", "",
+           *_table(["p", "m", "1F1B", "GPipe", "ratio", "p/m", "target"], b)]
+    c = []
+    for r in _pipeline_vs_torch(d):
+        name = r["schedule"] + (f" v={r['virtual']}" if r.get("virtual", 1) > 1 else "")
+        theirs = r["torch"].get("step_s")
+        c.append([r["p"], r["m"], name, r["torch_class"], fmt_spread(r["ours"]["step_s"], 1e3),
+                  fmt_spread(theirs, 1e3) if theirs else "n/a",
+                  fmt_spread(r["speedup_per_round"]) if r["speedup_per_round"] else "n/a",
+                  fmt_spread(r["ours"].get("efficiency")) if r["ours"].get("efficiency")
+                  else "n/a",
+                  fmt_spread(r["torch"].get("efficiency")) if r["torch"].get("efficiency")
+                  else "n/a"])
+    rounds = d.get("rounds")
+    how = (f"median [min, max] over {rounds} rounds" if rounds else
+           "the 2 rounds as median [min, max] (this JSON predates medians of >= 3 rounds; "
+           "its own summary was the best of 2)")
+    out += [f"C. Step time (ms, optimizer step included) of our schedules against "
+            f"torch.distributed.pipelining's schedule of the same kind, same stages, "
+            f"micro-batches and AdamW; {how}; speedup = torch / ours per round.", "",
+            *_table(["p", "m", "schedule", "torch schedule", "ours ms", "torch ms",
+                     "speedup", "ours efficiency", "torch efficiency"], c)]
+    if "target_vs_torch" in d:
+        worst = min(_median(r["speedup_per_round"]) for r in _pipeline_vs_torch(d)
+                    if r["schedule"] == "1f1b")
+        out += [f"Target: our 1F1B >= {fmt(d['target_vs_torch'])}x torch's Schedule1F1B: "
+                f"worst {fmt(worst)}x -> {'met' if d.get('met') else 'missed'}.", ""]
+    return out
+
+
+CONVERGENCE_ROWS = {
+    "hpctrain_dp2": "hpctrain, 2 ranks x 1 thread",
+    "baseline_matched": "nanoGPT-style, 1 process x 2 threads, hpctrain's AdamW + sampler",
+    "nanogpt_style_1proc_2threads": "nanoGPT-style, 1 process x 2 threads, nanoGPT defaults",
+}
+
+
+def render_convergence(d: dict) -> list[str]:
+    labels = {**CONVERGENCE_ROWS, **d.get("rows", {})}
+    runs = d["runs"]
+    present = [k for k in labels if k in runs[0]]
+    seeds = [r["seed"] for r in runs]
+    rows = [[labels[k], len(runs),
+             fmt_spread([r[k]["final_val_loss"] for r in runs], center="mean"),
+             fmt_spread([r[k]["wall_s"] for r in runs], center="mean"),
+             fmt_spread([r[k]["step_ms_median"] for r in runs], center="mean")]
+            for k in present]
+    steps = d.get("steps", 2000)
+    out = [f"shakespeare-char, {steps} steps, seed(s) {', '.join(map(str, seeds))}: "
+           "whole-split validation loss and wall time, mean [min, max] over the seeds.", "",
+           *_table(["run", "seeds", "val loss", "wall s", "step ms (median per run)"], rows),
+           "Per seed: val loss / wall s.", "",
+           *_table(["seed", *(labels[k] for k in present)],
+                   [[r["seed"], *(f"{fmt(r[k]['final_val_loss'])} / {fmt(r[k]['wall_s'])}"
+                                  for k in present)] for r in runs])]
+    checks = d.get("seed_checks")
+    if checks:
+        failed = [f"{k}: {c}" for k, v in checks.items() for c, ok in v.items() if ok is False]
+        out += ["Seeds change the initial weights and the data order of every row: "
+                + ("yes." if not failed else "NO (" + ", ".join(failed) + ")."), ""]
+    target = d.get("targets", {}).get("val_loss")
+    if target is not None:
+        met = d.get("met")
+        out += [f"Targets: hpctrain's mean val loss <= {fmt(target)}, wall time <= the "
+                f"baseline's -> {'met' if met else 'not checked' if met is None else 'missed'}.",
+                ""]
+    return out
+
+
+def render_checkpoint(d: dict) -> list[str]:
+    rec = d["records"]
+    torch_r = rec["torch"]
+    gb = torch_r["bytes"] / 1e9
+
+    def row(method, n, r):
+        return [method, n, fmt_spread(r["all_s"]["save"]), fmt(gb / r["save_s"]),
+                fmt_spread(r["all_s"]["load"]), fmt(gb / r["load_s"]),
+                fmt(torch_r["save_s"] / r["save_s"]), fmt(torch_r["load_s"] / r["load_s"])]
+
+    rows = [row("torch.save/load", 1, torch_r)]
+    rows += [row("hpctrain sharded", n, r) for n, r in rec["hpctrain"].items()]
+    repeats = len(torch_r["all_s"]["save"])
+    out = [f"Checkpoint of {fmt(torch_r['params'] / 1e6)}M parameters "
+           f"({fmt(torch_r['bytes'] / 2**20)} MiB: fp32 parameters + Adam moments); seconds, "
+           f"median [min, max] of {repeats}; GB/s and ratios from the medians.", "",
+           *_table(["method", "ranks", "save s", "save GB/s", "load s", "load GB/s",
+                    "save vs torch", "load vs torch"], rows)]
+    tr = rec.get("training")
+    if tr:
+        med = tr["median_s"]
+        out += ["Training wall time (s), 20 steps with a checkpoint every 5 (10.7M parameters, "
+                "2 ranks, ZeRO-1), median [min, max] over rounds; overhead from the medians.",
+                "",
+                *_table(["checkpoints", "wall s", "overhead"],
+                        [[k, fmt_spread(v), fmt(med[k] / med["none"] - 1)]
+                         for k, v in tr["wall_s"].items()])]
+    return out
+
+
+def render_io(d: dict) -> list[str]:
+    rows = []
+    for r in d["reads"].values():
+        rd = r["rounds"]
+        med = r["median_MBps"]
+        rows.append([r["ranks"], r["cache"], fmt_spread(rd["mpiio"]), fmt_spread(rd["memmap"]),
+                     fmt(med["mpiio"] / med["memmap"]), fmt_spread(rd["memmap_random"]),
+                     fmt(med["mpiio"] / med["memmap_random"]), fmt_spread(rd["view"])])
+    out = ["Read bandwidth, aggregate MB/s, median [min, max] over rounds; ratios from the "
+           "medians.", "",
+           *_table(["ranks", "cache", "MPI-IO (hpctrain)", "np.memmap (nanoGPT)",
+                    "MPI-IO/memmap", "memmap + MADV_RANDOM", "MPI-IO/that",
+                    "MPI-IO, one call + file view"], rows)]
+    wait = d.get("data_wait")
+    if wait:
+        out += [f"Data wait while training shakespeare-char on {wait['ranks']} ranks, "
+                f"{wait['steps']} steps: share of step time, median [min, max] over runs.", "",
+                *_table(["reader", "data ms/step", "step ms", "data wait share"],
+                        [[name, fmt(c["data_ms"]), fmt(c["step_ms"]),
+                          fmt_spread(c["all_shares"])] for name, c in wait["configs"].items()])]
+    if "worst_ratio" in d:
+        out += [f"Targets: MPI-IO >= 0.8x memmap (worst {fmt(d['worst_ratio'])}x), data wait "
+                f"< 0.02 (default reader {fmt(d['data_wait_share'])}) -> "
+                f"{'met' if d.get('met') else 'missed'}.", ""]
+    return out
+
+
+# name -> (title, command, renderer), in the Makefile's order
+SECTIONS = {
+    "allreduce": ("Gradient allreduce", "python perf/bench_allreduce.py", render_allreduce),
+    "dp": ("Data-parallel throughput", "python perf/bench_dp.py --shakespeare PATH", render_dp),
+    "convergence": ("Convergence and time to solution",
+                    "python perf/bench_convergence.py --shakespeare PATH", render_convergence),
+    "zero": ("ZeRO memory and speed", "python perf/bench_zero.py --shakespeare PATH",
+             render_zero),
+    "checkpoint": ("Checkpoints", "python perf/bench_checkpoint.py --shakespeare PATH",
+                   render_checkpoint),
+    "io": ("Data reading", "python perf/bench_io.py --shakespeare PATH", render_io),
+    "pipeline": ("Pipeline parallelism", "python perf/bench_pipeline.py", render_pipeline),
+}
+
+
+def render(results: Path = RESULTS) -> str:
+    lines = ["# Benchmark results", "",
+             "Generated by `make results` (`perf/make_results.py`) from `perf/results/*.json`; "
+             "do not edit by hand. Each benchmark's docstring (`perf/bench_*.py`) says what "
+             "is measured and how. Repeated measurements are given as median [min, max] "
+             "unless a table says otherwise. `make bench` runs them all.", ""]
+    for name, (title, command, fn) in SECTIONS.items():
+        lines += [f"## {title}", "", f"`{command}` -> `perf/results/{name}.json`", ""]
+        path = results / f"{name}.json"
+        if not path.exists():
+            lines += ["No result yet.", ""]
+            continue
+        d = json.loads(path.read_text())
+        lines += [provenance(d), "", *fn(d)]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main() -> None:
+    DOC.write_text(render())
+    print(f"wrote {DOC.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""perf/RESULTS.md is generated from perf/results/*.json and must match them; the pure
+helpers the benchmarks share (tree state, figures, efficiency, seed checks). One process,
+no MPI, no torch work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from perf import make_results
+from perf.bench_convergence import seed_checks
+from perf.bench_pipeline import bubble_theory, combine_stages, pipeline_efficiency
+from perf.common import (RESULTS, dirty_paths, fmt, fmt_spread, shakespeare_text, spread,
+                         table_lines)
+
+
+def test_results_md_is_generated_from_the_committed_json():
+    expected = make_results.render(RESULTS)
+    assert make_results.DOC.read_text() == expected, \
+        "perf/RESULTS.md is out of date with perf/results/*.json: run `make results`"
+
+
+def test_old_json_without_tree_state_or_spreads_renders(tmp_path):
+    # A result written before tree_clean, duration and per-repeat lists existed.
+    old = {"benchmark": "convergence", "git_sha": "abc1234", "time": "2026-01-01T00:00:00",
+           "machine": {"cpus": 2, "platform": "Linux", "python": "3.11", "torch": "2.13"},
+           "runs": [{"seed": 1337,
+                     "hpctrain_dp2": {"wall_s": 50.0, "final_val_loss": 1.899,
+                                      "step_ms_median": 24.0},
+                     "nanogpt_style_1proc_2threads": {"wall_s": 60.0, "final_val_loss": 1.9,
+                                                      "step_ms_median": 27.0}}],
+           "targets": {"val_loss": 1.9}, "met": True}
+    (tmp_path / "convergence.json").write_text(json.dumps(old))
+    doc = make_results.render(tmp_path)
+    assert "Commit `abc1234`, tree clean: unknown" in doc
+    assert "duration: unknown" in doc
+    assert "| hpctrain, 2 ranks x 1 thread | 1 | 1.899 | 50.000 | 24.000 |" in doc
+    assert doc.count("No result yet.") == len(make_results.SECTIONS) - 1
+
+
+def test_convergence_with_three_rows_and_seed_checks(tmp_path):
+    def row(val, wall):
+        return {"wall_s": wall, "final_val_loss": val, "step_ms_median": 24.0}
+
+    runs = [{"seed": s, "hpctrain_dp2": row(1.89 + s / 100, 50.0 + s),
+             "baseline_matched": row(1.89, 52.0), "nanogpt_style_1proc_2threads": row(1.9, 60.0)}
+            for s in (1, 2, 3)]
+    d = {"git_sha": "abc1234", "tree_clean": True, "time": "2026-01-01T00:00:00",
+         "machine": {}, "steps": 2000, "runs": runs, "targets": {"val_loss": 1.9},
+         "met": False, "seed_checks": {"hpctrain_dp2": {"loss_step10_differs": True},
+                                       "baseline_matched": {"init_differs": True,
+                                                            "data_differs": False}}}
+    (tmp_path / "convergence.json").write_text(json.dumps(d))
+    doc = make_results.render(tmp_path)
+    assert "tree clean: clean" in doc
+    assert "| hpctrain, 2 ranks x 1 thread | 3 | 1.910 [1.900, 1.920] | 52.000 [51.000, 53.000]" \
+        in doc
+    assert "| 1.890 [1.890, 1.890] | 52.000 [52.000, 52.000] |" in doc
+    assert "NO (baseline_matched: data_differs)" in doc
+    assert "-> missed." in doc
+
+
+def test_dirty_tree_is_stated(tmp_path):
+    d = {"git_sha": "abc1234", "tree_clean": False, "dirty_paths": ["perf/common.py"],
+         "time": "2026-01-01T00:00:00", "machine": {}, "duration_s": 90.0}
+    line = make_results.provenance(d)
+    assert "tree clean: **dirty**" in line and "`perf/common.py`" in line
+    assert "duration: 1.500 min" in line
+
+
+def test_dirty_paths_ignores_results_and_reads_renames():
+    porcelain = "\n".join([" M perf/common.py", "?? perf/results/", " M perf/results/dp.json",
+                           "R  old.py -> new.py", '?? "odd name.txt"', "A  tests/test_x.py"])
+    assert dirty_paths(porcelain) == ["perf/common.py", "old.py", "new.py", "odd name.txt",
+                                      "tests/test_x.py"]
+    assert dirty_paths("?? perf/results/quick/\n M perf/results/zero.json\n") == []
+    assert dirty_paths("") == []
+
+
+def test_figures_print_as_stored_with_three_decimals():
+    assert fmt(0.955) == "0.955"  # not 0.96
+    assert fmt(0.9554) == "0.955"
+    assert fmt(1.9) == "1.900"
+    assert fmt(1234.6) == "1,235"
+    assert fmt(0.0123, scale=1e3) == "12.300"
+    assert fmt(7) == "7" and fmt(None) == "n/a" and fmt(True) == "True"
+
+
+def test_spread_gives_median_mean_min_max():
+    s = spread([3.0, 1.0, 2.0, 10.0])
+    assert (s["median"], s["mean"], s["min"], s["max"], s["n"]) == (2.5, 4.0, 1.0, 10.0, 4)
+    assert spread([])["n"] == 0
+    assert fmt_spread([0.3, 0.1, 0.2]) == "0.200 [0.100, 0.300]"
+    assert fmt_spread([0.3, 0.1, 0.2], center="mean") == "0.200 [0.100, 0.300]"
+    assert fmt_spread([0.5]) == "0.500"
+    assert fmt_spread([0.2, 0.4], scale=1e3) == "300 [200, 400]"
+
+
+def test_markdown_table():
+    assert table_lines(["a", "b"], [[1, 0.5]], markdown=True) == \
+        ["| a | b |", "|---|---|", "| 1 | 0.500 |"]
+
+
+def test_pipeline_efficiency_cannot_exceed_one():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        p, steps = rng.choice([2, 4]), 3
+        stages = []
+        for _ in range(p):
+            pipe = [rng.uniform(0.1, 1.0) for _ in range(steps)]
+            stages.append({"pipe_s": pipe, "step_s": [x + 0.01 for x in pipe],
+                           "compute_s": [x * rng.uniform(0.0, 1.0) for x in pipe],
+                           "bubble_s": [x * rng.uniform(0.0, 0.5) for x in pipe]})
+        out = combine_stages(stages)
+        assert all(0.0 <= e <= 1.0 for e in out["efficiency"])
+        assert len(out["bubble"]) == steps
+    # A stage computing for its whole phase, the slowest one: efficiency 1.
+    assert pipeline_efficiency([1.0, 0.5], [1.0, 0.9]) == 1.0
+    assert bubble_theory(4, 8) == pytest.approx(3 / 11)
+    assert bubble_theory(4, 8, virtual=2) == pytest.approx(3 / 19)
+
+
+def test_seed_checks_notice_a_seed_that_changes_nothing():
+    def run(seed, loss, init, crc):
+        base = {"loss_step10": loss, "init_checksum": init, "first_batch_crc32": crc}
+        return {"seed": seed, "hpctrain_dp2": {"loss_step10": loss},
+                "baseline_matched": dict(base), "nanogpt_style_1proc_2threads": dict(base)}
+
+    checks = seed_checks([run(1, 3.1, 10.0, 5), run(2, 3.2, 11.0, 6)])
+    assert all(v is True for c in checks.values() for v in c.values())
+    same_data = seed_checks([run(1, 3.1, 10.0, 5), run(2, 3.2, 11.0, 5)])
+    assert same_data["baseline_matched"]["data_differs"] is False
+    assert seed_checks([run(1, 3.1, 10.0, 5)])["hpctrain_dp2"]["loss_step10_differs"] is None
+
+
+def test_missing_shakespeare_names_where_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.delenv("HPCTRAIN_SHAKESPEARE", raising=False)
+    with pytest.raises(SystemExit, match="--shakespeare PATH.*HPCTRAIN_SHAKESPEARE") as e:
+        shakespeare_text(None)
+    assert "karpathy/char-rnn" in str(e.value) and "input.txt" in str(e.value)
+    with pytest.raises(SystemExit, match="does not exist"):
+        shakespeare_text(tmp_path / "nope.txt")
+    text = tmp_path / "input.txt"
+    text.write_text("First Citizen:\n")
+    monkeypatch.setenv("HPCTRAIN_SHAKESPEARE", str(text))
+    assert shakespeare_text(None) == text.resolve()
