@@ -42,7 +42,7 @@ def _ratio(a, b):
 def provenance(d: dict) -> str:
     """One line: commit, tree state, date, machine, duration."""
     clean = d.get("tree_clean")
-    tree = {True: "clean", False: "**dirty**"}.get(clean, "unknown")
+    tree = {True: "yes", False: "**no**"}.get(clean, "unknown")
     m = d.get("machine", {})
     cpu = f"{m.get('cpus', '?')} CPUs" + (f" ({m['cpu_model']})" if m.get("cpu_model") else "")
     cuda = ", CUDA" if m.get("cuda") else ""

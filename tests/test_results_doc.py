@@ -53,7 +53,7 @@ def test_convergence_with_three_rows_and_seed_checks(tmp_path):
                                                             "data_differs": False}}}
     (tmp_path / "convergence.json").write_text(json.dumps(d))
     doc = make_results.render(tmp_path)
-    assert "tree clean: clean" in doc
+    assert "tree clean: yes" in doc
     assert "| hpctrain, 2 ranks x 1 thread | 3 | 1.910 [1.900, 1.920] | 52.000 [51.000, 53.000]" \
         in doc
     assert "| 1.890 [1.890, 1.890] | 52.000 [52.000, 52.000] |" in doc
@@ -65,7 +65,7 @@ def test_dirty_tree_is_stated(tmp_path):
     d = {"git_sha": "abc1234", "tree_clean": False, "dirty_paths": ["perf/common.py"],
          "time": "2026-01-01T00:00:00", "machine": {}, "duration_s": 90.0}
     line = make_results.provenance(d)
-    assert "tree clean: **dirty**" in line and "`perf/common.py`" in line
+    assert "tree clean: **no**" in line and "`perf/common.py`" in line
     assert "duration: 1.500 min" in line
 
 
