@@ -132,7 +132,7 @@ def main(argv: list[str]) -> None:
             r = run_worker(n, __file__, ["--model", name, "--repeats", str(repeats)])
             records.append(r)
             bw = r["busbw_GBps"]
-            rows.append([n, name, f"{r['bytes'] / 2**20:.1f}", r["buckets"],
+            rows.append([n, name, r["bytes"] / 2**20, r["buckets"],
                          bw["bucketed"], bw["bucketed_mpi"], bw["bucketed_iallreduce"],
                          bw["raw_mpi"], bw["gloo"], bw["bucketed"] / bw["raw_mpi"],
                          bw["bucketed_mpi"] / bw["raw_mpi"],
