@@ -330,13 +330,15 @@ def render_io(d: dict) -> list[str]:
     wait = d.get("data_wait")
     if wait:
         out += [f"Data wait while training shakespeare-char on {wait['ranks']} ranks, "
-                f"{wait['steps']} steps: share of step time, median [min, max] over runs.", "",
-                *_table(["reader", "data ms/step", "step ms", "data wait share"],
+                f"{wait['steps']} steps: data wait as % of step time, median [min, max] over "
+                "runs.", "",
+                *_table(["reader", "data ms/step", "step ms", "data wait %"],
                         [[name, fmt(c["data_ms"]), fmt(c["step_ms"]),
-                          fmt_spread(c["all_shares"])] for name, c in wait["configs"].items()])]
+                          fmt_spread(c["all_shares"], 100)]
+                         for name, c in wait["configs"].items()])]
     if "worst_ratio" in d:
         out += [f"Targets: MPI-IO >= 0.8x memmap (worst {fmt(d['worst_ratio'])}x), data wait "
-                f"< 0.02 (default reader {fmt(d['data_wait_share'])}) -> "
+                f"< 2% (default reader {fmt(d['data_wait_share'], 100)}%) -> "
                 f"{'met' if d.get('met') else 'missed'}.", ""]
     return out
 
