@@ -168,15 +168,15 @@ def timed_command(cmd: list[str], *, threads: int, timeout: float = 1800) -> tup
 
 def shakespeare_dataset(text: str | Path | None = None) -> Path:
     """The tiny Shakespeare token file (char) in datasets/, prepared once from the text
-    (``shakespeare_text``); the text is needed only while that file does not exist, but a
-    path that is given must exist."""
+    (``shakespeare_text``); the text is needed only while that file does not exist."""
     path = CACHE / "shakespeare-char.h5"
-    if text or os.environ.get(SHAKESPEARE_ENV) or not path.exists():
-        source = shakespeare_text(text)
-    if not path.exists():
-        from hpctrain.data.prepare import prepare
+    if path.exists():
+        print(f"tiny Shakespeare: {path.relative_to(ROOT)}, prepared earlier (delete it to "
+              "prepare it again from the text)", flush=True)
+        return path
+    from hpctrain.data.prepare import prepare
 
-        prepare([source], path, show_progress=False)
+    prepare([shakespeare_text(text)], path, show_progress=False)
     return path
 
 
