@@ -1,7 +1,7 @@
 """From records to numbers: per-point medians over repeats, scaling efficiency, and the
 model's prediction error (pure functions; the report and the tests use them).
 
-Efficiency as defined in ../shared/reference/hpc-systems.md (ALCF's convention), N0 the
+Efficiency as ALCF and the scaling literature define it, N0 the
 smallest rank count of a series:
 
     weak   E(N) = tok/s(N) / ((N / N0) tok/s(N0))      fixed batch per device
