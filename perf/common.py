@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpctrain.scaling.records import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "perf" / "results"
 BIN = Path(sys.executable).parent
@@ -77,19 +79,9 @@ def git_state() -> dict:
 def machine() -> dict:
     import torch
 
-    return {"cpus": os.cpu_count(), "cpu_model": _cpu_model(),
+    return {"cpus": os.cpu_count(), "cpu_model": cpu_model(),
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.cuda.is_available()}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ------------------------------------------------------------------ command line, data

@@ -47,20 +47,21 @@ def environment() -> dict:
         mpi, mpi4py_version = None, None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"host": socket.gethostname(), "platform": platform.platform(),
-            "cpu": _cpu_model(), "cores": cores, "python": platform.python_version(),
+            "cpu": cpu_model(), "cores": cores, "python": platform.python_version(),
             "torch": torch.__version__, "numpy": numpy.__version__, "mpi4py": mpi4py_version,
             "mpi": mpi, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "cuda": torch.cuda.is_available()}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The processor's name (Linux /proc/cpuinfo), for records and benchmark results."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return platform.processor() or "unknown"
 
 
 def from_summary(summary: dict, *, peak_flops: float | None = None) -> dict:
