@@ -144,6 +144,6 @@ def test_missing_shakespeare_names_where_to_get_it(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         shakespeare_text(tmp_path / "nope.txt")
     text = tmp_path / "input.txt"
-    text.write_text("First Citizen:\n")
+    text.write_text("a few words of text\n")
     monkeypatch.setenv("HPCTRAIN_SHAKESPEARE", str(text))
     assert shakespeare_text(None) == text.resolve()
