@@ -153,25 +153,26 @@ def fit_against_reference(trainer, cfg, comm=None, *, param_atol: float = 1e-5,
     first = capture_first_step(trainer)
     result = trainer.fit()
     # The gradients first: a wrong one names the parameter, a wrong loss only the step.
+    ref = reference_run(cfg)
     replica = trainer.grid.pp_comm if trainer.grid.pp > 1 else None
-    assert_gradients_match(first, reference_run(cfg), replica, rtol=grad_rtol)
-    ref = assert_matches_reference(trainer, result, cfg, comm, param_atol=param_atol,
-                                   loss_atol=loss_atol)
+    assert_gradients_match(first, ref, replica, rtol=grad_rtol)
+    assert_matches_reference(trainer, result, cfg, comm, param_atol=param_atol,
+                             loss_atol=loss_atol, ref=ref)
     if MPI.COMM_WORLD.size > 1:  # a failed assertion aborts every rank (conftest)
         MPI.COMM_WORLD.Barrier()
     return result, ref
 
 
 def assert_matches_reference(trainer, result, cfg, comm=None, *, param_atol: float = 1e-5,
-                             loss_atol: float = 1e-5):
+                             loss_atol: float = 1e-5, ref=None):
     """Per-step losses and final parameters equal the plain single-process loop (1e-5).
-    Collective over every rank (the reference is computed once); returns it."""
+    Without ``ref``, collective over every rank (the reference is computed once); returns it."""
     import numpy as np
     import torch
 
     from tests.reference import reference_run
 
-    ref = reference_run(cfg)
+    ref = ref if ref is not None else reference_run(cfg)
     assert len(result.losses) == cfg.train.max_iters
     np.testing.assert_allclose(result.losses, ref.losses, atol=loss_atol, rtol=0)
     gathered = trainer.dp.gathered() if trainer.zero else contextlib.nullcontext()
