@@ -45,14 +45,16 @@ run: $(STAMP) $(DATA)
 # The suite in three legs: one process, then the MPI tests at 2 and 4 ranks. The
 # single-process reference runs are kept in a temporary directory for the legs to share
 # (tests/reference.py); SELECT narrows every leg (test-fast leaves out `slow` tests:
-# subprocess trainings, signals, job scripts, scaling studies).
+# subprocess trainings, signals, job scripts, scaling studies). The MPI legs collect only
+# tests/*_mpi.py, the files that hold the `mpi` tests (tests/conftest.py enforces it).
 SELECT ?=
+MPI_TESTS := $(sort $(wildcard tests/*_mpi.py))
 test: $(STAMP)
 	@ref=$$(mktemp -d) && trap 'rm -rf "$$ref"' EXIT && export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV) && \
 	start=$$(date +%s) && rm -rf test-reports && \
 	timeout $(TIME_LIMIT) $(PY) -m pytest -q tests $(SELECT) --junitxml=test-reports/unit.xml && \
-	timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) --junitxml=test-reports/mpi2.xml && \
-	timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi tests $(SELECT) --junitxml=test-reports/mpi4.xml && \
+	timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi2.xml && \
+	timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi4.xml && \
 	echo "all legs passed in $$(( $$(date +%s) - start )) s"
 
 test-fast: $(STAMP)

@@ -10,6 +10,16 @@ import pytest
 from tests.helpers import make_dataset
 
 
+def pytest_collection_modifyitems(config, items):
+    """The MPI legs of ``make test`` collect only ``tests/*_mpi.py``: an ``mpi`` test in
+    any other file would run in no leg, so it is an error here."""
+    stray = [item.nodeid for item in items
+             if item.get_closest_marker("mpi") and not item.path.name.endswith("_mpi.py")]
+    if stray:
+        raise pytest.UsageError("tests marked `mpi` belong in tests/*_mpi.py (the MPI legs "
+                                f"collect only those files): {', '.join(stray)}")
+
+
 def pytest_runtest_logreport(report):
     if not report.failed:
         return

@@ -20,6 +20,7 @@ from tests.helpers import tiny_config
 
 def _cfg(data, out, **overrides):
     return tiny_config(data, out, **{"train.ckpt_interval": 10, "train.save_checkpoint": True,
+                                     "train.max_iters": 20,
                                      **overrides})
 
 
@@ -35,6 +36,7 @@ def test_resume_with_the_same_layout_is_bitwise_identical(dataset_path, tmp_path
     step10 = tmp_path / "a" / "checkpoints" / "step_000010"
     assert (tmp_path / "a" / "checkpoints" / "latest").read_text().strip() == "step_000020"
     _, resumed = _fit(_cfg(dataset_path, tmp_path / "b", **over, **{"train.resume": str(step10)}))
+    assert len(resumed.losses) == 10
     assert resumed.losses == full.losses[10:]  # exactly: same bits, not just close
 
 

@@ -19,7 +19,8 @@ from tests.helpers import hpctrain_cmd, run, tiny_config
 def trained(dataset_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt-tools")
     cfg = tiny_config(dataset_path, out, **{"parallel.zero": 3, "train.ckpt_interval": 10,
-                                            "train.save_checkpoint": True, "model.bias": True})
+                                            "train.save_checkpoint": True, "model.bias": True,
+                                            "train.max_iters": 20})
     trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
     trainer.fit()
     with trainer.dp.gathered():
@@ -166,6 +167,6 @@ def test_resharded_checkpoint_resumes_with_its_own_layout(dataset_path, trained,
     monkeypatch.setattr(collective, "_load_resharded", no_reshuffle)
     cfg = tiny_config(dataset_path, tmp_path / "run", **{
         "parallel.zero": 1, "parallel.bucket_mb": 0.02, "parallel.first_bucket_mb": 0.005,
-        "train.resume": str(new), "model.bias": True})
+        "train.resume": str(new), "model.bias": True, "train.max_iters": 20})
     trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
     assert trainer.start_step == 10 and len(trainer.fit().losses) == 10

@@ -43,7 +43,7 @@ def test_gradient_accumulation_equals_the_full_batch(dataset_path, tmp_path):
 def test_outputs_metrics_checkpoint_and_sample(dataset_path, tmp_path):
     cfg = tiny_config(dataset_path, tmp_path, **{
         "train.eval_interval": 10, "train.final_eval": True, "train.save_checkpoint": True,
-        "train.sample_tokens": 20, "train.eval_iters": 2})
+        "train.sample_tokens": 20, "train.eval_iters": 2, "train.max_iters": 20})
     trainer, result = _train(cfg)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "loss" in r]
