@@ -188,9 +188,18 @@ class TrainConfig:
     resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "
                           "exists; a path resumes from that checkpoint (any world size or "
                           "ZeRO stage); '' starts fresh")
+    overwrite: bool = opt(False, "start fresh in an out_dir that holds an earlier run: its "
+                                 "outputs are moved into <out_dir>/previous-<time>/ "
+                                 "(nothing is deleted)")
     on_nonfinite: str = opt("abort", "a step whose gradient norm is NaN or inf: 'abort' the "
                                      "job, or 'skip' the update and go on",
                             ("abort", "skip"))
+    max_skipped_steps: int = opt(10, "with on_nonfinite=skip: stop the run (exit 2, the last "
+                                     "good checkpoint kept) after this many skipped steps "
+                                     "in a row")
+    stop_check_steps: int = opt(1, "steps between the ranks' agreements on a stop signal "
+                                   "(SIGTERM/SIGUSR1): a signal is acted on within twice "
+                                   "this many steps")
     progress: bool = opt(True, "show a progress bar on rank 0")
 
     def __post_init__(self):
@@ -205,6 +214,8 @@ class TrainConfig:
                  "train.ckpt_interval and train.ckpt_keep must be >= 0")
         _require(self.threads >= 0 and self.sample_tokens >= 0 and self.peak_tflops >= 0,
                  "train.threads, train.sample_tokens and train.peak_tflops must be >= 0")
+        _require(self.max_skipped_steps >= 1 and self.stop_check_steps >= 1,
+                 "train.max_skipped_steps and train.stop_check_steps must be at least 1")
 
 
 @dataclass
