@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
     params = list(model.parameters())
     init_checksum = float(sum(p.detach().double().sum() for p in params))
     if a.optimizer == "hpctrain":
-        opt = build_optimizer(param_groups(model, o.weight_decay), o, "cpu")
+        opt = build_optimizer(param_groups(model, o.weight_decay), o)
     else:  # nanoGPT: fused only on CUDA, so the default (per-tensor) kernel here
         groups = [{"params": [p for p in params if p.dim() >= 2],
                    "weight_decay": o.weight_decay},
