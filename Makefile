@@ -39,8 +39,10 @@ $(STAMP): setup.cfg pyproject.toml
 $(DATA): | $(STAMP)
 	$(VENV)/bin/hpctrain prepare --corpus stdlib --output $@
 
+# A second `make run` starts fresh: the previous run's outputs move into
+# runs/default/previous-<time>/ (--train.overwrite; nothing is deleted).
 run: $(STAMP) $(DATA)
-	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train default $(ARGS)
+	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train default --train.overwrite=true $(ARGS)
 
 # The suite in three legs: one process, then the MPI tests at 2 and 4 ranks. The
 # single-process reference runs are kept in a temporary directory for the legs to share

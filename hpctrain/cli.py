@@ -331,6 +331,11 @@ def cmd_train(args, overrides: list[str]) -> int:
     if not args.recipe:
         raise UserError(f"name a recipe: hpctrain train RECIPE (built-in: "
                         f"{', '.join(recipe_names())}, or a path to a .toml file)")
+    from hpctrain.train.stop import SignalFlag
+
+    # From here on a scheduler's SIGTERM / SIGUSR1 is recorded, not fatal: the trainer
+    # acts on it at the next point every rank agrees on (train/stop.py).
+    signals = SignalFlag().install()
     cfg = load_config(args.recipe, overrides)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=1))
@@ -339,13 +344,15 @@ def cmd_train(args, overrides: list[str]) -> int:
     from mpi4py import MPI
 
     from hpctrain.comm.abort import install_abort_handler
+    from hpctrain.comm.launch_env import check_world_size
     from hpctrain.comm.world import World
     from hpctrain.train.trainer import Trainer
 
     install_abort_handler(MPI.COMM_WORLD)
+    check_world_size(MPI.COMM_WORLD.Get_size())
     world = World.create(MPI.COMM_WORLD, timeout=cfg.comm.timeout,
                          cuda_aware=cfg.comm.cuda_aware, use_cuda=cfg.comm.device != "cpu")
-    Trainer(cfg, world).fit()
+    Trainer(cfg, world, signals=signals).fit()
     return 0
 
 
@@ -477,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         comm = _mpi_world_if_running()
         if comm is not None and comm.Get_size() > 1:
             abort_job(comm, exc)  # other ranks may be waiting in a collective
-        if env_rank() == 0:
+        # Rank 0 speaks for the job; a 1-rank world speaks for itself (srun copies that
+        # never joined one job each carry their own SLURM_PROCID).
+        alone = comm is not None and comm.Get_size() == 1
+        if env_rank() == 0 or alone:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
 

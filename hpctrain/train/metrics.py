@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 # Dense peak TFLOP/s per device from the vendors' data sheets, by compute dtype.
@@ -35,6 +36,16 @@ def peak_tflops(device: str, dtype: str, override: float = 0.0) -> float | None:
     return None
 
 
+def finite_record(record: dict) -> dict:
+    """``record`` with every NaN / inf number as ``null`` and their keys listed under
+    ``"nonfinite"``: JSON has no NaN, and one such token makes a line unreadable to
+    strict parsers (``jq``, browsers, pandas' ``lines=True`` with the default engine)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+
+
 class MetricsLog:
     """Appends one JSON object per line; only the writing rank creates the file."""
 
@@ -48,7 +59,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self._f is not None:
-            self._f.write(json.dumps(record) + "\n")
+            self._f.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
             self._f.flush()
 
     def close(self) -> None:

@@ -1,11 +1,18 @@
 """Stopping on the scheduler's signal: save a checkpoint and exit cleanly.
 
-PBS and SLURM send SIGTERM (SLURM also SIGUSR1 with ``--signal``) before they kill a job
-at its walltime; ``mpiexec`` forwards it to every rank. Ranks may see it at different
-steps, so they agree before acting: each step starts a nonblocking allreduce (MAX) of
-"a signal arrived here" and the next step reads it. Every rank reads the same
-reduction, so all stop after the same step, save the same checkpoint, and exit. The
-agreement runs every ``CHECK_EVERY`` steps, which keeps its cost out of short steps.
+PBS and Slurm send SIGTERM (Slurm also SIGUSR1 with ``--signal``) before they kill a job
+at its walltime; ``mpiexec`` forwards it to every rank. The handler only records the
+signal (``SignalFlag``), for the whole life of a run: set-up, training, the final
+evaluation, the saves and the sample. Nothing is interrupted half-way; the run acts at
+the next point where every rank can agree.
+
+Ranks may see the signal at different steps, so they agree before acting
+(``StopAgreement``): every ``every`` steps each rank starts a nonblocking allreduce (MAX)
+of "a signal arrived here", and the next agreement reads it. Every rank reads the same
+reduction, so all stop after the same step, save the same checkpoint, and exit 0. With
+``every=1`` (``--train.stop_check_steps``, the default) a signal is acted on within 2
+steps; the allreduce of one integer overlaps a whole step. Outside the loop
+(``now()``), the agreement is a blocking allreduce at fixed points every rank passes.
 """
 
 from __future__ import annotations
@@ -16,50 +23,73 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from hpctrain.comm.collectives import any_true
 from hpctrain.comm.watchdog import wait_all
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-CHECK_EVERY = 10  # steps between agreements: a signal is acted on within 20 steps
 
 
-class StopOnSignal:
-    def __init__(self, comm: MPI.Comm, timeout: float):
-        self.comm, self.timeout = comm, timeout
+class SignalFlag:
+    """Records SIGTERM / SIGUSR1 instead of dying; ``restore()`` puts back the previous
+    handlers. Installed only from the main thread (Python's rule for handlers)."""
+
+    def __init__(self):
         self.received: int | None = None
         self._previous: dict = {}
-        self._req: MPI.Request | None = None
-        self._send = np.zeros(1, dtype=np.int64)
-        self._recv = np.zeros(1, dtype=np.int64)
 
-    def __enter__(self) -> "StopOnSignal":
-        if threading.current_thread() is threading.main_thread():  # Python's rule
+    def install(self) -> "SignalFlag":
+        if threading.current_thread() is threading.main_thread() and not self._previous:
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if self._req is not None and not MPI.Is_finalized():
-            wait_all([self._req], timeout=self.timeout, what="stop-signal agreement")
-            self._req = None
+        self._previous = {}
 
     def _on_signal(self, signum, _frame) -> None:
-        self.received = signum
-
-    def agreed(self, step: int) -> bool:
-        """Call after every step on every rank: True when some rank had a signal by the
-        previous agreement (then all ranks return True after the same step)."""
-        if step % CHECK_EVERY:
-            return False
-        stop = False
-        if self._req is not None:
-            wait_all([self._req], timeout=self.timeout, what="stop-signal agreement")
-            stop = bool(self._recv[0])
-        self._send[0] = int(self.received is not None)
-        self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
-        return stop
+        if self.received is None:
+            self.received = signum
 
     @property
     def name(self) -> str:
         return signal.Signals(self.received).name if self.received else "a signal"
+
+
+class StopAgreement:
+    """Whether any rank of ``comm`` had a signal, the same answer on every rank."""
+
+    def __init__(self, comm: MPI.Comm, flag: SignalFlag, timeout: float, every: int = 1):
+        self.comm, self.flag, self.timeout, self.every = comm, flag, timeout, every
+        self._req: MPI.Request | None = None
+        self._send = np.zeros(1, dtype=np.int64)
+        self._recv = np.zeros(1, dtype=np.int64)
+
+    def agreed(self, step: int) -> bool:
+        """Call after every step on every rank: True when some rank had a signal by the
+        previous agreement (then all ranks return True after the same step)."""
+        if step % self.every:
+            return False
+        stop = self._finish_pending()
+        self._send[0] = int(self.flag.received is not None)
+        self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
+        return stop
+
+    def now(self, what: str) -> bool:
+        """Blocking agreement (every rank calls it at the same point): True when some
+        rank has had a signal."""
+        pending = self._finish_pending()
+        return any_true(self.comm, pending or self.flag.received is not None,
+                        timeout=self.timeout, what=f"stop-signal agreement ({what})")
+
+    def _finish_pending(self) -> bool:
+        if self._req is None:
+            return False
+        wait_all([self._req], timeout=self.timeout, what="stop-signal agreement")
+        self._req = None
+        return bool(self._recv[0])
+
+    def close(self) -> None:
+        if self._req is not None and not MPI.Is_finalized():
+            self._finish_pending()

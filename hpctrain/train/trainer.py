@@ -36,10 +36,11 @@ from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.parallel.zero import Zero
 from hpctrain.profiling import nvtx_range
 from hpctrain.progress import Progress
-from hpctrain.train.metrics import MetricsLog, peak_tflops
+from hpctrain.train.metrics import MetricsLog, finite_record, peak_tflops
 from hpctrain.train.optim import (build_optimizer, clip_grads_, global_grad_norm,
                                   learning_rate, param_groups)
-from hpctrain.train.stop import StopOnSignal
+from hpctrain.train.rundir import claim_run_dir
+from hpctrain.train.stop import SignalFlag, StopAgreement
 from hpctrain.train.timing import peak_rss_bytes, summarize
 
 FULL_EVAL_ROWS = 64  # windows per forward pass in the final whole-split evaluation
@@ -67,10 +68,27 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, world: World, *, verbose: bool = True):
+    def __init__(self, cfg: Config, world: World, *, verbose: bool = True,
+                 signals: SignalFlag | None = None):
+        """``signals``: the flag the command line installed at start-up; without one the
+        trainer installs its own (restored by ``close()``)."""
         self.cfg, self.world = cfg, world
         self.log_enabled = verbose and world.is_root
+        self._own_signals = signals is None
+        self.signals = SignalFlag().install() if signals is None else signals
+        self._stop: StopAgreement | None = None
+        self._closed = False
         check_layout(cfg, world.size)
+        # Before anything is written: one run per out_dir (rundir.py).
+        self.lock = claim_run_dir(Path(cfg.train.out_dir), cfg.train.resume,
+                                  cfg.train.overwrite, world)
+        try:
+            self._build(cfg, world)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(self, cfg: Config, world: World) -> None:
         torch.set_num_threads(cfg.train.threads or threads_per_rank(world.local_size))
         self.device = torch.device(world.device)
 
@@ -138,6 +156,8 @@ class Trainer:
         self.peak = peak_tflops(world.device, t.dtype, t.peak_tflops)
         self.out_dir = Path(t.out_dir)
         self.nonfinite_steps = 0
+        """Steps whose gradient norm was NaN or inf (skipped with on_nonfinite=skip)."""
+        self._nonfinite_in_row = 0
         self._pending_save = None
         self.start_step = 0
         resume_from = find_resume(t.resume, self.out_dir)
@@ -262,13 +282,9 @@ class Trainer:
                                       "pipeline stages")
             norm = torch.tensor(float(squares[0]) ** 0.5)
         if not math.isfinite(float(norm)):
-            self.nonfinite_steps += 1
-            if self.cfg.train.on_nonfinite == "abort":
-                raise NonFiniteError(
-                    f"the gradient norm is {float(norm)} (a NaN or inf loss or gradient); "
-                    "lower --optim.lr, keep --optim.grad_clip on, check the data, or pass "
-                    "--train.on_nonfinite=skip to skip such steps")
+            self._skip_nonfinite(float(norm))
             return norm  # skip: no update (zero_grad follows)
+        self._nonfinite_in_row = 0
         if self.zero:
             self.dp.step(lr, clip, norm=float(norm))
         else:
@@ -281,6 +297,27 @@ class Trainer:
         if self.pipe is not None:
             self.pipe.tie_weights()
         return norm
+
+    def _skip_nonfinite(self, norm: float) -> None:
+        """A NaN/inf gradient norm (the same on every rank): abort, or skip the update,
+        but not forever: a diverged model makes every step non-finite."""
+        t = self.cfg.train
+        self.nonfinite_steps += 1
+        self._nonfinite_in_row += 1
+        if t.on_nonfinite == "abort":
+            raise NonFiniteError(
+                f"the gradient norm is {norm} (a NaN or inf loss or gradient); "
+                "lower --optim.lr, keep --optim.grad_clip on, check the data, or pass "
+                "--train.on_nonfinite=skip to skip such steps")
+        if self._nonfinite_in_row >= t.max_skipped_steps:
+            latest = self.out_dir / "checkpoints"
+            kept = (f"the last good checkpoint ({latest}) is kept: resume from it with a "
+                    "lower --optim.lr" if (latest / "latest").is_file()
+                    else "no checkpoint was written; restart with a lower --optim.lr")
+            raise NonFiniteError(
+                f"{self._nonfinite_in_row} steps in a row had a NaN or inf gradient norm "
+                f"(--train.max_skipped_steps={t.max_skipped_steps}): training has diverged; "
+                f"{kept}")
 
     def memory(self):
         """Per-rank bytes of parameters, gradients, optimizer state and comm buffers."""
@@ -308,8 +345,10 @@ class Trainer:
         return None if loss is None else loss.item()
 
     @torch.no_grad()
-    def full_val_loss(self) -> float:
-        """Token-weighted loss over every non-overlapping window of the validation split."""
+    def full_val_loss(self, stop: StopAgreement | None = None) -> float | None:
+        """Token-weighted loss over every non-overlapping window of the validation split;
+        None when ``stop`` reports a signal (checked before each forward pass: the
+        evaluation can take longer than a scheduler's grace period)."""
         g = self.grid
         self.model.eval()
         starts = all_windows(self.data.splits["val"].n_tokens, self.block)
@@ -319,6 +358,9 @@ class Trainer:
         most = -(-len(starts) // g.dp)
         total, count = 0.0, 0
         for i in range(0, most, FULL_EVAL_ROWS):
+            if stop is not None and stop.now("final evaluation"):
+                self.model.train()
+                return None
             rows = mine[i:i + FULL_EVAL_ROWS]
             x, y = self._batch("val", rows if len(rows) else starts[:1])
             loss = self._eval_loss(x, y)
@@ -331,9 +373,23 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
+        """Train, evaluate and write the outputs; then release everything (``close``).
+        On an error only this process's own holds are let go (the lock, the signal
+        handlers): the collective releases could wait for a rank that failed."""
+        try:
+            result = self._fit()
+        except BaseException:
+            self._release_own()
+            raise
+        self.close()
+        return result
+
+    def _fit(self) -> TrainResult:
         cfg, w, t = self.cfg, self.world, self.cfg.train
         result = TrainResult()
         self._log(f"hpctrain: {w.describe()}; {torch.get_num_threads()} thread(s) per rank")
+        for note in self.lock.notes:
+            self._log(f"out_dir: {note}")
         if self.pipe is not None:
             self._log(f"pipeline: {self.grid.describe()}, {cfg.parallel.schedule} schedule, "
                       f"{cfg.parallel.virtual_stages} chunk(s) per stage, layers "
@@ -348,11 +404,17 @@ class Trainer:
                   f"{self.micro} micro-batch(es)")
         if self.start_step:
             self._log(f"resumed from the checkpoint of step {self.start_step}")
+        stop = self._stop = StopAgreement(w.comm, self.signals, w.timeout, t.stop_check_steps)
+        if stop.now("start-up"):  # a signal while the job was setting up
+            result.stopped_at = self.start_step
+            kept = (f"the checkpoint of step {self.start_step} is unchanged"
+                    if self.start_step else "nothing was trained")
+            self._log(f"stopped by {self.signals.name} during start-up; {kept}")
+            return result
         bar = Progress(t.max_iters - self.start_step, "train",
                        enabled=self.log_enabled and t.progress)
         start = time.perf_counter()
-        with StopOnSignal(w.comm, w.timeout) as stop:
-            self._loop(result, bar, stop)
+        self._loop(result, bar, stop)
         bar.close()
         self.finish_pending_save()
         result.wall_s = time.perf_counter() - start
@@ -361,18 +423,40 @@ class Trainer:
         result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
         if result.stopped_at is not None:
             self.save_sharded(result.stopped_at)
-            self._log(f"stopped by {stop.name} after step {result.stopped_at}; checkpoint saved; "
-                      "run the same command with --train.resume=auto to continue")
-            self.close()
+            self._log(f"stopped by {self.signals.name} after step {result.stopped_at}; "
+                      "checkpoint saved; run the same command with --train.resume=auto to "
+                      "continue")
             return result
+        # The checkpoint first: a signal during the final evaluation, final.h5 or the
+        # sample then costs only those extras.
+        if t.save_checkpoint:
+            self.save_sharded(t.max_iters)
+        if stop.now("after training"):
+            return self._stopped_after_training(result, "the final evaluation")
         if t.final_eval:
-            result.final_val_loss = self.full_val_loss()
+            result.final_val_loss = self.full_val_loss(stop)
+            if result.final_val_loss is None:
+                return self._stopped_after_training(result, "the final evaluation")
             self.metrics.write({"step": t.max_iters, "final_val_loss": result.final_val_loss})
             self._log(f"final validation loss over the whole split: {result.final_val_loss:.4f}")
+            if stop.now("after the final evaluation"):
+                return self._stopped_after_training(result, "final.h5 and the sample")
         self._finish(result)
         return result
 
-    def _loop(self, result: TrainResult, bar: Progress, stop: StopOnSignal) -> None:
+    def _stopped_after_training(self, result: TrainResult, skipped: str) -> TrainResult:
+        """A signal after the last step: make sure the final checkpoint exists, skip the
+        rest (collective)."""
+        t = self.cfg.train
+        if not t.save_checkpoint:
+            self.save_sharded(t.max_iters)
+        result.stopped_at = t.max_iters
+        self._log(f"stopped by {self.signals.name} after the last step ({t.max_iters}); its "
+                  f"checkpoint is saved; {skipped} skipped (run the same command with "
+                  "--train.resume=auto to do them)")
+        return result
+
+    def _loop(self, result: TrainResult, bar: Progress, stop: StopAgreement) -> None:
         t, w = self.cfg.train, self.world
         window_losses: list[torch.Tensor] = []
         window_t0, window_steps = time.perf_counter(), 0
@@ -422,7 +506,12 @@ class Trainer:
             if stopping:
                 result.stopped_at = done
                 return
-            if is_ckpt:
+            if is_ckpt and self._nonfinite_in_row:
+                # Mid-way through non-finite steps the model may be what diverged: keep
+                # the last good checkpoint as the one to resume from.
+                self._log(f"step {done}: checkpoint skipped (the last {self._nonfinite_in_row} "
+                          "step(s) were non-finite)", bar)
+            elif is_ckpt:
                 self.save_sharded(done, background=t.ckpt_background)
             window_t0 = time.perf_counter()
 
@@ -437,13 +526,14 @@ class Trainer:
                 "tflops_per_device": tflops,
                 "mfu": tflops / self.peak if self.peak else None,
                 "data_ms": data_s * 1e3, "comm_wait_ms": wait_s * 1e3,
-                "bubble_ms": bubble_s * 1e3}
+                "bubble_ms": bubble_s * 1e3, "skipped_steps": self.nonfinite_steps}
 
     @staticmethod
     def _bar_text(r: dict) -> str:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        skipped = f" | skipped {r['skipped_steps']}" if r["skipped_steps"] else ""
         return (f"loss {r['loss']:.4f} | {r['tokens_per_s'] / 1e3:.1f}k tok/s | "
-                f"{r['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}")
+                f"{r['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}{skipped}")
 
     def _finish(self, result: TrainResult) -> None:
         t = self.cfg.train
@@ -451,16 +541,13 @@ class Trainer:
         # rank); then rank 0 writes.
         state = full_model = None
         if self.pipe is not None:
-            # Every stage writes its part of the sharded checkpoint; the stages are put
-            # together on rank 0 for final.h5 (parameters only) and the sample.
-            if t.save_checkpoint:
-                self.save_sharded(t.max_iters)
+            # The stages are put together on rank 0 for final.h5 (parameters only) and
+            # the sample.
             if t.save_checkpoint or t.sample_tokens > 0:
                 full_model = self._gather_pipeline()
             if t.save_checkpoint and full_model is not None:
                 state = ({n: p.detach() for n, p in full_model.named_parameters()}, None)
         elif t.save_checkpoint:
-            self.save_sharded(t.max_iters)
             state = self._consolidated_state()
         memory = self.memory()
         # The largest rank's peak is what has to fit on a node's share of memory.
@@ -473,13 +560,26 @@ class Trainer:
             if self.world.is_root:
                 self._write_outputs(result, state, memory, peak_rss, timing,
                                     full_model if full_model is not None else self.model)
-        self.close()
 
     def close(self) -> None:
-        """Release communicators, file handles and the metrics log (every rank)."""
-        self.dp.close()
-        self.data.close()
-        self.metrics.close()
+        """Release communicators, file handles, the metrics log, the signal handlers and
+        the out_dir lock (every rank; a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._stop is not None:
+                self._stop.close()
+            self.dp.close()
+            self.data.close()
+            self.metrics.close()
+        finally:
+            self._release_own()
+
+    def _release_own(self) -> None:
+        if self._own_signals:
+            self.signals.restore()
+        self.lock.release()
 
     def save_sharded(self, step: int, background: bool = False) -> Path | None:
         """Every rank writes its shard of ``<out_dir>/checkpoints/step_<step>`` (collective).
@@ -549,6 +649,7 @@ class Trainer:
             "flops_per_token": self.flops_per_token, "peak_tflops": self.peak,
             "params": self.n_params, "memory_per_rank": memory.to_dict(),
             "grid": {"dp": self.grid.dp, "pp": self.grid.pp},
+            "skipped_steps": self.nonfinite_steps,
             "config": self.cfg.to_dict()}
         if state is not None:
             path = save_checkpoint(self.out_dir / "final.h5", *state, step=t.max_iters,
@@ -559,7 +660,7 @@ class Trainer:
             text = self.sample(t.sample_prompt, t.sample_tokens, model=model)
             (self.out_dir / "sample.txt").write_text(text)
             self._log(f"sample ({t.sample_tokens} tokens):\n{text}")
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.out_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1))
         self._log(f"done: {t.max_iters} steps in {result.wall_s:.1f} s, "
                   f"{result.tokens_per_s / 1e3:.1f}k tokens/s; outputs in {self.out_dir}/")
 

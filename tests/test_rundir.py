@@ -1,0 +1,111 @@
+"""One run per out_dir: a lock naming its holder, no fresh run on top of an earlier one
+(resume or overwrite, never mix), and no job whose MPI world differs from what the
+launcher started (N independent 1-rank copies)."""
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+from mpi4py import MPI
+
+from hpctrain.checkpoint.sharded import read_manifest
+from hpctrain.comm.launch_env import LaunchMismatch, check_world_size
+from hpctrain.comm.world import World
+from hpctrain.train.rundir import LOCK_NAME, RunDirError
+from hpctrain.train.trainer import Trainer
+from tests.helpers import hpctrain_cmd, run, tiny_config
+
+
+def _fit(dataset_path, out, **over):
+    cfg = tiny_config(dataset_path, out, **{"train.save_checkpoint": True, **over})
+    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    return trainer, trainer.fit()
+
+
+def test_a_fresh_run_into_a_used_out_dir_is_refused_naming_resume_and_overwrite(
+        dataset_path, tmp_path):
+    _fit(dataset_path, tmp_path, **{"train.ckpt_interval": 5})
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with pytest.raises(RunDirError, match=r"--train.resume=auto.*--train.overwrite"):
+        _fit(dataset_path, tmp_path, **{"train.max_iters": 5})
+    after = {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    assert after == before  # nothing written, nothing removed
+    assert not (tmp_path / LOCK_NAME).exists()  # the refused run let go of the lock
+
+
+def test_overwrite_moves_the_earlier_run_aside_and_deletes_nothing(dataset_path, tmp_path):
+    _fit(dataset_path, tmp_path)
+    old_metrics = (tmp_path / "metrics.jsonl").read_text()
+    _fit(dataset_path, tmp_path, **{"train.overwrite": True, "train.max_iters": 5})
+    previous = list(tmp_path.glob("previous-*"))
+    assert len(previous) == 1
+    assert (previous[0] / "metrics.jsonl").read_text() == old_metrics
+    assert read_manifest(previous[0]).step == 10
+    assert read_manifest(tmp_path).step == 5  # the new run's own, alone in checkpoints/
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_000005"]
+
+
+def test_resume_auto_continues_the_run_in_place(dataset_path, tmp_path):
+    _fit(dataset_path, tmp_path, **{"train.max_iters": 5})
+    trainer, _ = _fit(dataset_path, tmp_path, **{"train.resume": "auto"})
+    assert trainer.start_step == 5 and read_manifest(tmp_path).step == 10
+
+
+def _lock(out, host, pid):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LOCK_NAME).write_text(json.dumps({"host": host, "pid": pid, "job": "4242",
+                                             "started": "2026-11-24T00:00:00Z"}))
+
+
+def test_a_live_run_holding_the_out_dir_is_named_and_not_disturbed(dataset_path, tmp_path):
+    _lock(tmp_path, socket.gethostname(), os.getppid())  # a live process, not us
+    with pytest.raises(RunDirError, match=rf"in use by another run \(host "
+                                          rf"{socket.gethostname()}, PID {os.getppid()}, "
+                                          rf"job 4242.*remove .*{LOCK_NAME}"):
+        _fit(dataset_path, tmp_path)
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getppid()
+    _lock(tmp_path, "another-node", 1)  # another host cannot be checked: refused too
+    with pytest.raises(RunDirError, match="host another-node"):
+        _fit(dataset_path, tmp_path)
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(dataset_path, tmp_path):
+    dead = run([sys.executable, "-c", "import os; print(os.getpid())"]).stdout.strip()
+    _lock(tmp_path, socket.gethostname(), int(dead))
+    _, result = _fit(dataset_path, tmp_path)
+    assert len(result.losses) == 10
+    assert not (tmp_path / LOCK_NAME).exists()  # released at the end
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}, "srun --mpi=pmix"),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4"),
+    ({"PMI_SIZE": "2"}, "PMI_SIZE=2"),
+])
+def test_a_world_that_is_not_the_launched_job_is_refused(env, message):
+    with pytest.raises(LaunchMismatch, match=message):
+        check_world_size(1, env)
+
+
+@pytest.mark.parametrize("size,env", [
+    (1, {}),
+    (2, {"PMI_SIZE": "2"}),
+    (4, {"OMPI_COMM_WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}),
+    # mpiexec inside an allocation, its ranks started through one srun task per node
+    (8, {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}),
+])
+def test_a_matching_world_passes(size, env):
+    check_world_size(size, env)
+
+
+@pytest.mark.slow
+def test_srun_copies_of_one_rank_fail_at_start_with_the_fix(dataset_path, tmp_path):
+    """What srun without an MPI plugin does: each task is a 1-rank MPI job."""
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "77"}
+    p = run(hpctrain_cmd("train", "default", f"--data.path={dataset_path}",
+                         f"--train.out_dir={tmp_path}/out"), env=env, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "srun started 2 tasks" in p.stderr and "--mpi=pmix" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "out").exists()

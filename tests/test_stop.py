@@ -1,0 +1,142 @@
+"""A scheduler's signal at any moment of a run (set-up, loop, final save, final
+evaluation) ends it with a loadable checkpoint, or the existing one intact, and no
+exception; a diverged run stops instead of skipping forever; metrics.jsonl stays JSON.
+
+One process: the trainer's own signal handlers, with the signal sent to this process at
+the chosen moment (``tests/test_stop_mpi.py`` does the same with one rank signalled)."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpctrain.checkpoint.sharded import read_manifest
+from hpctrain.comm.world import World
+from hpctrain.errors import NonFiniteError
+from hpctrain.train.trainer import Trainer
+from tests.helpers import tiny_config
+
+
+def _trainer(dataset_path, out, **over):
+    cfg = tiny_config(dataset_path, out, **{"train.save_checkpoint": True, **over})
+    return Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+
+
+def _signal_before(trainer, method: str, sig=signal.SIGTERM, when=lambda *a: True):
+    """Send ``sig`` to this process each time ``trainer.<method>`` is about to run and
+    ``when(*args)`` holds."""
+    original = getattr(trainer, method)
+
+    def wrapped(*args, **kwargs):
+        if when(*args):
+            os.kill(os.getpid(), sig)
+        return original(*args, **kwargs)
+
+    setattr(trainer, method, wrapped)
+
+
+def _loadable_at(out, step):
+    manifest = read_manifest(out)
+    assert manifest.step == step
+    return manifest
+
+
+def test_a_signal_in_the_loop_is_acted_on_within_two_steps(dataset_path, tmp_path):
+    trainer = _trainer(dataset_path, tmp_path, **{"train.max_iters": 40})
+    _signal_before(trainer, "train_step", signal.SIGUSR1, when=lambda step: step == 6)
+    result = trainer.fit()
+    # The signal lands during step 7 (index 6); the agreement started after step 7 is
+    # read after step 8.
+    assert result.stopped_at is not None and 7 <= result.stopped_at <= 8
+    assert len(result.losses) == result.stopped_at
+    _loadable_at(tmp_path, result.stopped_at)
+    assert not (tmp_path / "final.h5").exists()
+
+
+def test_a_signal_during_set_up_stops_before_training_and_writes_nothing(dataset_path,
+                                                                         tmp_path):
+    trainer = _trainer(dataset_path, tmp_path)
+    os.kill(os.getpid(), signal.SIGTERM)  # the handlers are in place once built
+    result = trainer.fit()
+    assert result.stopped_at == 0 and result.losses == []
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_signal_during_the_final_save_keeps_the_checkpoint_and_skips_the_rest(
+        dataset_path, tmp_path):
+    trainer = _trainer(dataset_path, tmp_path, **{"train.final_eval": True,
+                                                  "train.sample_tokens": 10})
+    _signal_before(trainer, "save_sharded")
+    result = trainer.fit()
+    assert result.stopped_at == 10 and result.final_val_loss is None
+    _loadable_at(tmp_path, 10)
+    assert not (tmp_path / "final.h5").exists() and not (tmp_path / "sample.txt").exists()
+
+
+def test_a_signal_during_the_final_evaluation_ends_with_the_final_checkpoint(dataset_path,
+                                                                             tmp_path):
+    # save_checkpoint off: the stop writes the checkpoint the run would otherwise lack.
+    trainer = _trainer(dataset_path, tmp_path, **{"train.final_eval": True,
+                                                  "train.save_checkpoint": False})
+    _signal_before(trainer, "_eval_loss")
+    result = trainer.fit()
+    assert result.stopped_at == 10 and result.final_val_loss is None
+    _loadable_at(tmp_path, 10)
+    resumed = _trainer(dataset_path, tmp_path, **{"train.resume": "auto",
+                                                  "train.final_eval": True})
+    assert resumed.start_step == 10
+    assert resumed.fit().final_val_loss is not None  # the skipped work, done on resume
+
+
+def _poison_from(trainer, first_bad: int):
+    """Every forward from number ``first_bad`` (0-based) on returns NaN: a diverged model."""
+    calls = {"n": 0}
+
+    def hook(_module, _args, output):
+        calls["n"] += 1
+        return output * float("nan") if calls["n"] > first_bad else output
+
+    trainer.model.register_forward_hook(hook)
+
+
+def test_a_diverged_run_stops_after_max_skipped_steps_and_keeps_the_last_checkpoint(
+        dataset_path, tmp_path):
+    trainer = _trainer(dataset_path, tmp_path, **{
+        "train.on_nonfinite": "skip", "train.max_skipped_steps": 3,
+        "train.ckpt_interval": 4, "train.max_iters": 20, "train.log_interval": 1})
+    _poison_from(trainer, 6)
+    with pytest.raises(NonFiniteError, match="3 steps in a row.*max_skipped_steps=3.*"
+                                             "last good checkpoint"):
+        trainer.fit()
+    assert trainer.nonfinite_steps == 3
+    _loadable_at(tmp_path, 4)  # the last save before the divergence, untouched
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=_no_constants) for line in lines]
+    bad = [r for r in records if "nonfinite" in r]
+    assert bad and all(r["loss"] is None and "loss" in r["nonfinite"] for r in bad)
+    assert records[-1]["skipped_steps"] == 2  # the last logged step before the stop
+
+
+def _no_constants(name):
+    raise AssertionError(f"metrics.jsonl holds {name}, which is not JSON")
+
+
+def test_isolated_non_finite_steps_are_skipped_and_counted(dataset_path, tmp_path):
+    trainer = _trainer(dataset_path, tmp_path, **{"train.on_nonfinite": "skip",
+                                                  "train.max_skipped_steps": 2})
+    calls = {"n": 0}
+
+    def hook(_module, _args, output):  # steps 3 and 6 (0-based 2 and 5): never 2 in a row
+        calls["n"] += 1
+        return output * float("nan") if calls["n"] in (3, 6) else output
+
+    trainer.model.register_forward_hook(hook)
+    result = trainer.fit()
+    assert trainer.nonfinite_steps == 2 and np.isnan(result.losses[2])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["skipped_steps"] == 2

@@ -1,0 +1,50 @@
+"""A signal that reaches one rank only stops every rank at the same point: in the loop
+within two steps, and during the final evaluation with the final checkpoint on disk."""
+
+import os
+import signal
+
+import pytest
+from mpi4py import MPI
+
+from hpctrain.checkpoint.sharded import read_manifest
+from hpctrain.comm.world import World
+from hpctrain.train.trainer import Trainer
+from tests.helpers import tiny_config
+
+pytestmark = pytest.mark.mpi(min_size=2)
+COMM = MPI.COMM_WORLD
+
+
+def _trainer(mpi_dataset, out, **over):
+    cfg = tiny_config(mpi_dataset, out, **{"train.save_checkpoint": True, **over})
+    return Trainer(cfg, World.create(COMM), verbose=False)
+
+
+def _signal_last_rank_before(trainer, method, when=lambda *a: True):
+    original = getattr(trainer, method)
+
+    def wrapped(*args, **kwargs):
+        if COMM.rank == COMM.size - 1 and when(*args):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    setattr(trainer, method, wrapped)
+
+
+def test_one_signalled_rank_stops_all_ranks_after_the_same_step(mpi_dataset, shared_tmp):
+    trainer = _trainer(mpi_dataset, shared_tmp, **{"train.max_iters": 30})
+    _signal_last_rank_before(trainer, "train_step", when=lambda step: step == 4)
+    result = trainer.fit()
+    assert COMM.allgather(result.stopped_at) == [result.stopped_at] * COMM.size
+    assert 5 <= result.stopped_at <= 6
+    assert read_manifest(shared_tmp).step == result.stopped_at
+
+
+def test_one_signalled_rank_during_the_final_evaluation_leaves_the_final_checkpoint(
+        mpi_dataset, shared_tmp):
+    trainer = _trainer(mpi_dataset, shared_tmp, **{"train.final_eval": True})
+    _signal_last_rank_before(trainer, "_eval_loss")
+    result = trainer.fit()
+    assert COMM.allgather(result.final_val_loss) == [None] * COMM.size
+    assert result.stopped_at == 10 and read_manifest(shared_tmp).step == 10
