@@ -36,8 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import (ROOT, TorchDDP, bench_parser, fmt, print_table,  # noqa: E402
-                         run_worker, shakespeare_dataset, timed_command, worker_args,
-                         write_result)
+                         run_worker, scratch_dir, shakespeare_dataset, timed_command,
+                         worker_args, write_result)
 
 # name -> (n_layer, n_head, n_embd, block_size, per-rank batch, steps per phase, warm-up)
 MODELS = {
@@ -77,9 +77,10 @@ def worker(out: Path, model: str, rounds: int, data: str) -> None:
     assert comm.size == 2, "the benchmark compares 2 ranks with 1"
     spec = MODELS[model]
     b, k, warmup = spec[4], spec[5], spec[6]
-    tmp = f"--train.out_dir=/tmp/hpctrain-bench-dp-{comm.rank}"
+    tmp = f"--train.out_dir={scratch_dir('dp2', comm)}"
     dp2 = Trainer(load_config("shakespeare-char", _overrides(spec, data, 2 * b) + [tmp]),
                   World.create(comm), verbose=False)
+    tmp = f"--train.out_dir={scratch_dir('alone')}"
     alone = Trainer(load_config("shakespeare-char", _overrides(spec, data, b) + [tmp]),
                     World.create(MPI.COMM_SELF), verbose=False)
     ddp = TorchDDP(_overrides(spec, data, 2 * b), lambda m, cfg: build_optimizer(

@@ -36,7 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import (bench_parser, fmt, fmt_spread, print_table,  # noqa: E402
-                         run_worker, shakespeare_dataset, torch_ddp_step_times,
+                         run_worker, scratch_dir, shakespeare_dataset,
+                         torch_ddp_step_times,
                          worker_args, write_result)
 
 MODEL = (6, 6, 384, 128)  # layers, heads, width, block: ~10.7M parameters
@@ -61,8 +62,7 @@ def _overrides(data, spec, ranks, steps, stage, dtype) -> list[str]:
             f"--parallel.zero={stage}", f"--train.dtype={dtype}", "--data.verify=false",
             "--train.eval_interval=0", "--train.final_eval=false",
             "--train.save_checkpoint=false", "--train.sample_tokens=0",
-            "--train.progress=false", f"--train.log_interval={steps}",
-            "--train.out_dir=/tmp/hpctrain-bench-zero"]
+            "--train.progress=false", f"--train.log_interval={steps}"]
 
 
 def _rss_kib(field: str) -> int:
@@ -93,7 +93,7 @@ def worker_train(out: Path, args: list[str], measure_peak: bool) -> None:
     from hpctrain.train.trainer import Trainer
 
     comm = MPI.COMM_WORLD
-    cfg = load_config("shakespeare-char", args)
+    cfg = load_config("shakespeare-char", [*args, f"--train.out_dir={scratch_dir('zero', comm)}"])
     world = World.create(comm)
     if measure_peak:
         _warm_up_libraries()

@@ -324,6 +324,15 @@ def write_result(name: str, payload: dict, *, smoke: bool = False) -> Path:
     return path
 
 
+def scratch_dir(tag: str, comm=None) -> str:
+    """A new empty directory under /tmp for one trainer's out_dir (collective over
+    ``comm``: rank 0 makes it, every rank gets its name). A trainer refuses an out_dir
+    that holds another run's outputs, and a benchmark must not read an earlier run's."""
+    path = tempfile.mkdtemp(prefix=f"hpctrain-bench-{tag}-") \
+        if comm is None or comm.rank == 0 else None
+    return path if comm is None else comm.bcast(path, root=0)
+
+
 def describe_tree(clean: bool | None) -> str:
     return {True: "clean tree", False: "DIRTY tree"}.get(clean, "tree state unknown")
 
