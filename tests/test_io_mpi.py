@@ -70,10 +70,13 @@ def test_manifest_reads_across_shards_on_every_rank(shared_tmp):
 def test_sampler_batches_are_world_size_invariant_and_resumable(mpi_dataset, shared_tmp):
     """Each rank's rows, gathered, are the single-process global batch; a trainer started
     at step 7 (a resumed run) reads exactly what one that walked there read."""
-    cfg = tiny_config(mpi_dataset, shared_tmp, **{"train.batch_size": 8, "train.max_iters": 10})
+    def cfg_in(sub):
+        return tiny_config(mpi_dataset, f"{shared_tmp}/{sub}",
+                           **{"train.batch_size": 8, "train.max_iters": 10})
+    cfg = cfg_in("walked")
     walked = Trainer(cfg, World.create(COMM), verbose=False)
     batches = [walked._train_batch(s) for s in range(10)]
-    resumed = Trainer(cfg, World.create(COMM), verbose=False)
+    resumed = Trainer(cfg_in("resumed"), World.create(COMM), verbose=False)
     for step in (7, 8, 9):
         x, y = resumed._train_batch(step)
         assert torch_equal(x, batches[step][0]) and torch_equal(y, batches[step][1])
@@ -93,7 +96,7 @@ def test_training_is_the_same_with_every_reader(mpi_dataset, shared_tmp, reader)
     cfg = tiny_config(mpi_dataset, shared_tmp, **{"data.reader": reader, "train.max_iters": 8,
                                                   "data.prefetch": reader == "mpiio"})
     losses = Trainer(cfg, World.create(COMM), verbose=False).fit().losses
-    ref = Trainer(tiny_config(mpi_dataset, shared_tmp, **{"data.reader": "mmap",
+    ref = Trainer(tiny_config(mpi_dataset, f"{shared_tmp}/ref", **{"data.reader": "mmap",
                                                            "data.prefetch": False,
                                                            "train.max_iters": 8}),
                   World.create(COMM), verbose=False).fit().losses
