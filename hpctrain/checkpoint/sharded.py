@@ -10,9 +10,10 @@
 
 A save writes into a hidden temporary directory, fsyncs every file and the directory,
 renames it into place, and only then rewrites ``latest`` (write, fsync, rename) and
-prunes the oldest checkpoints beyond ``keep``: a crash at any moment leaves the previous
-checkpoint and ``latest`` intact. Nothing is pickled: tensors are HDF5 datasets, metadata
-is JSON.
+prunes the checkpoints with the lowest steps beyond ``keep``: a crash at any moment leaves
+the previous checkpoint and ``latest`` intact (and at worst a ``.step_*.tmp`` directory
+or ``.latest.*`` file, which ``remove_stale_temporaries`` deletes at the next start).
+Nothing is pickled: tensors are HDF5 datasets, metadata is JSON.
 
 Two layouts. ``replicated`` (plain data parallelism): every rank holds the same state,
 so rank 0's shard has each parameter and its moments by name. ``zero``: each rank's shard
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -36,11 +38,17 @@ import numpy as np
 import torch
 
 from hpctrain.errors import UserError
+from hpctrain.files import chmod_as_created
 
 FORMAT = "hpctrain-sharded-checkpoint"
 VERSION = 1
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+STEP_NAME = re.compile(r"step_(\d+)")
+# What a killed save leaves behind: mkdtemp's and mkstemp's names (random part: letters,
+# digits, underscore). Nothing else under checkpoints/ is ever deleted as a leftover.
+STALE_TEMPORARIES = (re.compile(r"\.step_\d+\.[A-Za-z0-9_]+\.tmp"),
+                     re.compile(r"\.latest\.[A-Za-z0-9_]+"))
 
 
 class CheckpointError(UserError):
@@ -95,20 +103,93 @@ def publish(tmp: Path, root: Path, step: int, keep: int) -> Path:
     """Rank 0, after every shard and the manifest are on disk: make ``tmp`` the
     checkpoint of ``step``, point ``latest`` at it, drop the oldest beyond ``keep``."""
     final = root / step_dir_name(step)
+    chmod_as_created(tmp)  # mkdtemp made it 0700: teammates could not read it
     _fsync_dir(tmp)
     if final.exists():  # a re-run of the same step: replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
+    _point_latest(root, final.name)
+    prune(root, final, keep)
+    return final
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """Replace ``root/latest`` atomically (write, fsync, rename) with ``name``."""
     fd, latest_tmp = tempfile.mkstemp(prefix=".latest.", dir=root)
     os.close(fd)
-    write_synced(Path(latest_tmp), final.name + "\n")
-    os.replace(latest_tmp, root / "latest")
+    try:
+        write_synced(Path(latest_tmp), name + "\n")
+        chmod_as_created(latest_tmp)
+        os.replace(latest_tmp, root / "latest")
+    except BaseException:
+        Path(latest_tmp).unlink(missing_ok=True)
+        raise
     _fsync_dir(root)
-    done = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def checkpoint_step(d: Path) -> int | None:
+    """The step of checkpoint directory ``d``: its manifest's, else the number in its
+    name; None when neither can be read."""
+    try:
+        step = json.loads((d / "manifest.json").read_text()).get("step")
+        if type(step) is int and step >= 0:
+            return step
+    except (OSError, ValueError, RecursionError, AttributeError):
+        pass  # missing, unreadable, not JSON, not an object: go by the name
+    m = STEP_NAME.fullmatch(d.name)
+    return int(m.group(1)) if m else None
+
+
+def prune(root: Path, newest: Path, keep: int) -> list[Path]:
+    """Delete the checkpoints beyond ``keep``: ``newest`` (the one ``latest`` names)
+    stays, and so do the ``keep - 1`` others with the highest steps; returns the deleted.
+
+    Steps, not names, decide: names sort wrongly past step 999999, and an out_dir may
+    hold higher steps than the run now saving (an earlier, longer run), whose newest
+    checkpoint must not be the one deleted. A directory whose step cannot be told is
+    never touched, and temporaries (hidden names) are not checkpoints."""
+    if keep <= 0:
+        return []
+    others = []
+    for d in root.glob("step_*"):
+        if d.name == newest.name or d.is_symlink() or not d.is_dir():
+            continue
+        step = checkpoint_step(d)
+        if step is not None:
+            others.append((step, d.name, d))
+    others.sort(reverse=True)
+    removed = [d for _, _, d in others[keep - 1:]]
+    for d in removed:
+        shutil.rmtree(d, ignore_errors=True)
+    return removed
+
+
+def remove_stale_temporaries(root: str | Path) -> list[Path]:
+    """Delete what killed saves left under a ``checkpoints/`` root (``.step_*.tmp``
+    directories, ``.latest.*`` files); return what was removed.
+
+    Only for rank 0 at start-up, while it holds the run directory: a temporary of a save
+    in progress looks the same. A name that cannot be removed is left (nothing reads
+    temporaries, so it is harmless)."""
+    root = Path(root)
+    try:
+        entries = sorted(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for p in entries:
+        if not any(pattern.fullmatch(p.name) for pattern in STALE_TEMPORARIES):
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        except OSError:
+            continue
+        removed.append(p)
+    return removed
 
 
 # ----------------------------------------------------------------------------- reading

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hpctrain.errors import UserError
+from hpctrain.files import chmod_as_created
 
 FORMAT = "hpctrain-checkpoint"
 VERSION = 1
@@ -56,6 +57,7 @@ def save_checkpoint(path: str | Path, params: dict[str, torch.Tensor],
                                      data=value.detach().float().cpu().numpy())
             f.flush()
             os.fsync(f.id.get_vfd_handle())
+        chmod_as_created(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
