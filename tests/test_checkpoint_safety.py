@@ -8,13 +8,17 @@ import os
 import shutil
 import stat
 
+import h5py
 import pytest
 from mpi4py import MPI
 
 import hpctrain.checkpoint.collective as collective
 import hpctrain.checkpoint.sharded as sharded
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest, shard_name
+from hpctrain.checkpoint.single_file import load_checkpoint
+from hpctrain.checkpoint.tools import inspect
 from hpctrain.comm.world import World
+from hpctrain.errors import UserError
 from hpctrain.train.trainer import Trainer
 from tests.helpers import tiny_config
 
@@ -174,6 +178,153 @@ def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
     assert sorted(root.iterdir()) == sorted(keep)
     assert sharded.remove_stale_temporaries(root) == []
     assert sharded.remove_stale_temporaries(tmp_path / "no-such-dir") == []
+
+
+# ------------------------------------------------------------ 4. damaged manifests
+
+def _bucket(m):
+    return m["index"]["buckets"][0]
+
+
+DAMAGES = {  # name: (layout, change to the manifest)
+    "crc32 missing": ("zero", lambda m: m.pop("crc32")),
+    "model missing": ("replicated", lambda m: m.pop("model")),
+    "index missing": ("zero", lambda m: m.pop("index")),
+    "model.n_embd a string": ("replicated", lambda m: m["model"].update(n_embd="32")),
+    "layout unknown": ("zero", lambda m: m.update(layout="tensor-parallel")),
+    "layout swapped": ("zero", lambda m: m.update(layout="replicated")),
+    "world_size huge": ("zero", lambda m: m.update(world_size=1 << 40)),
+    "world_size 0": ("replicated", lambda m: m.update(world_size=0)),
+    "world_size beyond the shards": ("replicated", lambda m: m.update(world_size=3)),
+    "step negative": ("zero", lambda m: m.update(step=-1)),
+    "optimizer_step a string": ("zero", lambda m: m.update(optimizer_step="ten")),
+    "shape negative": ("replicated",
+                       lambda m: m["index"]["params"].update({"wte.weight": [-95, 32]})),
+    "shape overflowing": ("replicated", lambda m: m["index"]["params"].update(
+        {"wte.weight": [1 << 31, 1 << 31, 1 << 31]})),
+    "shape not a list": ("replicated",
+                         lambda m: m["index"]["params"].update({"wte.weight": 95})),
+    "shape wrong": ("replicated",
+                    lambda m: m["index"]["params"].update({"wte.weight": [95, 33]})),
+    "owner rank beyond world": ("replicated", lambda m: m["index"].update(
+        owners={"wte.weight": 5})),
+    "bucket offset past the end": ("zero", lambda m: _bucket(m)["offsets"].__setitem__(
+        -1, _bucket(m)["shard"])),
+    "bucket shard too small": ("zero", lambda m: _bucket(m).update(shard=10)),
+    "bucket shapes fewer than names": ("zero", lambda m: _bucket(m)["shapes"].pop()),
+    "bucket shape wrong but fitting": ("zero",
+                                       lambda m: _bucket(m)["shapes"].__setitem__(0, [31])),
+    "bucket ranks beyond world": ("zero", lambda m: _bucket(m).update(ranks=[7])),
+    "crc not a number": ("zero", lambda m: m["crc32"][shard_name(0)].update(
+        {"rng/torch": "x"})),
+    "not an object": ("zero", lambda m: m.update(_replace_with=[])),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_manifest_is_one_clean_error(runs, dataset_path, tmp_path, damage):
+    layout, change = DAMAGES[damage]
+    ckpt = _copy_checkpoint(runs, layout, tmp_path / "step_000010")
+    mf = ckpt / "manifest.json"
+    manifest = json.loads(mf.read_text())
+    change(manifest)
+    mf.write_text(json.dumps(manifest.get("_replace_with", manifest)))
+    resume = _cfg(dataset_path, tmp_path / "again", **{"train.resume": str(ckpt),
+                                                       "parallel.zero": 2})
+    for attempt in (lambda: _fit(resume), lambda: inspect(ckpt, verify=True)):
+        with pytest.raises(CheckpointError) as e:
+            attempt()
+        message = str(e.value)
+        assert "\n" not in message
+        assert str(ckpt) in message
+        assert "older step_N directory" in message or "not an hpctrain" in message
+
+
+def test_a_consistent_checkpoint_of_other_shapes_is_refused_at_load(runs, dataset_path,
+                                                                    tmp_path):
+    """Manifest, shard and CRCs agree on a shape the model does not have (the model keys
+    still match): refused before any parameter is overwritten."""
+    ckpt = _copy_checkpoint(runs, "replicated", tmp_path / "step_000010")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    crcs = manifest["crc32"][shard_name(0)]
+    with h5py.File(ckpt / shard_name(0), "r+") as f:
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            a = f[f"{k}/ln_f.weight"][()].reshape(16, 2)
+            del f[f"{k}/ln_f.weight"]
+            f[f"{k}/ln_f.weight"] = a
+            crcs[f"{k}/ln_f.weight"] = sharded._crc(a)
+    manifest["index"]["params"]["ln_f.weight"] = [16, 2]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert "verified" in inspect(ckpt, verify=True)  # a sound checkpoint in itself
+    with pytest.raises(CheckpointError, match=r"ln_f.weight \[16, 2\] \(yours \[32\]\)"):
+        _fit(_cfg(dataset_path, tmp_path / "again", **{"train.resume": str(ckpt)}))
+
+
+# ------------------------------------------------------------------ 5. crafted files
+
+def test_latest_must_name_a_directory_beside_it(runs, dataset_path, tmp_path):
+    """A ``latest`` naming ``../elsewhere`` (which holds a valid checkpoint) or an
+    absolute path is refused, not followed."""
+    root = tmp_path / "run" / "checkpoints"
+    _copy_checkpoint(runs, "replicated", root / "step_000010")
+    _copy_checkpoint(runs, "replicated", tmp_path / "run" / "elsewhere")
+    for name in ("../elsewhere", str(tmp_path / "run" / "elsewhere"), ".", ""):
+        (root / "latest").write_text(name + "\n")
+        for path in (root, tmp_path / "run"):
+            with pytest.raises(CheckpointError, match="not a checkpoint directory beside it"):
+                read_manifest(path)
+        with pytest.raises(CheckpointError, match="latest"):
+            _fit(_cfg(dataset_path, tmp_path / "run", **{"train.resume": "auto"}))
+    (root / "latest").write_text("step_000010\n")
+    assert read_manifest(tmp_path / "run").step == 10
+
+
+class _ReadSpy:
+    """Records every dataset read through h5py's ``Dataset.__getitem__``."""
+
+    def __init__(self, monkeypatch):
+        self.names = []
+        real = h5py.Dataset.__getitem__
+
+        def getitem(ds, key):
+            self.names.append(ds.name)
+            return real(ds, key)
+
+        monkeypatch.setattr(h5py.Dataset, "__getitem__", getitem)
+
+
+@pytest.mark.parametrize("layout,dataset", [("replicated", "param/wte.weight"),
+                                            ("zero", "bucket_0/exp_avg"),
+                                            ("replicated", "rng/torch")])
+def test_shard_dataset_declared_other_than_the_manifest_is_not_read(runs, tmp_path,
+                                                                   monkeypatch, layout,
+                                                                   dataset):
+    """A shard whose dataset is replaced by a bigger one (lazily allocated, as a crafted
+    file would declare terabytes) is refused from its declared shape, before any read."""
+    ckpt = _copy_checkpoint(runs, layout, tmp_path / "step_000010")
+    with h5py.File(ckpt / shard_name(0), "r+") as f:
+        shape, dtype = f[dataset].shape, f[dataset].dtype
+        del f[dataset]
+        f.create_dataset(dataset, shape=(shape[0] * 1000, *shape[1:]), dtype=dtype,
+                         chunks=True)
+    spy = _ReadSpy(monkeypatch)
+    with pytest.raises(CheckpointError, match=f"dataset {dataset} is declared .*manifest"):
+        inspect(ckpt, verify=True) if dataset != "rng/torch" else \
+            sharded.read_rng(read_manifest(ckpt), 0)
+    assert f"/{dataset}" not in spy.names
+
+
+def test_final_h5_declaring_more_than_the_file_holds_is_not_read(runs, tmp_path, monkeypatch):
+    final = tmp_path / "final.h5"
+    shutil.copy(runs / "replicated" / "final.h5", final)
+    assert load_checkpoint(final).model["wte.weight"].shape == (95, 32)
+    with h5py.File(final, "r+") as f:
+        del f["model/wte.weight"]
+        f.create_dataset("model/wte.weight", shape=(950_000, 32), dtype="f4")
+    spy = _ReadSpy(monkeypatch)
+    with pytest.raises(UserError, match="declare more bytes than the file holds"):
+        load_checkpoint(final)
+    assert "/model/wte.weight" not in spy.names
 
 
 # -------------------------------------------------------- 6. modes follow the umask

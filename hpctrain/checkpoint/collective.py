@@ -245,6 +245,12 @@ def _load_resharded(manifest, model, engine, optimizer, opt_step: float) -> None
     if missing:
         raise CheckpointError(f"checkpoint {manifest.path} lacks {sorted(missing)[:3]}; it "
                               "was made for another model")
+    wrong = [f"{n} {list(full[n]['param'].shape)} (yours {list(p.shape)})"
+             for n, p in model.named_parameters() if full[n]["param"].shape != p.shape]
+    if wrong:  # the model keys agree, so the index is damaged
+        raise CheckpointError(f"checkpoint {manifest.path}: the manifest's shapes differ "
+                              f"from the model's: {', '.join(wrong[:3])}; the checkpoint is "
+                              "damaged: resume from an older step_N directory")
     if optimizer is not None:
         _load_replicated(model, optimizer, full, opt_step)
     else:
