@@ -18,7 +18,7 @@ from hpctrain.checkpoint.sharded import CheckpointError, read_manifest, shard_na
 from hpctrain.checkpoint.single_file import load_checkpoint
 from hpctrain.checkpoint.tools import inspect
 from hpctrain.comm.world import World
-from hpctrain.errors import UserError
+from hpctrain.errors import DataError, UserError
 from hpctrain.train.trainer import Trainer
 from tests.helpers import tiny_config
 
@@ -325,6 +325,23 @@ def test_final_h5_declaring_more_than_the_file_holds_is_not_read(runs, tmp_path,
     with pytest.raises(UserError, match="declare more bytes than the file holds"):
         load_checkpoint(final)
     assert "/model/wte.weight" not in spy.names
+
+
+def test_token_file_checksum_table_is_checked_before_it_is_read(dataset_path, tmp_path,
+                                                                monkeypatch):
+    from hpctrain.data.dataset import read_info
+
+    bad = tmp_path / "bad.h5"
+    shutil.copy(dataset_path, bad)
+    with h5py.File(bad, "r+") as f:
+        block_bytes = f["crc32/train"].attrs["block_bytes"]
+        del f["crc32/train"]
+        f.create_dataset("crc32/train", shape=(1 << 20,), dtype="u4", chunks=True)
+        f["crc32/train"].attrs["block_bytes"] = block_bytes
+    spy = _ReadSpy(monkeypatch)
+    with pytest.raises(DataError, match="checksum table of train is uint32 of shape"):
+        read_info(bad)
+    assert "/crc32/train" not in spy.names
 
 
 # -------------------------------------------------------- 6. modes follow the umask
