@@ -88,12 +88,13 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(dataset_path, tmp_pa
         raise RuntimeError("node lost power")
 
     monkeypatch.setattr(collective, "publish", crash)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(CheckpointError, match="node lost power"):
         trainer.save_sharded(15)
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_000010"
     assert read_manifest(tmp_path).step == 10  # still complete and loadable
     assert not (root / "step_000015").exists()
+    assert not list(root.glob(".step_*"))  # the temporary is gone too
 
 
 def _damaged(tmp_path, dataset_path):

@@ -1,6 +1,8 @@
 """Sharded checkpoints over real MPI ranks: exact resume, and resharding across world
 sizes and ZeRO stages (a sub-communicator plays the smaller job)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -58,3 +60,36 @@ def test_reshard_between_world_sizes_and_stages(mpi_dataset, shared_tmp, big_zer
     grown = _fit(_cfg(mpi_dataset, f"{shared_tmp}/grown", **{
         "parallel.zero": big_zero, "train.resume": f"{shared_tmp}/small/checkpoints/step_000010"}))
     np.testing.assert_allclose(grown.losses, big.losses[10:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_save_failing_on_one_rank_is_one_clean_error_on_every_rank(mpi_dataset, shared_tmp,
+                                                                     monkeypatch, zero):
+    """Rank 1's shard write fails (h5py reports a full disk as RuntimeError): every rank
+    raises the same CheckpointError, none is left waiting, and the previous checkpoint,
+    ``latest`` and no temporary remain."""
+    import hpctrain.checkpoint.collective as collective
+    from hpctrain.checkpoint.sharded import CheckpointError
+
+    out = Path(shared_tmp) / "run"
+    trainer = Trainer(_cfg(mpi_dataset, out, **{"parallel.zero": zero,
+                                                "train.max_iters": 10}),
+                      World.create(COMM), verbose=False)
+    trainer.fit()
+    real = collective.write_shard
+
+    def full_disk_on_rank_1(*args, **kwargs):
+        if COMM.rank == 1:
+            raise RuntimeError("Can't write data (file write failed: No space left)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(collective, "write_shard", full_disk_on_rank_1)
+    with pytest.raises(CheckpointError, match="step 15 failed: rank 1: RuntimeError: Can't "
+                                              "write data") as e:
+        trainer.save_sharded(15)
+    assert "\n" not in str(e.value)
+    COMM.Barrier()
+    root = out / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_000010"
+    assert read_manifest(out).step == 10
+    assert not list(root.glob(".step_*")) and not (root / "step_000015").exists()

@@ -115,8 +115,10 @@ class PendingSave:
                                {"format": FORMAT, "version": VERSION, "rank": w.rank,
                                 "step": self.step})
             self._result = [crcs, None]
-        except OSError as e:
-            self._result = [{}, f"rank {w.rank}: {e}"]
+        except Exception as e:  # noqa: BLE001 - h5py reports a full disk as RuntimeError
+            # Whatever it is, it must reach finish(), which tells every rank: raised here,
+            # on one rank, it would leave the others waiting in finish()'s collective.
+            self._result = [{}, f"rank {w.rank}: {_what(e)}"]
         self._datasets = None  # free the snapshot
 
     def finish(self) -> Path:
@@ -125,23 +127,39 @@ class PendingSave:
             self._thread.join()
         what = f"checkpoint save (step {step})"
         results = gather_json(w.comm, self._result, timeout=w.timeout, what=what)
-        outcome = None
-        if w.is_root:
-            errors = [e for _, e in results if e]
-            if errors:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                outcome = ["error", f"saving checkpoint step {step} failed: {errors[0]}; the "
-                           "previous checkpoint is intact (check disk space and permissions "
-                           "of --train.out_dir)"]
-            else:
-                manifest = {**self.manifest,
-                            "crc32": {shard_name(r): c for r, (c, _) in enumerate(results)}}
-                write_synced(self.tmp / "manifest.json", json.dumps(manifest, indent=1))
-                outcome = ["ok", str(publish(self.tmp, self.root, step, self.keep))]
+        outcome = self._publish(results) if w.is_root else None
         status, detail = bcast_json(w.comm, outcome, timeout=w.timeout, what=what)
         if status != "ok":
             raise CheckpointError(detail)
         return Path(detail)
+
+    def _publish(self, results: list) -> list[str]:
+        """Rank 0: write the manifest and publish, or report why not as
+        ``["error", message]`` (every rank raises it). On any failure the temporary
+        directory goes and the previous checkpoint and ``latest`` stay as they were."""
+        errors = [e for _, e in results if e]
+        if not errors:
+            try:
+                manifest = {**self.manifest,
+                            "crc32": {shard_name(r): c for r, (c, _) in enumerate(results)}}
+                write_synced(self.tmp / "manifest.json", json.dumps(manifest, indent=1))
+                return ["ok", str(publish(self.tmp, self.root, self.step, self.keep))]
+            except Exception as e:  # noqa: BLE001 - reported to every rank, see below
+                errors = [f"rank 0, publishing: {_what(e)}"]
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return ["error", save_failed(self.step, errors[0])]
+
+
+def save_failed(step: int, why: str) -> str:
+    return (f"saving checkpoint step {step} failed: {why}; the previous checkpoint is "
+            "intact (check disk space and permissions of --train.out_dir)")
+
+
+def _what(e: BaseException) -> str:
+    """An exception for a one-line message: OSError's text names the errno and file;
+    anything else (h5py's RuntimeError, a bug) also needs its type."""
+    text = " ".join(str(e).split())
+    return text if isinstance(e, OSError) and text else f"{type(e).__name__}: {text}"
 
 
 def begin_save(root: Path, step: int, *, model, engine, optimizer, world: World,
@@ -160,12 +178,12 @@ def begin_save(root: Path, step: int, *, model, engine, optimizer, world: World,
     datasets["rng/torch"] = torch.get_rng_state().numpy()
     if background:  # training goes on and changes the tensors: write a copy
         datasets = {k: np.array(v, copy=True) for k, v in datasets.items()}
-    tmp = None
-    if world.is_root:  # rank 0 picks the directory name and tells the others
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".step_{step:06d}.", suffix=".tmp", dir=root)
-    tmp = Path(bcast_json(world.comm, tmp, timeout=world.timeout,
-                          what=f"checkpoint save (step {step})"))
+    made = _make_temporary(root, step) if world.is_root else None
+    status, tmp = bcast_json(world.comm, made, timeout=world.timeout,
+                             what=f"checkpoint save (step {step})")
+    if status != "ok":
+        raise CheckpointError(tmp)
+    tmp = Path(tmp)
     manifest = {"format": FORMAT, "version": VERSION, "step": step,
                 "optimizer_step": opt_step, "layout": layout, "world_size": world.size,
                 "model": model_shape, "config": config, "tokenizer": tokenizer,
@@ -173,6 +191,16 @@ def begin_save(root: Path, step: int, *, model, engine, optimizer, world: World,
                          "seed": config["train"]["seed"], "next_step": step},
                 "index": index}
     return PendingSave(root, step, tmp, world, datasets, manifest, keep, background)
+
+
+def _make_temporary(root: Path, step: int) -> list[str]:
+    """Rank 0 picks the directory every rank writes into: ``["ok", path]``, or
+    ``["error", message]`` when it cannot be made (every rank raises it)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return ["ok", tempfile.mkdtemp(prefix=f".step_{step:06d}.", suffix=".tmp", dir=root)]
+    except OSError as e:
+        return ["error", save_failed(step, f"rank 0: {_what(e)}")]
 
 
 def save_checkpoint(root: Path, step: int, **kwargs) -> Path:
@@ -217,6 +245,12 @@ def _load_resharded(manifest, model, engine, optimizer, opt_step: float) -> None
     if missing:
         raise CheckpointError(f"checkpoint {manifest.path} lacks {sorted(missing)[:3]}; it "
                               "was made for another model")
+    wrong = [f"{n} {list(full[n]['param'].shape)} (yours {list(p.shape)})"
+             for n, p in model.named_parameters() if full[n]["param"].shape != p.shape]
+    if wrong:  # the model keys agree, so the index is damaged
+        raise CheckpointError(f"checkpoint {manifest.path}: the manifest's shapes differ "
+                              f"from the model's: {', '.join(wrong[:3])}; the checkpoint is "
+                              "damaged: resume from an older step_N directory")
     if optimizer is not None:
         _load_replicated(model, optimizer, full, opt_step)
     else:

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpctrain.files import chmod_as_created
+
 _DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("int64"): "I64"}
 
 
@@ -42,6 +44,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
         f.write(raw)
         for name in sorted(arrays):
             f.write(arrays[name].astype(arrays[name].dtype.newbyteorder("<")).tobytes())
+    chmod_as_created(tmp)  # mkstemp made it 0600
     os.replace(tmp, path)
     return path
 

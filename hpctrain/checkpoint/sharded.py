@@ -10,9 +10,10 @@
 
 A save writes into a hidden temporary directory, fsyncs every file and the directory,
 renames it into place, and only then rewrites ``latest`` (write, fsync, rename) and
-prunes the oldest checkpoints beyond ``keep``: a crash at any moment leaves the previous
-checkpoint and ``latest`` intact. Nothing is pickled: tensors are HDF5 datasets, metadata
-is JSON.
+prunes the checkpoints with the lowest steps beyond ``keep``: a crash at any moment leaves
+the previous checkpoint and ``latest`` intact (and at worst a ``.step_*.tmp`` directory
+or ``.latest.*`` file, which ``remove_stale_temporaries`` deletes at the next start).
+Nothing is pickled: tensors are HDF5 datasets, metadata is JSON.
 
 Two layouts. ``replicated`` (plain data parallelism): every rank holds the same state,
 so rank 0's shard has each parameter and its moments by name. ``zero``: each rank's shard
@@ -25,7 +26,9 @@ into whole per-parameter tensors, so a checkpoint loads at any world size and Ze
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -35,12 +38,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpctrain.checkpoint.validate import Damaged, describe, validate_manifest
 from hpctrain.errors import UserError
+from hpctrain.files import chmod_as_created
 
 FORMAT = "hpctrain-sharded-checkpoint"
 VERSION = 1
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+STEP_NAME = re.compile(r"step_(\d+)")
+# What a killed save leaves behind: mkdtemp's and mkstemp's names (random part: letters,
+# digits, underscore). Nothing else under checkpoints/ is ever deleted as a leftover.
+STALE_TEMPORARIES = (re.compile(r"\.step_\d+\.[A-Za-z0-9_]+\.tmp"),
+                     re.compile(r"\.latest\.[A-Za-z0-9_]+"))
+LATEST_MAX_BYTES = 4096
 
 
 class CheckpointError(UserError):
@@ -95,20 +106,93 @@ def publish(tmp: Path, root: Path, step: int, keep: int) -> Path:
     """Rank 0, after every shard and the manifest are on disk: make ``tmp`` the
     checkpoint of ``step``, point ``latest`` at it, drop the oldest beyond ``keep``."""
     final = root / step_dir_name(step)
+    chmod_as_created(tmp)  # mkdtemp made it 0700: teammates could not read it
     _fsync_dir(tmp)
     if final.exists():  # a re-run of the same step: replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
+    _point_latest(root, final.name)
+    prune(root, final, keep)
+    return final
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """Replace ``root/latest`` atomically (write, fsync, rename) with ``name``."""
     fd, latest_tmp = tempfile.mkstemp(prefix=".latest.", dir=root)
     os.close(fd)
-    write_synced(Path(latest_tmp), final.name + "\n")
-    os.replace(latest_tmp, root / "latest")
+    try:
+        write_synced(Path(latest_tmp), name + "\n")
+        chmod_as_created(latest_tmp)
+        os.replace(latest_tmp, root / "latest")
+    except BaseException:
+        Path(latest_tmp).unlink(missing_ok=True)
+        raise
     _fsync_dir(root)
-    done = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def checkpoint_step(d: Path) -> int | None:
+    """The step of checkpoint directory ``d``: its manifest's, else the number in its
+    name; None when neither can be read."""
+    try:
+        step = json.loads((d / "manifest.json").read_text()).get("step")
+        if type(step) is int and step >= 0:
+            return step
+    except (OSError, ValueError, RecursionError, AttributeError):
+        pass  # missing, unreadable, not JSON, not an object: go by the name
+    m = STEP_NAME.fullmatch(d.name)
+    return int(m.group(1)) if m else None
+
+
+def prune(root: Path, newest: Path, keep: int) -> list[Path]:
+    """Delete the checkpoints beyond ``keep``: ``newest`` (the one ``latest`` names)
+    stays, and so do the ``keep - 1`` others with the highest steps; returns the deleted.
+
+    Steps, not names, decide: names sort wrongly past step 999999, and an out_dir may
+    hold higher steps than the run now saving (an earlier, longer run), whose newest
+    checkpoint must not be the one deleted. A directory whose step cannot be told is
+    never touched, and temporaries (hidden names) are not checkpoints."""
+    if keep <= 0:
+        return []
+    others = []
+    for d in root.glob("step_*"):
+        if d.name == newest.name or d.is_symlink() or not d.is_dir():
+            continue
+        step = checkpoint_step(d)
+        if step is not None:
+            others.append((step, d.name, d))
+    others.sort(reverse=True)
+    removed = [d for _, _, d in others[keep - 1:]]
+    for d in removed:
+        shutil.rmtree(d, ignore_errors=True)
+    return removed
+
+
+def remove_stale_temporaries(root: str | Path) -> list[Path]:
+    """Delete what killed saves left under a ``checkpoints/`` root (``.step_*.tmp``
+    directories, ``.latest.*`` files); return what was removed.
+
+    Only for rank 0 at start-up, while it holds the run directory: a temporary of a save
+    in progress looks the same. A name that cannot be removed is left (nothing reads
+    temporaries, so it is harmless)."""
+    root = Path(root)
+    try:
+        entries = sorted(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for p in entries:
+        if not any(pattern.fullmatch(p.name) for pattern in STALE_TEMPORARIES):
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        except OSError:
+            continue
+        removed.append(p)
+    return removed
 
 
 # ----------------------------------------------------------------------------- reading
@@ -134,8 +218,27 @@ def resolve(path: str | Path) -> Path:
     for root in (p, p / "checkpoints"):
         latest = root / "latest"
         if latest.is_file():
-            return root / latest.read_text().strip()
+            return root / latest_name(latest)
     return p
+
+
+def latest_name(latest: Path) -> str:
+    """The directory ``latest`` names, which must lie beside it: a plain name (no ``/``,
+    not ``..`` or hidden), so that a damaged or crafted file cannot send a load to
+    another place on the filesystem, or to a temporary."""
+    fix = (f"write the name of one of the step_N directories beside it into {latest}, or "
+           "pass that directory itself")
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(LATEST_MAX_BYTES + 1)
+        name = raw.decode().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{latest} is unreadable ({e}); {fix}") from None
+    if (len(raw) > LATEST_MAX_BYTES or not name or name.startswith(".")
+            or any(c in name for c in "/\\\0\n")):
+        raise CheckpointError(f"{latest} names {name[:80]!r}, not a checkpoint directory "
+                              f"beside it (a plain name like step_000100); {fix}")
+    return name
 
 
 def read_manifest(path: str | Path) -> Manifest:
@@ -147,11 +250,19 @@ def read_manifest(path: str | Path) -> Manifest:
                               "latest checkpoint")
     try:
         data = json.loads(mf.read_text())
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # ValueError: also not UTF-8
         raise CheckpointError(f"{mf} is not valid JSON ({e}): the checkpoint is damaged; "
                               "resume from an older step_N directory") from None
-    if data.get("format") != FORMAT or data.get("version") != VERSION:
+    except OSError as e:
+        raise CheckpointError(f"{mf} is unreadable ({e}); check its permissions, or "
+                              "resume from an older step_N directory") from None
+    if (not isinstance(data, dict) or data.get("format") != FORMAT
+            or data.get("version") != VERSION):
         raise CheckpointError(f"{mf} is not an hpctrain v{VERSION} sharded checkpoint")
+    try:
+        validate_manifest(data)
+    except Damaged as e:
+        raise CheckpointError(describe(mf, e)) from None
     return Manifest(d, data)
 
 
@@ -179,18 +290,38 @@ def _open_shard(manifest: Manifest, rank: int):
                               f"{e}; resume from an older step_N directory") from None
 
 
-def _read(manifest: Manifest, f, rank: int, name: str) -> np.ndarray:
+def _read(manifest: Manifest, f, rank: int, name: str, shape: tuple[int, ...],
+          dtype=np.float32) -> np.ndarray:
+    """Dataset ``name`` of a shard, after its declared shape and type match what the
+    manifest says (so a damaged or crafted size never becomes an allocation), then
+    checked against its CRC-32."""
+    import h5py
+
+    where = manifest.path / shard_name(rank)
     try:
-        a = f[name][()]
-    except (KeyError, OSError) as e:
-        raise CheckpointError(f"{manifest.path / shard_name(rank)}: dataset {name} is "
-                              f"unreadable ({e}); the shard is damaged") from None
+        d = f[name]
+        if not isinstance(d, h5py.Dataset):
+            raise KeyError(f"{name} is a group")
+        declared = (tuple(d.shape) if d.shape is not None else None, np.dtype(d.dtype))
+        want = (tuple(shape), np.dtype(dtype))
+        if declared != want:
+            raise CheckpointError(
+                f"{where}: dataset {name} is declared {_describe(*declared)}, "
+                f"{manifest.path / 'manifest.json'} says {_describe(*want)}; the checkpoint "
+                "is damaged: resume from an older step_N directory")
+        a = d[()]
+    except (KeyError, OSError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: dataset {name} is unreadable ({e}); the shard is "
+                              "damaged: resume from an older step_N directory") from None
     expected = manifest.data["crc32"][shard_name(rank)].get(name)
     if expected is None or _crc(a) != expected:
-        raise CheckpointError(f"{manifest.path / shard_name(rank)}: dataset {name} fails its "
-                              "CRC-32 check; the shard is corrupt: resume from an older "
-                              "step_N directory")
+        raise CheckpointError(f"{where}: dataset {name} fails its CRC-32 check; the shard "
+                              "is corrupt: resume from an older step_N directory")
     return a
+
+
+def _describe(shape, dtype) -> str:
+    return f"{dtype} of shape {shape}"
 
 
 def bucket_ranks(manifest: Manifest, entry: dict) -> list[int]:
@@ -217,8 +348,8 @@ def read_full_state(manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
             with _open_shard(manifest, rank) as f:
                 for name in names:
                     shape = data["index"]["params"][name]
-                    out[name] = {k: torch.from_numpy(_read(manifest, f, rank, f"{k}/{name}"))
-                                 .reshape(shape) for k in KEYS}
+                    out[name] = {k: torch.from_numpy(_read(manifest, f, rank, f"{k}/{name}",
+                                                           tuple(shape))) for k in KEYS}
         return out
     buckets = data["index"]["buckets"]
     flats = [{k: [] for k in KEYS} for _ in buckets]
@@ -229,11 +360,11 @@ def read_full_state(manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
         with _open_shard(manifest, rank) as f:
             for i in mine:
                 for k in KEYS:
-                    flats[i][k].append(_read(manifest, f, rank, f"{bucket_key(buckets[i], i)}/{k}"))
+                    flats[i][k].append(_read_bucket(manifest, f, rank, buckets[i], i, k))
     for i, b in enumerate(buckets):
         full = {k: np.concatenate(flats[i][k]) for k in KEYS}
         for name, shape, off in zip(b["names"], b["shapes"], b["offsets"]):
-            n = int(np.prod(shape))
+            n = math.prod(shape)  # inside the bucket: validate_manifest checked
             out[name] = {k: torch.from_numpy(full[k][off:off + n].copy()).reshape(shape)
                          for k in KEYS}
     return out
@@ -245,10 +376,18 @@ def read_own_shards(manifest: Manifest, rank: int) -> list[dict[str, np.ndarray]
     of the reading."""
     buckets = manifest.data["index"]["buckets"]
     with _open_shard(manifest, rank) as f:
-        return [{k: _read(manifest, f, rank, f"{bucket_key(b, i)}/{k}") for k in KEYS}
+        return [{k: _read_bucket(manifest, f, rank, b, i, k) for k in KEYS}
                 for i, b in enumerate(buckets) if rank in bucket_ranks(manifest, b)]
 
 
+def _read_bucket(manifest: Manifest, f, rank: int, entry: dict, i: int, k: str) -> np.ndarray:
+    """One rank's slice of bucket ``i``: ``entry["shard"]`` elements."""
+    return _read(manifest, f, rank, f"{bucket_key(entry, i)}/{k}", (entry["shard"],))
+
+
 def read_rng(manifest: Manifest, rank: int) -> torch.Tensor:
+    """A rank's torch RNG state; it must have the size this torch's state has, which is
+    what ``torch.set_rng_state`` takes."""
+    size = torch.get_rng_state().numel()
     with _open_shard(manifest, rank) as f:
-        return torch.from_numpy(_read(manifest, f, rank, "rng/torch"))
+        return torch.from_numpy(_read(manifest, f, rank, "rng/torch", (size,), np.uint8))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hpctrain.errors import UserError
+from hpctrain.files import chmod_as_created
 
 FORMAT = "hpctrain-checkpoint"
 VERSION = 1
@@ -56,6 +57,7 @@ def save_checkpoint(path: str | Path, params: dict[str, torch.Tensor],
                                      data=value.detach().float().cpu().numpy())
             f.flush()
             os.fsync(f.id.get_vfd_handle())
+        chmod_as_created(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -88,15 +90,53 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     with f:
         if f.attrs.get("format") != FORMAT or int(f.attrs.get("version", -1)) != VERSION:
             raise UserError(f"{path} is not an hpctrain v{VERSION} checkpoint")
-        model = {}
-        f["model"].visititems(lambda k, v: model.__setitem__(k, v[()])
-                              if isinstance(v, h5py.Dataset) else None)
-        optim: dict[str, dict] = {}
-        if "optim" in f:
-            def visit(key, v):
-                if isinstance(v, h5py.Dataset):
-                    name, _, stat = key.rpartition("/")
-                    optim.setdefault(name, {})[stat] = v[()]
-            f["optim"].visititems(visit)
-        return Checkpoint(int(f.attrs["step"]), json.loads(f.attrs["config"]),
-                          json.loads(f.attrs["tokenizer"]), model, optim)
+        model, optim = {}, {}
+        for key, d in _datasets(f, path).items():
+            group, _, rest = key.partition("/")
+            try:
+                a = d[()]
+            except (OSError, TypeError, ValueError) as e:
+                raise UserError(f"{path}: dataset {key} is unreadable ({e}); the file is "
+                                "damaged: use another checkpoint") from None
+            if group == "model":
+                model[rest] = a
+            else:
+                name, _, stat = rest.rpartition("/")
+                optim.setdefault(name, {})[stat] = a
+        try:
+            return Checkpoint(int(f.attrs["step"]), json.loads(f.attrs["config"]),
+                              json.loads(f.attrs["tokenizer"]), model, optim)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path}: its step, config or tokenizer attribute is damaged "
+                            f"({e}); use another checkpoint") from None
+
+
+def _datasets(f, path: Path) -> dict:
+    """Every dataset under ``model/`` and ``optim/`` by its path in the file, after
+    checking, before anything is read, that each is what ``save_checkpoint`` writes:
+    contiguous float32 (no filters, whose output size nobody bounds) and together no
+    larger than the file. So a damaged or crafted declared size is refused instead of
+    becoming an allocation. The file has no index to hold the shapes against: the model
+    does that when it takes the weights."""
+    import h5py
+
+    found: dict = {}
+    for group in ("model", "optim"):
+        if isinstance(f.get(group), h5py.Group):
+            f[group].visititems(lambda k, v, g=group: found.__setitem__(f"{g}/{k}", v)
+                                if isinstance(v, h5py.Dataset) else None)
+    if "model" not in f:
+        raise UserError(f"{path} has no model weights; use another checkpoint")
+    total, size = 0, path.stat().st_size
+    for key, d in found.items():
+        if d.dtype != np.float32 or d.chunks is not None or d.shape is None:
+            raise UserError(f"{path}: dataset {key} is {d.dtype}"
+                            f"{' (chunked)' if d.chunks else ''}, not the contiguous float32 "
+                            "this format writes; the file is damaged or not from hpctrain: "
+                            "use another checkpoint")
+        total += d.size * 4
+        if total > size:
+            raise UserError(f"{path}: its datasets declare more bytes than the file holds "
+                            f"({key}: shape {d.shape}); the file is damaged: use another "
+                            "checkpoint")
+    return found

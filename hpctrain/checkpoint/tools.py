@@ -3,6 +3,7 @@ on one process, without MPI (a checkpoint of any world size reads the same way).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -16,22 +17,31 @@ from hpctrain.checkpoint.single_file import save_checkpoint
 def inspect(path: str | Path, verify: bool = False) -> str:
     m = read_manifest(path)
     d = m.data
-    n_params = sum(int(np.prod(s)) for s in _shapes(d).values())
+    n_params = sum(math.prod(s) for s in _shapes(d).values())
     shards = [m.path / shard_name(r) for r in range(m.world_size)]
+    # config and data are only described here, never used: validate_manifest does not
+    # hold them to a schema, so a missing key shows as None
+    config = d["config"]
+    data = d["data"] if isinstance(d.get("data"), dict) else {}
     lines = [f"checkpoint {m.path}",
              f"  step {m.step} (Adam step {d['optimizer_step']:g}), {d['layout']} layout, "
-             f"{m.world_size} rank(s), ZeRO stage {d['config']['parallel']['zero']}, "
-             f"dtype {d['config']['train']['dtype']}",
+             f"{m.world_size} rank(s), ZeRO stage {_get(config, 'parallel', 'zero')}, "
+             f"dtype {_get(config, 'train', 'dtype')}",
              "  model " + ", ".join(f"{k}={v}" for k, v in d["model"].items()),
              f"  {len(_shapes(d))} tensors, {n_params:,} parameters",
-             f"  data: {d['data']['sampler']} sampler, seed {d['data']['seed']}, next step "
-             f"{d['data']['next_step']}",
+             f"  data: {data.get('sampler')} sampler, seed {data.get('seed')}, next step "
+             f"{data.get('next_step')}",
              "  shards: " + ", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)"
                                       if p.exists() else f"{p.name} (MISSING)" for p in shards)]
     if verify:
         read_full_state(m)  # reads every dataset and checks its CRC-32
         lines.append("  verified: every dataset matches its CRC-32")
     return "\n".join(lines)
+
+
+def _get(d: dict, section: str, key: str):
+    part = d.get(section)
+    return part.get(key) if isinstance(part, dict) else None
 
 
 def _shapes(d: dict) -> dict[str, list[int]]:

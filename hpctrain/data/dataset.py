@@ -131,16 +131,11 @@ def _read_token_file(path: Path) -> tuple[dict, dict[str, dict]]:
             if dtype not in (np.dtype("<u2"), np.dtype("<u4")):
                 raise DataError(f"{path}:{name} holds {dtype}, not little-endian uint16 or "
                                 "uint32 tokens; " + hint)
-            crcs = f[f"crc32/{name}"][()]
-            block_bytes = int(f[f"crc32/{name}"].attrs["block_bytes"])
             nbytes = n * dtype.itemsize
             if offset is not None and offset + nbytes > file_size:
                 raise DataError(f"{path} is truncated: the {name} split needs bytes up to "
                                 f"{offset + nbytes}, the file has {file_size}. " + hint)
-            if len(crcs) != max(1, -(-nbytes // block_bytes)):
-                raise DataError(f"{path}: the checksum table of {name} has {len(crcs)} "
-                                "entries, which does not match the array; the file is "
-                                "corrupt. " + hint)
+            crcs, block_bytes = _checksum_table(f, path, name, nbytes, hint)
             if version >= 2:
                 if int(d.attrs.get("n_tokens", -1)) != n:
                     raise DataError(f"{path}: {name} should hold {d.attrs.get('n_tokens')} "
@@ -156,6 +151,23 @@ def _read_token_file(path: Path) -> tuple[dict, dict[str, dict]]:
         if arrays["train"]["dtype"] != arrays["val"]["dtype"]:
             raise DataError(f"{path}: train and val hold different token types; " + hint)
     return meta, arrays
+
+
+def _checksum_table(f, path: Path, name: str, nbytes: int, hint: str):
+    """The block CRCs of split ``name`` and their block size. The table's declared shape
+    is checked against the array's size before it is read, so a damaged or crafted
+    shape is refused instead of becoming an allocation."""
+    table = f[f"crc32/{name}"]
+    block_bytes = table.attrs.get("block_bytes")
+    if not isinstance(block_bytes, (int, np.integer)) or block_bytes <= 0:
+        raise DataError(f"{path}: the checksum table of {name} has block size "
+                        f"{block_bytes!r}; the file is corrupt. " + hint)
+    blocks = max(1, -(-nbytes // int(block_bytes)))
+    if table.shape != (blocks,) or table.dtype.kind not in "ui":
+        raise DataError(f"{path}: the checksum table of {name} is {table.dtype} of shape "
+                        f"{table.shape}, the array needs {blocks} integer entries; the file "
+                        "is corrupt. " + hint)
+    return table[()], int(block_bytes)
 
 
 def _read_manifest(path: Path) -> DatasetInfo:
