@@ -321,7 +321,8 @@ def _launched_by_mpi() -> bool:
 
 
 def cmd_train(args, overrides: list[str]) -> int:
-    from hpctrain.config import describe_options, load_config, recipe_names
+    from hpctrain.config import (check_out_dir, describe_options, load_config,
+                                 recipe_names)
 
     if args.help:
         print("usage: hpctrain train RECIPE [--section.key=value ...]\n\n"
@@ -335,6 +336,7 @@ def cmd_train(args, overrides: list[str]) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=1))
         return 0
+    check_out_dir(cfg.train.out_dir)  # on every rank, before MPI: one message, no hang
 
     from mpi4py import MPI
 
