@@ -50,6 +50,13 @@ def _add_prepare(sub) -> None:
     p.add_argument("--romio-hints", default="", metavar="K=V,...",
                    help="ROMIO hints for writing the file under mpiexec, e.g. "
                         "striping_factor=8,striping_unit=16777216 (Lustre)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output if it exists (by default an existing file is "
+                        "left alone and the command fails)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="under mpiexec: how long any rank may wait for the others in one "
+                        "step before the job aborts, naming the step (default 300, as "
+                        "training's --comm.timeout)")
 
 
 def _add_train(sub) -> None:
@@ -287,7 +294,7 @@ def cmd_prepare(args) -> int:
         from hpctrain.comm.abort import env_rank
 
         if env_rank() == 0:
-            s = combine(args.combine, args.output)
+            s = combine(args.combine, args.output, overwrite=args.overwrite)
             print(f"wrote manifest {s['output']}: {s['shards']} shard(s), "
                   f"{s['train_tokens']:,} train / {s['val_tokens']:,} val tokens")
         return 0
@@ -303,7 +310,8 @@ def cmd_prepare(args) -> int:
     inputs = args.input or stdlib_files(args.max_bytes or DEFAULT_BYTES)
     show = root and (sys.stderr.isatty() or (comm is not None and comm.Get_size() > 1))
     s = prepare(inputs, args.output, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                show_progress=show, comm=comm, romio_hints=hints)
+                show_progress=show, comm=comm, romio_hints=hints, overwrite=args.overwrite,
+                timeout=args.timeout)
     if root:
         print(f"prepared {s['output']}: {s['files']} file(s), {s['tokens']:,} "
               f"tokens ({s['train_tokens']:,} train / {s['val_tokens']:,} val), "
@@ -321,7 +329,8 @@ def _launched_by_mpi() -> bool:
 
 
 def cmd_train(args, overrides: list[str]) -> int:
-    from hpctrain.config import describe_options, load_config, recipe_names
+    from hpctrain.config import (check_out_dir, describe_options, load_config,
+                                 recipe_names)
 
     if args.help:
         print("usage: hpctrain train RECIPE [--section.key=value ...]\n\n"
@@ -340,6 +349,7 @@ def cmd_train(args, overrides: list[str]) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=1))
         return 0
+    check_out_dir(cfg.train.out_dir)  # on every rank, before MPI: one message, no hang
 
     from mpi4py import MPI
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -24,18 +26,59 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-def opt(default, help: str, choices: tuple | None = None):
-    """A config field with its help text (and, optionally, its allowed values)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+@dataclass(frozen=True)
+class Bounds:
+    """The valid range of a number field. Float fields must also be finite: a NaN slips
+    through every comparison (``nan > 0`` and ``nan <= 0`` are both false), and an
+    infinite value means something else than the user meant (``--comm.timeout=inf``
+    would turn the watchdog off, ``--optim.lr=inf`` ruins the model at the first step)."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is not allowed
+    high_open: bool = False
+
+    def __contains__(self, value) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self, typ: type) -> str:
+        """``at least 1``, ``a finite number > 0``, ``a finite number in [0, 1)``."""
+        num = (lambda v: f"{v:g}") if typ is float else str
+        finite = "a finite number " if typ is float else ""
+        if self.high is None:
+            if typ is int and not self.low_open:
+                return f"at least {self.low}"
+            return f"{finite}{'>' if self.low_open else '>='} {num(self.low)}"
+        return (f"{finite}in {'(' if self.low_open else '['}{num(self.low)}, "
+                f"{num(self.high)}{')' if self.high_open else ']'}")
 
 
-def _check_choices(section) -> None:
+AT_LEAST_0, AT_LEAST_1 = Bounds(0), Bounds(1)
+POSITIVE = Bounds(0, low_open=True)
+FRACTION = Bounds(0, 1, high_open=True)  # [0, 1)
+
+
+def opt(default, help: str, choices: tuple | None = None, bounds: Bounds | None = None):
+    """A config field with its help text and, optionally, its allowed values (``choices``)
+    or range (``bounds``; every int and float field without choices has one)."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "bounds": bounds})
+
+
+def _check_fields(section) -> None:
+    """Each field against its choices or bounds; the message names the option and the
+    valid values, so ``--optim.eps=-1`` or ``--comm.timeout=nan`` never reaches training."""
+    hints = typing.get_type_hints(type(section))
     for f in dataclasses.fields(section):
-        choices = f.metadata.get("choices")
-        value = getattr(section, f.name)
+        key, value = f"{_SECTION_NAMES[type(section)]}.{f.name}", getattr(section, f.name)
+        choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
         if choices and value not in choices:
-            raise ConfigError(f"{_SECTION_NAMES[type(section)]}.{f.name}={value!r} is not "
-                              f"one of {', '.join(map(str, choices))}")
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+        if bounds is not None and value not in bounds:
+            raise ConfigError(f"{key} must be {bounds.describe(hints[f.name])}, not {value!r}")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -45,22 +88,21 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass
 class ModelConfig:
-    n_layer: int = opt(4, "number of transformer blocks")
-    n_head: int = opt(4, "attention heads per block")
-    n_embd: int = opt(128, "width of the residual stream")
-    block_size: int = opt(64, "context length in tokens")
-    vocab_size: int = opt(0, "vocabulary size; 0 takes it from the dataset")
-    dropout: float = opt(0.0, "dropout probability (0 keeps runs equal across world sizes)")
+    n_layer: int = opt(4, "number of transformer blocks", bounds=AT_LEAST_1)
+    n_head: int = opt(4, "attention heads per block", bounds=AT_LEAST_1)
+    n_embd: int = opt(128, "width of the residual stream", bounds=AT_LEAST_1)
+    block_size: int = opt(64, "context length in tokens", bounds=AT_LEAST_1)
+    vocab_size: int = opt(0, "vocabulary size; 0 takes it from the dataset",
+                          bounds=AT_LEAST_0)
+    dropout: float = opt(0.0, "dropout probability (0 keeps runs equal across world sizes)",
+                         bounds=FRACTION)
     bias: bool = opt(False, "use biases in Linear and LayerNorm layers")
 
     def __post_init__(self):
-        _require(self.n_layer >= 1, "model.n_layer must be at least 1")
-        _require(self.n_head >= 1 and self.n_embd % self.n_head == 0,
+        _check_fields(self)
+        _require(self.n_embd % self.n_head == 0,
                  f"model.n_embd={self.n_embd} must be a multiple of model.n_head="
                  f"{self.n_head}; change one of them")
-        _require(self.block_size >= 1, "model.block_size must be at least 1")
-        _require(self.vocab_size >= 0, "model.vocab_size must be >= 0 (0 = from the data)")
-        _require(0.0 <= self.dropout < 1.0, "model.dropout must be in [0, 1)")
 
 
 @dataclass
@@ -84,7 +126,7 @@ class DataConfig:
                              "per node) and read it there, e.g. /local/scratch on Polaris")
 
     def __post_init__(self):
-        _check_choices(self)
+        _check_fields(self)
         from hpctrain.data.hints import parse_hints
 
         try:
@@ -95,10 +137,13 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    micro_batches: int = opt(1, "micro-batches per rank and step (gradient accumulation)")
-    bucket_mb: float = opt(25.0, "gradient bucket cap in MiB (PyTorch DDP's default)")
+    micro_batches: int = opt(1, "micro-batches per rank and step (gradient accumulation)",
+                             bounds=AT_LEAST_1)
+    bucket_mb: float = opt(25.0, "gradient bucket cap in MiB (PyTorch DDP's default)",
+                           bounds=POSITIVE)
     first_bucket_mb: float = opt(1.0, "cap of the first bucket reduced, so that "
-                                      "communication starts early in backward")
+                                      "communication starts early in backward",
+                                 bounds=POSITIVE)
     allreduce: str = opt("auto", "how plain data parallelism sums gradients: shm sums CPU "
                                  "gradients in the node's shared memory (and with MPI "
                                  "between nodes), mpi with MPI collectives only, auto picks "
@@ -109,18 +154,16 @@ class ParallelConfig:
                        "shards optimizer state, 2 also gradients, 3 also parameters",
                     (0, 1, 2, 3))
     pp: int = opt(1, "pipeline stages: the model's layers are cut into pp stages, one per "
-                     "rank of a pipeline; the ranks are dp x pp")
+                     "rank of a pipeline; the ranks are dp x pp", bounds=AT_LEAST_1)
     schedule: str = opt("1f1b", "pipeline schedule (pp > 1): 1f1b (least activation "
                                 "memory), gpipe (all forwards, then all backwards), "
                                 "interleaved (virtual_stages chunks per rank: smaller "
                                 "bubble, more messages)", ("1f1b", "gpipe", "interleaved"))
-    virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedule)")
+    virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedule)",
+                              bounds=AT_LEAST_1)
 
     def __post_init__(self):
-        _check_choices(self)
-        _require(self.micro_batches >= 1, "parallel.micro_batches must be at least 1")
-        _require(self.pp >= 1, "parallel.pp must be at least 1 (1: no pipeline)")
-        _require(self.virtual_stages >= 1, "parallel.virtual_stages must be at least 1")
+        _check_fields(self)
         _require(self.schedule == "interleaved" or self.virtual_stages == 1,
                  f"--parallel.virtual_stages={self.virtual_stages} needs "
                  "--parallel.schedule=interleaved")
@@ -128,8 +171,6 @@ class ParallelConfig:
                  f"the interleaved schedule takes micro-batches in groups of the {self.pp} "
                  f"stages; make --parallel.micro_batches (now {self.micro_batches}) a "
                  f"multiple of --parallel.pp={self.pp}")
-        _require(self.bucket_mb > 0 and self.first_bucket_mb > 0,
-                 "parallel.bucket_mb and parallel.first_bucket_mb must be positive")
 
 
 @dataclass
@@ -138,53 +179,59 @@ class OptimConfig:
                              "(plain gradient descent, no momentum: the update is lr x gradient, "
                              "so any error in the gradient's scale shows at the first step)",
                     ("adamw", "sgd"))
-    lr: float = opt(1e-3, "peak learning rate")
-    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
-    warmup_iters: int = opt(100, "linear warm-up steps")
-    lr_decay_iters: int = opt(0, "steps of cosine decay; 0 means train.max_iters")
+    lr: float = opt(1e-3, "peak learning rate", bounds=POSITIVE)
+    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay",
+                         bounds=AT_LEAST_0)
+    warmup_iters: int = opt(100, "linear warm-up steps", bounds=AT_LEAST_0)
+    lr_decay_iters: int = opt(0, "steps of cosine decay; 0 means train.max_iters",
+                              bounds=AT_LEAST_0)
     schedule: str = opt("cosine", "learning-rate schedule", ("cosine", "constant"))
-    weight_decay: float = opt(0.1, "AdamW weight decay (matrices and embeddings only)")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.99, "AdamW beta2")
-    eps: float = opt(1e-8, "AdamW epsilon")
-    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables")
+    weight_decay: float = opt(0.1, "AdamW weight decay (matrices and embeddings only)",
+                               bounds=AT_LEAST_0)
+    beta1: float = opt(0.9, "AdamW beta1", bounds=FRACTION)
+    beta2: float = opt(0.99, "AdamW beta2", bounds=FRACTION)
+    eps: float = opt(1e-8, "AdamW epsilon", bounds=POSITIVE)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables",
+                            bounds=AT_LEAST_0)
 
     def __post_init__(self):
-        _check_choices(self)
-        _require(self.lr > 0, "optim.lr must be positive")
-        _require(0 <= self.min_lr <= self.lr, "optim.min_lr must be in [0, optim.lr]")
-        _require(self.warmup_iters >= 0 and self.lr_decay_iters >= 0,
-                 "optim.warmup_iters and optim.lr_decay_iters must be >= 0")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
-        _require(self.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 disables clipping)")
-        _require(self.weight_decay >= 0, "optim.weight_decay must be >= 0")
+        _check_fields(self)
+        _require(self.min_lr <= self.lr, "optim.min_lr must be in [0, optim.lr]")
 
 
 @dataclass
 class TrainConfig:
-    batch_size: int = opt(12, "global batch in sequences (all ranks and micro-batches)")
-    max_iters: int = opt(2000, "optimizer steps to train")
-    log_interval: int = opt(10, "steps between log lines and metrics.jsonl records")
-    eval_interval: int = opt(250, "steps between validation estimates; 0 disables")
-    eval_iters: int = opt(20, "batches per validation estimate")
+    batch_size: int = opt(12, "global batch in sequences (all ranks and micro-batches)",
+                         bounds=AT_LEAST_1)
+    max_iters: int = opt(2000, "optimizer steps to train", bounds=AT_LEAST_0)
+    log_interval: int = opt(10, "steps between log lines and metrics.jsonl records",
+                           bounds=AT_LEAST_1)
+    eval_interval: int = opt(250, "steps between validation estimates; 0 disables",
+                            bounds=AT_LEAST_0)
+    eval_iters: int = opt(20, "batches per validation estimate", bounds=AT_LEAST_1)
     final_eval: bool = opt(True, "evaluate on the whole validation split at the end")
     out_dir: str = opt("runs/default", "where metrics.jsonl, the checkpoint and the "
                                        "sample are written")
-    seed: int = opt(1337, "seed for initialization and data order")
+    seed: int = opt(1337, "seed for initialization and data order",
+                   bounds=Bounds(0, 2**64 - 1))  # numpy's SeedSequence, torch.manual_seed
     dtype: str = opt("fp32", "compute precision; bf16 keeps fp32 master weights and Adam "
                               "moments and reduces gradients in fp32", ("fp32", "bf16"))
-    peak_tflops: float = opt(0.0, "device peak TFLOP/s for MFU; 0 looks the device up")
-    threads: int = opt(0, "CPU threads per rank; 0 = OMP_NUM_THREADS or cores/ranks")
-    sample_tokens: int = opt(200, "tokens generated from the final model; 0 skips")
+    peak_tflops: float = opt(0.0, "device peak TFLOP/s for MFU; 0 looks the device up",
+                             bounds=AT_LEAST_0)
+    threads: int = opt(0, "CPU threads per rank; 0 = OMP_NUM_THREADS or cores/ranks",
+                      bounds=AT_LEAST_0)
+    sample_tokens: int = opt(200, "tokens generated from the final model; 0 skips",
+                            bounds=AT_LEAST_0)
     sample_prompt: str = opt("\n", "prompt for the final sample")
     save_checkpoint: bool = opt(True, "write <out_dir>/final.h5 and a sharded checkpoint "
                                       "at the end")
     ckpt_interval: int = opt(0, "steps between sharded checkpoints in <out_dir>/checkpoints "
-                                "(0: only at the end)")
+                                "(0: only at the end)", bounds=AT_LEAST_0)
     ckpt_background: bool = opt(False, "write periodic checkpoints from a thread while "
                                        "training goes on (costs a copy of the state in "
                                        "memory)")
-    ckpt_keep: int = opt(3, "sharded checkpoints kept (the oldest are deleted); 0 keeps all")
+    ckpt_keep: int = opt(3, "sharded checkpoints kept (the oldest are deleted); 0 keeps all",
+                        bounds=AT_LEAST_0)
     resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "
                           "exists; a path resumes from that checkpoint (any world size or "
                           "ZeRO stage); '' starts fresh")
@@ -196,38 +243,27 @@ class TrainConfig:
                             ("abort", "skip"))
     max_skipped_steps: int = opt(10, "with on_nonfinite=skip: stop the run (exit 2, the last "
                                      "good checkpoint kept) after this many skipped steps "
-                                     "in a row")
+                                     "in a row", bounds=AT_LEAST_1)
     stop_check_steps: int = opt(1, "steps between the ranks' agreements on a stop signal "
                                    "(SIGTERM/SIGUSR1): a signal is acted on within twice "
-                                   "this many steps")
+                                   "this many steps", bounds=AT_LEAST_1)
     progress: bool = opt(True, "show a progress bar on rank 0")
 
     def __post_init__(self):
-        _check_choices(self)
-        _require(self.batch_size >= 1, "train.batch_size must be at least 1")
-        _require(self.max_iters >= 0, "train.max_iters must be >= 0")
-        _require(self.log_interval >= 1, "train.log_interval must be at least 1")
-        _require(self.eval_interval >= 0 and self.eval_iters >= 1,
-                 "train.eval_interval must be >= 0 and train.eval_iters >= 1")
+        _check_fields(self)
         _require(self.out_dir != "", "train.out_dir must name a directory")
-        _require(self.ckpt_interval >= 0 and self.ckpt_keep >= 0,
-                 "train.ckpt_interval and train.ckpt_keep must be >= 0")
-        _require(self.threads >= 0 and self.sample_tokens >= 0 and self.peak_tflops >= 0,
-                 "train.threads, train.sample_tokens and train.peak_tflops must be >= 0")
-        _require(self.max_skipped_steps >= 1 and self.stop_check_steps >= 1,
-                 "train.max_skipped_steps and train.stop_check_steps must be at least 1")
 
 
 @dataclass
 class CommConfig:
-    timeout: float = opt(300.0, "seconds any MPI wait may take before the job aborts")
+    timeout: float = opt(300.0, "seconds any MPI wait may take before the job aborts",
+                        bounds=POSITIVE)
     cuda_aware: str = opt("auto", "hand CUDA buffers to MPI directly", ("auto", "yes", "no"))
     device: str = opt("auto", "auto picks cuda:<local_rank % n_gpus> when CUDA exists",
                       ("auto", "cpu", "cuda"))
 
     def __post_init__(self):
-        _check_choices(self)
-        _require(self.timeout > 0, "comm.timeout must be positive (seconds)")
+        _check_fields(self)
 
 
 @dataclass
@@ -291,6 +327,29 @@ def check_layout(cfg: Config, world_size: int) -> None:
             f"data-parallel replica(s) x {cfg.parallel.micro_batches} micro-batch(es); use a "
             f"multiple of {per_step} (e.g. --train.batch_size={lower} or "
             f"{lower + per_step}), or change the number of ranks")
+
+
+def check_out_dir(out_dir: str, option: str = "--train.out_dir") -> None:
+    """Fail at once when ``out_dir`` cannot become a directory this process writes in.
+
+    Checked where the command starts, before MPI: otherwise every rank loads the data and
+    builds the model, and rank 0 fails at its first write (or a later checkpoint), which
+    the other ranks see only as an abort. Nothing is created here.
+    """
+    path = Path(out_dir)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{option}={out_dir} is a file, not a directory; name a directory "
+                          "(it is created if missing)")
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent  # the nearest part of the path that exists
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{option}={out_dir}: {existing} is a file, so no directory can "
+                          "be made under it; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option}={out_dir}: cannot create or write files in {existing} "
+                          "(no permission, or a read-only file system); choose a directory "
+                          "you can write to")
 
 
 # ---------------------------------------------------------------------------- loading
@@ -417,8 +476,10 @@ def describe_options() -> str:
     lines = []
     for section, cls in _SECTION_TYPES.items():
         lines.append(f"[{section}]")
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            choices = f.metadata.get("choices")
+            choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
             extra = f" ({'|'.join(map(str, choices))})" if choices else ""
+            extra += f" ({bounds.describe(hints[f.name])})" if bounds else ""
             lines.append(f"  --{section}.{f.name}={f.default!r}{extra}\n      {f.metadata['help']}")
     return "\n".join(lines)

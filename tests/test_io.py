@@ -254,7 +254,7 @@ def test_manifest_problems_name_the_fix(shards, tmp_path):
     manifest.write_text(json.dumps(doc))
     with pytest.raises(DataError, match="does not match .*replaced or damaged"):
         read_info(manifest)
-    combine(paths, manifest)
+    combine(paths, manifest, overwrite=True)
     os.unlink(paths[1])
     with pytest.raises(DataError, match="lists shard s1.h5, which does not exist"):
         read_info(manifest)

@@ -39,12 +39,13 @@ def test_all(requests: list[MPI.Request]) -> bool:
 
 
 def wait_all(requests: list[MPI.Request], *, timeout: float, what: str,
-             poll_sleep: float = 0.0) -> None:
+             poll_sleep: float = 0.0, option: str = "--comm.timeout") -> None:
     """Wait for ``requests``; raise ``CommTimeout`` after ``timeout`` seconds.
 
     ``poll_sleep`` > 0 sleeps that long between polls instead of yielding: for a
     point-to-point wait on an oversubscribed node, where the ranks we wait for need our
-    core more than we need a fast wake-up."""
+    core more than we need a fast wake-up. ``option`` is the setting that sets
+    ``timeout``, named in the message (``hpctrain prepare`` has ``--timeout``)."""
     if not requests:
         return
     start = time.monotonic()
@@ -61,10 +62,11 @@ def wait_all(requests: list[MPI.Request], *, timeout: float, what: str,
         waited = time.monotonic() - start
         if waited > timeout:
             raise CommTimeout(
-                f"{what} did not complete within {timeout:g} s (--comm.timeout): "
+                f"{what} did not complete within {timeout:g} s ({option}): "
                 "another rank is stuck, dead, or skipped this operation")
         sleeping = waited > _YIELD_S
 
 
-def wait(request: MPI.Request, *, timeout: float, what: str) -> None:
-    wait_all([request], timeout=timeout, what=what)
+def wait(request: MPI.Request, *, timeout: float, what: str,
+         option: str = "--comm.timeout") -> None:
+    wait_all([request], timeout=timeout, what=what, option=option)

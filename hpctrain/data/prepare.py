@@ -23,7 +23,14 @@ Under ``mpiexec -n N``:
    space for the tokens under a temporary name (MPI-IO creates it first, so Lustre
    striping hints apply);
 6. every rank writes its tokens at their byte offset with collective MPI-IO
-   (``Write_at_all``), and rank 0 renames the file into place.
+   (``Iwrite_at_all``), and rank 0 gives the file the mode a plain ``open()`` would
+   (``hpctrain.files``) and renames it into place.
+
+Every collective of steps 1-6 waits at most ``timeout`` seconds (``--timeout``, the
+watchdog of ``hpctrain.comm``): a rank that stalls or dies ends the job with a message
+naming the operation. MPI-IO's open and close are blocking collectives, so the ranks
+meet in a barrier with that deadline just before each. An existing output file is
+replaced only with ``overwrite``; the check comes before anything is written.
 
 Work is split by files: a corpus of many files scales, a single huge file is one rank's
 work. Memory per rank is about its share of the text plus its tokens.
@@ -32,7 +39,9 @@ work. Memory per rank is about its share of the text plus its tokens.
 from __future__ import annotations
 
 import glob
+import math
 import os
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -45,6 +54,7 @@ from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_bl
 from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
 from hpctrain.data.tokenizers import TOKENIZERS, CharTokenizer, make_tokenizer
 from hpctrain.errors import DataError, UserError
+from hpctrain.files import chmod_as_created
 from hpctrain.progress import Progress
 
 WRITE_CHUNK_BYTES = 256 << 20  # a rank writes its tokens in collective rounds of this size
@@ -103,17 +113,26 @@ def join_crc_pieces(pieces: list, nbytes: int, block_bytes: int = CHECKSUM_BLOCK
 
 # --------------------------------------------------------------- who does what, where
 
+DEFAULT_TIMEOUT_S = 300.0  # as training's --comm.timeout
+
+# Test-only: the rank named here sleeps before a collective (the first one whose name
+# contains HPCTRAIN_TEST_STALL_PREPARE_AT, or any), so that tests can check a stalled rank
+# ends the job through the watchdog instead of hanging it. Never set it in a real job.
+STALL_RANK_ENV = "HPCTRAIN_TEST_STALL_PREPARE_RANK"
+STALL_AT_ENV = "HPCTRAIN_TEST_STALL_PREPARE_AT"
+
+
 class _Solo:
     """One process, no MPI: the same algorithm as ``_Group`` on a world of one."""
     rank, size = 0, 1
 
-    def allgather(self, obj):
+    def allgather(self, obj, what: str):
         return [obj]
 
-    def bcast(self, obj):
+    def bcast(self, obj, what: str):
         return obj
 
-    def check(self, error: str | None) -> None:
+    def check(self, error: str | None, what: str) -> None:
         if error:
             raise DataError(error)
 
@@ -121,7 +140,7 @@ class _Solo:
         def make():
             path.parent.mkdir(parents=True, exist_ok=True)
             return temp_name(path)
-        return _attempt(self, make)
+        return _attempt(self, make, "temporary file")
 
     def write(self, tmp: Path, hints: dict, writes: list[list[tuple[int, memoryview]]]) -> None:
         fd = os.open(tmp, os.O_WRONLY)
@@ -132,25 +151,41 @@ class _Solo:
         finally:
             os.close(fd)
 
-    def barrier(self) -> None:
+    def barrier(self, what: str) -> None:
         pass
 
 
 class _Group(_Solo):
-    """Every rank of an MPI communicator."""
+    """Every rank of an MPI communicator. Every collective waits with a deadline
+    (``timeout``, the watchdog): a rank that stalls or dies ends the job with a message
+    naming the operation, instead of leaving the others spinning in it forever."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, timeout: float):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.timeout = timeout
+        stall = os.environ.get(STALL_RANK_ENV, "")
+        self._stall = stall.isdigit() and int(stall) == self.rank
 
-    def allgather(self, obj):
-        return self.comm.allgather(obj)
+    def _deadline(self, what: str) -> dict:
+        """Keyword arguments of the watchdog helpers for the operation ``what``."""
+        if self._stall and os.environ.get(STALL_AT_ENV, "") in what:  # test-only, see above
+            self._stall = False
+            time.sleep(3600)
+        return {"timeout": self.timeout, "what": f"prepare: {what}", "option": "--timeout"}
 
-    def bcast(self, obj):
-        return self.comm.bcast(obj, root=0)
+    def allgather(self, obj, what: str):
+        from hpctrain.comm.collectives import allgather_json
 
-    def check(self, error: str | None) -> None:
+        return allgather_json(self.comm, obj, **self._deadline(what))
+
+    def bcast(self, obj, what: str):
+        from hpctrain.comm.collectives import bcast_json
+
+        return bcast_json(self.comm, obj, **self._deadline(what))
+
+    def check(self, error: str | None, what: str) -> None:
         """Raise the first rank's error on every rank (nobody is left in a collective)."""
-        errors = [e for e in self.comm.allgather(error) if e]
+        errors = [e for e in self.allgather(error, f"{what} (error check)") if e]
         if errors:
             raise DataError(errors[0])
 
@@ -166,9 +201,12 @@ class _Group(_Solo):
                 return None
             path.parent.mkdir(parents=True, exist_ok=True)
             return str(path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-        tmp = Path(self.bcast(_attempt(self, name)))
+        tmp = Path(self.bcast(_attempt(self, name, "temporary file"), "temporary file name"))
         info = make_info(hints)
         try:
+            # MPI_File_open is collective and blocking: every rank meets first, with a
+            # deadline, so that the open never waits for a rank that is not coming.
+            self.barrier("barrier before creating the file with MPI-IO")
             MPI.File.Open(self.comm, str(tmp), MPI.MODE_CREATE | MPI.MODE_WRONLY, info).Close()
         finally:
             info.Free()
@@ -177,31 +215,37 @@ class _Group(_Solo):
     def write(self, tmp: Path, hints: dict, writes) -> None:
         from mpi4py import MPI
 
+        from hpctrain.comm.watchdog import wait_all
         from hpctrain.data.mpiio import make_info
 
         info = make_info(hints)
+        self.barrier("barrier before opening the file with MPI-IO")  # File.Open blocks
         fh = MPI.File.Open(self.comm, str(tmp), MPI.MODE_WRONLY, info)
         info.Free()
         empty, error = np.empty(0, np.uint8), None
-        try:
-            # One collective call per round on every rank, even after a failure here, so
-            # that no rank is left waiting in a collective.
-            for round_writes in writes:
-                for offset, data in (round_writes if error is None else []) or [(0, empty)]:
-                    try:
-                        fh.Write_at_all(offset, [data, MPI.BYTE])
-                    except MPI.Exception as exc:
-                        error = error or str(exc)
-        finally:
-            fh.Close()
+        # One collective call per round on every rank, even after a failure here, so that
+        # no rank is left waiting in a collective; nonblocking, so that the wait has a
+        # deadline. A missed deadline (CommTimeout) propagates at once and aborts the job.
+        for k, round_writes in enumerate(writes):
+            for offset, data in (round_writes if error is None else []) or [(0, empty)]:
+                deadline = self._deadline(f"write round {k + 1} of {len(writes)} "
+                                          "(Iwrite_at_all)")
+                try:
+                    wait_all([fh.Iwrite_at_all(offset, [data, MPI.BYTE])], **deadline)
+                except MPI.Exception as exc:
+                    error = error or str(exc)
+        self.barrier("barrier before closing the file")  # File.Close blocks too
+        fh.Close()
         if error:
             raise DataError(f"writing {tmp} failed: {error}; check the free space and quota")
 
-    def barrier(self) -> None:
-        self.comm.Barrier()
+    def barrier(self, what: str) -> None:
+        from hpctrain.comm.collectives import barrier
+
+        barrier(self.comm, **self._deadline(what))
 
 
-def _attempt(group, fn):
+def _attempt(group, fn, what: str):
     """Run ``fn`` on every rank; a user-fixable failure anywhere fails every rank."""
     result, error = None, None
     try:
@@ -210,8 +254,20 @@ def _attempt(group, fn):
         error = str(exc)
     except OSError as exc:
         error = f"{exc}; check the path and permissions"
-    group.check(error)
+    group.check(error, what)
     return result
+
+
+def check_output(output: Path, overwrite: bool, example: str = "data.h5") -> None:
+    """Refuse an output path that is a directory, or an existing file without
+    ``overwrite``: a dataset takes long to make, and runs or manifests may point at it.
+    Checked before anything is written, so a refusal leaves the disk as it was."""
+    if output.is_dir():
+        raise DataError(f"--output {output} is a directory; name the file to write, e.g. "
+                        f"--output {output / example}")
+    if os.path.lexists(output) and not overwrite:
+        raise DataError(f"--output {output} exists; add --overwrite to replace it, or "
+                        "choose another name")
 
 
 # --------------------------------------------------------------------------- prepare
@@ -236,13 +292,18 @@ def _read_files(files: list[Path], first: int, n_total: int, as_text: bool,
 
 def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: str = "char",
             val_fraction: float = 0.1, show_progress: bool = True, comm=None,
-            romio_hints: dict | None = None) -> dict:
+            romio_hints: dict | None = None, overwrite: bool = False,
+            timeout: float = DEFAULT_TIMEOUT_S) -> dict:
     """Tokenize ``inputs`` into ``output``; return a summary dict.
 
     With ``comm`` (an MPI communicator) every rank of it must call this with the same
-    arguments; the work is shared and the file is the one a single process writes.
+    arguments; the work is shared and the file is the one a single process writes. Every
+    collective waits at most ``timeout`` seconds. An existing ``output`` is replaced only
+    with ``overwrite``.
     """
-    group = _Solo() if comm is None else _Group(comm)
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise DataError(f"--timeout must be a finite number of seconds > 0, not {timeout}")
+    group = _Solo() if comm is None else _Group(comm, timeout)
     output, hints = Path(output), romio_hints or {}
     if tokenizer not in TOKENIZERS:
         raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
@@ -253,30 +314,33 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
     def listing():
         if group.rank != 0:
             return None
+        check_output(output, overwrite)
         files = expand_inputs([str(p) for p in inputs])
         return [str(f) for f in files], [f.stat().st_size for f in files]
-    names, sizes = group.bcast(_attempt(group, listing))
+    names, sizes = group.bcast(_attempt(group, listing, "file list"), "file list")
     lo, hi = assign_files(sizes, group.size)[group.rank]
     mine = [Path(n) for n in names[lo:hi]]
 
     # 3. read, build the vocabulary, tokenize
-    tok = None if tokenizer == "char" else _attempt(group, lambda: make_tokenizer(tokenizer))
+    tok = None if tokenizer == "char" else _attempt(group, lambda: make_tokenizer(tokenizer),
+                                                    "tokenizer")
     show = show_progress and group.rank == 0
     progress = Progress(len(mine), "tokenize" + (f" (rank 0 of {group.size})"
                                                  if group.size > 1 else ""), enabled=show)
     texts = _attempt(group, lambda: _read_files(mine, lo, len(names), tokenizer != "byte",
-                                                progress))
+                                                progress), "reading the inputs")
     if tok is None:  # the character vocabulary: every rank's characters, sorted
         chars = set().union(*map(set, texts))
-        union = set().union(*group.allgather("".join(sorted(chars))))
-        tok = _attempt(group, lambda: CharTokenizer("".join(sorted(union))))
+        union = set().union(*group.allgather("".join(sorted(chars)), "vocabulary"))
+        tok = _attempt(group, lambda: CharTokenizer("".join(sorted(union))), "vocabulary")
     dtype = token_dtype(tok.vocab_size).newbyteorder("<")
     encoded = [np.asarray(tok.encode(t), dtype=dtype) for t in texts]
     del texts
     progress.close()
 
     # 4. the split (from every file's token count) and where this rank's tokens go
-    counts = [c for run in group.allgather([int(e.size) for e in encoded]) for c in run]
+    counts = [c for run in group.allgather([int(e.size) for e in encoded], "token counts")
+              for c in run]
     n = sum(counts)
     n_train = int(n * (1.0 - val_fraction))
     if n_train < 2 or n - n_train < 2:
@@ -298,7 +362,7 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
     del encoded, mine
 
     # 5. checksums joined on rank 0, which writes the HDF5 part
-    gathered = group.allgather(pieces)
+    gathered = group.allgather(pieces, "checksums")
     tmp = None
     try:
         tmp = group.create(output, hints)
@@ -314,7 +378,7 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
                                      tokenizer_meta=tok.meta(), crcs=crcs, sources=names,
                                      split=split,
                                      source_tokens=[(c - v, v) for c, v in zip(counts, val)])
-        offsets = group.bcast(_attempt(group, metadata))
+        offsets = group.bcast(_attempt(group, metadata, "HDF5 metadata"), "array offsets")
 
         # 6. tokens at their offsets, in rounds of at most WRITE_CHUNK_BYTES per rank
         writes = []
@@ -323,27 +387,37 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
             base = offsets[name] + first * dtype.itemsize
             writes += [(base + k, data[k:k + WRITE_CHUNK_BYTES])
                        for k in range(0, len(data), WRITE_CHUNK_BYTES)]
-        rounds = max(group.allgather(len(writes)))
+        rounds = max(group.allgather(len(writes), "write rounds"))
         per_round = [[w] for w in writes] + [[] for _ in range(rounds - len(writes))]
-        _attempt(group, lambda: group.write(tmp, hints, per_round))
-        group.barrier()
+        _attempt(group, lambda: group.write(tmp, hints, per_round), "writing the tokens")
+        group.barrier("barrier before publishing the file")
         if group.rank == 0:
-            os.replace(tmp, output)
+            _publish(tmp, output)
         tmp = None
     finally:
         if tmp is not None and group.rank == 0:
             Path(tmp).unlink(missing_ok=True)
-    group.barrier()
+    group.barrier("barrier after publishing the file")
     return {"output": str(output), "files": len(names), "tokens": n, "train_tokens": n_train,
             "val_tokens": n - n_train, "vocab_size": tok.vocab_size, "tokenizer": tok.name,
             "ranks": group.size}
 
 
-def combine(shards: list[str] | list[Path], output: str | Path) -> dict:
+def _publish(tmp: Path, output: Path) -> None:
+    """Give the finished file the mode a plain ``open()`` would (the temporary name was
+    created 0600, which would shut teammates out of a dataset on a shared project file
+    system, and only when it was written by one process), then rename it into place."""
+    chmod_as_created(tmp)
+    os.replace(tmp, output)
+
+
+def combine(shards: list[str] | list[Path], output: str | Path, *,
+            overwrite: bool = False) -> dict:
     """Write a manifest (``output``, ``.json``) that makes prepared files one dataset."""
     from hpctrain.data.dataset import read_info
 
     output = Path(output)
+    check_output(output, overwrite, example="all.json")
     if output.suffix != ".json":
         raise DataError(f"a manifest's name ends in .json, not {output.name}; e.g. "
                         f"--output {output.with_suffix('.json')}")
@@ -365,6 +439,7 @@ def combine(shards: list[str] | list[Path], output: str | Path) -> dict:
         entries.append(entry)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_manifest(output, entries, first.tokenizer_meta, first.splits["train"].dtype)
+    chmod_as_created(output)  # written through a 0600 temporary name, like the datasets
     return {"output": str(output), "shards": len(entries),
             "train_tokens": sum(e["train_tokens"] for e in entries),
             "val_tokens": sum(e["val_tokens"] for e in entries)}

@@ -19,6 +19,7 @@ from pathlib import Path
 import jinja2
 
 from hpctrain.errors import JobError
+from hpctrain.files import umask
 from hpctrain.jobs import validate
 from hpctrain.jobs.command import ARRAY_INDEX
 from hpctrain.jobs.launch import launch_line, placement
@@ -203,7 +204,9 @@ def check_syntax(text: str) -> None:
 
 
 def write_script(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (a reader never sees half a script), mode 0755."""
+    """Write ``text`` to ``path`` atomically (a reader never sees half a script), executable
+    and readable as the umask allows (0755 under umask 022, 0750 under 027): the temporary
+    file is created 0600 and a fixed 0755 would ignore a project's umask."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
@@ -214,7 +217,7 @@ def write_script(path: str | Path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o777 & ~umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
