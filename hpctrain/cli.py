@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from hpctrain.comm.launch_env import LaunchMismatch
 from hpctrain.errors import EXIT_USER_ERROR, UserError
 
 
@@ -306,6 +307,9 @@ def cmd_prepare(args) -> int:
 
         comm = MPI.COMM_WORLD
         install_abort_handler(comm)
+    from hpctrain.comm.launch_env import check_world_size
+
+    check_world_size(1 if comm is None else comm.Get_size())  # srun copies: one message
     root = comm is None or comm.Get_rank() == 0
     inputs = args.input or stdlib_files(args.max_bytes or DEFAULT_BYTES)
     show = root and (sys.stderr.isatty() or (comm is not None and comm.Get_size() > 1))
@@ -496,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             abort_job(comm, exc)  # other ranks may be waiting in a collective
         # Rank 0 speaks for the job; a 1-rank world speaks for itself (srun copies that
         # never joined one job each carry their own SLURM_PROCID).
-        alone = comm is not None and comm.Get_size() == 1
+        alone = (comm is not None and comm.Get_size() == 1) or isinstance(exc, LaunchMismatch)
         if env_rank() == 0 or alone:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR

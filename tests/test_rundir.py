@@ -109,3 +109,23 @@ def test_srun_copies_of_one_rank_fail_at_start_with_the_fix(dataset_path, tmp_pa
     assert p.returncode == 2, p.stderr
     assert "srun started 2 tasks" in p.stderr and "--mpi=pmix" in p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "out").exists()
+
+
+def test_temporaries_of_a_killed_save_are_removed_at_the_next_start(dataset_path, tmp_path):
+    _fit(dataset_path, tmp_path, **{"train.max_iters": 5})
+    root = tmp_path / "checkpoints"
+    (root / ".step_000010.abc123.tmp").mkdir()  # what kill -9 during a save leaves
+    (root / ".step_000010.abc123.tmp" / "rank_00000.h5").write_bytes(b"partial")
+    (root / ".latest.xyz").write_text("step_000010\n")
+    trainer, _ = _fit(dataset_path, tmp_path, **{"train.resume": "auto"})
+    assert any("removed 2 temporary" in n for n in trainer.lock.notes)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000005", "step_000010"]
+
+
+@pytest.mark.slow
+def test_srun_copies_of_one_rank_do_not_prepare_data_either(tmp_path):
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}
+    p = run(hpctrain_cmd("prepare", "--corpus", "stdlib", "--max-bytes", "20000", "--output",
+                         str(tmp_path / "d.h5")), env=env, timeout=120)
+    assert p.returncode == 2 and "srun started 2 tasks" in p.stderr, p.stderr
+    assert not (tmp_path / "d.h5").exists()

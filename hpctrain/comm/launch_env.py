@@ -22,7 +22,8 @@ from hpctrain.errors import UserError
 
 
 class LaunchMismatch(UserError):
-    """The MPI world is not the job the launcher started."""
+    """The MPI world is not the job the launcher started. Every process reports it: each
+    is a job of its own, whatever rank the launcher gave it."""
 
 
 def declared_size(env=None) -> tuple[int, str] | None:

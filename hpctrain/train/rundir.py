@@ -25,6 +25,7 @@ import socket
 import time
 from pathlib import Path
 
+from hpctrain.checkpoint.sharded import remove_stale_temporaries
 from hpctrain.comm.collectives import bcast_json
 from hpctrain.comm.world import World
 from hpctrain.errors import UserError
@@ -152,6 +153,11 @@ def _claim(out_dir: Path, resume: str, overwrite: bool, lock: RunDirLock) -> dic
     notes = []
     if lock.took_over is not None:
         notes.append(f"took over a stale lock ({_describe(lock.took_over)})")
+    # Holding the lock, no save of ours is in progress: temporaries are a killed job's.
+    stale = remove_stale_temporaries(out_dir / "checkpoints")
+    if stale:
+        notes.append(f"removed {len(stale)} temporary file(s) of an interrupted save "
+                     f"({', '.join(p.name for p in stale[:3])})")
     found = earlier_outputs(out_dir)
     continuing = resume not in ("", "auto") or (resume == "auto" and has_checkpoint(out_dir))
     if found and not continuing:
