@@ -383,11 +383,17 @@ def cmd_sample(args) -> int:
         raise UserError(f"{args.checkpoint} records no tokenizer; sample from a checkpoint "
                         "written by `hpctrain train`")
     tok = tokenizer_from_meta(tokenizer)
-    model = GPT(GPTConfig(vocab_size=m["vocab_size"], block_size=m["block_size"],
-                          n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"],
-                          bias=m["bias"]))
-    state["lm_head.weight"] = state["wte.weight"]
-    model.load_state_dict(state)
+    try:  # the recorded shape and the stored tensors must agree
+        model = GPT(GPTConfig(vocab_size=m["vocab_size"], block_size=m["block_size"],
+                              n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"],
+                              bias=m["bias"]))
+        state["lm_head.weight"] = state["wte.weight"]
+        model.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, AssertionError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"{args.checkpoint}: its weights do not fit the model shape it "
+                        f"records ({first}); the file is damaged: sample from another "
+                        "checkpoint") from None
     model.eval()
     ids = torch.tensor(tok.encode(args.prompt).astype(np.int64))[None]
     gen = torch.Generator().manual_seed(args.seed)

@@ -170,3 +170,27 @@ def test_resharded_checkpoint_resumes_with_its_own_layout(dataset_path, trained,
         "train.resume": str(new), "model.bias": True, "train.max_iters": 20})
     trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
     assert trainer.start_step == 10 and len(trainer.fit().losses) == 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["no model", "other width"])
+def test_sample_from_a_final_h5_whose_recorded_shape_lies_is_one_clean_error(trained, tmp_path,
+                                                                           damage):
+    import shutil
+
+    import h5py
+
+    out, _, _ = trained
+    final = tmp_path / "final.h5"
+    shutil.copy(out / "final.h5", final)
+    with h5py.File(final, "r+") as f:
+        config = json.loads(f.attrs["config"])
+        if damage == "no model":
+            del config["model"]
+        else:
+            config["model"]["n_embd"] *= 2
+        f.attrs["config"] = json.dumps(config)
+    p = run(hpctrain_cmd("sample", "--checkpoint", str(final), "--tokens", "5"), timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert "damaged" in p.stderr

@@ -87,8 +87,12 @@ def load_weights(path: str | Path):
     if p.is_file() or (p / "final.h5").is_file():
         ckpt = load_checkpoint(p)
         params = {k: torch.from_numpy(v) for k, v in ckpt.model.items()}
-        model = dict(ckpt.config["model"])
-        model["vocab_size"] = model["vocab_size"] or params["wte.weight"].shape[0]
+        model = ckpt.config.get("model") if isinstance(ckpt.config, dict) else None
+        if not isinstance(model, dict) or "wte.weight" not in params:
+            raise CheckpointError(f"{p} records no model shape or no embedding: it was not "
+                                  "written by `hpctrain train` or is damaged")
+        model = dict(model)
+        model["vocab_size"] = model.get("vocab_size") or params["wte.weight"].shape[0]
         return params, model, ckpt.tokenizer
     m = read_manifest(p)
     params = {n: s["param"] for n, s in read_full_state(m).items()}
