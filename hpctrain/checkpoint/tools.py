@@ -127,6 +127,11 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
         model = GPT(GPTConfig(**m.data["model"]))
     names = {id(p): n for n, p in model.named_parameters()}
     config = json.loads(json.dumps(m.data["config"]))
+    if not (isinstance(config.get("parallel"), dict) and isinstance(config.get("train"), dict)
+            and config["train"].get("dtype") in ("fp32", "bf16")):
+        raise CheckpointError(f"{m.path}/manifest.json: its config lacks the parallel or "
+                              "train settings (train.dtype); the checkpoint is damaged: "
+                              "reshard an older step_N directory")
     config["parallel"].update(zero=zero, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
     shards: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
     if zero == 0 and config["train"]["dtype"] == "fp32":  # plain data parallelism
