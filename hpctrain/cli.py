@@ -333,8 +333,7 @@ def _launched_by_mpi() -> bool:
 
 
 def cmd_train(args, overrides: list[str]) -> int:
-    from hpctrain.config import (check_out_dir, describe_options, load_config,
-                                 recipe_names)
+    from hpctrain.config import describe_options, recipe_names
 
     if args.help:
         print("usage: hpctrain train RECIPE [--section.key=value ...]\n\n"
@@ -349,6 +348,15 @@ def cmd_train(args, overrides: list[str]) -> int:
     # From here on a scheduler's SIGTERM / SIGUSR1 is recorded, not fatal: the trainer
     # acts on it at the next point every rank agrees on (train/stop.py).
     signals = SignalFlag().install()
+    try:
+        return _train(args, overrides, signals)
+    finally:
+        signals.restore()  # for callers of main() in-process; a process just exits
+
+
+def _train(args, overrides: list[str], signals) -> int:
+    from hpctrain.config import check_out_dir, load_config
+
     cfg = load_config(args.recipe, overrides)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=1))

@@ -95,10 +95,18 @@ BAD_OPTIONS = [
 
 
 @pytest.mark.parametrize("option,message", BAD_OPTIONS, ids=[o for o, _ in BAD_OPTIONS])
-def test_out_of_range_option_is_one_line_and_exit_2(option, message):
-    p = run(hpctrain_cmd("train", "default", option), timeout=60)
+def test_out_of_range_option_is_one_line_and_exit_2(option, message, capsys):
+    from hpctrain.cli import main
+
+    assert main(["train", "default", option]) == 2  # the command line's own entry point
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"error: {message}"] and captured.out == ""
+
+
+def test_out_of_range_option_from_a_shell_is_one_line_and_exit_2():
+    p = run(hpctrain_cmd("train", "default", "--optim.eps=-1"), timeout=60)
     assert p.returncode == 2, p.stderr
-    assert p.stderr.splitlines() == [f"error: {message}"]
+    assert p.stderr.splitlines() == ["error: optim.eps must be a finite number > 0, not -1.0"]
 
 
 # ---------------------------------------------------------------- train.out_dir
