@@ -81,13 +81,13 @@ clean:
 # ---- the hf leg and the skip audit ------------------------------------------------
 #   make test-hf     the tests marked `hf`: the Hugging Face export read back by
 #                    transformers and safetensors, the gpt2 tokenizer on GPT-2's real BPE
-#   make test-audit  reads test-reports/*.xml (from test and test-hf) and fails on a test
+#   make test-audit  reads test-reports/*.xml (from test, test-hf and test-slurm) and fails on a test
 #                    that no leg runs (tests/skip_audit.py, tests/skip_allowlist.txt)
 HF_STAMP := $(VENV)/.installed-hf
 GPT2_BPE := $(VENV)/share/hpctrain/r50k_base.tiktoken
-LEGS ?= unit,mpi2,mpi4,hf
+LEGS ?= unit,mpi2,mpi4,hf,slurm
 
-.PHONY: test-hf test-audit
+.PHONY: test-hf test-audit test-slurm
 
 $(HF_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,hf]'
@@ -99,6 +99,21 @@ $(GPT2_BPE): | $(STAMP)
 
 test-hf: $(HF_STAMP) $(GPT2_BPE)
 	$(RUN_ENV) HF_HUB_OFFLINE=1 HPCTRAIN_TEST_GPT2_BPE=$(abspath $(GPT2_BPE)) timeout $(TIME_LIMIT) $(PY) -m pytest -q -m hf tests --junitxml=test-reports/hf.xml
+
+# ---- the slurm leg: a real one-node Slurm on this machine ---------------------------
+#   make test-slurm  installs Debian's slurm-wlm and munge if missing (root), starts
+#                    munged, slurmctld and slurmd in a temporary directory
+#                    (tests/slurm_harness.py, stopped again whatever happens), and runs
+#                    tests/test_slurm_real.py: sbatch of generated scripts, srun's MPI
+#                    plugin, hpctrain launch in salloc, the time limit's signals.
+# PBS has no Debian package: its scripts are tested with a fake qsub environment
+# (tests/test_jobs_e2e.py).
+SLURM_PACKAGES ?= slurm-wlm munge
+test-slurm: $(STAMP)
+	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || \
+	{ export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q $(SLURM_PACKAGES) || \
+	  { apt-get update -q && apt-get install -y -q $(SLURM_PACKAGES); }; }
+	$(RUN_ENV) timeout $(TIME_LIMIT) $(PY) -m tests.slurm_harness -- $(PY) -m pytest -q -m slurm tests/test_slurm_real.py --junitxml=test-reports/slurm.xml
 
 test-audit: $(STAMP)
 	$(PY) -m tests.skip_audit --expect $(LEGS) test-reports

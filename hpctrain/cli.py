@@ -116,6 +116,9 @@ def _add_jobscript(sub) -> None:
                    "under Nsight Systems; reports go to <run dir>/nsys/")
     p.add_argument("--ranks-per-node", type=int, metavar="N",
                    help="default: the system's (one per GPU or tile)")
+    p.add_argument("--srun-mpi", metavar="PLUGIN", help="srun's --mpi= plugin on the "
+                   "generic slurm system: pmi2, pmix, ... (default auto: chosen in the job "
+                   "for the MPI library mpi4py loads)")
     p.add_argument("--venv", metavar="DIR", help="virtual environment to activate after the "
                    "module setup (default: the active one; 'none' for none; ~/ allowed)")
     p.add_argument("--setup", metavar="FILE", help="replace the system's module setup with "
@@ -144,6 +147,8 @@ def _add_launch(sub) -> None:
                    help="node count (default: from the allocation; lets --dry-run preview)")
     p.add_argument("--ranks-per-node", type=int, metavar="N")
     p.add_argument("--ranks", type=int, metavar="N", help="ranks on this machine (local only)")
+    p.add_argument("--srun-mpi", metavar="PLUGIN", help="srun's --mpi= plugin (default: the "
+                   "system's; auto chooses it for the MPI library mpi4py loads)")
     p.add_argument("--profile", choices=["nsys"], help="run local rank 0 under nsys")
 
 
@@ -425,7 +430,7 @@ def cmd_jobscript(args, command: list[str]) -> int:
                       array=args.array, profiler=args.profile,
                       ranks_per_node=args.ranks_per_node, venv=args.venv,
                       setup_file=args.setup, run_root=args.run_root,
-                      check_queue=not args.no_queue_check)
+                      check_queue=not args.no_queue_check, srun_mpi=args.srun_mpi)
     text = render(spec)  # validated and rendered in full before anything is written
     if not args.output:
         sys.stdout.write(text)
@@ -447,15 +452,17 @@ def cmd_launch(args, command: list[str]) -> int:
 
     from hpctrain.jobs.command import check_command
     from hpctrain.jobs.launch import detect_allocation, plan_launch, run_launch
-    from hpctrain.jobs.systems import load_profile
+    from hpctrain.jobs.systems import load_profile, srun_mpi
 
     check_command(command)
+    if args.srun_mpi is not None:
+        srun_mpi(args.srun_mpi)
     alloc = detect_allocation()
     system = args.system or os.environ.get("HPCTRAIN_SYSTEM") or \
         {"pbs": "pbs", "slurm": "slurm", "none": "local"}[alloc.scheduler]
     argv = plan_launch(load_profile(system), alloc, command, nodes=args.nodes,
                        ranks_per_node=args.ranks_per_node, ranks=args.ranks,
-                       profiler=args.profile)
+                       profiler=args.profile, srun_mpi=args.srun_mpi)
     return run_launch(argv, dry_run=args.dry_run)
 
 

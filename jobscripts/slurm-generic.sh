@@ -6,6 +6,7 @@
 #SBATCH --ntasks-per-node=4
 #SBATCH --time=01:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=USR1@120
 
 set -euo pipefail
 # hpctrain job script for slurm
@@ -85,6 +86,10 @@ read -r HPCTRAIN_VERSION HPCTRAIN_SRC <<< "$HPCTRAIN_INFO"
 # ---- launch ---------------------------------------------------------------------------
 RANKS_PER_NODE=4
 NRANKS=$((NNODES * RANKS_PER_NODE))
+# srun's --mpi= plugin for the MPI library mpi4py loads (pmi2 for MPICH, pmix for Open MPI,
+# among those `srun --mpi=list` offers): `hpctrain jobscript --srun-mpi NAME` fixes it.
+SRUN_MPI=$("$PYTHON" -m hpctrain.jobs.srun_mpi) ||
+    die "cannot choose srun's MPI plugin; regenerate the script with --srun-mpi pmi2 (or pmix)"
 {
     echo "job_id $JOB_ID"
     echo "system $HPCTRAIN_SYSTEM"
@@ -94,7 +99,7 @@ NRANKS=$((NNODES * RANKS_PER_NODE))
     echo "started $(date -Is)"
 } > "$RUN_DIR/job.txt"
 LAUNCH=(
-    srun -n "${NRANKS}" --ntasks-per-node=4
+    srun --mpi="${SRUN_MPI}" -n "${NRANKS}" --ntasks-per-node=4
     "${PYTHON}" -m hpctrain train default
     --data.path=datasets/stdlib-char.h5
     --train.out_dir="${RUN_DIR}"
@@ -102,8 +107,29 @@ LAUNCH=(
 { printf '%q' "${LAUNCH[0]}"; printf ' %q' "${LAUNCH[@]:1}"; echo; } > "$RUN_DIR/launch.txt"
 echo "hpctrain job $JOB_ID: $NNODES node(s) x $RANKS_PER_NODE rank(s), run directory $RUN_DIR"
 echo "+ $(< "$RUN_DIR/launch.txt")"
-rc=0
-"${LAUNCH[@]}" || rc=$?
+# At the time limit (or on qdel/scancel) the batch system sends SIGTERM to every process
+# of the job, this shell included, and SIGKILL some seconds later. Untrapped, SIGTERM would
+# end this shell at once and leave no exit_code. So the launcher runs in the background,
+# the trap records the signal in exit_code right away (143 = 128 + SIGTERM, kept if SIGKILL
+# follows), and the shell goes on waiting while the ranks save a checkpoint and exit; their
+# status then replaces the record. A SIGUSR1 meant for the ranks (sbatch --signal=B:USR1)
+# is passed on to the launcher, which forwards it.
+on_signal() {
+    echo "hpctrain job: received SIG$1 ($(date -Is)); waiting for the ranks to save and stop" >&2
+    echo "$2" > "$RUN_DIR/exit_code"
+    if [ "$1" = USR1 ]; then kill -USR1 "${LAUNCHER_PID:-}" 2>/dev/null || true; fi
+    INTERRUPTED=1
+}
+trap 'on_signal TERM 143' TERM
+trap 'on_signal USR1 138' USR1
+"${LAUNCH[@]}" &
+LAUNCHER_PID=$!
+while :; do
+    INTERRUPTED=
+    rc=0
+    wait "$LAUNCHER_PID" || rc=$?
+    [ -n "$INTERRUPTED" ] || break  # a trap ended the wait, not the launcher: wait again
+done
 echo "$rc" > "$RUN_DIR/exit_code"
 if [ "$rc" -ne 0 ]; then
     echo "hpctrain job: FAILED: the launcher exited with status $rc; the error is above, the records are in $RUN_DIR" >&2

@@ -1,10 +1,11 @@
 """Find the tests that never run: read every leg's JUnit XML report, fail on a test that
 is skipped in every leg it appears in.
 
-    python -m tests.skip_audit [--expect unit,mpi2,mpi4,hf] [test-reports]
+    python -m tests.skip_audit [--expect unit,mpi2,mpi4,hf,slurm] [test-reports]
 
 Each ``<leg>.xml`` in the folder is one leg of the suite: ``make test`` writes unit, mpi2
-and mpi4, ``make test-hf`` writes hf. A skip in one leg is fine when another leg runs the
+and mpi4, ``make test-hf`` writes hf, ``make test-slurm`` writes slurm (the tests under a
+real one-node Slurm, tests/test_slurm_real.py). A skip in one leg is fine when another leg runs the
 test (MPI tests skip in one process, one-process tests skip under mpiexec); a test that
 only ever skips checks nothing, and a skip reason alone does not show it. The audit exits
 1 for such a test unless tests/skip_allowlist.txt names it (tests that no machine of this
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     files = sorted(Path(args.reports).glob("*.xml"))
     if not files:
-        print(f"skip audit: no JUnit reports in {args.reports}/ (run make test test-hf)",
+        print(f"skip audit: no JUnit reports in {args.reports}/ (run make test test-hf test-slurm)",
               file=sys.stderr)
         return 1
     expect = tuple(leg for leg in args.expect.split(",") if leg)

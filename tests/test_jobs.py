@@ -108,7 +108,7 @@ def test_list_systems_shows_queues_and_limits(capsys):
 def test_custom_profile_from_a_toml_file(tmp_path):
     src = (REPO / "hpctrain/jobs/profiles/slurm.toml").read_text()
     path = tmp_path / "mycluster.toml"
-    path.write_text(src.replace('"srun", "-n"', '"srun", "--mpi=pmix", "-n"'))
+    path.write_text(src.replace('srun_mpi = "auto"', 'srun_mpi = "pmix"'))
     text = render(build_spec(system=str(path), command=CMD, walltime="01:00:00", venv="none"))
     assert launch_block(text)[:3] == ["srun", "--mpi=pmix", "-n"]
     path.write_text(src.replace("{ranks}", "{rank}"))
@@ -173,7 +173,8 @@ def test_perlmutter_directives_and_srun_line():
         "#SBATCH --job-name=hpctrain", "#SBATCH --account=P", "#SBATCH --qos=debug",
         "#SBATCH --constraint=gpu", "#SBATCH --nodes=2", "#SBATCH --time=00:30:00",
         "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
-        "#SBATCH --cpus-per-task=32", "#SBATCH --output=%x-%j.out"]
+        "#SBATCH --cpus-per-task=32", "#SBATCH --output=%x-%j.out",
+        "#SBATCH --signal=USR1@120"]
     assert launch_block(text)[:7] == ["srun", "-n", "${NRANKS}", "--ntasks-per-node=4",
                                       "--cpus-per-task=32", "--cpu-bind=cores",
                                       "--gpus-per-node=4"]
@@ -187,7 +188,7 @@ def test_frontier_directives_and_srun_line():
     text = script("frontier")
     assert directives(text) == ["#SBATCH -J hpctrain", "#SBATCH -A P", "#SBATCH -p batch",
                                 "#SBATCH -N 2", "#SBATCH -t 01:00:00",
-                                "#SBATCH --output=%x-%j.out"]
+                                "#SBATCH --output=%x-%j.out", "#SBATCH --signal=USR1@120"]
     assert launch_block(text)[:6] == ["srun", "-N${NNODES}", "-n${NRANKS}", "-c7",
                                       "--gpus-per-task=1", "--gpu-bind=closest"]
     assert "export OMP_NUM_THREADS=7" in text
@@ -211,8 +212,9 @@ def test_env_overrides_array_profile_and_setup(tmp_path):
     text = script("polaris", env=["OMP_NUM_THREADS=2", "NCCL_DEBUG=INFO"])
     assert "export OMP_NUM_THREADS=2\n" in text and "export OMP_NUM_THREADS=8" not in text
     assert "export NCCL_DEBUG=INFO" in text
-    arr = script("polaris", command=CMD + ["--train.seed={array_index}"], array="0-3")
-    assert "#PBS -J 0-3" in arr and "--train.seed=${ARRAY_INDEX}" in launch_block(arr)
+    arr = script("polaris", command=CMD + ["--train.seed={array_index}"], array="0-3%1")
+    assert "#PBS -J 0-3%1" in arr and "--train.seed=${ARRAY_INDEX}" in launch_block(arr)
+    assert "#PBS -r y" in directives(arr)  # PBS arrays must be rerunnable, in any queue
     sl = script("slurm", command=CMD + ["--train.seed={array_index}"], array="1,3,5%2")
     assert "#SBATCH --array=1,3,5%2" in sl
     nsys = launch_block(script("polaris", profiler="nsys"))
@@ -489,3 +491,184 @@ def test_the_training_layout_is_checked_against_the_jobs_ranks():
     # --ranks-per-node changes the count: 2 nodes x 3 ranks take pp=3.
     build_spec(system="polaris", command=[*CMD, "--parallel.pp=3", "--train.batch_size=12"],
                **{**polaris, "ranks_per_node": 3})
+
+
+# ---------------------------------------------------------- srun's MPI plugin (issue A)
+
+SLURM_22_05_LIST = ("MPI plugin types are...\n\tpmix\n\tnone\n\tcray_shasta\n\tpmi2\n"
+                    "specific pmix plugin versions available: pmix_v4\n")
+MPICH_WHEEL = ("MPICH Version:      5.0.2\nMPICH Device:       ch4:ucx ofi\n"
+               "MPICH configure:    --with-device=ch4:ucx,ofi --with-pm=hydra:gforker\n")
+
+
+def test_generic_slurm_script_passes_an_mpi_plugin_to_srun():
+    text = script("slurm")
+    assert launch_block(text)[:5] == ["srun", "--mpi=${SRUN_MPI}", "-n", "${NRANKS}",
+                                      "--ntasks-per-node=4"]
+    assert 'SRUN_MPI=$("$PYTHON" -m hpctrain.jobs.srun_mpi) ||' in text
+    fixed = script("slurm", srun_mpi="pmi2")
+    assert launch_block(fixed)[:2] == ["srun", "--mpi=pmi2"] and "SRUN_MPI=" not in fixed
+    argv = build_spec(system="slurm", command=CMD, walltime="01:00:00", srun_mpi="pmix").argv()
+    assert argv[argv.index("--srun-mpi") + 1] == "pmix"  # the script's recorded command
+    # The named sites' srun lines keep their site default (cray_shasta on HPE Slingshot).
+    assert not any(w.startswith("--mpi") for w in launch_block(script("perlmutter")))
+    with pytest.raises(JobError, match="launcher of polaris .mpiexec. has no --mpi="):
+        build_spec(system="polaris", command=CMD, srun_mpi="pmi2", **CLUSTERS["polaris"])
+    with pytest.raises(JobError, match="not an srun MPI plugin name"):
+        build_spec(system="slurm", command=CMD, walltime="01:00:00", srun_mpi="pmi2; rm")
+
+
+def test_srun_mpi_follows_the_mpi_library_among_the_offered_plugins():
+    from hpctrain.jobs.srun_mpi import choose, offered
+
+    listed = offered(SLURM_22_05_LIST)
+    assert listed == ["pmix", "none", "cray_shasta", "pmi2"]
+    assert offered("srun: MPI types are...\nsrun: none\nsrun: pmix\n") == ["none", "pmix"]
+    # The pip mpich wheel has no PMIx client ("unsupported PMI version PMIx"): pmi2,
+    # although pmix is listed first.
+    assert choose(listed, MPICH_WHEEL)[0] == "pmi2"
+    assert choose(listed, MPICH_WHEEL.replace("hydra:gforker", "hydra --with-pmix=/usr"))[0] \
+        == "pmix"
+    assert choose(listed, "Open MPI v5.0.3, package: Open MPI ...")[0] == "pmix"
+    assert choose(listed, "MPI VERSION    : CRAY MPICH version 8.1.28")[0] == "cray_shasta"
+    assert choose(listed, None)[0] == "pmix"  # library unknown: pmix where offered
+    assert choose(["none", "pmi2"], None)[0] == "pmi2"  # ... else pmi2
+    plugin, reason = choose(["none"], "Open MPI v5")
+    assert plugin == "pmix" and "offers none of pmix" in reason
+
+
+def test_srun_mpi_module_prints_the_choice(tmp_path):
+    fake = tmp_path / "srun"
+    fake.write_text(f"#!/bin/sh\nprintf '{SLURM_22_05_LIST}'\n".replace("\t", "\\t"))
+    fake.chmod(0o755)
+    p = subprocess.run([sys.executable, "-m", "hpctrain.jobs.srun_mpi"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO,
+                       env={"PATH": f"{tmp_path}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "pmi2" and "srun --mpi=pmi2 (MPICH" in p.stderr
+
+
+# ------------------------------------------------- hpctrain launch reads the allocation
+
+@pytest.mark.parametrize("env, expect", [
+    ({"SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2"}, ["-n", "2", "--ntasks-per-node=2"]),
+    ({"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "3"}, ["-n", "3", "--ntasks-per-node=2"]),
+    ({"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4"},
+     ["-n", "8", "--ntasks-per-node=4"]),
+    ({"SLURM_JOB_NUM_NODES": "2"}, ["-n", "2", "--ntasks-per-node=1"]),  # no tasks asked
+])
+def test_launch_takes_the_rank_count_of_a_slurm_allocation(env, expect):
+    alloc = launch.detect_allocation({"SLURM_JOB_ID": "9", **env})
+    argv = launch.plan_launch(load_profile("slurm"), alloc, CMD, python="py", srun_mpi="pmi2")
+    assert argv[:5] == ["srun", "--mpi=pmi2", *expect]
+
+
+def test_launch_takes_the_rank_slots_of_a_pbs_nodefile(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("h1\nh1\nh1\nh2\nh2\nh2\n")  # select=2:mpiprocs=3
+    alloc = launch.detect_allocation({"PBS_JOBID": "1.s", "PBS_NODEFILE": str(nodefile)})
+    assert (alloc.nodes, alloc.ranks, alloc.ranks_per_node) == (2, 6, 3)
+    assert launch.plan_launch(load_profile("pbs"), alloc, CMD, python="py")[:5] == \
+        ["mpiexec", "-n", "6", "-ppn", "3"]
+    # --ranks-per-node and --nodes are explicit: they win over the allocation.
+    assert launch.plan_launch(load_profile("pbs"), alloc, CMD, python="py",
+                              ranks_per_node=2)[:5] == ["mpiexec", "-n", "4", "-ppn", "2"]
+    nodefile.write_text("h1\nh2\n")  # one line per host: the profile decides
+    alloc = launch.detect_allocation({"PBS_JOBID": "1.s", "PBS_NODEFILE": str(nodefile)})
+    assert alloc.ranks is None
+    assert launch.plan_launch(load_profile("polaris"), alloc, CMD, python="py")[:3] == \
+        ["mpiexec", "-n", "8"]
+
+
+def test_launch_dry_run_inside_salloc_uses_the_allocations_ranks(tmp_path, monkeypatch,
+                                                                  capsys):
+    fake = tmp_path / "srun"
+    fake.write_text(f"#!/bin/sh\nprintf '{SLURM_22_05_LIST}'\n".replace("\t", "\\t"))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    for k in ("PBS_JOBID", "HPCTRAIN_SYSTEM", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["launch", "--dry-run", "--", *CMD]) == 0  # salloc -N1 -n2
+    out, err = capsys.readouterr()
+    assert out.startswith("+ srun --mpi=pmi2 -n 2 --ntasks-per-node=2 ")
+    assert "srun --mpi=pmi2 (MPICH" in err
+    assert main(["launch", "--dry-run", "--srun-mpi", "none", "--", *CMD]) == 0
+    assert capsys.readouterr().out.startswith("+ srun --mpi=none -n 2 ")
+
+
+# ------------------------------------------------------------ queue rules (issue C)
+
+def _spec(system, **kw):
+    """A request whose global batch splits over its ranks, however many."""
+    ranks = kw.get("nodes", 1) * (kw.get("ranks_per_node") or load_profile(system).ranks_per_node)
+    return build_spec(system=system, command=[*CMD[:3], f"--train.batch_size={ranks}"],
+                      account="P", **kw)
+
+
+@pytest.mark.parametrize("nodes, edge", [(10, "03:00:00"), (24, "03:00:00"), (25, "06:00:00"),
+                                         (99, "06:00:00"), (100, "24:00:00"),
+                                         (496, "24:00:00")])
+def test_polaris_prod_walltime_by_routed_queue(nodes, edge):
+    # ALCF user guide, Polaris "Running Jobs": prod routes to small (10-24 nodes, 3 h),
+    # medium (25-99, 6 h), large (100-496, 24 h).
+    _spec("polaris", queue="prod", nodes=nodes, walltime=edge)
+    h, m, s = edge.split(":")
+    with pytest.raises(JobError, match=rf"prod on polaris allows at most {edge} for {nodes} "):
+        _spec("polaris", queue="prod", nodes=nodes, walltime=f"{h}:{m}:01")
+
+
+@pytest.mark.parametrize("nodes, edge", [(256, "12:00:00"), (1024, "12:00:00"),
+                                         (1025, "18:00:00"), (1999, "18:00:00"),
+                                         (2000, "24:00:00")])
+def test_aurora_prod_walltime_by_size(nodes, edge):
+    _spec("aurora", queue="prod", nodes=nodes, walltime=edge)
+    with pytest.raises(JobError, match=rf"prod on aurora allows at most {edge} for {nodes} "):
+        _spec("aurora", queue="prod", nodes=nodes, walltime=edge[:-2] + "01")
+
+
+@pytest.mark.parametrize("system, queue", [
+    (s, q) for s in ("polaris", "aurora") for q in load_profile(s).queues])
+def test_every_alcf_queue_has_a_five_minute_minimum(system, queue):
+    nodes = max(load_profile(system).queues[queue].min_nodes, 1)
+    _spec(system, queue=queue, nodes=nodes, walltime="00:05:00")
+    with pytest.raises(JobError, match=rf"queue {queue} on {system} takes jobs of at least "
+                                       r"00:05:00, you asked for 00:04:59"):
+        _spec(system, queue=queue, nodes=nodes, walltime="00:04:59")
+
+
+@pytest.mark.parametrize("queue, limit", [("debug", 1), ("debug-scaling", 1),
+                                          ("preemptable", 20), ("prod", 10)])
+def test_polaris_array_throttle_per_queue_and_rerunnable_arrays(queue, limit):
+    q = load_profile("polaris").queues[queue]
+    kw = dict(queue=queue, nodes=q.min_nodes, walltime="00:30:00")
+    text = render(_spec("polaris", array=f"0-31%{limit}", **kw))
+    assert f"#PBS -J 0-31%{limit}" in directives(text)
+    assert directives(text).count("#PBS -r y") == 1  # PBS reruns array sub-jobs
+    with pytest.raises(JobError, match=rf"queue {queue} need a %N throttle with N <= {limit}"):
+        _spec("polaris", array=f"0-31%{limit + 1}", **kw)
+
+
+def test_every_pbs_array_is_rerunnable():
+    for system, kw in (("pbs", dict(walltime="01:00:00")),
+                       ("polaris", dict(queue="capacity", nodes=1, walltime="01:00:00")),
+                       ("aurora", dict(queue="debug", nodes=1, walltime="00:30:00"))):
+        text = render(_spec(system, array="0-3", **kw))
+        assert "#PBS -J 0-3" in directives(text) and "#PBS -r y" in directives(text), system
+    assert "#PBS -r y" not in script("pbs")  # not without an array
+
+
+def test_frontier_largest_job_debug_qos_and_ranks_per_node():
+    kw = dict(walltime="12:00:00", queue="batch")
+    _spec("frontier", nodes=9472, **kw)
+    with pytest.raises(JobError, match="takes at most 9472 node"):
+        _spec("frontier", nodes=9473, **kw)
+    text = render(_spec("frontier", nodes=4, queue="debug", walltime="02:00:00"))
+    assert "#SBATCH -p batch" in directives(text) and "#SBATCH -q debug" in directives(text)
+    assert "#SBATCH -p debug" not in text  # debug is a QOS, not a partition
+    with pytest.raises(JobError, match="queue debug on frontier allows at most 02:00:00"):
+        _spec("frontier", nodes=4, queue="debug", walltime="02:00:01")
+    _spec("frontier", nodes=2, queue="batch", walltime="01:00:00", ranks_per_node=8)
+    with pytest.raises(JobError, match="a frontier node takes at most 8 ranks"):
+        _spec("frontier", nodes=2, queue="batch", walltime="01:00:00", ranks_per_node=9)

@@ -267,9 +267,9 @@ def test_user_values_cannot_inject_shell_code(cluster):
 
 def test_array_index_reaches_the_override_and_the_run_directory(cluster):
     script = generate(cluster, ["--system", "polaris", "--nodes", "1", "--walltime", "00:10:00",
-                                "--queue", "debug", "--account", "TEST", "--array", "0-3"],
+                                "--queue", "debug", "--account", "TEST", "--array", "0-3%1"],
                       ["train", "default", "--train.seed={array_index}"])
-    assert "#PBS -J 0-3" in script.read_text()
+    assert "#PBS -J 0-3%1" in script.read_text() and "#PBS -r y" in script.read_text()
     record = cluster.root / "record.json"
     pbs = {**cluster.pbs, "PBS_JOBID": "4242[3].polaris-pbs-01", "PBS_ARRAY_INDEX": "3"}
     p = submit(cluster, script, pbs, {"FAKE_RECORD": str(record)})

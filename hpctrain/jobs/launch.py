@@ -12,6 +12,11 @@ first), so the script and the command can never disagree about flags.
 the unique hosts of ``PBS_NODEFILE``; ``SLURM_JOB_ID`` -> SLURM, nodes from
 ``SLURM_JOB_NUM_NODES``/``SLURM_NNODES``; neither -> this machine, ``mpiexec -n <ranks>``
 with one rank per CPU core unless ``--ranks`` says otherwise.
+
+Ranks follow the allocation when it was sized in tasks: ``salloc -n 2`` (``SLURM_NTASKS``,
+``SLURM_NTASKS_PER_NODE``) or a PBS ``mpiprocs`` > 1 (``PBS_NODEFILE`` lists each host
+once per rank slot). Otherwise, and always with ``--ranks-per-node`` or ``--nodes``, the
+count is nodes x the profile's ranks per node.
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ def placement(profile: Profile, ranks_per_node: int | None = None) -> Placement:
     rpn = ranks_per_node or profile.ranks_per_node or None
     if rpn is not None and rpn < 1:
         raise JobError(f"--ranks-per-node {rpn}: use at least 1")
+    if rpn is not None and profile.max_ranks_per_node and rpn > profile.max_ranks_per_node:
+        raise JobError(f"--ranks-per-node {rpn}: a {profile.name} node takes at most "
+                       f"{profile.max_ranks_per_node} ranks (one per GPU); use "
+                       f"--ranks-per-node {profile.max_ranks_per_node} or fewer")
     if not profile.cpus_per_node or rpn is None:
         return Placement(rpn, None, None, None)
     if rpn > profile.cpus_per_node:
@@ -97,10 +106,10 @@ class LaunchLine:
 def launch_line(profile: Profile, place: Placement, *, nodes: Word, ranks: Word,
                 python: Word, command: list[Word], nodefile: Word | None = None,
                 ranks_per_node: Word | None = None, profiler: str | None = None,
-                profile_dir: Word | None = None) -> LaunchLine:
+                profile_dir: Word | None = None, srun_mpi: Word | None = None) -> LaunchLine:
     """The launch line of ``command`` (hpctrain's arguments, as words) on ``profile``."""
     values: dict[str, Word | None] = {
-        "nodes": nodes, "ranks": ranks, "nodefile": nodefile,
+        "nodes": nodes, "ranks": ranks, "nodefile": nodefile, "srun_mpi": srun_mpi,
         "ranks_per_node": ranks_per_node or (literal(str(place.ranks_per_node))
                                              if place.ranks_per_node else None),
         "gpus_per_node": literal(str(profile.gpus_per_node)),
@@ -141,6 +150,9 @@ class Allocation:
     nodes: int
     job_id: str | None
     nodefile: str | None
+    ranks: int | None = None
+    """Rank slots the allocation was sized for (None: it does not say)."""
+    ranks_per_node: int | None = None
 
 
 def detect_allocation(env: dict | None = None) -> Allocation:
@@ -154,15 +166,38 @@ def detect_allocation(env: dict | None = None) -> Allocation:
                            f"be read ({e.strerror}); run inside the job's shell") from None
         if not hosts:
             raise JobError(f"PBS_NODEFILE {nodefile} lists no hosts")
-        return Allocation("pbs", len(hosts), env["PBS_JOBID"], nodefile)
+        ranks, rpn = _pbs_slots(Path(nodefile).read_text().split(), len(hosts))
+        return Allocation("pbs", len(hosts), env["PBS_JOBID"], nodefile, ranks, rpn)
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     if job_id:
         count = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
         if not count or not count.isdigit() or int(count) < 1:
             raise JobError("SLURM_JOB_ID is set but SLURM_JOB_NUM_NODES/SLURM_NNODES is not a "
                            "node count; run inside the job's shell (salloc/sbatch)")
-        return Allocation("slurm", int(count), job_id, None)
+        ranks, rpn = _slurm_tasks(env, int(count))
+        return Allocation("slurm", int(count), job_id, None, ranks, rpn)
     return Allocation("none", 1, None, None)
+
+
+def _pbs_slots(lines: list[str], n_hosts: int) -> tuple[int | None, int | None]:
+    """``mpiprocs`` > 1 on every host: the nodefile names each host once per slot. One
+    line per host (PBS's default, Polaris and Aurora) says nothing about ranks, and an
+    uneven file cannot be spelled as ``--ppn``: then the profile decides."""
+    if len(lines) <= n_hosts or len(lines) % n_hosts:
+        return None, None
+    return len(lines), len(lines) // n_hosts
+
+
+def _slurm_tasks(env, n_nodes: int) -> tuple[int | None, int | None]:
+    """``SLURM_NTASKS`` is set when the allocation asked for tasks (``-n``,
+    ``--ntasks-per-node``); ``SLURM_NTASKS_PER_NODE`` only with ``--ntasks-per-node``."""
+    ntasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or ""
+    if not ntasks.isdigit() or int(ntasks) < 1:
+        return None, None
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+    rpn = int(per_node) if per_node.isdigit() and int(per_node) > 0 else \
+        -(-int(ntasks) // n_nodes)
+    return int(ntasks), rpn
 
 
 def local_ranks() -> int:
@@ -175,7 +210,7 @@ def local_ranks() -> int:
 def plan_launch(profile: Profile, alloc: Allocation, command: list[str], *,
                 nodes: int | None = None, ranks_per_node: int | None = None,
                 ranks: int | None = None, profiler: str | None = None,
-                python: str = sys.executable) -> list[str]:
+                python: str = sys.executable, srun_mpi: str | None = None) -> list[str]:
     """The argv ``hpctrain launch`` runs for ``command`` in allocation ``alloc``."""
     if profile.scheduler != "none" and alloc.scheduler != profile.scheduler and nodes is None:
         inside = {"pbs": "qsub -I", "slurm": "salloc"}[profile.scheduler]
@@ -186,15 +221,23 @@ def plan_launch(profile: Profile, alloc: Allocation, command: list[str], *,
         raise JobError(f"--ranks is for the local system; on {profile.name} the rank count is "
                        "nodes x --ranks-per-node")
     n_nodes = nodes or alloc.nodes
+    total = None
     if ranks is not None:
         ranks_per_node = ranks
+    elif ranks_per_node is None and nodes is None and alloc.ranks:
+        ranks_per_node, total = alloc.ranks_per_node, alloc.ranks  # the allocation's tasks
     place = placement(profile, ranks_per_node)
     rpn = place.ranks_per_node or local_ranks()
     place = Placement(rpn, place.cpus_per_rank, place.threads_per_rank, place.cpu_list)
+    total = total or n_nodes * rpn
+    plugin = srun_mpi or profile.srun_mpi
+    if plugin == "auto" and profile.uses_srun_mpi:
+        plugin = _detect_srun_mpi(python)
     out_dir = next((c.split("=", 1)[1] for c in command
                     if c.startswith("--train.out_dir=")), None)
     line = launch_line(profile, place, nodes=literal(str(n_nodes)),
-                       ranks=literal(str(n_nodes * rpn)), python=literal(python),
+                       ranks=literal(str(total)), python=literal(python),
+                       srun_mpi=literal(plugin) if plugin else None,
                        command=[literal(c) for c in command],
                        nodefile=literal(alloc.nodefile) if alloc.nodefile else None,
                        profiler=profiler,
@@ -204,6 +247,19 @@ def plan_launch(profile: Profile, alloc: Allocation, command: list[str], *,
     if profile.scheduler == "none":
         argv[0] = _local_program(argv[0], python)
     return argv
+
+
+def _detect_srun_mpi(python: str) -> str:
+    """``srun_mpi = "auto"``: ask ``hpctrain.jobs.srun_mpi`` in a subprocess (it loads the
+    MPI library; this process must not)."""
+    p = subprocess.run([python, "-m", "hpctrain.jobs.srun_mpi"], capture_output=True,
+                       text=True, timeout=120)
+    plugin = p.stdout.strip()
+    if p.returncode != 0 or not plugin:
+        raise JobError(f"cannot choose srun's MPI plugin ({p.stderr.strip()[-300:]}); "
+                       "name it with --srun-mpi pmi2 (or pmix; see `srun --mpi=list`)")
+    print(p.stderr.strip(), file=sys.stderr, flush=True)
+    return plugin
 
 
 def _local_program(program: str, python: str) -> str:

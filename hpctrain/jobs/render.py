@@ -27,7 +27,9 @@ from hpctrain.jobs.shell import (Shell, Var, expand, literal, quote, render_word
                                  resolve_word, with_home, word)
 from hpctrain.jobs.spec import JobSpec
 
-ARRAY_DIRECTIVE = {"pbs": "-J {array}", "slurm": "--array={array}"}
+# PBS reruns the sub-jobs of an array, so it needs them rerunnable: -r y with every -J
+# (ALCF user guide, Polaris "Running Jobs", job arrays).
+ARRAY_DIRECTIVES = {"pbs": ("-J {array}", "-r y"), "slurm": ("--array={array}",)}
 SUBMIT = {"pbs": "qsub", "slurm": "sbatch", "none": "bash"}
 TEMPLATES = {"pbs": "pbs.sh.j2", "slurm": "slurm.sh.j2", "none": "local.sh.j2"}
 RECORDS = "jobscript.sh, launch.txt, env.txt, modules.txt, git.txt, job.txt, exit_code"
@@ -99,7 +101,9 @@ def _command_words(spec: JobSpec) -> list:
 def _directives(spec: JobSpec, place) -> list[Shell]:
     p = spec.profile
     sep = ":" if p.scheduler == "pbs" else ","
-    values = {"job_name": spec.job_name, "account": spec.account, "queue": spec.queue,
+    queue = p.queues.get(spec.queue) if spec.queue else None
+    values = {"job_name": spec.job_name, "account": spec.account,
+              "queue": queue.partition or spec.queue if queue else spec.queue,
               "nodes": str(spec.nodes), "walltime": spec.walltime,
               "filesystems": sep.join(spec.filesystems) or None,
               "ranks_per_node": str(place.ranks_per_node) if place.ranks_per_node else None,
@@ -107,11 +111,10 @@ def _directives(spec: JobSpec, place) -> list[Shell]:
               "cpus_per_rank": str(place.cpus_per_rank) if place.cpus_per_rank else None,
               "array": spec.array}
     templates = list(p.directives)
-    queue = p.queues.get(spec.queue) if spec.queue else None
     if queue:
         templates += queue.directives
     if spec.array:
-        templates.append(ARRAY_DIRECTIVE[p.scheduler])
+        templates += [t for t in ARRAY_DIRECTIVES[p.scheduler] if t not in templates]
     out = []
     for t in templates:
         needed = re.findall(r"\{([a-z_]+)\}", t)
@@ -126,11 +129,13 @@ def context(spec: JobSpec) -> dict:
     p = spec.profile
     place = placement(p, spec.ranks_per_node)
     rpn_word = None if place.ranks_per_node else (Var("RANKS_PER_NODE"),)
+    plugin = spec.mpi_plugin if p.uses_srun_mpi else None
+    srun_mpi = (Var("SRUN_MPI"),) if plugin == "auto" else literal(plugin) if plugin else None
     line = launch_line(p, place, nodes=(Var("NNODES"),), ranks=(Var("NRANKS"),),
                        python=(Var("PYTHON"),), command=_command_words(spec),
                        nodefile=(Var("PBS_NODEFILE"),) if p.scheduler == "pbs" else None,
                        ranks_per_node=rpn_word, profiler=spec.profiler,
-                       profile_dir=word(Var("RUN_DIR"), f"/{spec.profiler}"))
+                       profile_dir=word(Var("RUN_DIR"), f"/{spec.profiler}"), srun_mpi=srun_mpi)
     n_head = 4 + (spec.command[0] == "train")  # python -m hpctrain train RECIPE
     program = [render_words(line.program[:n_head])] + \
         [render_word(w) for w in line.program[n_head:]]
@@ -170,6 +175,7 @@ def context(spec: JobSpec) -> dict:
         "launcher_program": quote(p.launcher[0]),
         "check_venv_mpiexec": p.scheduler != "none" and p.launcher[0] == "mpiexec",
         "launch_groups": groups + program,
+        "detect_srun_mpi": plugin == "auto",
         "submit": Shell(submit),
     }
 

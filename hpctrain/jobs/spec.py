@@ -15,7 +15,7 @@ from hpctrain.errors import JobError
 from hpctrain.jobs import validate
 from hpctrain.jobs.command import check_command
 from hpctrain.jobs.launch import placement
-from hpctrain.jobs.systems import Profile, load_profile
+from hpctrain.jobs.systems import Profile, load_profile, srun_mpi as check_srun_mpi
 
 DEFAULT_JOB_NAME = "hpctrain"
 DEFAULT_RUN_ROOT = "runs"
@@ -44,6 +44,13 @@ class JobSpec:
     run_root: str
     command: tuple
     check_queue: bool = True
+    srun_mpi: str | None = None
+    """``--srun-mpi``: replaces the profile's ``srun_mpi``."""
+
+    @property
+    def mpi_plugin(self) -> str | None:
+        """The ``--mpi=`` plugin of the launch line (``auto``: chosen in the job)."""
+        return self.srun_mpi or self.profile.srun_mpi
 
     def argv(self) -> list[str]:
         """The ``hpctrain jobscript`` command line that makes this script."""
@@ -58,6 +65,8 @@ class JobSpec:
             a += ["--filesystems", ":".join(self.filesystems)]
         if self.ranks_per_node:
             a += ["--ranks-per-node", str(self.ranks_per_node)]
+        if self.srun_mpi:
+            a += ["--srun-mpi", self.srun_mpi]
         if self.array:
             a += ["--array", self.array]
         if self.profiler:
@@ -86,7 +95,7 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                array: str | None = None, profiler: str | None = None,
                ranks_per_node: int | None = None, venv: str | None = None,
                setup_file: str | None = None, run_root: str | None = None,
-               check_queue: bool = True) -> JobSpec:
+               check_queue: bool = True, srun_mpi: str | None = None) -> JobSpec:
     if not system:
         raise JobError("name the system: --system polaris (or aurora, perlmutter, frontier, "
                        "pbs, slurm, local, or a .toml profile); see --list-systems")
@@ -120,7 +129,7 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
     name_ = validate.job_name(job_name or DEFAULT_JOB_NAME)
     known_queue = profile.queues.get(queue) if queue else None
     if queue and profile.queues and check_queue:
-        validate.queue_limits(name, profile.queues, queue, n_nodes, walltime_s or 1)
+        validate.queue_limits(name, profile.queues, queue, n_nodes, walltime_s)
     fs = validate.filesystems(name, profile.filesystems, filesystems) if filesystems \
         else profile.default_filesystems
     if array:
@@ -131,6 +140,12 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                        f"{', '.join(profile.profilers) or 'none'}")
     if ranks_per_node is not None:
         validate.ranks_per_node(ranks_per_node)
+    if srun_mpi is not None:
+        check_srun_mpi(srun_mpi)
+        if not profile.uses_srun_mpi:
+            raise JobError(f"--srun-mpi: the launcher of {name} ({profile.launcher[0]}) has no "
+                           "--mpi= plugin to choose; drop --srun-mpi (or add --mpi={srun_mpi} "
+                           "to the launcher of your own profile)")
     env_pairs = tuple(validate.env_pair(e) for e in env or ())
     venv = active_venv() if venv is None else (None if venv == "none" else venv)
     for what, value in (("--venv", venv), ("--run-root", run_root), ("--system", system)):
@@ -153,6 +168,6 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                    env=env_pairs, array=array, profiler=profiler, ranks_per_node=ranks_per_node,
                    venv=venv, setup_file=setup_file, setup=setup,
                    run_root=run_root or DEFAULT_RUN_ROOT, command=tuple(command),
-                   check_queue=check_queue)
+                   check_queue=check_queue, srun_mpi=srun_mpi)
     placement(profile, ranks_per_node)  # ranks per node vs. cores and sockets
     return spec

@@ -18,13 +18,20 @@ Fields (see polaris.toml for a commented example):
 - ``setup``: shell commands (module loads) run in order, each checked; ``[env]``:
   variables exported for the run (GPU-aware MPI). Both can be overridden per job.
 - ``directives``, ``launcher``: templates with ``{placeholders}`` (see ``PLACEHOLDERS``).
-- ``[queues.NAME]``: ``nodes = [min, max]``, ``walltime``, optional ``walltime_by_nodes``
-  (``[[max_nodes, walltime], ...]``), ``directives``, ``array_throttle``.
+- ``srun_mpi``: the ``--mpi=`` plugin for ``{srun_mpi}`` in the launcher (``pmi2``,
+  ``pmix``, ...), or ``auto``: chosen inside the job for the MPI library mpi4py loads
+  (``srun_mpi.py``). ``--srun-mpi`` overrides it per job.
+- ``max_ranks_per_node``: a hard limit below the CPU count (Frontier: one rank per GCD).
+- ``[queues.NAME]``: ``nodes = [min, max]``, ``walltime``, optional ``min_walltime``,
+  ``walltime_by_nodes`` (``[[max_nodes, walltime], ...]``), ``directives``,
+  ``array_throttle``, and ``partition``: what ``{queue}`` becomes in the directives when
+  the queue is not a partition of its own (Frontier's ``debug`` is a QOS of ``batch``).
 - ``filesystems``, ``default_filesystems``, ``requires``, ``profilers``.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from importlib import resources
@@ -43,7 +50,8 @@ SCHEDULERS = ("pbs", "slurm", "none")
 DIRECTIVE_PLACEHOLDERS = {"job_name", "account", "queue", "nodes", "walltime", "filesystems",
                           "ranks_per_node", "gpus_per_node", "cpus_per_rank"}
 LAUNCHER_PLACEHOLDERS = {"nodes", "ranks", "ranks_per_node", "gpus_per_node", "cpus_per_rank",
-                         "cpu_list", "nodefile"}
+                         "cpu_list", "nodefile", "srun_mpi"}
+_SRUN_MPI = re.compile(r"[a-z][a-z0-9_]{0,31}")
 PLACEHOLDERS = DIRECTIVE_PLACEHOLDERS | LAUNCHER_PLACEHOLDERS
 
 
@@ -60,6 +68,10 @@ class Queue:
     """Extra directives this queue needs (Polaris preemptable: ``-r y``)."""
     array_throttle: int | None = None
     """Job arrays must carry a ``%N`` throttle with N at most this (Polaris prod: 10)."""
+    min_walltime: int = 0
+    """Seconds; shorter requests are refused (every ALCF queue: 5 minutes)."""
+    partition: str | None = None
+    """The value of ``{queue}`` in directives, when not the queue's own name."""
 
     def max_walltime_for(self, n_nodes: int) -> int:
         for max_nodes, seconds in self.walltime_by_nodes:
@@ -98,6 +110,13 @@ class Profile:
     queues: dict
     source: str
     """Where the profile came from (a built-in name or a file path)."""
+    srun_mpi: str | None = None
+    """``--mpi=`` plugin for ``{srun_mpi}``: a name, or ``auto`` (chosen in the job)."""
+    max_ranks_per_node: int | None = None
+
+    @property
+    def uses_srun_mpi(self) -> bool:
+        return any("{srun_mpi}" in t for t in self.launcher)
 
     @property
     def directive_prefix(self) -> str:
@@ -146,7 +165,7 @@ def _profile_from_dict(name: str, d: dict, source: str) -> Profile:
     known = {"description", "scheduler", "ranks_per_node", "gpus_per_node", "cpus_per_node",
              "threads_per_core", "cpu_sockets", "device_env", "device_order", "requires",
              "filesystems", "default_filesystems", "profilers", "setup", "env", "directives",
-             "launcher", "queues"}
+             "launcher", "queues", "srun_mpi", "max_ranks_per_node"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise JobError(f"system profile {source} has unknown field(s) {', '.join(unknown)}; "
@@ -165,7 +184,10 @@ def _profile_from_dict(name: str, d: dict, source: str) -> Profile:
                 walltime_by_nodes=tuple((int(n), validate.parse_walltime(w))
                                         for n, w in q.get("walltime_by_nodes", ())),
                 directives=tuple(q.get("directives", ())),
-                array_throttle=q.get("array_throttle"))
+                array_throttle=q.get("array_throttle"),
+                min_walltime=validate.parse_walltime(q["min_walltime"])
+                if "min_walltime" in q else 0,
+                partition=validate.queue_name(q["partition"]) if "partition" in q else None)
         except (KeyError, TypeError, ValueError) as e:
             raise JobError(f"system profile {source}: [queues.{qname}] needs nodes = [min, max] "
                            f"and walltime = \"HH:MM:SS\" ({type(e).__name__}: {e})") from None
@@ -181,7 +203,9 @@ def _profile_from_dict(name: str, d: dict, source: str) -> Profile:
         profilers=tuple(need("profilers", list, [])), setup=tuple(need("setup", list, [])),
         env=tuple((str(k), str(v)) for k, v in need("env", dict, {}).items()),
         directives=tuple(need("directives", list, [])), launcher=tuple(need("launcher", list)),
-        queues=queues, source=source)
+        queues=queues, source=source, srun_mpi=d.get("srun_mpi"),
+        max_ranks_per_node=need("max_ranks_per_node", int) if "max_ranks_per_node" in d
+        else None)
     _check_templates(profile)
     return profile
 
@@ -201,6 +225,8 @@ def _check_templates(p: Profile) -> None:
                            f"{', '.join(sorted(LAUNCHER_PLACEHOLDERS))}")
     if not p.launcher:
         raise JobError(f"system profile {p.source}: launcher must name a program")
+    if p.srun_mpi is not None:
+        srun_mpi(p.srun_mpi, f"system profile {p.source}: srun_mpi")
     if p.device_order not in (None, "direct", "reverse"):
         raise JobError(f"system profile {p.source}: device_order must be direct or reverse")
     if bool(p.device_env) != bool(p.device_order):
@@ -230,3 +256,12 @@ def describe_systems() -> str:
             lines.append(f"{'':<12}requires: " + ", ".join(f"--{r.replace('_', '-')}"
                                                            for r in p.requires))
     return "\n".join(lines)
+
+
+def srun_mpi(value: str, what: str = "--srun-mpi") -> str:
+    """An ``srun --mpi=`` plugin name (``pmi2``, ``pmix``, ``pmix_v4``, ``cray_shasta``,
+    ``none``) or ``auto``."""
+    if not isinstance(value, str) or not _SRUN_MPI.fullmatch(value):
+        raise JobError(f"{what} {value!r} is not an srun MPI plugin name; use auto, pmi2, "
+                       "pmix, cray_shasta or none (see `srun --mpi=list`)")
+    return value

@@ -66,16 +66,21 @@ def nodes(value: int) -> int:
     return value
 
 
-def queue_limits(system: str, queues: dict, queue: str, n_nodes: int, walltime_s: int) -> None:
-    """Check ``queue`` exists on ``system`` and takes ``n_nodes`` for ``walltime_s``."""
+def queue_limits(system: str, queues: dict, queue: str, n_nodes: int,
+                 walltime_s: int | None) -> None:
+    """Check ``queue`` exists on ``system`` and takes ``n_nodes`` for ``walltime_s``
+    (None: the site's default walltime, not checked here)."""
     if queue not in queues:
         raise JobError(f"{system} has no queue {queue!r}; use one of: "
                        + "; ".join(q.describe() for q in queues.values())
                        + " (or --no-queue-check if the site added it)")
     q = queues[queue]
+    asked = walltime_s or 0
     fits = [o.name for o in queues.values()
-            if o.min_nodes <= n_nodes <= o.max_nodes and walltime_s <= o.max_walltime_for(n_nodes)]
-    alternatives = (f"; queues that take {n_nodes} node(s) for {format_walltime(walltime_s)}: "
+            if o.min_nodes <= n_nodes <= o.max_nodes
+            and (walltime_s is None or o.min_walltime <= asked <= o.max_walltime_for(n_nodes))]
+    during = f" for {format_walltime(asked)}" if walltime_s else ""
+    alternatives = (f"; queues that take {n_nodes} node(s){during}: "
                     f"{', '.join(fits)}") if fits else ""
     if n_nodes < q.min_nodes:
         raise JobError(f"queue {queue} on {system} takes at least {q.min_nodes} nodes, you "
@@ -85,6 +90,13 @@ def queue_limits(system: str, queues: dict, queue: str, n_nodes: int, walltime_s
         raise JobError(f"queue {queue} on {system} takes at most {q.max_nodes} node(s), you "
                        f"asked for {n_nodes}: use --nodes {q.max_nodes} or another queue"
                        + alternatives)
+    if walltime_s is None:
+        return
+    if walltime_s < q.min_walltime:
+        raise JobError(f"queue {queue} on {system} takes jobs of at least "
+                       f"{format_walltime(q.min_walltime)}, you asked for "
+                       f"{format_walltime(walltime_s)}: use --walltime "
+                       f"{format_walltime(q.min_walltime)} or longer")
     limit = q.max_walltime_for(n_nodes)
     if walltime_s > limit:
         raise JobError(f"queue {queue} on {system} allows at most {format_walltime(limit)} for "
