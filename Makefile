@@ -49,13 +49,18 @@ run: $(STAMP) $(DATA)
 # (tests/reference.py); SELECT narrows every leg (test-fast leaves out `slow` tests:
 # subprocess trainings, signals, job scripts, scaling studies). The MPI legs collect only
 # tests/*_mpi.py, the files that hold the `mpi` tests (tests/conftest.py enforces it).
+# The single-process leg runs beside the 2-rank leg (it keeps one core busy, they share
+# the rest); its report is printed when both are done.
 SELECT ?=
 MPI_TESTS := $(sort $(wildcard tests/*_mpi.py))
 test: $(STAMP)
-	@ref=$$(mktemp -d) && trap 'rm -rf "$$ref"' EXIT && export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV) && \
-	start=$$(date +%s) && rm -rf test-reports && \
-	timeout $(TIME_LIMIT) $(PY) -m pytest -q tests $(SELECT) --junitxml=test-reports/unit.xml && \
-	timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi2.xml && \
+	@ref=$$(mktemp -d); trap 'rm -rf "$$ref"' EXIT; export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV); \
+	start=$$(date +%s); rm -rf test-reports; mkdir -p test-reports; \
+	{ timeout $(TIME_LIMIT) $(PY) -m pytest -q tests $(SELECT) --junitxml=test-reports/unit.xml \
+	    > test-reports/unit.log 2>&1; echo $$? > test-reports/unit.rc; } & \
+	timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi2.xml; \
+	mpi2=$$?; wait; echo "---- single-process leg"; cat test-reports/unit.log; \
+	[ "$$(cat test-reports/unit.rc)" = 0 ] && [ $$mpi2 = 0 ] && \
 	timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi4.xml && \
 	echo "all legs passed in $$(( $$(date +%s) - start )) s"
 

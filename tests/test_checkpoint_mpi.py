@@ -17,8 +17,7 @@ COMM = MPI.COMM_WORLD
 
 
 def _cfg(data, out, **overrides):
-    return tiny_config(data, out, **{"train.ckpt_interval": 10, "train.save_checkpoint": True,
-                                     "train.max_iters": 20,
+    return tiny_config(data, out, **{"train.ckpt_interval": 5, "train.save_checkpoint": True,
                                      "parallel.bucket_mb": 0.02,
                                      "parallel.first_bucket_mb": 0.005, **overrides})
 
@@ -31,11 +30,11 @@ def _fit(cfg, comm=COMM):
 @pytest.mark.parametrize("zero", [0, 3])
 def test_resume_at_the_same_world_size_is_bitwise_identical(mpi_dataset, shared_tmp, zero):
     full = _fit(_cfg(mpi_dataset, f"{shared_tmp}/a", **{"parallel.zero": zero}))
-    step10 = f"{shared_tmp}/a/checkpoints/step_000010"
-    assert read_manifest(step10).world_size == COMM.size
+    step5 = f"{shared_tmp}/a/checkpoints/step_000005"
+    assert read_manifest(step5).world_size == COMM.size
     resumed = _fit(_cfg(mpi_dataset, f"{shared_tmp}/b", **{"parallel.zero": zero,
-                                                           "train.resume": step10}))
-    assert len(resumed.losses) == 10 and resumed.losses == full.losses[10:]
+                                                           "train.resume": step5}))
+    assert len(resumed.losses) == 5 and resumed.losses == full.losses[5:]
 
 
 @pytest.mark.parametrize("big_zero,small_zero,small_size", [(3, 0, 1), (0, 3, 2), (2, 1, 2)])
@@ -49,17 +48,17 @@ def test_reshard_between_world_sizes_and_stages(mpi_dataset, shared_tmp, big_zer
     if COMM.rank < small_size:
         shrunk = _fit(_cfg(mpi_dataset, f"{shared_tmp}/shrunk", **{
             "parallel.zero": small_zero,
-            "train.resume": f"{shared_tmp}/big/checkpoints/step_000010"}), sub)
-        np.testing.assert_allclose(shrunk.losses, big.losses[10:], atol=1e-5, rtol=0)
+            "train.resume": f"{shared_tmp}/big/checkpoints/step_000005"}), sub)
+        np.testing.assert_allclose(shrunk.losses, big.losses[5:], atol=1e-5, rtol=0)
         small = _fit(_cfg(mpi_dataset, f"{shared_tmp}/small", **{"parallel.zero": small_zero}),
                      sub)
         np.testing.assert_allclose(small.losses, big.losses, atol=1e-5, rtol=0)
     sub.Free()
     COMM.Barrier()
-    assert read_manifest(f"{shared_tmp}/small/checkpoints/step_000010").world_size == small_size
+    assert read_manifest(f"{shared_tmp}/small/checkpoints/step_000005").world_size == small_size
     grown = _fit(_cfg(mpi_dataset, f"{shared_tmp}/grown", **{
-        "parallel.zero": big_zero, "train.resume": f"{shared_tmp}/small/checkpoints/step_000010"}))
-    np.testing.assert_allclose(grown.losses, big.losses[10:], atol=1e-5, rtol=0)
+        "parallel.zero": big_zero, "train.resume": f"{shared_tmp}/small/checkpoints/step_000005"}))
+    np.testing.assert_allclose(grown.losses, big.losses[5:], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("zero", [0, 2])
