@@ -452,8 +452,8 @@ class Trainer:
             self.save_sharded(t.max_iters)
         result.stopped_at = t.max_iters
         self._log(f"stopped by {self.signals.name} after the last step ({t.max_iters}); its "
-                  f"checkpoint is saved; {skipped} skipped (run the same command with "
-                  "--train.resume=auto to do them)")
+                  f"checkpoint is saved; skipped: {skipped} (run the same command with "
+                  "--train.resume=auto to finish)")
         return result
 
     def _loop(self, result: TrainResult, bar: Progress, stop: StopAgreement) -> None:
