@@ -46,6 +46,9 @@ type module >/dev/null 2>&1 ||
 module load PrgEnv-gnu || die 'setup step failed: module load PrgEnv-gnu'
 module load rocm || die 'setup step failed: module load rocm'
 module load craype-accel-amd-gfx90a || die 'setup step failed: module load craype-accel-amd-gfx90a'
+export LD_LIBRARY_PATH="${CRAY_LD_LIBRARY_PATH}:${LD_LIBRARY_PATH}" || die 'setup step failed: export LD_LIBRARY_PATH="${CRAY_LD_LIBRARY_PATH}:${LD_LIBRARY_PATH}"'
+export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID}" || die 'setup step failed: export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID}"'
+export MIOPEN_CUSTOM_CACHE_DIR="${MIOPEN_USER_DB_PATH}" || die 'setup step failed: export MIOPEN_CUSTOM_CACHE_DIR="${MIOPEN_USER_DB_PATH}"'
 source .venv/bin/activate || die "cannot activate the environment (--venv):" .venv/bin/activate
 set -u
 PYTHON=$(python3 -c 'import sys; print(sys.executable)') ||

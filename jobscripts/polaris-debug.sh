@@ -46,6 +46,7 @@ type module >/dev/null 2>&1 ||
 module use /soft/modulefiles || die 'setup step failed: module use /soft/modulefiles'
 module load conda || die 'setup step failed: module load conda'
 conda activate || die 'setup step failed: conda activate'
+module load craype-accel-nvidia80 || die 'setup step failed: module load craype-accel-nvidia80'
 source .venv/bin/activate || die "cannot activate the environment (--venv):" .venv/bin/activate
 set -u
 PYTHON=$(python3 -c 'import sys; print(sys.executable)') ||

@@ -672,3 +672,35 @@ def test_frontier_largest_job_debug_qos_and_ranks_per_node():
     _spec("frontier", nodes=2, queue="batch", walltime="01:00:00", ranks_per_node=8)
     with pytest.raises(JobError, match="a frontier node takes at most 8 ranks"):
         _spec("frontier", nodes=2, queue="batch", walltime="01:00:00", ranks_per_node=9)
+
+
+def _before_launch(text: str, line: str) -> bool:
+    """``line`` is in the script and runs before the launcher does."""
+    return line in text and text.index(line) < text.index(launch_block(text)[0] + " ")
+
+
+def test_polaris_links_the_gpu_transfer_library_for_gpu_aware_mpi():
+    # ALCF Polaris guide: GPU-aware Cray MPICH needs the GTL library at run time.
+    text = script("polaris")
+    assert "export MPICH_GPU_SUPPORT_ENABLED=1" in text
+    assert _before_launch(text, "module load craype-accel-nvidia80 ||")
+
+
+def test_frontier_puts_cray_libraries_first_and_miopen_cache_on_local_disk():
+    text = script("frontier")
+    assert _before_launch(text, "module load craype-accel-amd-gfx90a ||")
+    assert _before_launch(text, 'export LD_LIBRARY_PATH="${CRAY_LD_LIBRARY_PATH}:${LD_LIBRARY_PATH}"')
+    assert _before_launch(text, 'export MIOPEN_USER_DB_PATH="/tmp/')
+    assert 'export MIOPEN_CUSTOM_CACHE_DIR="${MIOPEN_USER_DB_PATH}"' in text
+
+
+@pytest.mark.parametrize("name", ["daos_user", "daos_user_fs"])
+def test_aurora_accepts_both_names_the_guides_give_daos(name):
+    text = script("aurora", filesystems=["flare", name])
+    assert f"#PBS -l filesystems=flare:{name}" in directives(text)
+
+
+def test_aurora_refuses_a_filesystem_it_does_not_list():
+    with pytest.raises(JobError, match="no filesystem 'daos'; valid: home, flare, daos_user, "
+                                       "daos_user_fs"):
+        script("aurora", filesystems=["daos"])
