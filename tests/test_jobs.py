@@ -563,6 +563,17 @@ def test_launch_takes_the_rank_count_of_a_slurm_allocation(env, expect):
     assert argv[:5] == ["srun", "--mpi=pmi2", *expect]
 
 
+def test_an_allocation_with_more_tasks_than_gpus_names_the_allocation_not_a_flag():
+    alloc = launch.detect_allocation({"SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "1",
+                                      "SLURM_NTASKS": "16"})
+    with pytest.raises(JobError, match=r"the allocation's 16 tasks per node \(16 on 1 node"
+                                       r"\(s\)\): a frontier node takes at most 8 ranks.*ask "
+                                       r"the allocation for 8 tasks per node or fewer"):
+        launch.plan_launch(load_profile("frontier"), alloc, CMD, python="py")
+    with pytest.raises(JobError, match=r"^--ranks-per-node 9: .*use --ranks-per-node 8"):
+        launch.plan_launch(load_profile("frontier"), alloc, CMD, python="py", ranks_per_node=9)
+
+
 def test_launch_takes_the_rank_slots_of_a_pbs_nodefile(tmp_path):
     nodefile = tmp_path / "nodes"
     nodefile.write_text("h1\nh1\nh1\nh2\nh2\nh2\n")  # select=2:mpiprocs=3

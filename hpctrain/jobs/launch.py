@@ -44,14 +44,21 @@ class Placement:
     cpu_list: str | None
 
 
-def placement(profile: Profile, ranks_per_node: int | None = None) -> Placement:
+def placement(profile: Profile, ranks_per_node: int | None = None,
+              source: str | None = None) -> Placement:
+    """``source``: where ``ranks_per_node`` came from when the user did not pass it (the
+    allocation), so that an error names what to change."""
     rpn = ranks_per_node or profile.ranks_per_node or None
     if rpn is not None and rpn < 1:
         raise JobError(f"--ranks-per-node {rpn}: use at least 1")
     if rpn is not None and profile.max_ranks_per_node and rpn > profile.max_ranks_per_node:
-        raise JobError(f"--ranks-per-node {rpn}: a {profile.name} node takes at most "
-                       f"{profile.max_ranks_per_node} ranks (one per GPU); use "
-                       f"--ranks-per-node {profile.max_ranks_per_node} or fewer")
+        asked = source or f"--ranks-per-node {rpn}"
+        raise JobError(f"{asked}: a {profile.name} node takes at most "
+                       f"{profile.max_ranks_per_node} ranks (one per GPU); "
+                       + (f"ask the allocation for {profile.max_ranks_per_node} tasks per node "
+                          f"or fewer, or pass --ranks-per-node {profile.max_ranks_per_node}"
+                          if source else
+                          f"use --ranks-per-node {profile.max_ranks_per_node} or fewer"))
     if not profile.cpus_per_node or rpn is None:
         return Placement(rpn, None, None, None)
     if rpn > profile.cpus_per_node:
@@ -221,12 +228,14 @@ def plan_launch(profile: Profile, alloc: Allocation, command: list[str], *,
         raise JobError(f"--ranks is for the local system; on {profile.name} the rank count is "
                        "nodes x --ranks-per-node")
     n_nodes = nodes or alloc.nodes
-    total = None
+    total = source = None
     if ranks is not None:
         ranks_per_node = ranks
     elif ranks_per_node is None and nodes is None and alloc.ranks:
         ranks_per_node, total = alloc.ranks_per_node, alloc.ranks  # the allocation's tasks
-    place = placement(profile, ranks_per_node)
+        source = (f"the allocation's {ranks_per_node} tasks per node ({alloc.ranks} on "
+                  f"{alloc.nodes} node(s))")
+    place = placement(profile, ranks_per_node, source)
     rpn = place.ranks_per_node or local_ranks()
     place = Placement(rpn, place.cpus_per_rank, place.threads_per_rank, place.cpu_list)
     total = total or n_nodes * rpn
