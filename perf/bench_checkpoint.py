@@ -24,13 +24,12 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import (bench_parser, fmt_spread, print_table, run_worker,  # noqa: E402
-                         shakespeare_dataset, worker_args, write_result)
+                         scratch_dir, shakespeare_dataset, worker_args, write_result)
 
 MODEL = dict(vocab_size=65, block_size=128, n_layer=8, n_head=8, n_embd=576)
 REPEATS = 5
@@ -54,8 +53,7 @@ def worker(out: Path, mode: str, repeats: int) -> None:
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     state_bytes = 12 * n_params
-    tmp = comm.bcast(tempfile.mkdtemp(prefix="hpctrain-bench-ckpt-", dir="/tmp")
-                     if comm.rank == 0 else None, root=0)
+    tmp = scratch_dir("ckpt", comm)
     times: dict[str, list[float]] = {"save": [], "load": []}
     if mode == "torch":  # one process, the whole state
         opt = torch.optim.AdamW(model.parameters(), fused=True)
@@ -110,7 +108,6 @@ TRAIN_STEPS, TRAIN_EVERY, TRAIN_ROUNDS = 20, 5, 3
 
 
 def worker_train(out: Path, mode: str, data: str) -> None:
-    import tempfile as tf
 
     from mpi4py import MPI
 
@@ -119,8 +116,7 @@ def worker_train(out: Path, mode: str, data: str) -> None:
     from hpctrain.train.trainer import Trainer
 
     comm = MPI.COMM_WORLD
-    tmp = comm.bcast(tf.mkdtemp(prefix="hpctrain-bench-ckpt-train-") if comm.rank == 0
-                     else None, root=0)
+    tmp = scratch_dir("ckpt-train", comm)
     cfg = load_config("shakespeare-char", [
         f"--data.path={data}", "--model.n_layer=6", "--model.n_head=6",
         "--model.n_embd=384", "--model.block_size=256", f"--train.batch_size={4 * comm.size}",
