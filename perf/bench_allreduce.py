@@ -68,7 +68,7 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
     def bucketed(d=dp):
         # The production path with every gradient ready: finish() starts each bucket in
         # order and waits for all of them under the watchdog.
-        d.prepare_for_backward(sync=True)
+        d.prepare_for_backward(last_micro=True)
         d.finish()
 
     def bucketed_mpi():

@@ -42,6 +42,7 @@ def worker(out: Path, mode: str, repeats: int) -> None:
     from mpi4py import MPI
 
     from hpctrain.checkpoint.collective import load_checkpoint, model_shape, save_checkpoint
+    from hpctrain.comm.grid import ProcessGrid
     from hpctrain.comm.world import World
     from hpctrain.config import OptimConfig
     from hpctrain.model.gpt import GPT, GPTConfig
@@ -76,23 +77,23 @@ def worker(out: Path, mode: str, repeats: int) -> None:
             times["load"].append(time.perf_counter() - t0)
     else:
         world = World.create(comm)
+        grid = ProcessGrid.create(world)
         zero = Zero(model, world, OptimConfig(), stage=1)
         x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
-        zero.prepare_for_backward(sync=True)
+        zero.prepare_for_backward(last_micro=True)
         model(x, x).backward()
         zero.finish()
         zero.step(1e-3, 1.0)
         for rep in range(repeats):
             comm.Barrier()
             t0 = MPI.Wtime()
-            path = save_checkpoint(Path(tmp) / "checkpoints", rep + 1, model=model, engine=zero,
-                                   optimizer=None, world=world, config=_config(),
-                                   model_shape=model_shape(cfg), keep=1)
+            path = save_checkpoint(Path(tmp) / "checkpoints", rep + 1, zero, grid,
+                                   run={"config": _config(), "model": model_shape(cfg)},
+                                   keep=1)
             comm.Barrier()
             times["save"].append(MPI.Wtime() - t0)
             t0 = MPI.Wtime()
-            load_checkpoint(path, model=model, engine=zero, optimizer=None, world=world,
-                            model_shape=model_shape(cfg))
+            load_checkpoint(path, zero, grid, model_shape=model_shape(cfg))
             comm.Barrier()
             times["load"].append(MPI.Wtime() - t0)
     comm.Barrier()

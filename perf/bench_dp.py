@@ -70,7 +70,7 @@ def worker(out: Path, model: str, rounds: int, data: str) -> None:
 
     from hpctrain.comm.world import World
     from hpctrain.config import load_config
-    from hpctrain.train.optim import build_optimizer, param_groups
+    from hpctrain.parallel.optim import build_optimizer, param_groups
     from hpctrain.train.trainer import Trainer
 
     comm = MPI.COMM_WORLD
@@ -109,9 +109,9 @@ def worker(out: Path, model: str, rounds: int, data: str) -> None:
         phase(name, warmup)
     records = []
     for _ in range(rounds):
-        wait0 = dp2.dp.stats.wait_s
+        wait0 = dp2.engine.stats.wait_s
         ms = {name: phase(name, k) for name in PHASES}
-        wait_ms = 1e3 * (dp2.dp.stats.wait_s - wait0) / k
+        wait_ms = 1e3 * (dp2.engine.stats.wait_s - wait0) / k
         local = {name: 1e3 * statistics.median(t) if t else None for name, t in ms.items()}
         every = comm.gather(local, root=0)
         if comm.rank == 0:
@@ -130,8 +130,8 @@ def worker(out: Path, model: str, rounds: int, data: str) -> None:
     for trainer in (dp2, alone):
         trainer.close()
     if comm.rank == 0:
-        out.write_text(json.dumps({"rounds": records, "buckets": len(dp2.dp.buckets),
-                                   "transport": dp2.dp.transport}))
+        out.write_text(json.dumps({"rounds": records, "buckets": len(dp2.engine.buckets),
+                                   "transport": dp2.engine.transport}))
 
 
 def measure(name: str, data: Path, jobs: int, rounds: int) -> dict:

@@ -40,7 +40,7 @@ from hpctrain.config import load_config  # noqa: E402
 from hpctrain.data.dataset import TokenDataset  # noqa: E402
 from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler  # noqa: E402
 from hpctrain.model.gpt import GPT, GPTConfig  # noqa: E402
-from hpctrain.train.optim import build_optimizer, param_groups  # noqa: E402
+from hpctrain.parallel.optim import build_optimizer, param_groups  # noqa: E402
 
 CHOICES = ("nanogpt", "hpctrain")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import subprocess
@@ -87,17 +86,18 @@ def reduced_gradients(trainer) -> dict:
     import torch
 
     names = {id(p): n for n, p in trainer.model.named_parameters()}
-    if not trainer.zero:
+    engine = trainer.engine
+    if engine.state_shards().kind == "replicated":  # whole gradients on every rank
         return {names[id(p)]: p.grad.detach().float().clone()
                 for p in trainer.model.parameters()}
     out = {}
-    for b in trainer.dp.buckets:
+    for b in engine.buckets:
         lay = b.layout
         shard = b.grad_shard[:lay.shard].detach().float().contiguous()
         full = shard
         if lay.world > 1:
             full = torch.empty(lay.padded, dtype=torch.float32)
-            trainer.dp.comm.Allgather(shard.numpy(), full.numpy())
+            engine.comm.Allgather(shard.numpy(), full.numpy())
         for p, off in zip(b.params, lay.offsets):
             out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
     return out
@@ -107,17 +107,17 @@ def capture_first_step(trainer) -> FirstStep:
     """Record the reduced gradients and the gradient norm of the trainer's first
     optimizer step (taken just before the update)."""
     first = FirstStep()
-    original = trainer._optimizer_step
+    original = trainer.engine.step
 
-    def optimizer_step(lr):
+    def step(lr, clip):
         if first.norm is not None:
-            return original(lr)
+            return original(lr, clip)
         first.grads = reduced_gradients(trainer)
-        norm = original(lr)
+        norm = original(lr, clip)
         first.norm = float(norm)
         return norm
 
-    trainer._optimizer_step = optimizer_step
+    trainer.engine.step = step
     return first
 
 
@@ -175,8 +175,7 @@ def assert_matches_reference(trainer, result, cfg, comm=None, *, param_atol: flo
     ref = ref if ref is not None else reference_run(cfg)
     assert len(result.losses) == cfg.train.max_iters
     np.testing.assert_allclose(result.losses, ref.losses, atol=loss_atol, rtol=0)
-    gathered = trainer.dp.gathered() if trainer.zero else contextlib.nullcontext()
-    with gathered:
+    with trainer.engine.gathered():
         for name, p in trainer.model.named_parameters():
             torch.testing.assert_close(p.detach(), ref.params[name], atol=param_atol, rtol=0)
             if comm is not None:

@@ -43,7 +43,7 @@ def test_buckets_follow_reverse_parameter_order_with_a_small_first_bucket():
 def test_grads_are_views_into_the_flat_buffer():
     model, dp = _dp()
     x = torch.randint(0, 64, (2, 16))
-    dp.prepare_for_backward(sync=True)
+    dp.prepare_for_backward(last_micro=True)
     model(x, x).backward()
     dp.finish()
     for b in dp.buckets:
@@ -64,9 +64,9 @@ def test_grads_are_views_into_the_flat_buffer():
 def test_gradient_accumulation_sums_into_the_views():
     model, dp = _dp()
     x1, x2 = torch.randint(0, 64, (2, 2, 16))
-    dp.prepare_for_backward(sync=False)
+    dp.prepare_for_backward(last_micro=False)
     model(x1, x1).backward()
-    dp.prepare_for_backward(sync=True)
+    dp.prepare_for_backward(last_micro=True)
     model(x2, x2).backward()
     dp.finish()
     accumulated = [p.grad.clone() for p in model.parameters()]

@@ -23,7 +23,7 @@ def trained(dataset_path, tmp_path_factory):
                                             "train.max_iters": 20})
     trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
     trainer.fit()
-    with trainer.dp.gathered():
+    with trainer.engine.gathered():
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return out, trainer.gpt_cfg, params
 

@@ -33,8 +33,8 @@ def test_dp_matches_single_process(mpi_dataset, shared_tmp, micro_batches, allre
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
     trainer = Trainer(cfg, World.create(COMM), verbose=False)
-    assert len(trainer.dp.buckets) >= 3  # several buckets in flight, not one
-    assert (trainer.dp.shm is not None) == (allreduce == "shm")
+    assert len(trainer.engine.buckets) >= 3  # several buckets in flight, not one
+    assert (trainer.engine.shm is not None) == (allreduce == "shm")
     fit_against_reference(trainer, cfg, COMM)
 
 
@@ -77,12 +77,12 @@ def test_no_communication_on_non_final_micro_batches(allreduce, persistent):
                       persistent=persistent, allreduce=allreduce)
     x = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(COMM.rank))
     for micro in range(2):
-        dp.prepare_for_backward(sync=False)
+        dp.prepare_for_backward(last_micro=False)
         model(x[micro], x[micro]).backward()
         dp.finish()
         assert dp.stats.reductions == 0 and spy.iallreduce_calls == 0
         assert not _flats_equal_across_ranks(dp)  # each rank kept its own gradients
-    dp.prepare_for_backward(sync=True)
+    dp.prepare_for_backward(last_micro=True)
     model(x[2], x[2]).backward()
     launched_during_backward = dp.stats.reductions
     dp.finish()

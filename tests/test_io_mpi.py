@@ -75,15 +75,15 @@ def test_sampler_batches_are_world_size_invariant_and_resumable(mpi_dataset, sha
                            **{"train.batch_size": 8, "train.max_iters": 10})
     cfg = cfg_in("walked")
     walked = Trainer(cfg, World.create(COMM), verbose=False)
-    batches = [walked._train_batch(s) for s in range(10)]
+    batches = [walked.batches.train(s) for s in range(10)]
     resumed = Trainer(cfg_in("resumed"), World.create(COMM), verbose=False)
     for step in (7, 8, 9):
-        x, y = resumed._train_batch(step)
+        x, y = resumed.batches.train(step)
         assert torch_equal(x, batches[step][0]) and torch_equal(y, batches[step][1])
     ref = TokenDataset(mpi_dataset)
     for step in (0, 5, 9):
         rows = np.concatenate(COMM.allgather(batches[step][0].numpy()))
-        tokens = ref.read("train", walked.sampler.global_starts(step), cfg.model.block_size + 1)
+        tokens = ref.read("train", walked.batches.sampler.global_starts(step), cfg.model.block_size + 1)
         assert np.array_equal(rows, tokens[:, :-1])
 
 

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hpctrain"
 
 # Lower tiers never import higher ones; packages on one tier do not import each other.
 TIERS = {
-    "": 0, "errors": 0, "files": 0, "progress": 0, "profiling": 0, "systems": 0,
+    "": 0, "errors": 0, "files": 0, "progress": 0, "profiling": 0, "systems": 0, "recipes": 0,
     "model": 1, "comm": 1,
     "config": 2,
     "data": 3,
@@ -22,7 +22,7 @@ TIERS = {
     "checkpoint": 5, "jobs": 5,
     "train": 6,
     "scaling": 7,
-    "cli": 8, "__main__": 8,
+    "cli": 8, "__main__": 9,
 }
 
 

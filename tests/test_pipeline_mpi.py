@@ -39,7 +39,7 @@ def _check(trainer, cfg):
     if trainer.model.has_head:  # the head's copy of the tied embedding followed the update
         torch.testing.assert_close(trainer.model.head_weight.detach(), ref.params["wte.weight"],
                                    atol=1e-5, rtol=0)
-    stats = trainer.pipe.stats
+    stats = trainer.runner.stats
     assert stats.messages > 0
 
 
@@ -123,12 +123,11 @@ def test_grid_communicators():
 def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp):
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1)
     trainer = Trainer(cfg, World.create(COMM), verbose=False)
-    dp, rows = trainer.dp, trainer.rows_per_micro
+    dp = trainer.engine
     assert len(dp.buckets) >= 2
-    x, y = trainer._train_batch(0)
-    dp.prepare_for_backward(sync=False)
-    trainer.pipe.train_step(x.split(rows), y.split(rows), dp.grad_scale / trainer.micro,
-                            before_last_backward=lambda: dp.prepare_for_backward(sync=True))
+    x, y = trainer.batches.train(0)
+    trainer.runner.train_step(x.chunk(trainer.micro), y.chunk(trainer.micro),
+                              dp.grad_scale / trainer.micro, dp.prepare_for_backward)
     launched_in_backward = dp.stats.reductions
     dp.finish()
     assert launched_in_backward >= 1  # overlapped with the stage's last backward pass
@@ -194,13 +193,13 @@ def test_bf16_pipeline_matches_the_bf16_single_process_run(mpi_dataset, shared_t
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1, **{
         "train.dtype": "bf16", "parallel.zero": zero, "parallel.micro_batches": 2})
     trainer = Trainer(cfg, World.create(COMM), verbose=False)
-    assert trainer.pipe.dtype == torch.bfloat16
+    assert trainer.runner.dtype == torch.bfloat16
     first = capture_first_step(trainer)
     result = trainer.fit()
     ref = reference_run(cfg)
     assert_gradients_match(first, ref, trainer.grid.pp_comm, rtol=BF16_GRAD_RTOL)
     np.testing.assert_allclose(result.losses, ref.losses, atol=BF16_LOSS_ATOL, rtol=0)
-    master = trainer.dp.consolidated_state()
+    master = trainer.engine.consolidated_state()
     assert set(master) == {n for n, _ in trainer.model.named_parameters()}
     for name, state in master.items():
         assert same_on_all_ranks(trainer.grid.dp_world.comm, state["param"])

@@ -108,7 +108,7 @@ def test_data_parallel_gradients_through_shared_memory_equal_the_mpi_path(nodes)
         dp = DataParallel(model, world, bucket_mb=0.01, first_bucket_mb=0.004,
                           allreduce=allreduce, node_comm=_node_comm(nodes))
         assert (dp.shm is not None) == (allreduce == "shm")
-        dp.prepare_for_backward(sync=True)
+        dp.prepare_for_backward(last_micro=True)
         (model(x, x) * dp.grad_scale).backward()
         dp.finish()
         grads[allreduce] = [b.flat.clone() for b in dp.buckets]

@@ -26,17 +26,17 @@ def _trainer(dataset_path, out, **over):
     return Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
 
 
-def _signal_before(trainer, method: str, sig=signal.SIGTERM, when=lambda *a: True):
-    """Send ``sig`` to this process each time ``trainer.<method>`` is about to run and
+def _signal_before(obj, method: str, sig=signal.SIGTERM, when=lambda *a: True):
+    """Send ``sig`` to this process each time ``obj.<method>`` is about to run and
     ``when(*args)`` holds."""
-    original = getattr(trainer, method)
+    original = getattr(obj, method)
 
     def wrapped(*args, **kwargs):
         if when(*args):
             os.kill(os.getpid(), sig)
         return original(*args, **kwargs)
 
-    setattr(trainer, method, wrapped)
+    setattr(obj, method, wrapped)
 
 
 def _loadable_at(out, step):
@@ -82,7 +82,7 @@ def test_a_signal_during_the_final_evaluation_ends_with_the_final_checkpoint(dat
     # save_checkpoint off: the stop writes the checkpoint the run would otherwise lack.
     trainer = _trainer(dataset_path, tmp_path, **{"train.final_eval": True,
                                                   "train.save_checkpoint": False})
-    _signal_before(trainer, "_eval_loss")
+    _signal_before(trainer.evaluator, "_loss")
     result = trainer.fit()
     assert result.stopped_at == 10 and result.final_val_loss is None
     _loadable_at(tmp_path, 10)
@@ -112,7 +112,7 @@ def test_a_diverged_run_stops_after_max_skipped_steps_and_keeps_the_last_checkpo
     with pytest.raises(NonFiniteError, match="3 steps in a row.*max_skipped_steps=3.*"
                                              "last good checkpoint"):
         trainer.fit()
-    assert trainer.nonfinite_steps == 3
+    assert trainer.guard.skipped == 3
     _loadable_at(tmp_path, 4)  # the last save before the divergence, untouched
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line, parse_constant=_no_constants) for line in lines]
@@ -136,7 +136,7 @@ def test_isolated_non_finite_steps_are_skipped_and_counted(dataset_path, tmp_pat
 
     trainer.model.register_forward_hook(hook)
     result = trainer.fit()
-    assert trainer.nonfinite_steps == 2 and np.isnan(result.losses[2])
+    assert trainer.guard.skipped == 2 and np.isnan(result.losses[2])
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["skipped_steps"] == 2

@@ -21,15 +21,15 @@ def _trainer(mpi_dataset, out, **over):
     return Trainer(cfg, World.create(COMM), verbose=False)
 
 
-def _signal_last_rank_before(trainer, method, when=lambda *a: True):
-    original = getattr(trainer, method)
+def _signal_last_rank_before(obj, method, when=lambda *a: True):
+    original = getattr(obj, method)
 
     def wrapped(*args, **kwargs):
         if COMM.rank == COMM.size - 1 and when(*args):
             os.kill(os.getpid(), signal.SIGTERM)
         return original(*args, **kwargs)
 
-    setattr(trainer, method, wrapped)
+    setattr(obj, method, wrapped)
 
 
 def test_one_signalled_rank_stops_all_ranks_after_the_same_step(mpi_dataset, shared_tmp):
@@ -44,7 +44,7 @@ def test_one_signalled_rank_stops_all_ranks_after_the_same_step(mpi_dataset, sha
 def test_one_signalled_rank_during_the_final_evaluation_leaves_the_final_checkpoint(
         mpi_dataset, shared_tmp):
     trainer = _trainer(mpi_dataset, shared_tmp, **{"train.final_eval": True})
-    _signal_last_rank_before(trainer, "_eval_loss")
+    _signal_last_rank_before(trainer.evaluator, "_loss")
     result = trainer.fit()
     assert COMM.allgather(result.final_val_loss) == [None] * COMM.size
     assert result.stopped_at == 10 and read_manifest(shared_tmp).step == 10

@@ -14,7 +14,6 @@ from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.zero import Zero
-from hpctrain.train.optim import build_optimizer, param_groups
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (SGD, assert_gradients_match, capture_first_step,
                            fit_against_reference, same_on_all_ranks, tiny_config)
@@ -83,7 +82,7 @@ def test_grad_norm_over_shards_equals_the_unsharded_norm():
         zero = Zero(model, World.create(COMM), OptimConfig(), stage=stage,
                     blocks=list(model.h))
         rows = slice(2 * COMM.rank, 2 * COMM.rank + 2)
-        zero.prepare_for_backward(sync=True)
+        zero.prepare_for_backward(last_micro=True)
         (model(x[rows], x[rows]) * zero.grad_scale).backward()
         zero.finish()
         assert zero.grad_norm() == pytest.approx(float(expected), rel=1e-5), stage
@@ -102,7 +101,7 @@ def test_bf16_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, stage
     assert_gradients_match(first, ref, rtol=BF16_GRAD_RTOL)
     np.testing.assert_allclose(result.losses, ref.losses, atol=BF16_LOSS_ATOL, rtol=0)
     assert result.losses[-1] < result.losses[0] - 0.3  # it learns
-    master = trainer.dp.consolidated_state()
+    master = trainer.engine.consolidated_state()
     for name, want in ref.params.items():
         assert same_on_all_ranks(COMM, master[name]["param"])
         assert (master[name]["param"] - want).abs().max() < BF16_PARAM_ATOL, name
@@ -115,10 +114,9 @@ def test_model_state_bytes_follow_the_zero_formulas(stage, dtype):
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=128))
     n = sum(p.numel() for p in model.parameters())
     if stage == 0 and dtype == "fp32":  # plain data parallelism and its own AdamW
-        dp = DataParallel(model, World.create(COMM), allreduce="mpi")
-        optimizer = build_optimizer(param_groups(model, 0.1), OptimConfig())
-        optimizer.step()  # AdamW makes its moments at the first step
-        per_param = dp.memory(optimizer).per_param(n)
+        dp = DataParallel(model, World.create(COMM), OptimConfig(), allreduce="mpi")
+        dp.step(1e-3, 0.0)  # AdamW makes its moments at the first step
+        per_param = dp.memory().per_param(n)
         dp.close()
     else:
         zero = Zero(model, World.create(COMM), OptimConfig(), stage=stage, dtype=dtype,
@@ -132,8 +130,10 @@ def test_optimizer_state_is_exposed_per_shard():
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
     n = sum(p.numel() for p in model.parameters())
     zero = Zero(model, World.create(COMM), OptimConfig(), stage=1)
-    shards = zero.shard_state()
-    owned = sum(len(range(*s["layout"].rank_range(COMM.rank))) for s in shards)
-    assert owned == sum(s["layout"].shard for s in shards)
-    assert COMM.allreduce(owned) == sum(s["layout"].padded for s in shards) >= n
-    assert all(s["exp_avg"].numel() == s["layout"].shard for s in shards)
+    state = zero.state_shards()
+    assert state.kind == "zero"
+    shards = state.buckets
+    owned = sum(len(range(*s.layout.rank_range(COMM.rank))) for s in shards)
+    assert owned == sum(s.layout.shard for s in shards)
+    assert COMM.allreduce(owned) == sum(s.layout.padded for s in shards) >= n
+    assert all(s.tensors["exp_avg"].numel() == s.layout.shard for s in shards)

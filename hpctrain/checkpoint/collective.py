@@ -21,52 +21,42 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, MODEL_KEYS, VERSION, Chec
 from hpctrain.comm.collectives import bcast_json, gather_json
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World
+from hpctrain.parallel.engine import GradEngine
 
 
-def _replicated_shard(model, optimizer, writes: bool):
+def _replicated_shard(state, writes: bool):
     """Plain data parallelism: one rank (per pipeline stage) writes every parameter of
     its model and their moments by name."""
-    index = {"params": {n: list(p.shape) for n, p in model.named_parameters()}}
-    datasets, step = {}, 0.0
+    index = {"params": {n: list(t["param"].shape) for n, t in state.params.items()}}
+    datasets = {}
     if writes:
-        for name, p in model.named_parameters():
-            state = optimizer.state.get(p, {})
-            datasets[f"param/{name}"] = p.detach().float().cpu().numpy()
-            for k in KEYS[1:]:
-                v = state.get(k)
-                datasets[f"{k}/{name}"] = (v.detach().float().cpu().numpy() if v is not None
-                                           else np.zeros(tuple(p.shape), np.float32))
-            if "step" in state:
-                step = float(state["step"])
-    return "replicated", index, datasets, step
+        for name, tensors in state.params.items():
+            for k in KEYS:
+                datasets[f"{k}/{name}"] = tensors[k].detach().float().cpu().numpy()
+    return index, datasets
 
 
-def bucket_entry(names: dict, params: list, layout) -> dict:
+def bucket_entry(names: list[str], shapes: list[list[int]], layout) -> dict:
     """The manifest's record of one bucket: which parameter lies where, and the shards."""
-    return {"names": [names[id(p)] for p in params], "shapes": [list(p.shape) for p in params],
+    return {"names": list(names), "shapes": [list(s) for s in shapes],
             "offsets": list(layout.offsets), "shard": layout.shard, "world": layout.world}
 
 
-def _zero_index(model, zero, grid: ProcessGrid | None = None) -> dict:
-    names = {id(p): n for n, p in model.named_parameters()}
-    entries = [bucket_entry(names, b.params, b.layout) for b in zero.buckets]
-    if _pipelined(grid):  # each stage's buckets live on that stage's ranks only
+def _zero_index(state, grid: ProcessGrid) -> dict:
+    entries = [bucket_entry(b.names, b.shapes, b.layout) for b in state.buckets]
+    if grid.pp > 1:  # each stage's buckets live on that stage's ranks only
         for i, e in enumerate(entries):
             e.update(ranks=grid.stage_ranks(), key=f"stage{grid.stage}_bucket_{i}")
     return {"buckets": entries}
 
 
-def _zero_shard(model, zero, grid):
-    index = _zero_index(model, zero, grid)
+def _zero_shard(state, grid: ProcessGrid):
+    index = _zero_index(state, grid)
     datasets = {}
-    for i, (entry, s) in enumerate(zip(index["buckets"], zero.shard_state())):
-        for k, key in zip(KEYS, ("master", "exp_avg", "exp_avg_sq")):
-            datasets[f"{bucket_key(entry, i)}/{k}"] = s[key].detach().float().cpu().numpy()
-    return "zero", index, datasets, zero.optimizer_step()
-
-
-def _pipelined(grid: ProcessGrid | None) -> bool:
-    return grid is not None and grid.pp > 1
+    for i, (entry, b) in enumerate(zip(index["buckets"], state.buckets)):
+        for k in KEYS:
+            datasets[f"{bucket_key(entry, i)}/{k}"] = b.tensors[k].detach().float().cpu().numpy()
+    return index, datasets
 
 
 def _merge_stage_indexes(world: World, grid: ProcessGrid, layout: str, index: dict,
@@ -162,18 +152,19 @@ def _what(e: BaseException) -> str:
     return text if isinstance(e, OSError) and text else f"{type(e).__name__}: {text}"
 
 
-def begin_save(root: Path, step: int, *, model, engine, optimizer, world: World,
-               config: dict, model_shape: dict, keep: int, tokenizer: dict | None = None,
-               background: bool = False, grid: ProcessGrid | None = None) -> PendingSave:
-    """Start writing ``root/step_<step>`` (collective); ``.finish()`` completes it.
-    With a pipeline (``grid.pp > 1``) every stage writes its own parameters."""
-    if optimizer is not None:
-        writes = grid.dp_index == 0 if _pipelined(grid) else world.rank == 0
-        layout, index, datasets, opt_step = _replicated_shard(model, optimizer, writes)
+def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, run: dict,
+               keep: int, background: bool = False) -> PendingSave:
+    """Start writing ``root/step_<step>`` from what ``engine`` holds (collective);
+    ``.finish()`` completes it. ``run`` holds the manifest's ``config``, ``model`` (shape)
+    and ``tokenizer``. With a pipeline every stage writes its own parameters."""
+    world = grid.world
+    state = engine.state_shards()
+    if state.kind == "replicated":
+        index, datasets = _replicated_shard(state, writes=grid.dp_index == 0)
     else:
-        layout, index, datasets, opt_step = _zero_shard(model, engine, grid)
-    if _pipelined(grid):
-        index = _merge_stage_indexes(world, grid, layout, index,
+        index, datasets = _zero_shard(state, grid)
+    if grid.pp > 1:
+        index = _merge_stage_indexes(world, grid, state.kind, index,
                                      f"checkpoint index of every stage (step {step})")
     datasets["rng/torch"] = torch.get_rng_state().numpy()
     if background:  # training goes on and changes the tensors: write a copy
@@ -184,9 +175,10 @@ def begin_save(root: Path, step: int, *, model, engine, optimizer, world: World,
     if status != "ok":
         raise CheckpointError(tmp)
     tmp = Path(tmp)
+    config = run["config"]
     manifest = {"format": FORMAT, "version": VERSION, "step": step,
-                "optimizer_step": opt_step, "layout": layout, "world_size": world.size,
-                "model": model_shape, "config": config, "tokenizer": tokenizer,
+                "optimizer_step": state.step, "layout": state.kind, "world_size": world.size,
+                "model": run["model"], "config": config, "tokenizer": run.get("tokenizer"),
                 "data": {"sampler": config["data"]["sampler"],
                          "seed": config["train"]["seed"], "next_step": step},
                 "index": index}
@@ -203,44 +195,48 @@ def _make_temporary(root: Path, step: int) -> list[str]:
         return ["error", save_failed(step, f"rank 0: {_what(e)}")]
 
 
-def save_checkpoint(root: Path, step: int, **kwargs) -> Path:
+def save_checkpoint(root: Path, step: int, engine: GradEngine, grid: ProcessGrid,
+                    **kwargs) -> Path:
     """Write ``root/step_<step>`` from every rank's shard; returns its path (collective)."""
-    return begin_save(root, step, **kwargs).finish()
+    return begin_save(root, step, engine, grid, **kwargs).finish()
 
 
 def model_shape(gpt_cfg) -> dict:
     return {k: getattr(gpt_cfg, k) for k in MODEL_KEYS}
 
 
-def load_checkpoint(path: str | Path, *, model, engine, optimizer, world: World,
-                    model_shape: dict, grid: ProcessGrid | None = None) -> int:
+def load_checkpoint(path: str | Path, engine: GradEngine, grid: ProcessGrid, *,
+                    model_shape: dict) -> int:
     """Load the checkpoint at ``path`` into this run's layout; returns its step. With a
     pipeline, each stage takes its own parameters (the caller re-ties the embedding)."""
+    world = grid.world
     manifest = read_manifest(path)
     check_compatible(manifest, model_shape)
     opt_step = float(manifest.data["optimizer_step"])
-    if optimizer is None and _same_zero_layout(manifest, model, engine, world, grid):
-        engine.load_own_shards(read_own_shards(manifest, world.rank), opt_step)
+    state = engine.state_shards()
+    if _same_zero_layout(manifest, state, grid):
+        engine.load_shards(read_own_shards(manifest, world.rank), opt_step)
     else:
-        _load_resharded(manifest, model, engine, optimizer, opt_step)
+        _load_resharded(manifest, engine, opt_step)
     if manifest.world_size == world.size:  # same ranks: continue each rank's RNG stream
         torch.set_rng_state(read_rng(manifest, world.rank))
     return manifest.step
 
 
-def _same_zero_layout(manifest, model, engine, world: World, grid) -> bool:
+def _same_zero_layout(manifest, state, grid: ProcessGrid) -> bool:
     """True when the checkpoint's buckets and shards on this rank are exactly this
     engine's."""
-    data = manifest.data
-    if data["layout"] != "zero" or manifest.world_size != world.size:
+    data, world = manifest.data, grid.world
+    if state.kind != "zero" or data["layout"] != "zero" or manifest.world_size != world.size:
         return False
     theirs = [b for b in data["index"]["buckets"] if world.rank in bucket_ranks(manifest, b)]
-    return _zero_index(model, engine, grid)["buckets"] == theirs
+    return _zero_index(state, grid)["buckets"] == theirs
 
 
-def _load_resharded(manifest, model, engine, optimizer, opt_step: float) -> None:
+def _load_resharded(manifest, engine: GradEngine, opt_step: float) -> None:
     """Any layout into any layout: rebuild whole tensors, take this run's part."""
     full = read_full_state(manifest)
+    model = engine.model
     missing = {n for n, _ in model.named_parameters()} - set(full)
     if missing:
         raise CheckpointError(f"checkpoint {manifest.path} lacks {sorted(missing)[:3]}; it "
@@ -251,20 +247,7 @@ def _load_resharded(manifest, model, engine, optimizer, opt_step: float) -> None
         raise CheckpointError(f"checkpoint {manifest.path}: the manifest's shapes differ "
                               f"from the model's: {', '.join(wrong[:3])}; the checkpoint is "
                               "damaged: resume from an older step_N directory")
-    if optimizer is not None:
-        _load_replicated(model, optimizer, full, opt_step)
-    else:
-        engine.load_full_state(full, opt_step)
-
-
-def _load_replicated(model, optimizer, full, opt_step: float) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(full[name]["param"])
-            state = optimizer.state[p]
-            state["step"] = torch.tensor(opt_step, dtype=torch.float32, device=p.device)
-            for k in KEYS[1:]:
-                state[k] = full[name][k].to(p.device, p.dtype).clone()
+    engine.load_full_state(full, opt_step)
 
 
 def find_resume(resume: str, out_dir: Path) -> Path | None:

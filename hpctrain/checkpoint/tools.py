@@ -113,7 +113,7 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     from hpctrain.model.gpt import GPT, GPTConfig
     from hpctrain.parallel.shards import shard_layout
     from hpctrain.checkpoint.collective import bucket_entry
-    from hpctrain.parallel.zero import ALIGN, Zero, pack_flat
+    from hpctrain.parallel.zero import ALIGN, pack_flat, zero_buckets
 
     if world < 1 or zero not in (0, 1, 2, 3):
         raise CheckpointError(f"--world {world} --zero {zero}: use a world size >= 1 and a "
@@ -142,10 +142,11 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
                 shards[0][f"{k}/{n}"] = s[k].numpy()
     else:
         layout, buckets = "zero", []
-        groups = Zero._groups(model, zero, list(model.h), bucket_mb, first_bucket_mb)
+        groups = zero_buckets(model, zero, list(model.h), bucket_mb, first_bucket_mb)
         for i, params in enumerate(groups):
             lay = shard_layout([p.numel() for p in params], world if zero else 1, ALIGN)
-            buckets.append(bucket_entry(names, params, lay))
+            buckets.append(bucket_entry([names[id(p)] for p in params],
+                                        [list(p.shape) for p in params], lay))
             for k in KEYS:
                 flat = pack_flat(lay, [full[names[id(p)]][k] for p in params]).numpy()
                 for r in range(world):

@@ -1,5 +1,6 @@
 """Open the training dataset on every rank: one metadata read, optional staging to
-node-local disk, the reader ``--data.reader`` names, and the prefetching thread.
+node-local disk, the reader ``--data.reader`` names, and the prefetching thread; then
+``BatchLoader`` hands the trainer each step's rows as tensors on its device.
 
 Everything here is collective over the world, and a problem any rank meets (a corrupt
 file, a full staging disk, an MPI-IO open that fails) becomes the same ``DataError`` on
@@ -8,13 +9,16 @@ every rank: one message, exit status 2, never a rank left waiting in a collectiv
 
 from __future__ import annotations
 
+import numpy as np
+import torch
 from mpi4py import MPI
 
-from hpctrain.comm.collectives import any_true
+from hpctrain.comm.collectives import allreduce_array, any_true
 from hpctrain.data.dataset import DatasetInfo, TokenDataset, read_info
 from hpctrain.data.hints import parse_hints
 from hpctrain.data.mpiio import H5MPIODataset, MPIIODataset, h5py_has_mpi
 from hpctrain.data.prefetch import Prefetcher
+from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler
 from hpctrain.data.stage import copy_files, staged_paths
 from hpctrain.errors import DataError, UserError
 
@@ -85,3 +89,79 @@ def open_dataset(cfg, world) -> Prefetcher:
     reader = agree(world.comm, make, timeout=world.timeout, what=f"opening {cfg.path}")
     threaded = cfg.prefetch and (kind == "mmap" or MPI.Query_thread() == MPI.THREAD_MULTIPLE)
     return Prefetcher(reader, timeout=world.timeout, threaded=threaded)
+
+
+def verify_dataset(data: Prefetcher, world, staged: bool) -> None:
+    """Every rank checks the CRC of a share of the blocks; all agree on the verdict.
+    Staged copies are checked node by node: each node reads its own copy."""
+    w = world
+    bad = data.verify(w.local_rank if staged else w.rank, w.local_size if staged else w.size)
+    n_bad = int(allreduce_array(w.comm, [len(bad)], timeout=w.timeout,
+                                what="dataset checksum verdict")[0])
+    if n_bad:
+        detail = f" ({', '.join(bad[:3])})" if bad else ""
+        raise DataError(f"{data.path}: {n_bad} block(s) fail their CRC-32 check"
+                        f"{detail}; the file is corrupt, re-create it with `hpctrain prepare`")
+
+
+class BatchLoader:
+    """This rank's rows of each global batch, as (inputs, targets) on ``device``.
+
+    The training sampler is a pure function of the step, so step s+1's read is queued in
+    the reader thread while step s computes. Evaluation batches use fixed random windows
+    (the same every time) or every window of the split. ``dp_index`` of ``dp`` replicas:
+    every stage of a pipeline replica reads the same rows."""
+
+    def __init__(self, data: Prefetcher, *, block: int, batch_size: int, seed: int,
+                 sampler: str, max_steps: int, dp_index: int, dp: int,
+                 device: torch.device):
+        self.data, self.block, self.device = data, block, device
+        self.dp_index, self.dp, self.max_steps = dp_index, dp, max_steps
+        self.sampler = make_sampler(sampler, data.splits["train"].n_tokens, block,
+                                    batch_size, seed)
+        self.eval_sampler = make_sampler("random", data.splits["val"].n_tokens, block,
+                                         batch_size, seed, stream=EVAL_STREAM)
+        self._next = None  # (step, read in flight) of the next training batch
+
+    def train(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``step``'s rows, read while the previous step computed; the next step's
+        read is queued now."""
+        pending, self._next = self._next, None
+        if pending is None or pending[0] != step:  # the first step, or a resumed one
+            pending = (step, self.data.submit(self._load_train, step))
+        if step + 1 < self.max_steps:
+            self._next = (step + 1, self.data.submit(self._load_train, step + 1))
+        return self._to_device(*self.data.wait(pending[1], "the training batch"))
+
+    def val(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k``-th fixed batch of the periodic validation estimate."""
+        return self.rows("val", self.eval_sampler.local_starts(k, self.dp_index, self.dp))
+
+    def val_windows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(every non-overlapping window of the validation split, this replica's share)."""
+        starts = all_windows(self.data.splits["val"].n_tokens, self.block)
+        return starts, np.array_split(starts, self.dp)[self.dp_index]
+
+    def rows(self, split: str, starts) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.data.submit(self._load, split, np.array(starts, dtype=np.int64))
+        return self._to_device(*self.data.wait(rows, f"reading {split} data"))
+
+    def _load_train(self, step: int):
+        # In the reader thread, the only user of self.sampler. Every rank reads as many
+        # rows, so the collective reads need not agree on a count first.
+        return self._load("train", self.sampler.local_starts(step, self.dp_index, self.dp),
+                          uniform=True)
+
+    def _load(self, split: str, starts: np.ndarray, uniform: bool = False):
+        tokens = torch.from_numpy(self.data.reader.read(split, starts, self.block + 1,
+                                                        uniform=uniform))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor):
+        if self.device.type == "cuda":
+            x = x.pin_memory().to(self.device, non_blocking=True)
+            y = y.pin_memory().to(self.device, non_blocking=True)
+        return x, y
+
+    def close(self) -> None:
+        self.data.close()

@@ -22,12 +22,14 @@ How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
 
 Averaging is folded into the loss: the trainer scales the loss by ``grad_scale`` (1/dp),
 so the summed gradients are already the mean. With gradient accumulation, hooks do
-nothing on all but the last micro-batch (``prepare_for_backward(sync=False)``).
+nothing on all but the last micro-batch (``prepare_for_backward(last_micro=False)``).
+The engine owns its fused AdamW (``step``), as ``Zero`` does (``engine.py``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 
 import numpy as np
@@ -39,7 +41,9 @@ from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
+from hpctrain.parallel.engine import STATE_KEYS, EngineState, finish_norm, nothing_to_gather
 from hpctrain.parallel.memory import MemoryReport, tensor_bytes
+from hpctrain.parallel.optim import build_optimizer, clip_grads_, global_grad_norm, param_groups
 from hpctrain.profiling import nvtx_range
 
 MiB = 1 << 20
@@ -112,10 +116,16 @@ def _free_requests(requests: list) -> None:
 class DataParallel(BucketScheduler):
     """Keeps ``model``'s gradients identical on every rank of ``world``."""
 
-    def __init__(self, model: torch.nn.Module, world: World, *, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, persistent: bool | None = None,
-                 allreduce: str = "auto", node_comm: MPI.Comm | None = None):
+    def __init__(self, model: torch.nn.Module, world: World, optim_cfg=None, *,
+                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 persistent: bool | None = None, allreduce: str = "auto",
+                 node_comm: MPI.Comm | None = None, norm_comms: tuple = (),
+                 broadcast: bool = True):
+        """``optim_cfg``: an ``OptimConfig`` for ``step()`` (None: gradients only, as the
+        reduction benchmarks use it). ``broadcast``: start every rank from rank 0's
+        parameters. ``norm_comms``: see engine.py."""
         self.model = model
+        self.norm_comms = list(norm_comms)
         self.world = world
         self.comm = world.comm
         self.size = world.size
@@ -153,6 +163,10 @@ class DataParallel(BucketScheduler):
         # Free the persistent requests before MPI_Finalize (atexit runs this first).
         self._release = weakref.finalize(self, _free_requests, owned)
         self.zero_grad()
+        if broadcast:
+            self.broadcast_parameters()
+        self.optimizer = (build_optimizer(param_groups(model, optim_cfg.weight_decay), optim_cfg)
+                          if optim_cfg is not None else None)
 
     @property
     def grad_scale(self) -> float:
@@ -183,6 +197,9 @@ class DataParallel(BucketScheduler):
                     p.copy_(view)
                 b.flat.zero_()
 
+    def prepare_for_backward(self, last_micro: bool) -> None:
+        super().prepare_for_backward(sync=last_micro)
+
     def _on_grad_ready(self, bucket: Bucket, _param: torch.nn.Parameter) -> None:
         if self.size > 1:
             self.grad_ready(bucket)
@@ -204,11 +221,66 @@ class DataParallel(BucketScheduler):
             with nvtx_range("allreduce wait"):
                 super().finish()
 
-    def memory(self, optimizer: torch.optim.Optimizer) -> MemoryReport:
+    # --------------------------------------------------------------- optimizer
+    def step(self, lr: float, clip: float):
+        """Global norm of the (reduced) gradients; clip and update unless it is NaN/inf.
+        Returns the norm before clipping."""
+        norm = global_grad_norm(self.grad_tensors())
+        if self.norm_comms:  # other ranks hold other parameters: add their squares
+            norm = torch.tensor(finish_norm(float(norm) ** 2, self.norm_comms,
+                                            self.world.timeout))
+        if not math.isfinite(float(norm)):
+            return norm
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if clip > 0:
+            clip_grads_(self.grad_tensors(), clip, norm)
+        with nvtx_range("optimizer"):
+            self.optimizer.step()
+        return norm
+
+    def _named_state(self):
+        for name, p in self.model.named_parameters():
+            yield name, p, self.optimizer.state.get(p, {})
+
+    def state_shards(self) -> EngineState:
+        """Every parameter whole, with its moments (zeros before the first step)."""
+        params, step = {}, 0.0
+        for name, p, state in self._named_state():
+            params[name] = {"param": p.detach()}
+            for k in STATE_KEYS[1:]:
+                v = state.get(k)
+                params[name][k] = v.detach() if v is not None else torch.zeros_like(p)
+            if "step" in state:
+                step = float(state["step"])
+        return EngineState("replicated", step, params=params)
+
+    def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Parameters and the optimizer's state by name (already whole on every rank)."""
+        return {name: {"param": p.detach(), **state} for name, p, state in self._named_state()}
+
+    def load_full_state(self, full: dict[str, dict[str, torch.Tensor]], step: float) -> None:
+        with torch.no_grad():
+            for name, p, _ in self._named_state():
+                p.copy_(full[name]["param"])
+                state = self.optimizer.state[p]
+                state["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
+                for k in STATE_KEYS[1:]:
+                    state[k] = full[name][k].to(p.device, p.dtype).clone()
+
+    def gathered(self):
+        return nothing_to_gather(self.model)
+
+    def describe(self) -> str:
+        summed = f" summed by {self.transport}" if self.size > 1 else ""
+        return f"{len(self.buckets)} gradient bucket(s){summed}, ZeRO stage 0"
+
+    def memory(self) -> MemoryReport:
         """Bytes this rank holds: replicated parameters, gradient buckets, AdamW state."""
         params = sum(tensor_bytes(p) for p in self.model.parameters())
         grads = sum(tensor_bytes(b.flat) for b in self.buckets)
-        optim = sum(tensor_bytes(v) for state in optimizer.state.values()
+        optim = sum(tensor_bytes(v) for state in (self.optimizer.state.values()
+                                                  if self.optimizer else ())
                     for v in state.values() if isinstance(v, torch.Tensor) and v.dim())
         staging = sum(b.buffer.staging_nbytes for b in self.buckets)
         return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=staging)

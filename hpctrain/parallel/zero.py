@@ -31,19 +31,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
+
 import torch
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
-from hpctrain.comm.collectives import allreduce_array
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
+from hpctrain.parallel.engine import (STATE_KEYS, BucketShard, EngineState, finish_norm,
+                                      nothing_to_gather)
 from hpctrain.parallel.memory import MemoryReport, tensor_bytes
 from hpctrain.parallel.shards import shard_layout
 from hpctrain.profiling import nvtx_range
-from hpctrain.train.optim import build_optimizer, clip_coefficient
+from hpctrain.parallel.optim import build_optimizer, clip_coefficient
 
 MiB = 1 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -85,6 +88,26 @@ def _empty_storage(t: torch.Tensor) -> None:
 
 def _fill_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def zero_buckets(model, stage: int, blocks, bucket_mb: float, first_bucket_mb: float
+                 ) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each ZeRO bucket, in reduction order (also what ``ckpt reshard``
+    lays a checkpoint out by). Stages 0-2: capped buckets in reverse registration order;
+    stage 3: one per block (the unit it gathers), then everything else."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if stage < 3:
+        order = params[::-1]
+        plan = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
+                            int(first_bucket_mb * MiB))
+        return [[order[j] for j in g] for g in plan]
+    if not blocks:
+        raise ValueError("ZeRO-3 needs the model's blocks (the units it gathers)")
+    # One unit per block, in backward order, then everything else (embeddings, final
+    # LayerNorm), whose last gradient (the tied embedding) arrives at the very end.
+    in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
+    units = [[p for p in blk.parameters() if p.requires_grad] for blk in reversed(blocks)]
+    return units + [[p for p in params if id(p) not in in_blocks]]
 
 
 class StagingPool:
@@ -192,10 +215,14 @@ class Zero(BucketScheduler):
 
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, stage: int,
                  dtype: str = "fp32", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 blocks: list[torch.nn.Module] | None = None):
+                 blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = ()):
+        """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``:
+        see engine.py."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, not {stage}")
         self.model, self.world, self.stage = model, world, stage
+        # The norm's squares are summed over the shards' ranks (stages 1-3), then these.
+        self.norm_comms = ([world.comm] if stage else []) + list(norm_comms)
         self.dtype = DTYPES[dtype]
         self.optim_cfg = optim_cfg
         self.comm = world.comm
@@ -204,7 +231,7 @@ class Zero(BucketScheduler):
             weakref.finalize(self, _free_comm, self.gather_comm)
         self.size, self.rank = world.size, world.rank
         _broadcast_module(model, world)  # every rank starts from rank 0's initialization
-        groups = self._groups(model, stage, blocks, bucket_mb, first_bucket_mb)
+        groups = zero_buckets(model, stage, blocks, bucket_mb, first_bucket_mb)
         self.buckets = [ZeroBucket(i, g, stage=stage, rank=self.rank, world=self.size,
                                    dtype=self.dtype, cuda_aware=world.cuda_aware)
                         for i, g in enumerate(groups)]
@@ -225,23 +252,6 @@ class Zero(BucketScheduler):
         self.gathered_bytes = self.peak_gathered_bytes = 0  # ZeRO-3 full parameters held
         if stage == 3:
             self._install_gather_hooks(model, blocks)
-
-    # ------------------------------------------------------------------ layout
-    @staticmethod
-    def _groups(model, stage, blocks, bucket_mb, first_bucket_mb) -> list[list]:
-        params = [p for p in model.parameters() if p.requires_grad]
-        if stage < 3:
-            order = params[::-1]
-            plan = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
-                                int(first_bucket_mb * MiB))
-            return [[order[j] for j in g] for g in plan]
-        if not blocks:
-            raise ValueError("ZeRO-3 needs the model's blocks (the units it gathers)")
-        # One unit per block, in backward order, then everything else (embeddings, final
-        # LayerNorm), whose last gradient (the tied embedding) arrives at the very end.
-        in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
-        units = [[p for p in blk.parameters() if p.requires_grad] for blk in reversed(blocks)]
-        return units + [[p for p in params if id(p) not in in_blocks]]
 
     def _optimizer(self, b: ZeroBucket) -> torch.optim.Optimizer:
         """The optimizer over this rank's pieces of ``b``; AdamW's state is the bucket's
@@ -271,9 +281,10 @@ class Zero(BucketScheduler):
     def grad_scale(self) -> float:
         return 1.0 / self.size
 
-    def prepare_for_backward(self, sync: bool) -> None:
+    def prepare_for_backward(self, last_micro: bool) -> None:
         # Stages 2 and 3 keep no full gradient, so every micro-batch is reduced (and the
         # previous micro-batch's reductions are completed before the next backward).
+        sync = last_micro
         if self.stage >= 2:
             if self._open:
                 self.finish()
@@ -369,21 +380,18 @@ class Zero(BucketScheduler):
 
     # --------------------------------------------------------------- optimizer
     def grad_norm(self) -> float:
-        """L2 norm of the whole (averaged) gradient, summed over every rank's shards."""
+        """L2 norm of the whole (averaged) gradient, summed over every rank's shards (and
+        the ``norm_comms``)."""
         local = sum(float(torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32)) ** 2
                     for b in self.buckets)
-        if self.stage == 0:
-            return local ** 0.5
-        total = allreduce_array(self.comm, [local], timeout=self.world.timeout,
-                                what="gradient norm over ZeRO shards")
-        return float(total[0]) ** 0.5
+        return finish_norm(local, self.norm_comms, self.world.timeout)
 
-    def step(self, lr: float, max_norm: float, norm: float | None = None) -> float:
-        """Clip to ``max_norm`` (0: no clipping), update the shards, share the parameters.
-
-        ``norm`` is the global gradient norm if the caller has it already. Returns it."""
-        if norm is None:
-            norm = self.grad_norm()
+    def step(self, lr: float, max_norm: float) -> float:
+        """Global norm; clip to ``max_norm`` (0: no clipping), update the shards, share the
+        parameters, unless the norm is NaN or inf. Returns the norm."""
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return norm
         coef = clip_coefficient(norm, max_norm) if max_norm > 0 else 1.0
         with nvtx_range("optimizer"), torch.no_grad():
             for b, opt in zip(self.buckets, self.optimizers):
@@ -483,12 +491,12 @@ class Zero(BucketScheduler):
         _empty_storage(b.full)
         b.gather_state = "free"
 
-    @contextlib.contextmanager
     def gathered(self):
         """All parameters materialized on every rank (collective), e.g. to save or sample."""
-        if self.stage != 3:
-            yield self.model
-            return
+        return self._gathered() if self.stage == 3 else nothing_to_gather(self.model)
+
+    @contextlib.contextmanager
+    def _gathered(self):
         for b in self.buckets:
             self._gather(b, wait=True)
         self._pinned = True
@@ -554,9 +562,9 @@ class Zero(BucketScheduler):
                 for s in opt.state.values():
                     s["step"].fill_(step)
 
-    def load_own_shards(self, shards: list[dict], step: float) -> None:
+    def load_shards(self, shards: list[dict], step: float) -> None:
         """Take back this rank's own shards (``param``, ``exp_avg``, ``exp_avg_sq`` per
-        bucket, as ``shard_state`` gave them) and share the parameters (collective)."""
+        bucket, as ``state_shards`` gave them) and share the parameters (collective)."""
         with torch.no_grad():
             for b, opt, s in zip(self.buckets, self.optimizers, shards):
                 dev = b.master.device
@@ -570,11 +578,16 @@ class Zero(BucketScheduler):
         if self.stage < 3 and self.size > 1:
             self._allgather_parameters()
 
-    def shard_state(self) -> list[dict]:
-        """This rank's optimizer state, bucket by bucket (what a sharded checkpoint saves)."""
-        return [{"bucket": b.index, "layout": b.layout, "master": b.master,
-                 "exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq}
-                for b in self.buckets]
+    def state_shards(self) -> EngineState:
+        """This rank's shards, bucket by bucket (what a sharded checkpoint saves)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return EngineState("zero", self.optimizer_step(), buckets=[
+            BucketShard([names[id(p)] for p in b.params], [list(p.shape) for p in b.params],
+                        b.layout, dict(zip(STATE_KEYS, (b.master, b.exp_avg, b.exp_avg_sq))))
+            for b in self.buckets])
+
+    def describe(self) -> str:
+        return f"{len(self.buckets)} gradient bucket(s), ZeRO stage {self.stage}"
 
     def memory(self) -> MemoryReport:
         """Bytes this rank holds for model state, and its peak communication buffers."""

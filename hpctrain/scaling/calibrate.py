@@ -76,7 +76,7 @@ def measure_optimizer(sizes=(250_000, 2_000_000), reps: int = 7) -> dict:
     import torch
 
     from hpctrain.config import OptimConfig
-    from hpctrain.train.optim import build_optimizer, clip_grads_, global_grad_norm
+    from hpctrain.parallel.optim import build_optimizer, clip_grads_, global_grad_norm
 
     times = []
     for n in sizes:

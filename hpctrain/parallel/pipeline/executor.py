@@ -31,6 +31,8 @@ from hpctrain.comm.buffers import MPIBuffer
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import node_oversubscribed
+from hpctrain.model.gpt import GPT
+from hpctrain.parallel.pipeline.consolidate import gather_parameters
 from hpctrain.parallel.pipeline import schedules as S
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.profiling import nvtx_range
@@ -111,10 +113,11 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------- running
     def run(self, actions: list[S.Action], xs: list, ys: list, loss_scale: float,
-            backward: bool, before_last_backward=None) -> torch.Tensor | None:
+            backward: bool, before_backward=None) -> torch.Tensor | None:
         """Run ``actions``; return the sum of the micro-batch losses on the last stage
-        (None elsewhere). ``before_last_backward()`` is called right before this stage's
-        last backward pass (with the tied embedding's whole gradient in place)."""
+        (None elsewhere). ``before_backward(last)`` is called right before each backward
+        pass, ``last`` true for this stage's last one (with the tied embedding's whole
+        gradient in place)."""
         last_backward = max((i for i, a in enumerate(actions) if a.op == S.BACKWARD),
                             default=-1)
         tie_recv = self._post_tie_recv() if backward else None
@@ -172,11 +175,10 @@ class PipelineExecutor:
                 self._send(out, a.peer, self._tag(a), sends)
             elif a.op == S.BACKWARD:
                 x, out = inputs.pop(key), outputs.pop(key)
-                if i == last_backward:
-                    if tie_recv is not None:
-                        self._add_tied_gradient(*tie_recv)
-                    if before_last_backward is not None:
-                        before_last_backward()
+                if i == last_backward and tie_recv is not None:
+                    self._add_tied_gradient(*tie_recv)
+                if before_backward is not None:
+                    before_backward(i == last_backward)
                 t0 = time.perf_counter()
                 with nvtx_range(f"backward m{a.micro} c{a.chunk}"):
                     if self.stage.is_last_chunk(a.chunk):
@@ -198,12 +200,18 @@ class PipelineExecutor:
         return loss_sum
 
     def train_step(self, xs: list, ys: list, loss_scale: float,
-                   before_last_backward=None) -> torch.Tensor | None:
-        """Forward and backward of every micro-batch (``xs``/``ys``: one tensor each).
-        The data-parallel engine syncs from ``before_last_backward``, so its bucket
-        reductions start during this stage's last backward pass."""
-        return self.run(self.actions, xs, ys, loss_scale, backward=True,
-                        before_last_backward=before_last_backward)
+                   before_backward=None) -> torch.Tensor:
+        """Forward and backward of every micro-batch (``xs``/``ys``: one tensor each);
+        returns the summed loss (zero on stages without the head). The gradient engine
+        syncs from ``before_backward(last=True)``, so its bucket reductions start during
+        this stage's last backward pass (the runner interface, ``parallel/runner.py``)."""
+        loss = self.run(self.actions, xs, ys, loss_scale, backward=True,
+                        before_backward=before_backward)
+        return loss if loss is not None else torch.zeros((), device=self.device)
+
+    def describe(self) -> str:
+        return (f"pipeline: {self.grid.describe()}, {self.kind} schedule, {self.v} chunk(s) "
+                f"per stage, layers {self.stage.chunk_layers}")
 
     @torch.no_grad()
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -248,3 +256,19 @@ class PipelineExecutor:
             req = self.comm.Irecv(mpi.to_mpi(), source=0, tag=self.tie_tag + 1)
             self._wait([req], "receiving the tied embedding", bubble=False)
             mpi.from_mpi()
+
+    # ----------------------------------------------------------- the whole model
+    def gather_state(self, full: dict) -> dict | None:
+        """Every stage's fp32 parameters (``full``: this stage's consolidated state) on
+        world rank 0, None elsewhere; the moments stay behind (a pipeline's final.h5
+        holds parameters only). Collective over replica 0's stages."""
+        params = gather_parameters({n: s["param"] for n, s in full.items()}, self.grid,
+                                   self.timeout)
+        return None if params is None else {n: {"param": t} for n, t in params.items()}
+
+    def whole_model(self, state: dict) -> GPT:
+        """A GPT put together from ``gather_state``'s result (on rank 0), for sampling."""
+        model = GPT(self.stage.cfg)
+        params = {n: s["param"] for n, s in state.items()}
+        model.load_state_dict({**params, "lm_head.weight": params["wte.weight"]})
+        return model.to(self.device)

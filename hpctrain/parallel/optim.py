@@ -1,8 +1,7 @@
-"""AdamW with decay/no-decay groups, warm-up + cosine schedule, global-norm clipping."""
+"""AdamW with decay/no-decay groups and global-norm clipping: the optimizer maths both
+gradient engines share (the learning-rate schedule is the trainer's: train/schedule.py)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -29,19 +28,6 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
     # keeps the per-step Python overhead out of a step that may take only 50 ms.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=True)
-
-
-def learning_rate(step: int, cfg: OptimConfig, max_iters: int) -> float:
-    """Linear warm-up to ``lr`` then cosine decay to ``min_lr`` (Loshchilov & Hutter 2017)."""
-    if cfg.schedule == "constant":
-        return cfg.lr
-    if step < cfg.warmup_iters:
-        return cfg.lr * (step + 1) / (cfg.warmup_iters + 1)
-    decay_iters = cfg.lr_decay_iters or max_iters
-    if step >= decay_iters:
-        return cfg.min_lr
-    progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:

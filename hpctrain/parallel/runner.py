@@ -1,0 +1,62 @@
+"""How a step's micro-batches go forward and backward on this rank: the runner interface.
+
+``PipelineExecutor`` (``pipeline/executor.py``) runs a stage's share of a pipeline
+schedule; ``LocalRunner`` below is the same interface for a model that is whole on every
+rank (pp = 1), so a training step has one path::
+
+    loss_sum = runner.train_step(xs, ys, loss_scale, engine.prepare_for_backward)
+    loss = runner.forward_loss(x, y)     # evaluation; None on stages without the head
+    runner.tie_weights()                 # after the optimizer step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hpctrain.profiling import nvtx_range
+
+
+@dataclass
+class LocalStats:
+    bubble_s: float = 0.0
+    """Always zero: nothing waits for a neighbouring stage."""
+
+
+class LocalRunner:
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.stats = LocalStats()
+
+    def train_step(self, xs: list, ys: list, loss_scale: float,
+                   before_backward=None) -> torch.Tensor:
+        """Forward and backward of each micro-batch; returns the summed loss.
+        ``before_backward(last)`` runs before each micro-batch (the gradient engine
+        starts its reductions in the last one's backward pass)."""
+        loss_sum = torch.zeros((), device=xs[0].device)
+        for m, (x, y) in enumerate(zip(xs, ys)):
+            if before_backward is not None:
+                before_backward(m == len(xs) - 1)
+            with nvtx_range("forward"):
+                loss = self.model(x, y)
+            with nvtx_range("backward"):
+                (loss * loss_scale).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.model(x, y)
+
+    def tie_weights(self) -> None:
+        """Nothing to do: the embedding and the head share one tensor."""
+
+    def describe(self) -> str | None:
+        return None
+
+    def gather_state(self, full: dict) -> dict:
+        """The whole model's consolidated state: this rank holds all of it already."""
+        return full
+
+    def whole_model(self, state: dict) -> torch.nn.Module:
+        return self.model

@@ -1,0 +1,64 @@
+"""Validation losses: a periodic estimate over fixed batches, and the whole split at the
+end. Both are collective and return the same number on every rank."""
+
+from __future__ import annotations
+
+import torch
+
+from hpctrain.comm.collectives import allreduce_array
+from hpctrain.data.loader import BatchLoader
+
+FULL_EVAL_ROWS = 64  # windows per forward pass in the final whole-split evaluation
+
+
+class Evaluator:
+    """``runner.forward_loss`` returns a loss only where the loss is computed (the last
+    pipeline stage of each replica); the others add zeros to the sums."""
+
+    def __init__(self, model: torch.nn.Module, runner, batches: BatchLoader, world,
+                 eval_iters: int):
+        self.model, self.runner, self.batches = model, runner, batches
+        self.world, self.eval_iters = world, eval_iters
+
+    def _sum(self, values, what: str):
+        return allreduce_array(self.world.comm, values, timeout=self.world.timeout, what=what)
+
+    def _loss(self, x, y) -> float | None:
+        loss = self.runner.forward_loss(x, y)
+        return None if loss is None else loss.item()
+
+    @torch.no_grad()
+    def estimate(self) -> float:
+        """Mean loss over ``eval_iters`` fixed global batches of the validation split."""
+        self.model.eval()
+        local = 0.0
+        for k in range(self.eval_iters):
+            local += self._loss(*self.batches.val(k)) or 0.0
+        self.model.train()
+        total = self._sum([local / self.eval_iters], "validation estimate")
+        return float(total[0]) / self.batches.dp  # one loss per replica
+
+    @torch.no_grad()
+    def whole_split(self, stop=None) -> float | None:
+        """Token-weighted loss over every non-overlapping window of the validation split;
+        None when ``stop`` (a ``StopAgreement``) reports a signal, checked before each
+        forward pass: the evaluation can take longer than a scheduler's grace period."""
+        self.model.eval()
+        starts, mine = self.batches.val_windows()
+        # Every rank runs the same number of forward passes (ZeRO-3 gathers parameters
+        # inside forward, collectively); a rank out of windows runs one and ignores it.
+        most = -(-len(starts) // self.batches.dp)
+        total, count = 0.0, 0
+        for i in range(0, most, FULL_EVAL_ROWS):
+            if stop is not None and stop.now("final evaluation"):
+                self.model.train()
+                return None
+            rows = mine[i:i + FULL_EVAL_ROWS]
+            x, y = self.batches.rows("val", rows if len(rows) else starts[:1])
+            loss = self._loss(x, y)
+            if len(rows) and loss is not None:
+                total += loss * y.numel()
+                count += y.numel()
+        self.model.train()
+        sums = self._sum([total, count], "final validation loss")
+        return float(sums[0] / sums[1])

@@ -1,0 +1,110 @@
+"""The end of a run: ``summary.json``, ``final.h5`` (one file, whole model) and a sample.
+
+The collective parts come first (consolidating ZeRO shards, gathering pipeline stages,
+the largest peak memory, averaged time shares); then rank 0 writes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpctrain.checkpoint.single_file import save_checkpoint
+from hpctrain.comm.collectives import allreduce_array
+from hpctrain.train.metrics import finite_record
+from hpctrain.train.result import TrainResult
+from hpctrain.train.timing import peak_rss_bytes, summarize
+
+
+def sample_text(model: torch.nn.Module, tokenizer, prompt: str, n_tokens: int,
+                seed: int = 0) -> str:
+    device = next(model.parameters()).device
+    ids = torch.tensor(tokenizer.encode(prompt or "\n").astype(np.int64), device=device)[None]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    model.eval()
+    out = model.generate(ids, n_tokens, temperature=0.8, top_k=50, generator=gen)
+    model.train()
+    return tokenizer.decode(out[0].tolist())
+
+
+class RunOutputs:
+    def __init__(self, cfg, grid, par, tokenizer, facts: dict, log):
+        """``facts``: ``params``, ``flops_per_token``, ``peak_tflops`` for the summary;
+        ``log(line)`` prints on rank 0."""
+        self.cfg, self.grid, self.par, self.tokenizer = cfg, grid, par, tokenizer
+        self.world = grid.world
+        self.facts, self.log = facts, log
+        self.out_dir = Path(cfg.train.out_dir)
+
+    def _sum(self, values, what: str, op=MPI.SUM):
+        w = self.world
+        return allreduce_array(w.comm, values, op=op, timeout=w.timeout, what=what)
+
+    def write(self, result: TrainResult, skipped: int) -> None:
+        """Collective: every rank calls it after the last step."""
+        t, engine, runner = self.cfg.train, self.par.engine, self.par.runner
+        state = None
+        if t.save_checkpoint or t.sample_tokens > 0:
+            state = runner.gather_state(engine.consolidated_state())
+        memory = engine.memory()
+        # The largest rank's peak is what has to fit on a node's share of memory.
+        peak_rss = int(self._sum([peak_rss_bytes()], "peak memory", MPI.MAX)[0])
+        timing = self._timing(result)
+        # ZeRO-3 samples from gathered parameters (every rank gathers, rank 0 samples).
+        with engine.gathered() if t.sample_tokens > 0 else contextlib.nullcontext():
+            if self.world.is_root:
+                if t.save_checkpoint:
+                    self._final_checkpoint(state)
+                if t.sample_tokens > 0:
+                    text = sample_text(runner.whole_model(state), self.tokenizer,
+                                       t.sample_prompt, t.sample_tokens)
+                    (self.out_dir / "sample.txt").write_text(text)
+                    self.log(f"sample ({t.sample_tokens} tokens):\n{text}")
+                self._summary(result, memory, peak_rss, timing, skipped)
+
+    def _final_checkpoint(self, state: dict) -> None:
+        params = {n: s["param"] for n, s in state.items()}
+        moments = {n: {k: v for k, v in s.items() if k != "param"} for n, s in state.items()}
+        path = save_checkpoint(self.out_dir / "final.h5", params, moments,
+                               step=self.cfg.train.max_iters, config=self.cfg.to_dict(),
+                               tokenizer=self.tokenizer.meta())
+        self.log(f"checkpoint: {path}")
+
+    def _timing(self, result: TrainResult) -> dict:
+        """Step-time summary, with each time share averaged over the ranks (pipeline
+        stages wait differently: the first stage idles at the end of a step, the last
+        at the start)."""
+        timing = summarize(result.step_times, result.data_times, result.comm_times,
+                           result.bubble_times)
+        keys = ("compute", "comm", "bubble", "data")
+        local = [timing.get("shares", {}).get(k, 0.0) for k in keys]
+        mean = self._sum(local, "time shares") / self.world.size
+        if timing:
+            timing["shares"] = dict(zip(keys, map(float, mean)))
+        return timing
+
+    def _summary(self, result: TrainResult, memory, peak_rss: int, timing: dict,
+                 skipped: int) -> None:
+        t = self.cfg.train
+        steps = result.step_times
+        summary = {
+            "steps": t.max_iters, "world_size": self.world.size,
+            "final_val_loss": result.final_val_loss, "wall_s": result.wall_s,
+            "tokens_per_s": result.tokens_per_s,
+            "step_ms_median": 1e3 * statistics.median(steps) if steps else None,
+            "timing": timing,
+            "peak_rss_bytes_max_rank": peak_rss,
+            "flops_per_token": self.facts["flops_per_token"],
+            "peak_tflops": self.facts["peak_tflops"],
+            "params": self.facts["params"], "memory_per_rank": memory.to_dict(),
+            "grid": {"dp": self.grid.dp, "pp": self.grid.pp},
+            "skipped_steps": skipped,
+            "config": self.cfg.to_dict()}
+        (self.out_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1))
+        self.log(f"done: {t.max_iters} steps in {result.wall_s:.1f} s, "
+                 f"{result.tokens_per_s / 1e3:.1f}k tokens/s; outputs in {self.out_dir}/")
