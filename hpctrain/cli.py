@@ -291,8 +291,8 @@ def _version() -> str:
 
 
 def cmd_prepare(args) -> int:
+    from hpctrain.config import parse_hints
     from hpctrain.data.corpus import DEFAULT_BYTES, stdlib_files
-    from hpctrain.data.hints import parse_hints
     from hpctrain.data.prepare import combine, prepare
 
     hints = parse_hints(args.romio_hints)

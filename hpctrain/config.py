@@ -12,13 +12,14 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from hpctrain.errors import ConfigError
+from hpctrain.errors import ConfigError, factor_hint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -127,12 +128,27 @@ class DataConfig:
 
     def __post_init__(self):
         _check_fields(self)
-        from hpctrain.data.hints import parse_hints
-
         try:
             parse_hints(self.romio_hints)
         except ConfigError as e:
             raise ConfigError(f"data.romio_hints: {e}") from None
+
+
+_HINT_KEY = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def parse_hints(text: str) -> dict[str, str]:
+    """ROMIO hints (``hpctrain.data.hints`` lists the keys that matter):
+    ``"striping_factor=8,romio_cb_read=enable"`` -> ``{"striping_factor": "8", ...}``."""
+    hints = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not _HINT_KEY.match(key) or not value:
+            raise ConfigError(f"ROMIO hints look like key=value,key=value (e.g. "
+                              f"romio_cb_read=enable,cb_nodes=8,striping_factor=8), not {text!r}")
+        hints[key] = value
+    return hints
 
 
 @dataclass
@@ -301,15 +317,6 @@ class Config:
 
 _SECTION_TYPES = typing.get_type_hints(Config)
 _SECTION_NAMES = {cls: name for name, cls in _SECTION_TYPES.items()}
-
-
-def factor_hint(size: int, pp: int) -> str:
-    """How to make ``size`` ranks and ``pp`` pipeline stages fit together."""
-    options = [d for d in range(1, size + 1) if size % d == 0]
-    more = pp * (size // pp + 1)
-    return (f"--parallel.pp must divide the number of ranks: one of "
-            f"{', '.join(map(str, options))}; or run on a multiple of {pp} ranks "
-            f"(mpiexec -n {more})")
 
 
 def check_layout(cfg: Config, world_size: int) -> None:
