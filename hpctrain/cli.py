@@ -397,9 +397,7 @@ def cmd_sample(args) -> int:
                         "written by `hpctrain train`")
     tok = tokenizer_from_meta(tokenizer)
     try:  # the recorded shape and the stored tensors must agree
-        model = GPT(GPTConfig(vocab_size=m["vocab_size"], block_size=m["block_size"],
-                              n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"],
-                              bias=m["bias"]))
+        model = GPT(GPTConfig.from_shape(m))
         state["lm_head.weight"] = state["wte.weight"]
         model.load_state_dict(state)
     except (KeyError, TypeError, ValueError, AssertionError, RuntimeError) as e:

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from hpctrain.errors import ConfigError, factor_hint
+from hpctrain.model.shape import GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -104,6 +105,15 @@ class ModelConfig:
         _require(self.n_embd % self.n_head == 0,
                  f"model.n_embd={self.n_embd} must be a multiple of model.n_head="
                  f"{self.n_head}; change one of them")
+
+    def to_gpt(self, vocab_size: int = 0) -> GPTConfig:
+        """The model this section describes: the one place where the config becomes a
+        ``GPTConfig`` (same field names). ``vocab_size`` is the dataset's; it fills in
+        ``model.vocab_size=0``."""
+        vocab = self.vocab_size or vocab_size
+        _require(vocab >= 1, "model.vocab_size=0 takes the vocabulary from the dataset, "
+                             "and there is none here; set --model.vocab_size")
+        return GPTConfig(**{**dataclasses.asdict(self), "vocab_size": vocab})
 
 
 @dataclass
