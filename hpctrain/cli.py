@@ -291,8 +291,8 @@ def _version() -> str:
 
 
 def cmd_prepare(args) -> int:
+    from hpctrain.config import parse_hints
     from hpctrain.data.corpus import DEFAULT_BYTES, stdlib_files
-    from hpctrain.data.hints import parse_hints
     from hpctrain.data.prepare import combine, prepare
 
     hints = parse_hints(args.romio_hints)
@@ -397,9 +397,7 @@ def cmd_sample(args) -> int:
                         "written by `hpctrain train`")
     tok = tokenizer_from_meta(tokenizer)
     try:  # the recorded shape and the stored tensors must agree
-        model = GPT(GPTConfig(vocab_size=m["vocab_size"], block_size=m["block_size"],
-                              n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"],
-                              bias=m["bias"]))
+        model = GPT(GPTConfig.from_shape(m))
         state["lm_head.weight"] = state["wte.weight"]
         model.load_state_dict(state)
     except (KeyError, TypeError, ValueError, AssertionError, RuntimeError) as e:

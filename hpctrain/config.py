@@ -12,13 +12,15 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from hpctrain.errors import ConfigError
+from hpctrain.errors import ConfigError, factor_hint
+from hpctrain.model.shape import GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -104,6 +106,15 @@ class ModelConfig:
                  f"model.n_embd={self.n_embd} must be a multiple of model.n_head="
                  f"{self.n_head}; change one of them")
 
+    def to_gpt(self, vocab_size: int = 0) -> GPTConfig:
+        """The model this section describes: the one place where the config becomes a
+        ``GPTConfig`` (same field names). ``vocab_size`` is the dataset's; it fills in
+        ``model.vocab_size=0``."""
+        vocab = self.vocab_size or vocab_size
+        _require(vocab >= 1, "model.vocab_size=0 takes the vocabulary from the dataset, "
+                             "and there is none here; set --model.vocab_size")
+        return GPTConfig(**{**dataclasses.asdict(self), "vocab_size": vocab})
+
 
 @dataclass
 class DataConfig:
@@ -127,12 +138,27 @@ class DataConfig:
 
     def __post_init__(self):
         _check_fields(self)
-        from hpctrain.data.hints import parse_hints
-
         try:
             parse_hints(self.romio_hints)
         except ConfigError as e:
             raise ConfigError(f"data.romio_hints: {e}") from None
+
+
+_HINT_KEY = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def parse_hints(text: str) -> dict[str, str]:
+    """ROMIO hints (``hpctrain.data.hints`` lists the keys that matter):
+    ``"striping_factor=8,romio_cb_read=enable"`` -> ``{"striping_factor": "8", ...}``."""
+    hints = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not _HINT_KEY.match(key) or not value:
+            raise ConfigError(f"ROMIO hints look like key=value,key=value (e.g. "
+                              f"romio_cb_read=enable,cb_nodes=8,striping_factor=8), not {text!r}")
+        hints[key] = value
+    return hints
 
 
 @dataclass
@@ -301,15 +327,6 @@ class Config:
 
 _SECTION_TYPES = typing.get_type_hints(Config)
 _SECTION_NAMES = {cls: name for name, cls in _SECTION_TYPES.items()}
-
-
-def factor_hint(size: int, pp: int) -> str:
-    """How to make ``size`` ranks and ``pp`` pipeline stages fit together."""
-    options = [d for d in range(1, size + 1) if size % d == 0]
-    more = pp * (size // pp + 1)
-    return (f"--parallel.pp must divide the number of ranks: one of "
-            f"{', '.join(map(str, options))}; or run on a multiple of {pp} ranks "
-            f"(mpiexec -n {more})")
 
 
 def check_layout(cfg: Config, world_size: int) -> None:

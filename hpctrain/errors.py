@@ -29,3 +29,14 @@ class NonFiniteError(UserError):
 
 class CommTimeout(RuntimeError):
     """An MPI wait passed its deadline: some rank is stuck or dead."""
+
+
+def factor_hint(size: int, pp: int) -> str:
+    """How to make ``size`` ranks and ``pp`` pipeline stages fit together. Here because
+    two layers name this fix: the config's layout check and the process grid (``comm/``,
+    which sits below the config)."""
+    options = [d for d in range(1, size + 1) if size % d == 0]
+    more = pp * (size // pp + 1)
+    return (f"--parallel.pp must divide the number of ranks: one of "
+            f"{', '.join(map(str, options))}; or run on a multiple of {pp} ranks "
+            f"(mpiexec -n {more})")

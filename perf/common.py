@@ -201,7 +201,7 @@ class TorchDDP:
         from hpctrain.config import load_config
         from hpctrain.data.dataset import TokenDataset
         from hpctrain.data.sampler import make_sampler
-        from hpctrain.model.gpt import GPT, GPTConfig
+        from hpctrain.model.gpt import GPT
 
         self.comm = MPI.COMM_WORLD
         init_gloo(self.comm)
@@ -209,8 +209,7 @@ class TorchDDP:
         m, t = cfg.model, cfg.train
         self.ds = TokenDataset(cfg.data.path)
         torch.manual_seed(t.seed)
-        self.model = GPT(GPTConfig(vocab_size=self.ds.vocab_size, block_size=m.block_size,
-                                   n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd))
+        self.model = GPT(m.to_gpt(self.ds.vocab_size))
         self.ddp = DDP(self.model, gradient_as_bucket_view=True)  # DDP's fastest setting
         self.opt = make_optimizer(self.model, cfg)
         self.sampler = make_sampler(cfg.data.sampler, self.ds.splits["train"].n_tokens,

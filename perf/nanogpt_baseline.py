@@ -23,6 +23,7 @@ draws from the generator the model was initialised from; the sampler is seeded).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.data.dataset import TokenDataset  # noqa: E402
 from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler  # noqa: E402
-from hpctrain.model.gpt import GPT, GPTConfig  # noqa: E402
+from hpctrain.model.gpt import GPT  # noqa: E402
 from hpctrain.parallel.optim import build_optimizer, param_groups  # noqa: E402
 
 CHOICES = ("nanogpt", "hpctrain")
@@ -66,9 +67,11 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     cfg = load_config(a.recipe)
     m, o, t = cfg.model, cfg.optim, cfg.train
-    n_layer, n_head, n_embd, block = m.n_layer, m.n_head, m.n_embd, m.block_size
     if a.model:
-        n_layer, n_head, n_embd, block = map(int, a.model.split(","))
+        shape = dict(zip(("n_layer", "n_head", "n_embd", "block_size"),
+                         map(int, a.model.split(","))))
+        m = dataclasses.replace(m, **shape)
+    block = m.block_size
     max_iters = a.max_iters or t.max_iters
     batch = a.batch_size or t.batch_size
     ds = TokenDataset(a.data)
@@ -98,8 +101,7 @@ def main(argv=None) -> dict:
         return get_batch("train")
 
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=block, n_layer=n_layer,
-                          n_head=n_head, n_embd=n_embd, dropout=m.dropout, bias=m.bias))
+    model = GPT(m.to_gpt(ds.vocab_size))
     params = list(model.parameters())
     init_checksum = float(sum(p.detach().double().sum() for p in params))
     if a.optimizer == "hpctrain":

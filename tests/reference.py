@@ -24,7 +24,7 @@ import torch
 from hpctrain.config import Config
 from hpctrain.data.dataset import TokenDataset
 from hpctrain.data.sampler import make_sampler
-from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.gpt import GPT
 
 CACHE_ENV = "HPCTRAIN_REF_CACHE"
 
@@ -63,9 +63,7 @@ def plain_torch_run(cfg: Config) -> Reference:
     ds = TokenDataset(cfg.data.path)
     m = cfg.model
     torch.manual_seed(cfg.train.seed)
-    model = GPT(GPTConfig(vocab_size=m.vocab_size or ds.vocab_size, block_size=m.block_size,
-                          n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                          dropout=m.dropout, bias=m.bias))
+    model = GPT(m.to_gpt(ds.vocab_size))
     params = list(model.parameters())
     compute = model
     if cfg.train.dtype == "bf16":

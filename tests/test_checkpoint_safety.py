@@ -260,6 +260,24 @@ def test_a_consistent_checkpoint_of_other_shapes_is_refused_at_load(runs, datase
         _fit(_cfg(dataset_path, tmp_path / "again", **{"train.resume": str(ckpt)}))
 
 
+V1_MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+
+
+def test_a_version_1_model_record_still_loads(runs, dataset_path, tmp_path):
+    """The manifest's model record is ``GPTConfig.shape()``. A field added to GPTConfig
+    would be a key that every older checkpoint lacks: this fails first, so that the
+    format's VERSION and the validation change with it."""
+    assert sorted(sharded.MODEL_KEYS) == sorted(V1_MODEL_KEYS)
+    ckpt = _copy_checkpoint(runs, "replicated", tmp_path / "step_000010")
+    mf = ckpt / "manifest.json"
+    manifest = json.loads(mf.read_text())
+    manifest["model"] = {k: manifest["model"][k] for k in V1_MODEL_KEYS}  # as v1 wrote it
+    mf.write_text(json.dumps(manifest))
+    _, resumed = _fit(_cfg(dataset_path, tmp_path / "again",
+                           **{"train.resume": str(ckpt), "train.max_iters": 12}))
+    assert len(resumed.losses) == 2  # steps 10 and 11: it went on from the checkpoint
+
+
 # ------------------------------------------------------------------ 5. crafted files
 
 def test_latest_must_name_a_directory_beside_it(runs, dataset_path, tmp_path):

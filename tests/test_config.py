@@ -74,3 +74,23 @@ def test_config_round_trips_through_a_dict():
 
 def test_parse_overrides():
     assert parse_overrides(["--a.b=1", "--c.d", "x=y"]) == {"a.b": "1", "c.d": "x=y"}
+
+
+def test_to_gpt_maps_every_model_field():
+    """One mapping from the config to the model: a field added to one side only fails."""
+    import dataclasses
+
+    from hpctrain.config import ModelConfig
+    from hpctrain.model.shape import GPTConfig
+
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    assert sorted(names) == sorted(f.name for f in dataclasses.fields(GPTConfig))
+    # A value per field that no default has, so a dropped field shows.
+    m = ModelConfig(n_layer=3, n_head=2, n_embd=24, block_size=17, vocab_size=0,
+                    dropout=0.25, bias=True)
+    gpt = m.to_gpt(vocab_size=71)
+    want = {**dataclasses.asdict(m), "vocab_size": 71}
+    assert dataclasses.asdict(gpt) == want
+    assert ModelConfig(vocab_size=33).to_gpt(71).vocab_size == 33  # the config's wins
+    with pytest.raises(ConfigError, match="set --model.vocab_size"):
+        ModelConfig().to_gpt()

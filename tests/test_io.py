@@ -18,11 +18,10 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.comm.world import World
-from hpctrain.config import ConfigError, DataConfig, load_config
+from hpctrain.config import ConfigError, DataConfig, load_config, parse_hints
 from hpctrain.data.dataset import TokenDataset, read_info
 from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, block_crcs, checksum_from_blocks,
                                   crc32_combine, write_token_file)
-from hpctrain.data.hints import parse_hints
 from hpctrain.data.loader import open_dataset
 from hpctrain.data.mpiio import MPIIODataset
 from hpctrain.data.prefetch import Prefetcher

@@ -2,9 +2,11 @@
 
 import math
 
+import pytest
 import torch
 
 from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.shape import SHAPE_KEYS
 
 
 def small(**kw):
@@ -65,3 +67,40 @@ def test_dropout_only_in_training():
     assert torch.equal(m(x, x), m(x, x))
     m.train()
     assert not torch.equal(m(x, x), m(x, x))
+
+
+SHAPES = [dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32),
+          dict(vocab_size=97, block_size=8, n_layer=3, n_head=4, n_embd=64),
+          dict(vocab_size=11, block_size=5, n_layer=1, n_head=1, n_embd=8)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_config_counts_the_parameters_of_the_model_it_builds(shape, bias):
+    cfg = GPTConfig(**shape, bias=bias)
+    with torch.device("meta"):
+        m = GPT(cfg)
+    every = {n: p.numel() for n, p in m.named_parameters()}  # the tied weight once
+    assert cfg.num_params(non_embedding=False) == sum(every.values())
+    assert cfg.num_params() == sum(every.values()) - every["wpe.weight"]
+    assert cfg.block_params() == sum(v for n, v in every.items() if n.startswith("h.0."))
+    assert m.num_params() == cfg.num_params() and m.flops_per_token() == cfg.flops_per_token()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_flops_per_token_is_6n_plus_attention(shape):
+    cfg = GPTConfig(**shape)
+    L, C, T = cfg.n_layer, cfg.n_embd, cfg.block_size
+    assert cfg.flops_per_token() == 6 * cfg.num_params() + 12 * L * C * T
+
+
+def test_shape_record_round_trips_and_leaves_out_dropout():
+    cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                    dropout=0.5, bias=True)
+    record = cfg.shape()
+    assert "dropout" not in record and set(record) == set(SHAPE_KEYS)
+    back = GPTConfig.from_shape({**record, "dropout": 0.5, "other": 1})  # a config section
+    assert back == GPTConfig(**record)  # the shape only: dropout is not part of it
+    assert back.bias is True and back.dropout == 0.0
+    with pytest.raises(KeyError):
+        GPTConfig.from_shape({k: v for k, v in record.items() if k != "bias"})

@@ -103,3 +103,14 @@ def test_grid_on_one_rank_and_a_bad_size():
     assert (grid.dp, grid.pp, grid.stage, grid.is_first, grid.is_last) == (1, 1, 0, True, True)
     with pytest.raises(GridError, match="--parallel.pp must divide"):
         ProcessGrid.create(world, 2)
+
+
+def test_a_stage_runs_the_gpts_own_embedding_and_head():
+    assert PipelineStage.embed is GPT.embed and PipelineStage.head_loss is GPT.head_loss
+    cfg = GPTConfig(vocab_size=40, block_size=12, n_layer=2, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    first, last = PipelineStage(GPT(cfg), 0, 2), PipelineStage(GPT(cfg), 1, 2)
+    with pytest.raises(ValueError, match="13 tokens exceeds block_size 12"):
+        first.chunk_forward(0, torch.zeros(2, 13, dtype=torch.long))
+    h = first.chunk_forward(0, torch.randint(0, 40, (2, 12)))
+    assert last.chunk_forward(0, h).shape == (2, 1, 40)  # no targets: logits, as GPT's

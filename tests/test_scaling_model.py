@@ -9,7 +9,8 @@ import math
 import pytest
 
 from hpctrain.errors import UserError
-from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.gpt import GPT
+from hpctrain.model.shape import SHAPE_KEYS
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.scaling import collectives as coll
 from hpctrain.scaling import perfmodel as pm
@@ -20,15 +21,32 @@ from hpctrain.scaling.systems import ShapeRate, load_system
 LINK = coll.Link(alpha_s=1e-5, bandwidth=1e10)
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dims", [(2, 2, 32, 16, 50), (3, 4, 64, 32, 97)])
-def test_shape_counts_match_the_real_model(dims):
+def test_shape_counts_match_the_real_model(dims, bias):
     L, H, C, T, V = dims
-    shape = ModelShape(L, H, C, T, V)
-    gpt = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C))
-    assert shape.params == gpt.num_params(non_embedding=False)
-    assert shape.params_non_embedding == gpt.num_params()
+    shape = ModelShape(L, H, C, T, V, bias=bias)
+    gpt = GPT(shape.gpt)
+    assert gpt.cfg.bias is bias and gpt.cfg.dropout == 0.0
+    every = {n: p.numel() for n, p in gpt.named_parameters()}
+    assert shape.params == sum(every.values())
+    assert shape.params_non_embedding == shape.params - every["wpe.weight"]
+    assert shape.layer_params == sum(v for n, v in every.items() if n.startswith("h.0."))
+    assert L * shape.layer_params + shape.embedding_params == shape.params_non_embedding
     assert shape.flops_per_token == pytest.approx(gpt.flops_per_token())
+    assert L * shape.layer_flops_per_token + shape.head_flops_per_token == \
+        pytest.approx(shape.flops_per_token)
     assert shape.stage_params(1) == shape.params
+
+
+def test_a_shape_is_a_gpt_config_with_a_name():
+    """ModelShape lists GPTConfig's shape fields, so that none is left out of the counts."""
+    names = {f.name for f in dataclasses.fields(ModelShape)} - {"name"}
+    assert names == set(SHAPE_KEYS)
+    shape = model_shape("gpt2", bias=True)
+    assert shape.gpt.shape() == {k: getattr(shape, k) for k in SHAPE_KEYS}
+    assert shape.bias and shape.key == model_shape("gpt2").key
+    assert shape.params > model_shape("gpt2").params
 
 
 def test_shape_rejects_bad_dimensions():

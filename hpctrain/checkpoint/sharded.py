@@ -38,14 +38,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpctrain.checkpoint.format import (FORMAT, MODEL_KEYS, VERSION, shard_name,
+                                        step_dir_name)
 from hpctrain.checkpoint.validate import Damaged, describe, validate_manifest
 from hpctrain.errors import UserError
 from hpctrain.files import chmod_as_created
 
-FORMAT = "hpctrain-sharded-checkpoint"
-VERSION = 1
 KEYS = ("param", "exp_avg", "exp_avg_sq")
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 STEP_NAME = re.compile(r"step_(\d+)")
 # What a killed save leaves behind: mkdtemp's and mkstemp's names (random part: letters,
 # digits, underscore). Nothing else under checkpoints/ is ever deleted as a leftover.
@@ -56,14 +55,6 @@ LATEST_MAX_BYTES = 4096
 
 class CheckpointError(UserError):
     """A checkpoint is missing, corrupt, or does not fit the model being trained."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def shard_name(rank: int) -> str:
-    return f"rank_{rank:05d}.h5"
 
 
 def _crc(a: np.ndarray) -> int:

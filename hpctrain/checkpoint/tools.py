@@ -124,7 +124,7 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     if out.exists():
         raise CheckpointError(f"{out} exists; choose a new --output directory")
     with torch.device("meta"):  # only names, shapes and order: no memory
-        model = GPT(GPTConfig(**m.data["model"]))
+        model = GPT(GPTConfig.from_shape(m.data["model"]))
     names = {id(p): n for n, p in model.named_parameters()}
     config = json.loads(json.dumps(m.data["config"]))
     if not (isinstance(config.get("parallel"), dict) and isinstance(config.get("train"), dict)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from hpctrain.checkpoint.format import MODEL_KEYS, shard_name
+
 MAX_WORLD = 1 << 20
 """More ranks than any machine has: a larger world_size is damage, and a loop over it is
 not something to start."""
@@ -51,8 +53,6 @@ def validate_manifest(data) -> None:
 
 
 def _model(model: dict) -> None:
-    from hpctrain.checkpoint.sharded import MODEL_KEYS
-
     for k in MODEL_KEYS:
         v = _key(model, k, "model")
         if k == "bias":
@@ -130,8 +130,6 @@ def _ranks(ranks, where: str, world: int) -> int:
 
 
 def _crc32(crc32: dict, world: int) -> None:
-    from hpctrain.checkpoint.sharded import shard_name
-
     for r in range(world):
         name = shard_name(r)
         table = _dict(_key(crc32, name, "crc32"), f"crc32[{name!r}]")

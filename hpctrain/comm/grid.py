@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from hpctrain.comm.world import World
-from hpctrain.config import factor_hint
-from hpctrain.errors import UserError
+from hpctrain.errors import UserError, factor_hint
 
 
 class GridError(UserError):

@@ -14,8 +14,8 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.comm.collectives import allreduce_array, any_true
+from hpctrain.config import parse_hints
 from hpctrain.data.dataset import DatasetInfo, TokenDataset, read_info
-from hpctrain.data.hints import parse_hints
 from hpctrain.data.mpiio import H5MPIODataset, MPIIODataset, h5py_has_mpi
 from hpctrain.data.prefetch import Prefetcher
 from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler

@@ -3,8 +3,10 @@
 Learned position embeddings, pre-LayerNorm blocks, GELU MLP, causal scaled-dot-product
 attention, input and output embeddings tied, residual projections initialized with
 std 0.02 / sqrt(2 n_layer) (GPT-2 paper, section 2.3). The model is three parts that
-pipeline stages reuse: ``embed`` (tokens -> residual stream), ``blocks``, and
-``head_loss`` (final LayerNorm, tied head, cross-entropy).
+pipeline stages reuse: ``embed`` (tokens -> residual stream), the blocks ``h``, and
+``head_loss`` (final LayerNorm, tied head, cross-entropy); a stage runs the first and
+the last through the same ``EmbeddingAndHead`` code. The shape, with its parameter count
+and FLOPs, is ``GPTConfig`` (``shape.py``).
 
 Shapes: B batch, T time (tokens), C channels (n_embd), nh heads, hs head size, V vocab.
 """
@@ -12,22 +14,12 @@ Shapes: B batch, T time (tokens), C channels (n_embd), nh heads, hs head size, V
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass
-class GPTConfig:
-    vocab_size: int
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
+from hpctrain.model.shape import GPTConfig
 
 
 class CausalSelfAttention(nn.Module):
@@ -75,7 +67,37 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class EmbeddingAndHead:
+    """The two ends of the GPT, shared with the pipeline stages that hold them.
+
+    A class with this mixin keeps the GPT's parts under the GPT's names (``cfg``, ``wte``,
+    ``wpe``, ``drop``, ``ln_f``) and its head's weight as ``head_weight``: the GPT's is
+    the token embedding (tied), a last pipeline stage's is its copy of it (``stage.py``).
+    So a stage runs the very code the GPT runs, block_size check included.
+    """
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> the residual stream (B, T, C)."""
+        T = idx.size(1)
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.ln_f(h), self.head_weight)  # (B, T, C) -> (B, T, V)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross-entropy of the residual stream ``h`` against ``targets``; without
+        targets, the last position's logits (B, 1, V): generation needs only those."""
+        if targets is None:
+            return self.logits(h[:, [-1], :])
+        logits = self.logits(h).float()  # the softmax in fp32 even when computing in bf16
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=-1)
+
+
+class GPT(EmbeddingAndHead, nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
@@ -100,40 +122,25 @@ class GPT(nn.Module):
             else:  # LayerNorm weights
                 nn.init.ones_(p)
 
-    # The three parts, so that a pipeline stage can own a contiguous slice of them.
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.size(1)
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
-
-    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(x).float()  # the softmax in fp32 even when computing in bf16
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Mean cross-entropy when ``targets`` is given, else the last position's logits."""
         x = self.embed(idx)
         for block in self.h:
             x = block(x)
-        if targets is not None:
-            return self.head_loss(x, targets)
-        return self.logits(x[:, [-1], :])  # (B, 1, V): generation needs only the last one
+        return self.head_loss(x, targets)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count (tied weights once); position embeddings excluded by default."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        """``GPTConfig.num_params``: tied weights once; position embeddings excluded by
+        default."""
+        return self.cfg.num_params(non_embedding)
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6N for the weights plus 12 L C T for attention scores
-        (Chinchilla/PaLM appendix B accounting, as in nanoGPT's MFU estimate)."""
-        c = self.cfg
-        return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_embd * c.block_size
+        """``GPTConfig.flops_per_token``: 6N + 12 L C T."""
+        return self.cfg.flops_per_token()
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

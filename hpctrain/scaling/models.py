@@ -1,9 +1,9 @@
 """GPT shapes for the performance model: parameter counts and FLOPs without building one.
 
-The counts follow ``hpctrain.model.gpt.GPT`` exactly (no biases, LayerNorm weights only,
-tied input/output embeddings), so that the model's FLOPs per token equal what the
-trainer reports (6N + 12 L C T, Chinchilla/PaLM appendix B); a test checks both against
-the real module.
+A ``ModelShape`` is a ``GPTConfig`` with a name: its counts are ``GPTConfig``'s
+(``num_params``, ``flops_per_token``), the very ones ``GPT`` and the trainer report
+(6N + 12 L C T, Chinchilla/PaLM appendix B), split here into the per-block and head
+parts that pipeline stages hold. No torch is imported (the planner runs on login nodes).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from hpctrain.errors import UserError
+from hpctrain.model.shape import GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,20 +23,30 @@ else:  # pragma: no cover
 
 @dataclass(frozen=True)
 class ModelShape:
+    """``GPTConfig``'s fields that fix the parameters (all but dropout, see
+    ``GPTConfig.shape``), a name, and the counts the performance model needs."""
     n_layer: int
     n_head: int
     n_embd: int
     block_size: int
     vocab_size: int
     name: str = ""
+    bias: bool = False
 
     def __post_init__(self):
         for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             if int(getattr(self, field)) < 1:
                 raise UserError(f"model {self.label}: {field} must be at least 1")
+        if not isinstance(self.bias, bool):
+            raise UserError(f"model {self.label}: bias must be true or false, not "
+                            f"{self.bias!r}")
         if self.n_embd % self.n_head:
             raise UserError(f"model {self.label}: n_embd {self.n_embd} is not a multiple of "
                             f"n_head {self.n_head}; pick a width divisible by the head count")
+
+    @property
+    def gpt(self) -> GPTConfig:
+        return GPTConfig.from_shape(vars(self))
 
     @property
     def label(self) -> str:
@@ -43,30 +54,29 @@ class ModelShape:
 
     @property
     def key(self) -> str:
-        """Identifies a shape in calibration files (the compute rate depends on it)."""
+        """Identifies a shape in calibration files (the compute rate depends on it; biases
+        add FLOPs, counted, but do not change the rate)."""
         return (f"L{self.n_layer}-H{self.n_head}-C{self.n_embd}-T{self.block_size}"
                 f"-V{self.vocab_size}")
 
     @property
     def layer_params(self) -> int:
-        c = self.n_embd
-        return 12 * c * c + 2 * c  # qkv 3C^2, proj C^2, MLP 8C^2, two LayerNorm weights
+        return self.gpt.block_params()
 
     @property
     def embedding_params(self) -> int:
         """Token embeddings (tied with the head) and the final LayerNorm."""
-        return self.vocab_size * self.n_embd + self.n_embd
+        return self.params_non_embedding - self.n_layer * self.layer_params
 
     @property
     def params(self) -> int:
         """All parameters, position embeddings included (what ranks store and reduce)."""
-        return (self.n_layer * self.layer_params + self.embedding_params
-                + self.block_size * self.n_embd)
+        return self.gpt.num_params(non_embedding=False)
 
     @property
     def params_non_embedding(self) -> int:
         """``GPT.num_params()``: everything but the position embeddings."""
-        return self.params - self.block_size * self.n_embd
+        return self.gpt.num_params()
 
     @property
     def layer_flops_per_token(self) -> float:
@@ -80,7 +90,8 @@ class ModelShape:
 
     @property
     def flops_per_token(self) -> float:
-        return self.n_layer * self.layer_flops_per_token + self.head_flops_per_token
+        """``GPTConfig.flops_per_token``: the layers' and the head's above, summed."""
+        return self.gpt.flops_per_token()
 
     def stage_params(self, pp: int) -> int:
         """Parameters on the largest pipeline stage: ceil(L/pp) blocks, plus the tied
@@ -102,5 +113,5 @@ def model_shape(name: str, **overrides) -> ModelShape:
         raise UserError(f"unknown model {name!r}; use one of {', '.join(table)} "
                         "(or give n_layer, n_head, n_embd, block_size, vocab_size)")
     fields = dict(table[name])
-    fields.update({k: v for k, v in overrides.items() if v})
+    fields.update({k: v for k, v in overrides.items() if v or v is False})
     return ModelShape(name=name, **fields)

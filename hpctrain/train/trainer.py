@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint.collective import begin_save, find_resume, load_checkpoint, model_shape
+from hpctrain.checkpoint.collective import begin_save, find_resume, load_checkpoint
 from hpctrain.comm.collectives import allreduce_array
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World, threads_per_rank
 from hpctrain.config import Config, ConfigError, check_layout
 from hpctrain.data.loader import BatchLoader, open_dataset, verify_dataset
 from hpctrain.errors import CommTimeout
-from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.gpt import GPT
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.progress import Progress
 from hpctrain.train.evaluate import Evaluator
@@ -33,13 +33,6 @@ from hpctrain.train.result import TrainResult, bar_text, step_record
 from hpctrain.train.rundir import claim_run_dir
 from hpctrain.train.schedule import learning_rate
 from hpctrain.train.stop import SignalFlag, StopAgreement
-
-
-def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
-    m = cfg.model
-    return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
-                     n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
-                     bias=m.bias)
 
 
 class Trainer:
@@ -71,10 +64,11 @@ class Trainer:
         if cfg.data.verify:
             verify_dataset(data, world, staged=bool(cfg.data.stage_dir))
         self.tokenizer = data.tokenizer
-        self.gpt_cfg = gpt_config(cfg, data.vocab_size)
+        self.gpt_cfg = cfg.model.to_gpt(data.vocab_size)
         torch.manual_seed(t.seed)
         gpt = GPT(self.gpt_cfg)  # on the host: every rank the same; parallelize() cuts it
-        self.n_params, self.flops_per_token = gpt.num_params(), gpt.flops_per_token()
+        self.n_params = self.gpt_cfg.num_params()
+        self.flops_per_token = self.gpt_cfg.flops_per_token()
         self.grid = ProcessGrid.create(world, cfg.parallel.pp)  # dp x pp ranks
         self.par = parallelize(gpt, self.grid, cfg)
         self.model, self.engine, self.runner = self.par.model, self.par.engine, self.par.runner
@@ -96,7 +90,7 @@ class Trainer:
         resume_from = find_resume(t.resume, self.out_dir)
         if resume_from is not None:
             self.start_step = load_checkpoint(resume_from, self.engine, self.grid,
-                                              model_shape=model_shape(self.gpt_cfg))
+                                              model_shape=self.gpt_cfg.shape())
             self.runner.tie_weights()  # a pipeline's head copy of the embedding
             if self.start_step > t.max_iters:
                 raise ConfigError(f"the checkpoint is at step {self.start_step}, past "
@@ -299,7 +293,7 @@ class Trainer:
         """Every rank writes its shard of ``<out_dir>/checkpoints/step_<step>`` (collective).
         In the background, the checkpoint is published by ``finish_pending_save``."""
         self.finish_pending_save()
-        run = {"config": self.cfg.to_dict(), "model": model_shape(self.gpt_cfg),
+        run = {"config": self.cfg.to_dict(), "model": self.gpt_cfg.shape(),
                "tokenizer": self.tokenizer.meta()}
         pending = begin_save(self.out_dir / "checkpoints", step, self.engine, self.grid,
                              run=run, keep=self.cfg.train.ckpt_keep, background=background)

@@ -8,6 +8,8 @@ Chunk g lives on stage g mod p (``schedules.py``).
 A stage keeps its parts under the GPT's own attribute names (``wte``, ``wpe``,
 ``h.<layer>``, ``ln_f``), so its ``named_parameters()`` are the GPT's names for the
 same tensors: checkpoints, the optimizer's decay groups and the tests need no mapping.
+It runs them with the GPT's own code (``EmbeddingAndHead.embed`` and ``head_loss``), so
+a stage computes exactly what the GPT does and checks the sequence against block_size.
 
 Tied embeddings. The head of the last stage uses the token embedding of the first. The
 last stage keeps a copy that is *not* one of its parameters: after backward its gradient
@@ -21,9 +23,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from hpctrain.model.gpt import GPT
+from hpctrain.model.gpt import GPT, EmbeddingAndHead
 
 
 def layer_split(n_layer: int, n_chunks: int) -> list[range]:
@@ -39,7 +40,7 @@ def layer_split(n_layer: int, n_chunks: int) -> list[range]:
     return out
 
 
-class PipelineStage(nn.Module):
+class PipelineStage(EmbeddingAndHead, nn.Module):
     """One stage's chunks of a GPT. ``chunk_forward(c, x, targets)`` runs local chunk c."""
 
     def __init__(self, gpt: GPT, stage: int, n_stages: int, virtual: int = 1,
@@ -75,14 +76,11 @@ class PipelineStage(nn.Module):
         """Token ids (first chunk) or the residual stream in; the residual stream, or the
         mean loss (last chunk, with targets) out."""
         if self.is_first_chunk(chunk):
-            pos = torch.arange(x.size(1), device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+            x = self.embed(x)
         for i in self.chunk_layers[chunk]:
             x = self.h[str(i)](x)
         if self.is_last_chunk(chunk):
-            logits = F.linear(self.ln_f(x), self.head_weight).float()
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                   ignore_index=-1)
+            return self.head_loss(x, targets)
         return x
 
     def sync_head_dtype(self) -> None:
