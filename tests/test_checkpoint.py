@@ -89,7 +89,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(dataset_path, tmp_pa
 
     monkeypatch.setattr(collective, "publish", crash)
     with pytest.raises(CheckpointError, match="node lost power"):
-        trainer.save_sharded(15)
+        trainer.saver.save(15)
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_000010"
     assert read_manifest(tmp_path).step == 10  # still complete and loadable

@@ -62,8 +62,8 @@ def test_pruning_orders_by_manifest_step_past_a_million(dataset_path, tmp_path):
     still be the one kept, and ``latest`` must name an existing directory."""
     trainer, _ = _fit(_cfg(dataset_path, tmp_path, **{"train.ckpt_keep": 1}))
     root = tmp_path / "checkpoints"
-    trainer.save_sharded(999990)
-    trainer.save_sharded(1000000)
+    trainer.saver.save(999990)
+    trainer.saver.save(1000000)
     assert _names(root) == ["latest", "step_1000000"]
     assert (root / "latest").read_text().strip() == "step_1000000"
     assert read_manifest(tmp_path).step == 1000000
@@ -82,7 +82,7 @@ def test_pruning_keeps_the_new_save_below_older_higher_steps(dataset_path, tmp_p
         (d / "manifest.json").write_text(json.dumps({**manifest, "step": step}))
     (root / "step_000007").mkdir()  # no manifest: step 7 by its name
     (root / "step_keepme").mkdir()  # no manifest, no number: not ours to delete
-    trainer.save_sharded(5)
+    trainer.saver.save(5)
     assert _names(root) == ["latest", "step_000005", "step_000030", "step_keepme"]
     assert (root / "latest").read_text().strip() == "step_000005"
     assert read_manifest(tmp_path).step == 5
@@ -112,8 +112,8 @@ def test_shard_write_failure_is_one_clean_error(dataset_path, tmp_path, monkeypa
 
     monkeypatch.setattr(collective, "write_shard", fail)
     with pytest.raises(CheckpointError, match="saving checkpoint step 15 failed: rank 0") as e:
-        trainer.save_sharded(15, background=background)
-        trainer.finish_pending_save()
+        trainer.saver.save(15, background=background)
+        trainer.saver.finish_pending()
     assert "\n" not in str(e.value) and str(error.args[-1]) in str(e.value)
     _assert_previous_intact(tmp_path)
 
@@ -140,7 +140,7 @@ def test_manifest_or_publish_failure_is_one_clean_error(dataset_path, tmp_path, 
         monkeypatch.setattr(sharded, "write_synced", lambda path, text: fail()
                             if path.name.startswith(".latest.") else real(path, text))
     with pytest.raises(CheckpointError, match="rank 0, publishing: .*Disk quota exceeded"):
-        trainer.save_sharded(15)
+        trainer.saver.save(15)
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_000010"
     assert read_manifest(tmp_path).step == 10
@@ -155,7 +155,7 @@ def test_unwritable_checkpoint_root_is_one_clean_error(dataset_path, tmp_path, m
 
     monkeypatch.setattr(collective.tempfile, "mkdtemp", fail)
     with pytest.raises(CheckpointError, match="step 15 failed: rank 0: .*Permission denied"):
-        trainer.save_sharded(15)
+        trainer.saver.save(15)
     _assert_previous_intact(tmp_path)
 
 

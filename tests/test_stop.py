@@ -70,7 +70,7 @@ def test_a_signal_during_the_final_save_keeps_the_checkpoint_and_skips_the_rest(
         dataset_path, tmp_path):
     trainer = _trainer(dataset_path, tmp_path, **{"train.final_eval": True,
                                                   "train.sample_tokens": 10})
-    _signal_before(trainer, "save_sharded")
+    _signal_before(trainer.saver, "save")
     result = trainer.fit()
     assert result.stopped_at == 10 and result.final_val_loss is None
     _loadable_at(tmp_path, 10)

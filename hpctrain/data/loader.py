@@ -122,6 +122,24 @@ class BatchLoader:
         self.eval_sampler = make_sampler("random", data.splits["val"].n_tokens, block,
                                          batch_size, seed, stream=EVAL_STREAM)
         self._next = None  # (step, read in flight) of the next training batch
+        self.tokenizer, self.vocab_size = data.tokenizer, data.vocab_size
+
+    @classmethod
+    def open(cls, cfg, world, *, dp_index: int, dp: int, device: torch.device) -> BatchLoader:
+        """The run's data (``cfg``: the whole ``Config``), checked against the model and,
+        with ``--data.verify``, against its checksums. Collective."""
+        data = open_dataset(cfg.data, world)
+        try:
+            data.check_fits(cfg.model.block_size, cfg.model.vocab_size)
+            if cfg.data.verify:
+                verify_dataset(data, world, staged=bool(cfg.data.stage_dir))
+        except BaseException:
+            data.close()
+            raise
+        t = cfg.train
+        return cls(data, block=cfg.model.block_size, batch_size=t.batch_size, seed=t.seed,
+                   sampler=cfg.data.sampler, max_steps=t.max_iters, dp_index=dp_index, dp=dp,
+                   device=device)
 
     def train(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``step``'s rows, read while the previous step computed; the next step's

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint.collective import begin_save, find_resume, load_checkpoint
+from hpctrain.checkpoint.collective import find_resume, load_checkpoint
 from hpctrain.comm.collectives import allreduce_array
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World, threads_per_rank
 from hpctrain.config import Config, ConfigError, check_layout
-from hpctrain.data.loader import BatchLoader, open_dataset, verify_dataset
+from hpctrain.data.loader import BatchLoader
 from hpctrain.errors import CommTimeout
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.parallelize import parallelize
@@ -28,9 +28,10 @@ from hpctrain.progress import Progress
 from hpctrain.train.evaluate import Evaluator
 from hpctrain.train.metrics import MetricsLog, peak_tflops
 from hpctrain.train.nonfinite import NonFiniteGuard
-from hpctrain.train.outputs import RunOutputs, sample_text
+from hpctrain.train.outputs import RunOutputs
 from hpctrain.train.result import TrainResult, bar_text, step_record
 from hpctrain.train.rundir import claim_run_dir
+from hpctrain.train.saving import CheckpointSaver
 from hpctrain.train.schedule import learning_rate
 from hpctrain.train.stop import SignalFlag, StopAgreement
 
@@ -59,33 +60,27 @@ class Trainer:
     def _build(self, cfg: Config, world: World) -> None:
         t = cfg.train
         torch.set_num_threads(t.threads or threads_per_rank(world.local_size))
-        data = open_dataset(cfg.data, world)  # collective MPI-IO reads, prefetched
-        data.check_fits(cfg.model.block_size, cfg.model.vocab_size)
-        if cfg.data.verify:
-            verify_dataset(data, world, staged=bool(cfg.data.stage_dir))
-        self.tokenizer = data.tokenizer
-        self.gpt_cfg = cfg.model.to_gpt(data.vocab_size)
-        torch.manual_seed(t.seed)
-        gpt = GPT(self.gpt_cfg)  # on the host: every rank the same; parallelize() cuts it
-        self.n_params = self.gpt_cfg.num_params()
-        self.flops_per_token = self.gpt_cfg.flops_per_token()
-        self.grid = ProcessGrid.create(world, cfg.parallel.pp)  # dp x pp ranks
-        self.par = parallelize(gpt, self.grid, cfg)
-        self.model, self.engine, self.runner = self.par.model, self.par.engine, self.par.runner
-        del gpt
-        self.micro = cfg.parallel.micro_batches
         self.device = torch.device(world.device)
-        self.batches = BatchLoader(data, block=cfg.model.block_size, batch_size=t.batch_size,
-                                   seed=t.seed, sampler=cfg.data.sampler,
-                                   max_steps=t.max_iters, dp_index=self.grid.dp_index,
-                                   dp=self.grid.dp, device=self.device)
+        self.grid = ProcessGrid.create(world, cfg.parallel.pp)  # dp x pp ranks
+        self.batches = BatchLoader.open(cfg, world, dp_index=self.grid.dp_index,
+                                        dp=self.grid.dp, device=self.device)
+        self.tokenizer = self.batches.tokenizer
+        self.gpt_cfg = cfg.model.to_gpt(self.batches.vocab_size)
+        torch.manual_seed(t.seed)
+        # On the host, the same on every rank; parallelize() keeps this rank's part.
+        self.par = parallelize(GPT(self.gpt_cfg), self.grid, cfg)
+        self.model, self.engine, self.runner = self.par.model, self.par.engine, self.par.runner
+        self.micro = cfg.parallel.micro_batches
         self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t.eval_iters)
         self.tokens_per_step = t.batch_size * cfg.model.block_size
         self.peak = peak_tflops(world.device, t.dtype, t.peak_tflops)
         self.out_dir = Path(t.out_dir)
         self.guard = NonFiniteGuard(t.on_nonfinite, t.max_skipped_steps,
                                     self.out_dir / "checkpoints")
-        self._pending_save = None
+        self.saver = CheckpointSaver(
+            self.out_dir / "checkpoints", self.engine, self.grid,
+            {"config": cfg.to_dict(), "model": self.gpt_cfg.shape(),
+             "tokenizer": self.tokenizer.meta()}, t.ckpt_keep, self._log)
         self.start_step = 0
         resume_from = find_resume(t.resume, self.out_dir)
         if resume_from is not None:
@@ -129,12 +124,6 @@ class Trainer:
         """Per-rank bytes of parameters, gradients, optimizer state and comm buffers."""
         return self.engine.memory()
 
-    def estimate_val_loss(self) -> float:
-        return self.evaluator.estimate()
-
-    def full_val_loss(self, stop: StopAgreement | None = None) -> float | None:
-        return self.evaluator.whole_split(stop)
-
     # ---------------------------------------------------------------- the loop
     def fit(self) -> TrainResult:
         """Train, evaluate and write the outputs; then release everything (``close``).
@@ -157,7 +146,7 @@ class Trainer:
         if self.runner.describe():
             self._log(self.runner.describe())
         rows = t.batch_size // self.grid.dp
-        self._log(f"model: {self.n_params / 1e6:.2f}M parameters, {self.engine.describe()}, "
+        self._log(f"model: {self.gpt_cfg.num_params() / 1e6:.2f}M parameters, {self.engine.describe()}, "
                   f"{t.dtype}; global batch "
                   f"{t.batch_size} x {cfg.model.block_size} tokens = {rows} row(s) per rank "
                   f"in {self.micro} micro-batch(es)")
@@ -181,13 +170,13 @@ class Trainer:
         start = time.perf_counter()
         self._loop(result, bar, stop)
         bar.close()
-        self.finish_pending_save()
+        self.saver.finish_pending()
         result.wall_s = time.perf_counter() - start
         train_time = sum(result.step_times)
         steps_run = len(result.step_times)
         result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
         if result.stopped_at is not None:
-            self.save_sharded(result.stopped_at)
+            self.saver.save(result.stopped_at)
             self._log(f"stopped by {self.signals.name} after step {result.stopped_at}; "
                       "checkpoint saved; run the same command with --train.resume=auto to "
                       "continue")
@@ -195,18 +184,19 @@ class Trainer:
         # The checkpoint first: a signal during the final evaluation, final.h5 or the
         # sample then costs only those extras.
         if t.save_checkpoint:
-            self.save_sharded(t.max_iters)
+            self.saver.save(t.max_iters)
         if stop.now("after training"):
             return self._stopped_after_training(result, "the final evaluation")
         if t.final_eval:
-            result.final_val_loss = self.full_val_loss(stop)
+            result.final_val_loss = self.evaluator.whole_split(stop)
             if result.final_val_loss is None:
                 return self._stopped_after_training(result, "the final evaluation")
             self.metrics.write({"step": t.max_iters, "final_val_loss": result.final_val_loss})
             self._log(f"final validation loss over the whole split: {result.final_val_loss:.4f}")
             if stop.now("after the final evaluation"):
                 return self._stopped_after_training(result, "final.h5 and the sample")
-        facts = {"params": self.n_params, "flops_per_token": self.flops_per_token,
+        facts = {"params": self.gpt_cfg.num_params(),
+                 "flops_per_token": self.gpt_cfg.flops_per_token(),
                  "peak_tflops": self.peak}
         RunOutputs(self.cfg, self.grid, self.par, self.tokenizer, facts,
                    self._log).write(result, self.guard.skipped)
@@ -217,7 +207,7 @@ class Trainer:
         rest (collective)."""
         t = self.cfg.train
         if not t.save_checkpoint:
-            self.save_sharded(t.max_iters)
+            self.saver.save(t.max_iters)
         result.stopped_at = t.max_iters
         self._log(f"stopped by {self.signals.name} after the last step ({t.max_iters}); its "
                   f"checkpoint is saved; skipped: {skipped} (run the same command with "
@@ -254,7 +244,7 @@ class Trainer:
                 continue
             # Log step: one small collective turns every step's local loss since the last
             # log into the mean over the whole global batch.
-            self.finish_pending_save()
+            self.saver.finish_pending()
             elapsed = time.perf_counter() - window_t0
             local = torch.stack(window_losses).double().cpu().numpy()
             # Each replica's last stage holds its loss; the other stages add zeros.
@@ -268,10 +258,10 @@ class Trainer:
                                  learning_rate(done - 1, self.cfg.optim, t.max_iters),
                                  self.tokens_per_step * window_steps / elapsed,
                                  elapsed / window_steps, float(norm), *means,
-                                 flops_per_token=self.flops_per_token, world_size=w.size,
+                                 flops_per_token=self.gpt_cfg.flops_per_token(), world_size=w.size,
                                  peak=self.peak, skipped=self.guard.skipped)
             if is_eval:
-                record["val_loss"] = result.val_losses[done] = self.estimate_val_loss()
+                record["val_loss"] = result.val_losses[done] = self.evaluator.estimate()
                 self._log(f"step {done}: val loss {record['val_loss']:.4f}", bar)
             self.metrics.write(record)
             bar.update(1, bar_text(record), force=True)
@@ -285,36 +275,10 @@ class Trainer:
                 self._log(f"step {done}: checkpoint skipped (the last {self.guard.in_row} "
                           "step(s) were non-finite)", bar)
             elif is_ckpt:
-                self.save_sharded(done, background=t.ckpt_background)
+                self.saver.save(done, background=t.ckpt_background)
             window_t0 = time.perf_counter()
 
-    # ------------------------------------------------------ checkpoints, the end
-    def save_sharded(self, step: int, background: bool = False) -> Path | None:
-        """Every rank writes its shard of ``<out_dir>/checkpoints/step_<step>`` (collective).
-        In the background, the checkpoint is published by ``finish_pending_save``."""
-        self.finish_pending_save()
-        run = {"config": self.cfg.to_dict(), "model": self.gpt_cfg.shape(),
-               "tokenizer": self.tokenizer.meta()}
-        pending = begin_save(self.out_dir / "checkpoints", step, self.engine, self.grid,
-                             run=run, keep=self.cfg.train.ckpt_keep, background=background)
-        if background:
-            self._pending_save = pending
-            return None
-        path = pending.finish()
-        self._log(f"checkpoint: {path}")
-        return path
-
-    def finish_pending_save(self) -> None:
-        """Publish a background checkpoint (collective: every rank at the same step)."""
-        if self._pending_save is not None:
-            pending, self._pending_save = self._pending_save, None
-            self._log(f"checkpoint: {pending.finish()}")
-
-    def sample(self, prompt: str, n_tokens: int, seed: int = 0,
-               model: torch.nn.Module | None = None) -> str:
-        return sample_text(self.model if model is None else model, self.tokenizer, prompt,
-                           n_tokens, seed)
-
+    # -------------------------------------------------------------- the end
     def close(self) -> None:
         """Release communicators, file handles, the metrics log, the signal handlers and
         the out_dir lock (every rank; a second call does nothing)."""
