@@ -29,7 +29,7 @@ def data_vocab(study_path: str) -> int | None:
 
 def load_for_run(study_path: str, system_name: str | None = None):
     """The study and its (calibrated) performance profile."""
-    from hpctrain.scaling.systems import load_system
+    from hpctrain.scaling.systems import load_perf
 
     study = _load_uncalibrated(study_path)[0]
     calib = study.calibration if study.calibration and study.calibration.is_file() else None
@@ -37,7 +37,7 @@ def load_for_run(study_path: str, system_name: str | None = None):
         raise UserError(f"{study_path} names calibration {study.calibration}, which does not "
                         f"exist; make it with `hpctrain scale calibrate {study_path} --output "
                         f"{study.calibration}` or drop the line")
-    return study, load_system(system_name or study.system, calib)
+    return study, load_perf(system_name or study.system, calib)
 
 
 def cmd_scale(args) -> int:
@@ -97,17 +97,17 @@ def _calibrate(args) -> int:
 
 def _load_uncalibrated(study_path: str):
     from hpctrain.scaling.spec import load_study
-    from hpctrain.scaling.systems import load_system
+    from hpctrain.scaling.systems import load_perf
 
     from hpctrain.scaling.spec import tomllib
 
     try:  # nodes = [...] needs the profile's ranks per node before the points exist
         name = tomllib.loads(Path(study_path).read_text())["study"]["system"]
-        rpn = load_system(name).ranks_per_node or None
+        rpn = load_perf(name).ranks_per_node or None
     except Exception:  # noqa: BLE001 - load_study reports a broken spec properly
         rpn = None
     study = load_study(study_path, ranks_per_node=rpn, vocab_size=data_vocab(study_path))
-    return study, load_system(study.system)
+    return study, load_perf(study.system)
 
 
 def cmd_plan(args) -> int:

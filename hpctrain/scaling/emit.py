@@ -56,7 +56,7 @@ def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | N
         text = study_script(render(spec), study, system)
         path = write_script(out / f"study-{study.name}.sh", text)
         lines.append(f"wrote {path}: all {len(study.points)} point(s) in one job of {nodes} "
-                     f"node(s); submit with {SUBMIT[spec.profile.scheduler]} {path}; the "
+                     f"node(s); submit with {SUBMIT[spec.system.batch.scheduler]} {path}; the "
                      f"study's records land in {runs}/study-{study.name}-<job id>/study")
         return lines
     index, submit = {}, []
@@ -70,7 +70,7 @@ def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | N
                          walltime=walltime, venv=venv)
             path = write_script(out / f"{name}.sh", render(spec))
             index[name] = {"point": point.id, "index": i, "repeat": r}
-            submit.append(f"{SUBMIT[spec.profile.scheduler]} {shlex.quote(str(path.resolve()))}")
+            submit.append(f"{SUBMIT[spec.system.batch.scheduler]} {shlex.quote(str(path.resolve()))}")
     (out / "jobs.json").write_text(json.dumps({"study": str(study.path.resolve()),
                                                "jobs": index}, indent=1))
     script = out / "submit_all.sh"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hpctrain.errors import UserError
 from hpctrain.scaling.models import ModelShape, model_shape
 from hpctrain.scaling.perfmodel import Layout, Prediction, describe, fits, predict
-from hpctrain.scaling.systems import SystemPerf, load_system
+from hpctrain.scaling.systems import SystemPerf, load_perf
 
 GIB = 1 << 30
 
@@ -75,7 +75,7 @@ DEFAULT_BATCH = 512
 
 def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len: int = 0,
          dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None) -> Plan:
-    perf = load_system(system, calibration)
+    perf = load_perf(system, calibration)
     if nodes < 1:
         raise UserError(f"--nodes {nodes}: use at least 1")
     rpn = ranks_per_node or perf.ranks_per_node

@@ -7,7 +7,7 @@
     steps = 30                    # optimizer steps per run (the trainer drops a warm-up)
     repeats = 1
     recipe = "default"            # what `hpctrain train` starts from
-    system = "local"              # performance profile (hpctrain/scaling/systems)
+    system = "local"              # hpctrain/systems/<name>.toml: ranks per node, [perf]
     calibration = "local-calibration.json"   # from `hpctrain scale calibrate`, optional
     timeout_s = 300               # limit of each mpiexec
     overrides = ["--data.path=datasets/stdlib-char.h5"]
