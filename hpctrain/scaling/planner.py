@@ -11,7 +11,7 @@ such a step would be bubble.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpctrain.errors import UserError
 from hpctrain.scaling.models import ModelShape, model_shape
@@ -82,8 +82,6 @@ def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len:
     if rpn < 1:
         raise UserError(f"system {perf.name} has no ranks per node; pass --ranks-per-node N")
     if ranks_per_node and perf.ranks_per_node and ranks_per_node != perf.ranks_per_node:
-        from dataclasses import replace
-
         perf = replace(perf, ranks_per_node=ranks_per_node)
     shape = model_shape(model, block_size=seq_len)
     ranks = nodes * rpn
