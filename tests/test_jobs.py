@@ -14,7 +14,7 @@ from hpctrain.cli import main
 from hpctrain.errors import EXIT_USER_ERROR, JobError
 from hpctrain.jobs import bind, launch
 from hpctrain.jobs.render import render, write_script
-from hpctrain.jobs.shell import Var, quote, render_word, resolve_word, word
+from hpctrain.jobs.shell import Var, literal, quote, render_word, resolve_word, word
 from hpctrain.jobs.spec import build_spec
 from hpctrain.jobs.systems import job_system
 from hpctrain.systems import load_system, system_names
@@ -115,6 +115,30 @@ def test_custom_profile_from_a_toml_file(tmp_path):
     path.write_text(src.replace("{ranks}", "{rank}"))
     with pytest.raises(JobError, match="unknown placeholder"):
         job_system(str(path))
+
+
+def launch_words(text: str, cwd: Path, **values: str) -> list[str]:
+    """The script's LAUNCH=( ... ) array as bash builds it, with ``values`` as variables."""
+    lines = text.splitlines()
+    start = lines.index("LAUNCH=(")
+    block = "\n".join(lines[start:lines.index(")", start) + 1])
+    assign = "".join(f"{k}={quote(v)}\n" for k, v in values.items())
+    p = subprocess.run(["bash", "-c", assign + block + '\nprintf "%s\\0" "${LAUNCH[@]}"'],
+                       capture_output=True, timeout=10, cwd=cwd)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("system", ["polaris", "local"])
+def test_a_spec_s_own_launch_words_are_quoted_through_the_template(system, tmp_path):
+    launch = (word(Var("PYTHON")), literal("-m"), literal("hpctrain"), *map(literal, NASTY),
+              word(Var("RUN_DIR"), "/x y"))
+    text = render(build_spec(system=system, command=CMD, launch=launch,
+                             **{**CLUSTERS[system], "venv": "none"}))
+    words = launch_words(text, tmp_path, PYTHON="/py", RUN_DIR="/r $(touch PWNED)")
+    assert words == ["/py", "-m", "hpctrain", *NASTY, "/r $(touch PWNED)/x y"]
+    assert not (tmp_path / "PWNED").exists()
+    assert "SRUN_MPI=" not in text and "-m hpctrain.jobs.bind" not in text
 
 
 # ------------------------------------------------------------------------ per system

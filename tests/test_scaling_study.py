@@ -4,6 +4,7 @@ errors (single process; records are written by hand where no run is needed)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -274,3 +275,27 @@ def test_scale_run_reads_the_study_file_once(tmp_path, monkeypatch):
                  "polaris", "--account", "P", "--queue", "debug", "--walltime", "00:10:00",
                  "--venv", "none"]) == 0
     assert reads == [spec] and sum(t == text for t in parses) == 1
+
+
+def test_one_job_script_launches_the_study_runner_quoted(tmp_path):
+    # The study path reaches the script through the template's quoting, like every word.
+    folder = tmp_path / "a b'c $(touch PWNED) `x`"
+    folder.mkdir()
+    text = SPEC.format(scaling="weak", batch="per_rank = 4").replace(
+        "ranks = [1, 2, 4]", "nodes = [1, 2]").replace('steps = 5', 'steps = 5\nsystem = "polaris"')
+    spec = _write(folder, text)
+    assert main(["scale", "run", str(spec), "--jobs", str(tmp_path / "one"), "--one-job",
+                 "--system", "polaris", "--account", "P", "--queue", "debug", "--walltime",
+                 "00:10:00", "--venv", "none"]) == 0
+    script = (tmp_path / "one" / "study-t.sh").read_text()
+    lines = script.splitlines()
+    start = lines.index("LAUNCH=(")
+    block = "\n".join(lines[start:lines.index(")", start) + 1])
+    p = subprocess.run(["bash", "-c", 'PYTHON=/py RUN_DIR=/r\n' + block +
+                        '\nprintf "%s\\0" "${LAUNCH[@]}"'],
+                       capture_output=True, timeout=10, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode().split("\0")[:-1] == [
+        "/py", "-m", "hpctrain", "scale", "run", str(spec.resolve()), "--launch-system",
+        "polaris", "--out", "/r/study"]
+    assert not (tmp_path / "PWNED").exists()

@@ -127,7 +127,10 @@ def _directives(spec: JobSpec, place) -> list[Shell]:
 
 def _launch_lines(spec: JobSpec, place, plugin: str | None) -> list[Shell]:
     """The lines of the script's ``LAUNCH=( ... )`` array: the system's launcher, the
-    per-rank wrapper, then the program with one argument per line."""
+    per-rank wrapper, then the program with one argument per line; or the spec's own
+    ``launch`` words on one line."""
+    if spec.launch is not None:
+        return [render_words(spec.launch)]
     p = spec.system
     rpn_word = None if place.ranks_per_node else (Var("RANKS_PER_NODE"),)
     srun_mpi = (Var("SRUN_MPI"),) if plugin == "auto" else literal(plugin) if plugin else None
@@ -149,7 +152,8 @@ def context(spec: JobSpec) -> dict:
     p = spec.system
     b, la = p.batch, p.launch
     place = placement(p, spec.ranks_per_node)
-    plugin = spec.mpi_plugin if la.uses_srun_mpi else None
+    # A spec's own launch words start no ranks: no srun plugin to choose in the job.
+    plugin = spec.mpi_plugin if la.uses_srun_mpi and spec.launch is None else None
     env = {k: v for k, v in la.env}
     if place.threads_per_rank:
         env["OMP_NUM_THREADS"] = str(place.threads_per_rank)

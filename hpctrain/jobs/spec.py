@@ -47,6 +47,12 @@ class JobSpec:
     check_queue: bool = True
     srun_mpi: str | None = None
     """``--srun-mpi``: replaces the system's ``srun_mpi``."""
+    launch: tuple | None = None
+    """What the job runs once, in its own shell, instead of starting ``command`` on every
+    rank with the system's launcher: the program and its arguments as words
+    (``shell.literal``/``word``; ``Var("RUN_DIR")``, ``Var("PYTHON")`` are the job's).
+    ``hpctrain scale run --one-job`` runs the study runner so, which launches each point
+    itself. Rendered through ``shell.render_word`` like every other word."""
 
     @property
     def mpi_plugin(self) -> str | None:
@@ -96,7 +102,8 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                array: str | None = None, profiler: str | None = None,
                ranks_per_node: int | None = None, venv: str | None = None,
                setup_file: str | None = None, run_root: str | None = None,
-               check_queue: bool = True, srun_mpi: str | None = None) -> JobSpec:
+               check_queue: bool = True, srun_mpi: str | None = None,
+               launch: tuple | None = None) -> JobSpec:
     if not system:
         raise JobError("name the system: --system polaris (or aurora, perlmutter, frontier, "
                        "pbs, slurm, local, or a .toml file); see --list-systems")
@@ -160,6 +167,10 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
             raise JobError(f"--setup {setup_file}: cannot read it ({e.strerror})") from None
         setup = tuple(line.strip() for line in text.splitlines()
                       if line.strip() and not line.strip().startswith("#"))
+    if launch is not None:
+        launch = tuple(launch)
+        for part in (p for w in launch for p in w if isinstance(p, str)):
+            validate.no_nul(part, "the launch line")
     per_node = ranks_per_node or la.ranks_per_node  # 0: one per core, not known here
     check_command(command, array=bool(array), forbid={"train.out_dir": OUT_DIR_REASON},
                   ranks=n_nodes * per_node if per_node else None)
@@ -169,6 +180,6 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                    env=env_pairs, array=array, profiler=profiler, ranks_per_node=ranks_per_node,
                    venv=venv, setup_file=setup_file, setup=setup,
                    run_root=run_root or DEFAULT_RUN_ROOT, command=tuple(command),
-                   check_queue=check_queue, srun_mpi=srun_mpi)
+                   check_queue=check_queue, srun_mpi=srun_mpi, launch=launch)
     placement(sys_, ranks_per_node)  # ranks per node vs. cores and sockets
     return spec

@@ -7,21 +7,21 @@ run directory under ``DIR/runs``; ``DIR/submit_all.sh`` submits them all and
 finished runs' ``summary.json`` files into records.
 
 One job (``--one-job``): the generator's script for the largest point's node count, whose
-launch line is replaced by ``python -m hpctrain scale run STUDY --launch-system SYSTEM``:
-inside the allocation the study runner starts each point with the system's own launch
-line (``hpctrain.jobs.launch.plan_launch``) on as many nodes as the point needs.
+``JobSpec.launch`` is ``python -m hpctrain scale run STUDY --launch-system SYSTEM``
+(rendered and quoted like every launch line): inside the allocation the study runner
+starts each point with the system's own launch line (``hpctrain.jobs.launch.plan_launch``)
+on as many nodes as the point needs.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.jobs.render import SUBMIT, check_syntax, render, write_script
-from hpctrain.jobs.shell import quote
+from hpctrain.jobs.render import SUBMIT, render, write_script
+from hpctrain.jobs.shell import Var, literal, word
 from hpctrain.jobs.spec import build_spec
 from hpctrain.scaling import records
 from hpctrain.scaling.perfmodel import predict
@@ -33,6 +33,14 @@ def _command(study: Study, point) -> list[str]:
     """The point's ``train ...`` arguments; the job sets ``--train.out_dir`` itself."""
     return [c for c in train_command(study, point, Path("x"))
             if not c.startswith("--train.out_dir=")]
+
+
+def study_launch(study: Study, system: str) -> tuple:
+    """What a ``--one-job`` script runs: the study runner, which starts each point with
+    the system's launch line inside the allocation; records under ``$RUN_DIR/study``."""
+    return (word(Var("PYTHON")), *(literal(a) for a in (
+        "-m", "hpctrain", "scale", "run", str(study.path.resolve()), "--launch-system",
+        system, "--out")), word(Var("RUN_DIR"), "/study"))
 
 
 def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | None,
@@ -50,9 +58,9 @@ def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | N
     if one_job:
         nodes = max(p.nodes for p in study.points)
         spec = build_spec(**common, nodes=nodes, command=_command(study, study.points[0]),
-                          job_name=f"study-{study.name}"[:63])
-        text = study_script(render(spec), study, system)
-        path = write_script(out / f"study-{study.name}.sh", text)
+                          job_name=f"study-{study.name}"[:63],
+                          launch=study_launch(study, system))
+        path = write_script(out / f"study-{study.name}.sh", render(spec))
         lines.append(f"wrote {path}: all {len(study.points)} point(s) in one job of {nodes} "
                      f"node(s); submit with {SUBMIT[spec.system.batch.scheduler]} {path}; the "
                      f"study's records land in {runs}/study-{study.name}-<job id>/study")
@@ -75,23 +83,6 @@ def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | N
     lines.append(f"wrote {len(index)} job script(s) to {out}/ and {script} to submit them; "
                  f"afterwards: hpctrain scale report {out}")
     return lines
-
-
-_LAUNCH = re.compile(r"^LAUNCH=\(\n.*?^\)\n", re.S | re.M)
-
-
-def study_script(text: str, study: Study, system: str) -> str:
-    """The generator's script with its launch line replaced by the study runner."""
-    run = ["scale", "run", str(study.path.resolve()), "--launch-system", system,
-           "--out"]
-    words = " ".join(quote(w) for w in run)
-    new = f'LAUNCH=(\n    "$PYTHON" -m hpctrain {words} "$RUN_DIR/study"\n)\n'
-    replaced, count = _LAUNCH.subn(lambda _: new, text, count=1)
-    if count != 1:
-        raise UserError("the job template has no LAUNCH=( ... ) block to replace; write "
-                        "per-point scripts (drop --one-job)")
-    check_syntax(replaced)
-    return replaced
 
 
 def collect(folder: str | Path) -> int:
