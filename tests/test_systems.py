@@ -118,3 +118,15 @@ def test_the_mfu_peak_table_is_the_registry_s():
 
     assert PEAK_TFLOPS["A100"] == {"bf16": 312.0, "fp32": 19.5}
     assert load_perf("polaris").peak_flops["bf16"] == PEAK_TFLOPS["A100"]["bf16"] * 1e12
+
+
+def test_a_missing_or_binary_system_file_is_one_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist; give a built-in system"):
+        load_system(str(tmp_path / "nowhere.toml"))
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe[batch]")
+    with pytest.raises(UserError, match="is not UTF-8 text"):
+        load_system(str(path))
+    path.write_text("[batch\n")
+    with pytest.raises(UserError, match="binary.toml is not valid TOML"):
+        load_system(str(path))

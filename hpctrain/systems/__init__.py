@@ -221,14 +221,16 @@ def load_system(name_or_path: str) -> System:
             text = path.read_text()
         except OSError as e:
             raise UserError(f"system file {path} cannot be read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise UserError(f"system file {path} is not UTF-8 text; a system file is TOML "
+                            "(copy one of hpctrain/systems/*.toml)") from None
         name, file = path.stem, str(path)
     else:
-        resource = _folder() / f"{name_or_path}.toml"
-        if name_or_path not in system_names() or not resource.is_file():
+        if name_or_path not in system_names():
             raise UserError(f"unknown system {name_or_path!r}; built-in systems: "
                             f"{', '.join(system_names())} (or the path of a .toml file; "
                             "see `hpctrain jobscript --list-systems`)")
-        text, name = resource.read_text(), name_or_path
+        text, name = (_folder() / f"{name_or_path}.toml").read_text(), name_or_path
         file = f"hpctrain/systems/{name}.toml"
     try:
         data = tomllib.loads(text)
