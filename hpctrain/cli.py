@@ -434,13 +434,13 @@ def cmd_jobscript(args, command: list[str]) -> int:
         sys.stdout.write(text)
         return 0
     path = write_script(args.output, text)
-    p = spec.profile
+    p = spec.system
     where = f", queue {spec.queue}" if spec.queue else ""
     when = f", walltime {spec.walltime}" if spec.walltime else ""
-    rpn = spec.ranks_per_node or p.ranks_per_node or "one per core"
+    rpn = spec.ranks_per_node or p.launch.ranks_per_node or "one per core"
     print(f"wrote {path}: {p.name}, {spec.nodes} node(s) x {rpn} rank(s){where}{when}")
     print(f"submit it from the directory its relative paths refer to:  "
-          f"{SUBMIT[p.scheduler]} {path}")
+          f"{SUBMIT[p.batch.scheduler]} {path}")
     print(f"results: {spec.run_root}/{spec.job_name}-<job id>/metrics.jsonl")
     return 0
 
@@ -450,7 +450,7 @@ def cmd_launch(args, command: list[str]) -> int:
 
     from hpctrain.jobs.command import check_command
     from hpctrain.jobs.launch import detect_allocation, plan_launch, run_launch
-    from hpctrain.jobs.systems import load_profile, srun_mpi
+    from hpctrain.jobs.systems import job_system, srun_mpi
 
     check_command(command)
     if args.srun_mpi is not None:
@@ -458,7 +458,7 @@ def cmd_launch(args, command: list[str]) -> int:
     alloc = detect_allocation()
     system = args.system or os.environ.get("HPCTRAIN_SYSTEM") or \
         {"pbs": "pbs", "slurm": "slurm", "none": "local"}[alloc.scheduler]
-    argv = plan_launch(load_profile(system), alloc, command, nodes=args.nodes,
+    argv = plan_launch(job_system(system), alloc, command, nodes=args.nodes,
                        ranks_per_node=args.ranks_per_node, ranks=args.ranks,
                        profiler=args.profile, srun_mpi=args.srun_mpi)
     return run_launch(argv, dry_run=args.dry_run)

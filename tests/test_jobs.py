@@ -14,9 +14,10 @@ from hpctrain.cli import main
 from hpctrain.errors import EXIT_USER_ERROR, JobError
 from hpctrain.jobs import bind, launch
 from hpctrain.jobs.render import render, write_script
-from hpctrain.jobs.shell import Var, quote, render_word, resolve_word, word
+from hpctrain.jobs.shell import Var, literal, quote, render_word, resolve_word, word
 from hpctrain.jobs.spec import build_spec
-from hpctrain.jobs.systems import load_profile, profile_names
+from hpctrain.jobs.systems import job_system
+from hpctrain.systems import load_system, system_names
 
 REPO = Path(__file__).resolve().parents[1]
 # A global batch that splits over every job size below (8 to 1600 ranks): the job
@@ -84,11 +85,11 @@ def test_nul_bytes_are_refused():
         build_spec(system="local", command=["train", "default", "--data.path=a\x00b"])
 
 
-# ---------------------------------------------------------------------------- profiles
+# ----------------------------------------------------------------------------- systems
 
 def test_every_builtin_profile_loads_and_renders_a_script_bash_accepts():
-    assert set(profile_names()) == set(CLUSTERS)
-    for name in profile_names():
+    assert set(system_names()) == set(CLUSTERS)
+    for name in system_names():
         text = script(name)
         assert text.startswith("#!/bin/bash -l\n")
         assert "set -euo pipefail" in text
@@ -106,14 +107,38 @@ def test_list_systems_shows_queues_and_limits(capsys):
 
 
 def test_custom_profile_from_a_toml_file(tmp_path):
-    src = (REPO / "hpctrain/jobs/profiles/slurm.toml").read_text()
+    src = (REPO / "hpctrain/systems/slurm.toml").read_text()
     path = tmp_path / "mycluster.toml"
     path.write_text(src.replace('srun_mpi = "auto"', 'srun_mpi = "pmix"'))
     text = render(build_spec(system=str(path), command=CMD, walltime="01:00:00", venv="none"))
     assert launch_block(text)[:3] == ["srun", "--mpi=pmix", "-n"]
     path.write_text(src.replace("{ranks}", "{rank}"))
     with pytest.raises(JobError, match="unknown placeholder"):
-        load_profile(str(path))
+        job_system(str(path))
+
+
+def launch_words(text: str, cwd: Path, **values: str) -> list[str]:
+    """The script's LAUNCH=( ... ) array as bash builds it, with ``values`` as variables."""
+    lines = text.splitlines()
+    start = lines.index("LAUNCH=(")
+    block = "\n".join(lines[start:lines.index(")", start) + 1])
+    assign = "".join(f"{k}={quote(v)}\n" for k, v in values.items())
+    p = subprocess.run(["bash", "-c", assign + block + '\nprintf "%s\\0" "${LAUNCH[@]}"'],
+                       capture_output=True, timeout=10, cwd=cwd)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("system", ["polaris", "local"])
+def test_a_spec_s_own_launch_words_are_quoted_through_the_template(system, tmp_path):
+    launch = (word(Var("PYTHON")), literal("-m"), literal("hpctrain"), *map(literal, NASTY),
+              word(Var("RUN_DIR"), "/x y"))
+    text = render(build_spec(system=system, command=CMD, launch=launch,
+                             **{**CLUSTERS[system], "venv": "none"}))
+    words = launch_words(text, tmp_path, PYTHON="/py", RUN_DIR="/r $(touch PWNED)")
+    assert words == ["/py", "-m", "hpctrain", *NASTY, "/r $(touch PWNED)/x y"]
+    assert not (tmp_path / "PWNED").exists()
+    assert "SRUN_MPI=" not in text and "-m hpctrain.jobs.bind" not in text
 
 
 # ------------------------------------------------------------------------ per system
@@ -254,7 +279,6 @@ def test_env_overrides_array_profile_and_setup(tmp_path):
     (dict(ranks_per_node=64), "more than the 32 CPUs"),
     (dict(env=["1BAD=x"]), "expected KEY=VALUE"),
     (dict(env=["NOVALUE"]), "expected KEY=VALUE"),
-    (dict(system="nosuch"), "unknown system 'nosuch'; built-in systems: aurora"),
     (dict(command=["prepare", "--corpus", "stdlib"]), "after '--' comes an hpctrain command"),
     (dict(command=[]), "name the command to run after '--'"),
     (dict(command=["train"]), "name a recipe after 'train'"),
@@ -321,7 +345,7 @@ def test_launch_plan_matches_the_script_for_the_same_allocation(tmp_path):
     alloc = launch.detect_allocation({"PBS_JOBID": "9.pbs", "PBS_NODEFILE": str(nodefile)})
     assert (alloc.scheduler, alloc.nodes) == ("pbs", 3)
     command = CMD + ["--train.out_dir=/r"]
-    argv = launch.plan_launch(load_profile("polaris"), alloc, command, python="/py")
+    argv = launch.plan_launch(job_system("polaris"), alloc, command, python="/py")
     assert argv[:3] == ["mpiexec", "-n", "12"]
     # The script's LAUNCH array, with its variables given the same values, is this argv.
     words = launch_block(script("polaris"))
@@ -342,18 +366,18 @@ def test_detect_allocation_for_slurm_and_none():
 
 
 def test_plan_launch_local_and_guards():
-    local = load_profile("local")
+    local = job_system("local")
     argv = launch.plan_launch(local, launch.Allocation("none", 1, None, None), CMD,
                               ranks=3, python=sys.executable)
     assert argv[1:3] == ["-n", "3"] and argv[3:] == [sys.executable, "-m", "hpctrain", *CMD]
     default = launch.plan_launch(local, launch.Allocation("none", 1, None, None), CMD)
     assert default[2] == str(launch.local_ranks())
     with pytest.raises(JobError, match="not in a PBS job"):
-        launch.plan_launch(load_profile("polaris"), launch.Allocation("none", 1, None, None), CMD)
+        launch.plan_launch(job_system("polaris"), launch.Allocation("none", 1, None, None), CMD)
     with pytest.raises(JobError, match="--ranks is for the local system"):
-        launch.plan_launch(load_profile("slurm"), launch.Allocation("slurm", 2, "1", None), CMD,
+        launch.plan_launch(job_system("slurm"), launch.Allocation("slurm", 2, "1", None), CMD,
                            ranks=4)
-    srun = launch.plan_launch(load_profile("frontier"), launch.Allocation("slurm", 3, "1", None),
+    srun = launch.plan_launch(job_system("frontier"), launch.Allocation("slurm", 3, "1", None),
                               CMD, python="py")
     assert srun[:4] == ["srun", "-N3", "-n24", "-c7"]
 
@@ -559,7 +583,7 @@ def test_srun_mpi_module_prints_the_choice(tmp_path):
 ])
 def test_launch_takes_the_rank_count_of_a_slurm_allocation(env, expect):
     alloc = launch.detect_allocation({"SLURM_JOB_ID": "9", **env})
-    argv = launch.plan_launch(load_profile("slurm"), alloc, CMD, python="py", srun_mpi="pmi2")
+    argv = launch.plan_launch(job_system("slurm"), alloc, CMD, python="py", srun_mpi="pmi2")
     assert argv[:5] == ["srun", "--mpi=pmi2", *expect]
 
 
@@ -569,9 +593,9 @@ def test_an_allocation_with_more_tasks_than_gpus_names_the_allocation_not_a_flag
     with pytest.raises(JobError, match=r"the allocation's 16 tasks per node \(16 on 1 node"
                                        r"\(s\)\): a frontier node takes at most 8 ranks.*ask "
                                        r"the allocation for 8 tasks per node or fewer"):
-        launch.plan_launch(load_profile("frontier"), alloc, CMD, python="py")
+        launch.plan_launch(job_system("frontier"), alloc, CMD, python="py")
     with pytest.raises(JobError, match=r"^--ranks-per-node 9: .*use --ranks-per-node 8"):
-        launch.plan_launch(load_profile("frontier"), alloc, CMD, python="py", ranks_per_node=9)
+        launch.plan_launch(job_system("frontier"), alloc, CMD, python="py", ranks_per_node=9)
 
 
 def test_launch_takes_the_rank_slots_of_a_pbs_nodefile(tmp_path):
@@ -579,15 +603,15 @@ def test_launch_takes_the_rank_slots_of_a_pbs_nodefile(tmp_path):
     nodefile.write_text("h1\nh1\nh1\nh2\nh2\nh2\n")  # select=2:mpiprocs=3
     alloc = launch.detect_allocation({"PBS_JOBID": "1.s", "PBS_NODEFILE": str(nodefile)})
     assert (alloc.nodes, alloc.ranks, alloc.ranks_per_node) == (2, 6, 3)
-    assert launch.plan_launch(load_profile("pbs"), alloc, CMD, python="py")[:5] == \
+    assert launch.plan_launch(job_system("pbs"), alloc, CMD, python="py")[:5] == \
         ["mpiexec", "-n", "6", "-ppn", "3"]
     # --ranks-per-node and --nodes are explicit: they win over the allocation.
-    assert launch.plan_launch(load_profile("pbs"), alloc, CMD, python="py",
+    assert launch.plan_launch(job_system("pbs"), alloc, CMD, python="py",
                               ranks_per_node=2)[:5] == ["mpiexec", "-n", "4", "-ppn", "2"]
     nodefile.write_text("h1\nh2\n")  # one line per host: the profile decides
     alloc = launch.detect_allocation({"PBS_JOBID": "1.s", "PBS_NODEFILE": str(nodefile)})
     assert alloc.ranks is None
-    assert launch.plan_launch(load_profile("polaris"), alloc, CMD, python="py")[:3] == \
+    assert launch.plan_launch(job_system("polaris"), alloc, CMD, python="py")[:3] == \
         ["mpiexec", "-n", "8"]
 
 
@@ -613,7 +637,8 @@ def test_launch_dry_run_inside_salloc_uses_the_allocations_ranks(tmp_path, monke
 
 def _spec(system, **kw):
     """A request whose global batch splits over its ranks, however many."""
-    ranks = kw.get("nodes", 1) * (kw.get("ranks_per_node") or load_profile(system).ranks_per_node)
+    per_node = kw.get("ranks_per_node") or load_system(system).launch.ranks_per_node
+    ranks = kw.get("nodes", 1) * per_node
     return build_spec(system=system, command=[*CMD[:3], f"--train.batch_size={ranks}"],
                       account="P", **kw)
 
@@ -640,9 +665,9 @@ def test_aurora_prod_walltime_by_size(nodes, edge):
 
 
 @pytest.mark.parametrize("system, queue", [
-    (s, q) for s in ("polaris", "aurora") for q in load_profile(s).queues])
+    (s, q) for s in ("polaris", "aurora") for q in load_system(s).batch.queues])
 def test_every_alcf_queue_has_a_five_minute_minimum(system, queue):
-    nodes = max(load_profile(system).queues[queue].min_nodes, 1)
+    nodes = max(load_system(system).batch.queues[queue].min_nodes, 1)
     _spec(system, queue=queue, nodes=nodes, walltime="00:05:00")
     with pytest.raises(JobError, match=rf"queue {queue} on {system} takes jobs of at least "
                                        r"00:05:00, you asked for 00:04:59"):
@@ -652,7 +677,7 @@ def test_every_alcf_queue_has_a_five_minute_minimum(system, queue):
 @pytest.mark.parametrize("queue, limit", [("debug", 1), ("debug-scaling", 1),
                                           ("preemptable", 20), ("prod", 10)])
 def test_polaris_array_throttle_per_queue_and_rerunnable_arrays(queue, limit):
-    q = load_profile("polaris").queues[queue]
+    q = load_system("polaris").batch.queues[queue]
     kw = dict(queue=queue, nodes=q.min_nodes, walltime="00:30:00")
     text = render(_spec("polaris", array=f"0-31%{limit}", **kw))
     assert f"#PBS -J 0-31%{limit}" in directives(text)

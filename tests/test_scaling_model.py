@@ -16,7 +16,7 @@ from hpctrain.scaling import collectives as coll
 from hpctrain.scaling import perfmodel as pm
 from hpctrain.scaling.models import ModelShape, model_shape
 from hpctrain.scaling.planner import plan
-from hpctrain.scaling.systems import ShapeRate, load_system
+from hpctrain.scaling.systems import ShapeRate, load_perf
 
 LINK = coll.Link(alpha_s=1e-5, bandwidth=1e10)
 
@@ -102,13 +102,13 @@ def test_activation_memory_korthikanti():
 
 
 def _cpu_system(cores=2):
-    base = load_system("local")
+    base = load_perf("local")
     return dataclasses.replace(base, cores_per_node=cores, base_memory=0.0,
                                shapes={}, fits={}, overlap=0.0)
 
 
 def test_predicted_bubble_matches_the_formula():
-    sys_ = load_system("polaris")
+    sys_ = load_perf("polaris")
     shape = model_shape("gpt2")
     pred = pm.predict(sys_, shape, pm.Layout(ranks=4, pp=4, micro_batches=8, global_batch=8,
                                              dtype="bf16"))
@@ -157,7 +157,7 @@ def test_cpu_data_parallelism_uses_the_shared_memory_fit_where_calibrated():
 
 
 def test_zero_stages_memory_and_communication():
-    sys_ = dataclasses.replace(load_system("polaris"), overlap=0.0)  # nothing hidden
+    sys_ = dataclasses.replace(load_perf("polaris"), overlap=0.0)  # nothing hidden
     shape = model_shape("gpt2")
     preds = {z: pm.predict(sys_, shape, pm.Layout(ranks=8, zero=z, global_batch=16,
                                                   dtype="bf16")) for z in range(4)}

@@ -4,6 +4,7 @@ errors (single process; records are written by hand where no run is needed)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,75 @@ def test_job_scripts_per_point_and_one_job(tmp_path):
     one = (tmp_path / "one" / "study-t.sh").read_text()
     assert "#PBS -l select=2:system=polaris" in one
     assert "-m hpctrain scale run" in one and "--launch-system polaris" in one
+
+
+# ------------------------------------------------------------------ one reader of studies
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist; see perf/studies/local.toml"),
+    ("[study\nname = 1", "not valid TOML"),
+    (b"\xff\xfe[study]", "is not UTF-8 text"),
+    (SPEC.format(scaling="weak", batch="per_rank = 4").replace(
+        "ranks = [1, 2, 4]", 'nodes = [1]\nsystem = "summit"'),
+     "system = 'summit': unknown system 'summit'; built-in systems: aurora"),
+    (SPEC.format(scaling="weak", batch="per_rank = 4").replace(
+        "vocab_size = 50", "").replace('"--data.path=nowhere.h5"', '"--data.pth=x"'),
+     "recipe and overrides: unknown option --data.pth"),
+])
+def test_a_broken_study_file_is_one_error_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "s.toml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError) as e:
+        load_study(path)
+    assert message in str(e.value) and str(path) in str(e.value)
+
+
+def test_nodes_take_the_ranks_per_node_of_the_study_s_system(tmp_path):
+    text = SPEC.format(scaling="weak", batch="per_rank = 4").replace(
+        "ranks = [1, 2, 4]", 'nodes = [1, 2]\nsystem = "aurora"')
+    assert load_study(_write(tmp_path, text)).ranks == (12, 24)  # aurora: 12 per node
+
+
+def test_scale_run_reads_the_study_file_once(tmp_path, monkeypatch):
+    from hpctrain.scaling import spec as spec_module
+
+    reads = []
+    real = spec_module.read_spec
+    monkeypatch.setattr(spec_module, "read_spec", lambda p: reads.append(p) or real(p))
+    parses = []
+    real_loads = spec_module.tomllib.loads
+    monkeypatch.setattr(spec_module.tomllib, "loads", lambda t: parses.append(t) or real_loads(t))
+    text = SPEC.format(scaling="weak", batch="per_rank = 4").replace(
+        "ranks = [1, 2, 4]", "nodes = [1, 2]").replace('steps = 5', 'steps = 5\nsystem = "polaris"')
+    spec = _write(tmp_path, text)
+    assert main(["scale", "run", str(spec), "--jobs", str(tmp_path / "jobs"), "--system",
+                 "polaris", "--account", "P", "--queue", "debug", "--walltime", "00:10:00",
+                 "--venv", "none"]) == 0
+    assert reads == [spec] and sum(t == text for t in parses) == 1
+
+
+def test_one_job_script_launches_the_study_runner_quoted(tmp_path):
+    # The study path reaches the script through the template's quoting, like every word.
+    folder = tmp_path / "a b'c $(touch PWNED) `x`"
+    folder.mkdir()
+    text = SPEC.format(scaling="weak", batch="per_rank = 4").replace(
+        "ranks = [1, 2, 4]", "nodes = [1, 2]").replace('steps = 5', 'steps = 5\nsystem = "polaris"')
+    spec = _write(folder, text)
+    assert main(["scale", "run", str(spec), "--jobs", str(tmp_path / "one"), "--one-job",
+                 "--system", "polaris", "--account", "P", "--queue", "debug", "--walltime",
+                 "00:10:00", "--venv", "none"]) == 0
+    script = (tmp_path / "one" / "study-t.sh").read_text()
+    lines = script.splitlines()
+    start = lines.index("LAUNCH=(")
+    block = "\n".join(lines[start:lines.index(")", start) + 1])
+    p = subprocess.run(["bash", "-c", 'PYTHON=/py RUN_DIR=/r\n' + block +
+                        '\nprintf "%s\\0" "${LAUNCH[@]}"'],
+                       capture_output=True, timeout=10, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode().split("\0")[:-1] == [
+        "/py", "-m", "hpctrain", "scale", "run", str(spec.resolve()), "--launch-system",
+        "polaris", "--out", "/r/study"]
+    assert not (tmp_path / "PWNED").exists()

@@ -1,10 +1,11 @@
-"""Batch jobs: system profiles (data), job-script rendering, and the in-job launcher.
+"""Batch jobs: job-script rendering and the in-job launcher, for the systems of
+``hpctrain/systems/`` (one TOML file per machine: queues, launcher, binding).
 
     hpctrain jobscript --system polaris --nodes 2 --walltime 00:30:00 --queue debug \\
         --account PROJECT --output job.sh -- train default
     hpctrain launch --dry-run -- train default          # inside a job (or on this machine)
 
-- ``systems.py``   profiles (TOML in ``profiles/``): ranks and GPUs per node, binding, queues
+- ``systems.py``   a system's ``[batch]`` and ``[launch]`` checked for jobs; ``--list-systems``
 - ``validate.py``  pure checks with messages that name the fix
 - ``command.py``   the hpctrain command after ``--``, validated like ``hpctrain train``
 - ``spec.py``      a whole request, validated before anything is written

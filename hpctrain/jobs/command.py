@@ -9,6 +9,7 @@ The recipe and every override are validated here, on the login node, with the sa
 
 from __future__ import annotations
 
+from hpctrain.config import check_layout, load_config, parse_overrides
 from hpctrain.errors import ConfigError, JobError
 from hpctrain.jobs import validate
 
@@ -26,8 +27,6 @@ def check_command(command: list[str], *, array: bool = False,
     With ``ranks`` (the job's rank count) the layout is checked too: pipeline stages that
     do not divide the ranks, or a batch that does not split, fail here, not in the queue.
     """
-    from hpctrain.config import check_layout, load_config, parse_overrides
-
     example = "-- train default --data.path=datasets/stdlib-char.h5"
     if not command:
         raise JobError(f"name the command to run after '--', e.g. {example}")

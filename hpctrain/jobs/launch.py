@@ -16,7 +16,7 @@ with one rank per CPU core unless ``--ranks`` says otherwise.
 Ranks follow the allocation when it was sized in tasks: ``salloc -n 2`` (``SLURM_NTASKS``,
 ``SLURM_NTASKS_PER_NODE``) or a PBS ``mpiprocs`` > 1 (``PBS_NODEFILE`` lists each host
 once per rank slot). Otherwise, and always with ``--ranks-per-node`` or ``--nodes``, the
-count is nodes x the profile's ranks per node.
+count is nodes x the system's ranks per node.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from hpctrain.errors import JobError
 from hpctrain.jobs.shell import Word, expand, literal, resolve_word
-from hpctrain.jobs.systems import Profile
+from hpctrain.systems import System
 
 
 @dataclass(frozen=True)
@@ -38,53 +38,54 @@ class Placement:
     """How ranks sit on a node: counts, CPUs per rank, threads, explicit CPU list."""
 
     ranks_per_node: int | None
-    """None: decided inside the job (one per core, local profile only)."""
+    """None: decided inside the job (one per core, local system only)."""
     cpus_per_rank: int | None
     threads_per_rank: int | None
     cpu_list: str | None
 
 
-def placement(profile: Profile, ranks_per_node: int | None = None,
+def placement(system: System, ranks_per_node: int | None = None,
               source: str | None = None) -> Placement:
     """``source``: where ``ranks_per_node`` came from when the user did not pass it (the
     allocation), so that an error names what to change."""
-    rpn = ranks_per_node or profile.ranks_per_node or None
+    name, la = system.name, system.launch
+    rpn = ranks_per_node or la.ranks_per_node or None
     if rpn is not None and rpn < 1:
         raise JobError(f"--ranks-per-node {rpn}: use at least 1")
-    if rpn is not None and profile.max_ranks_per_node and rpn > profile.max_ranks_per_node:
+    if rpn is not None and la.max_ranks_per_node and rpn > la.max_ranks_per_node:
         asked = source or f"--ranks-per-node {rpn}"
-        raise JobError(f"{asked}: a {profile.name} node takes at most "
-                       f"{profile.max_ranks_per_node} ranks (one per GPU); "
-                       + (f"ask the allocation for {profile.max_ranks_per_node} tasks per node "
-                          f"or fewer, or pass --ranks-per-node {profile.max_ranks_per_node}"
+        raise JobError(f"{asked}: a {name} node takes at most "
+                       f"{la.max_ranks_per_node} ranks (one per GPU); "
+                       + (f"ask the allocation for {la.max_ranks_per_node} tasks per node "
+                          f"or fewer, or pass --ranks-per-node {la.max_ranks_per_node}"
                           if source else
-                          f"use --ranks-per-node {profile.max_ranks_per_node} or fewer"))
-    if not profile.cpus_per_node or rpn is None:
+                          f"use --ranks-per-node {la.max_ranks_per_node} or fewer"))
+    if not la.cpus_per_node or rpn is None:
         return Placement(rpn, None, None, None)
-    if rpn > profile.cpus_per_node:
-        raise JobError(f"--ranks-per-node {rpn} is more than the {profile.cpus_per_node} CPUs "
-                       f"of a {profile.name} node; use at most {profile.cpus_per_node}")
-    cpus = profile.cpus_per_node // rpn
-    threads = max(1, cpus // profile.threads_per_core)
+    if rpn > la.cpus_per_node:
+        raise JobError(f"--ranks-per-node {rpn} is more than the {la.cpus_per_node} CPUs "
+                       f"of a {name} node; use at most {la.cpus_per_node}")
+    cpus = la.cpus_per_node // rpn
+    threads = max(1, cpus // la.threads_per_core)
     cpu_list = None
-    if profile.cpu_sockets:
-        cpu_list, threads = _cpu_list(profile, rpn)
+    if la.cpu_sockets:
+        cpu_list, threads = _cpu_list(system, rpn)
     return Placement(rpn, cpus, threads, cpu_list)
 
 
-def _cpu_list(profile: Profile, rpn: int) -> tuple[str, int]:
+def _cpu_list(system: System, rpn: int) -> tuple[str, int]:
     """``list:1-8:9-16:...``: equal blocks of cores per rank, filled socket by socket.
 
     No block crosses a socket and reserved cores (outside ``cpu_sockets``) stay free
     (Aurora: cores 0 and 52 belong to the OS)."""
-    sockets = profile.cpu_sockets
+    sockets = system.launch.cpu_sockets
     if rpn % len(sockets):
-        raise JobError(f"--ranks-per-node {rpn}: on {profile.name} ranks split evenly over "
+        raise JobError(f"--ranks-per-node {rpn}: on {system.name} ranks split evenly over "
                        f"{len(sockets)} sockets; use a multiple of {len(sockets)}")
     per_socket = rpn // len(sockets)
     width = min((last - first + 1) // per_socket for first, last in sockets)
     if width < 1:
-        raise JobError(f"--ranks-per-node {rpn} leaves no core per rank on {profile.name}")
+        raise JobError(f"--ranks-per-node {rpn} leaves no core per rank on {system.name}")
     blocks = []
     for first, _ in sockets:
         for i in range(per_socket):
@@ -110,37 +111,38 @@ class LaunchLine:
         return [resolve_word(w, values) for w in self.words]
 
 
-def launch_line(profile: Profile, place: Placement, *, nodes: Word, ranks: Word,
+def launch_line(system: System, place: Placement, *, nodes: Word, ranks: Word,
                 python: Word, command: list[Word], nodefile: Word | None = None,
                 ranks_per_node: Word | None = None, profiler: str | None = None,
                 profile_dir: Word | None = None, srun_mpi: Word | None = None) -> LaunchLine:
-    """The launch line of ``command`` (hpctrain's arguments, as words) on ``profile``."""
+    """The launch line of ``command`` (hpctrain's arguments, as words) on ``system``."""
+    la = system.launch
     values: dict[str, Word | None] = {
         "nodes": nodes, "ranks": ranks, "nodefile": nodefile, "srun_mpi": srun_mpi,
         "ranks_per_node": ranks_per_node or (literal(str(place.ranks_per_node))
                                              if place.ranks_per_node else None),
-        "gpus_per_node": literal(str(profile.gpus_per_node)),
+        "gpus_per_node": literal(str(la.gpus_per_node)),
         "cpus_per_rank": literal(str(place.cpus_per_rank)) if place.cpus_per_rank else None,
         "cpu_list": literal(place.cpu_list) if place.cpu_list else None,
     }
     launcher = []
-    for template in profile.launcher:
+    for template in la.launcher:
         missing = [k for k, v in values.items() if v is None and "{" + k + "}" in template]
         if missing:
-            raise JobError(f"system profile {profile.source}: launcher argument {template!r} "
-                           f"needs {', '.join(missing)}, which this profile does not define")
+            raise JobError(f"system file {system.file}: launcher argument {template!r} "
+                           f"needs {', '.join(missing)}, which this system does not define")
         launcher.append(expand(template, {k: v for k, v in values.items() if v is not None}))
     wrapper: list[Word] = []
-    if profiler and profiler not in profile.profilers:
-        raise JobError(f"--profile {profiler} is not available on {profile.name}; "
-                       f"available: {', '.join(profile.profilers) or 'none'}")
-    gpu_rule = profile.device_env and profile.gpus_per_node
+    if profiler and profiler not in la.profilers:
+        raise JobError(f"--profile {profiler} is not available on {system.name}; "
+                       f"available: {', '.join(la.profilers) or 'none'}")
+    gpu_rule = la.device_env and la.gpus_per_node
     if gpu_rule or profiler:
         wrapper += [python, literal("-m"), literal("hpctrain.jobs.bind")]
         if gpu_rule:
-            wrapper += [literal(a) for a in ("--device-env", profile.device_env, "--devices",
-                                             str(profile.gpus_per_node), "--order",
-                                             profile.device_order)]
+            wrapper += [literal(a) for a in ("--device-env", la.device_env, "--devices",
+                                             str(la.gpus_per_node), "--order",
+                                             la.device_order)]
         if profiler:
             wrapper += [literal(f"--{profiler}-dir"), profile_dir or literal(profiler)]
         wrapper.append(literal("--"))
@@ -189,7 +191,7 @@ def detect_allocation(env: dict | None = None) -> Allocation:
 def _pbs_slots(lines: list[str], n_hosts: int) -> tuple[int | None, int | None]:
     """``mpiprocs`` > 1 on every host: the nodefile names each host once per slot. One
     line per host (PBS's default, Polaris and Aurora) says nothing about ranks, and an
-    uneven file cannot be spelled as ``--ppn``: then the profile decides."""
+    uneven file cannot be spelled as ``--ppn``: then the system decides."""
     if len(lines) <= n_hosts or len(lines) % n_hosts:
         return None, None
     return len(lines), len(lines) // n_hosts
@@ -214,18 +216,19 @@ def local_ranks() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def plan_launch(profile: Profile, alloc: Allocation, command: list[str], *,
+def plan_launch(system: System, alloc: Allocation, command: list[str], *,
                 nodes: int | None = None, ranks_per_node: int | None = None,
                 ranks: int | None = None, profiler: str | None = None,
                 python: str = sys.executable, srun_mpi: str | None = None) -> list[str]:
     """The argv ``hpctrain launch`` runs for ``command`` in allocation ``alloc``."""
-    if profile.scheduler != "none" and alloc.scheduler != profile.scheduler and nodes is None:
-        inside = {"pbs": "qsub -I", "slurm": "salloc"}[profile.scheduler]
-        raise JobError(f"{profile.name} runs under {profile.scheduler.upper()}, but this shell "
-                       f"is not in a {profile.scheduler.upper()} job; run inside one (e.g. "
+    scheduler = system.batch.scheduler
+    if scheduler != "none" and alloc.scheduler != scheduler and nodes is None:
+        inside = {"pbs": "qsub -I", "slurm": "salloc"}[scheduler]
+        raise JobError(f"{system.name} runs under {scheduler.upper()}, but this shell "
+                       f"is not in a {scheduler.upper()} job; run inside one (e.g. "
                        f"{inside}) or pass --nodes N with --dry-run to preview")
-    if ranks is not None and profile.scheduler != "none":
-        raise JobError(f"--ranks is for the local system; on {profile.name} the rank count is "
+    if ranks is not None and scheduler != "none":
+        raise JobError(f"--ranks is for the local system; on {system.name} the rank count is "
                        "nodes x --ranks-per-node")
     n_nodes = nodes or alloc.nodes
     total = source = None
@@ -235,16 +238,16 @@ def plan_launch(profile: Profile, alloc: Allocation, command: list[str], *,
         ranks_per_node, total = alloc.ranks_per_node, alloc.ranks  # the allocation's tasks
         source = (f"the allocation's {ranks_per_node} tasks per node ({alloc.ranks} on "
                   f"{alloc.nodes} node(s))")
-    place = placement(profile, ranks_per_node, source)
+    place = placement(system, ranks_per_node, source)
     rpn = place.ranks_per_node or local_ranks()
     place = Placement(rpn, place.cpus_per_rank, place.threads_per_rank, place.cpu_list)
     total = total or n_nodes * rpn
-    plugin = srun_mpi or profile.srun_mpi
-    if plugin == "auto" and profile.uses_srun_mpi:
+    plugin = srun_mpi or system.launch.srun_mpi
+    if plugin == "auto" and system.launch.uses_srun_mpi:
         plugin = _detect_srun_mpi(python)
     out_dir = next((c.split("=", 1)[1] for c in command
                     if c.startswith("--train.out_dir=")), None)
-    line = launch_line(profile, place, nodes=literal(str(n_nodes)),
+    line = launch_line(system, place, nodes=literal(str(n_nodes)),
                        ranks=literal(str(total)), python=literal(python),
                        srun_mpi=literal(plugin) if plugin else None,
                        command=[literal(c) for c in command],
@@ -253,7 +256,7 @@ def plan_launch(profile: Profile, alloc: Allocation, command: list[str], *,
                        profile_dir=literal(f"{out_dir}/{profiler}") if out_dir and profiler
                        else None)
     argv = line.argv()
-    if profile.scheduler == "none":
+    if scheduler == "none":
         argv[0] = _local_program(argv[0], python)
     return argv
 

@@ -99,41 +99,44 @@ def _command_words(spec: JobSpec) -> list:
 
 
 def _directives(spec: JobSpec, place) -> list[Shell]:
-    p = spec.profile
-    sep = ":" if p.scheduler == "pbs" else ","
-    queue = p.queues.get(spec.queue) if spec.queue else None
+    b = spec.system.batch
+    sep = ":" if b.scheduler == "pbs" else ","
+    queue = b.queues.get(spec.queue) if spec.queue else None
     values = {"job_name": spec.job_name, "account": spec.account,
               "queue": queue.partition or spec.queue if queue else spec.queue,
               "nodes": str(spec.nodes), "walltime": spec.walltime,
               "filesystems": sep.join(spec.filesystems) or None,
               "ranks_per_node": str(place.ranks_per_node) if place.ranks_per_node else None,
-              "gpus_per_node": str(p.gpus_per_node),
+              "gpus_per_node": str(spec.system.launch.gpus_per_node),
               "cpus_per_rank": str(place.cpus_per_rank) if place.cpus_per_rank else None,
               "array": spec.array}
-    templates = list(p.directives)
+    templates = list(b.directives)
     if queue:
         templates += queue.directives
     if spec.array:
-        templates += [t for t in ARRAY_DIRECTIVES[p.scheduler] if t not in templates]
+        templates += [t for t in ARRAY_DIRECTIVES[b.scheduler] if t not in templates]
     out = []
     for t in templates:
         needed = re.findall(r"\{([a-z_]+)\}", t)
         if any(not values.get(k) for k in needed):
             continue  # e.g. no --account on a generic cluster: no -A line
         text = resolve_word(expand(t, {k: literal(values[k]) for k in needed}))
-        out.append(Shell(validate.directive_line(f"{p.directive_prefix} {text}")))
+        out.append(Shell(validate.directive_line(f"{b.directive_prefix} {text}")))
     return out
 
 
-def context(spec: JobSpec) -> dict:
-    p = spec.profile
-    place = placement(p, spec.ranks_per_node)
+def _launch_lines(spec: JobSpec, place, plugin: str | None) -> list[Shell]:
+    """The lines of the script's ``LAUNCH=( ... )`` array: the system's launcher, the
+    per-rank wrapper, then the program with one argument per line; or the spec's own
+    ``launch`` words on one line."""
+    if spec.launch is not None:
+        return [render_words(spec.launch)]
+    p = spec.system
     rpn_word = None if place.ranks_per_node else (Var("RANKS_PER_NODE"),)
-    plugin = spec.mpi_plugin if p.uses_srun_mpi else None
     srun_mpi = (Var("SRUN_MPI"),) if plugin == "auto" else literal(plugin) if plugin else None
     line = launch_line(p, place, nodes=(Var("NNODES"),), ranks=(Var("NRANKS"),),
                        python=(Var("PYTHON"),), command=_command_words(spec),
-                       nodefile=(Var("PBS_NODEFILE"),) if p.scheduler == "pbs" else None,
+                       nodefile=(Var("PBS_NODEFILE"),) if p.batch.scheduler == "pbs" else None,
                        ranks_per_node=rpn_word, profiler=spec.profiler,
                        profile_dir=word(Var("RUN_DIR"), f"/{spec.profiler}"), srun_mpi=srun_mpi)
     n_head = 4 + (spec.command[0] == "train")  # python -m hpctrain train RECIPE
@@ -142,12 +145,21 @@ def context(spec: JobSpec) -> dict:
     groups = [render_words(line.launcher)]
     if line.wrapper:
         groups.append(render_words(line.wrapper))
-    env = {k: v for k, v in p.env}
+    return groups + program
+
+
+def context(spec: JobSpec) -> dict:
+    p = spec.system
+    b, la = p.batch, p.launch
+    place = placement(p, spec.ranks_per_node)
+    # A spec's own launch words start no ranks: no srun plugin to choose in the job.
+    plugin = spec.mpi_plugin if la.uses_srun_mpi and spec.launch is None else None
+    env = {k: v for k, v in la.env}
     if place.threads_per_rank:
         env["OMP_NUM_THREADS"] = str(place.threads_per_rank)
     env.update(dict(spec.env))
-    setup = p.setup if spec.setup is None else spec.setup
-    submit = SUBMIT[p.scheduler]
+    setup = la.setup if spec.setup is None else spec.setup
+    submit = SUBMIT[b.scheduler]
     header = [_comment(f"hpctrain job script for {p.name}"), _comment(p.description),
               Shell(""),
               Shell("Made by this command (edit the script freely, or change the command and "
@@ -172,9 +184,9 @@ def context(spec: JobSpec) -> dict:
         "run_root": render_word(with_home(spec.run_root)),
         "job_name": quote(spec.job_name),
         "ranks_per_node": place.ranks_per_node,
-        "launcher_program": quote(p.launcher[0]),
-        "check_venv_mpiexec": p.scheduler != "none" and p.launcher[0] == "mpiexec",
-        "launch_groups": groups + program,
+        "launcher_program": quote(la.launcher[0]),
+        "check_venv_mpiexec": b.scheduler != "none" and la.launcher[0] == "mpiexec",
+        "launch_groups": _launch_lines(spec, place, plugin),
         "detect_srun_mpi": plugin == "auto",
         "submit": Shell(submit),
     }
@@ -182,7 +194,7 @@ def context(spec: JobSpec) -> dict:
 
 def render(spec: JobSpec) -> str:
     """The job script's text. Deterministic: the same spec gives the same bytes."""
-    template = _ENV.get_template(TEMPLATES[spec.profile.scheduler])
+    template = _ENV.get_template(TEMPLATES[spec.system.batch.scheduler])
     text = template.render(**context(spec))
     _check_directives(text, spec)
     check_syntax(text)
@@ -190,7 +202,7 @@ def render(spec: JobSpec) -> str:
 
 
 def _check_directives(text: str, spec: JobSpec) -> None:
-    prefix = spec.profile.directive_prefix
+    prefix = spec.system.batch.directive_prefix
     if not prefix:
         return
     for line in text.splitlines():
@@ -206,7 +218,7 @@ def check_syntax(text: str) -> None:
     p = subprocess.run([bash, "-n"], input=text, capture_output=True, text=True, timeout=30)
     if p.returncode != 0:
         raise JobError("the rendered script does not parse (bash -n): "
-                       f"{p.stderr.strip()}; check the lines of --setup or the system profile")
+                       f"{p.stderr.strip()}; check the lines of --setup or the system file")
 
 
 def write_script(path: str | Path, text: str) -> Path:

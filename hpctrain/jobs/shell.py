@@ -26,7 +26,7 @@ class Shell(str):
     """Text that is safe to paste into a bash script as it is.
 
     Only three things are ``Shell``: the output of ``quote``/``render_word``, directive
-    values that passed validation, and the trusted code of a system profile. The
+    values that passed validation, and the trusted code of a system file. The
     template engine refuses to print a plain ``str`` (see ``render.py``).
     """
 
@@ -102,7 +102,7 @@ _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 
 
 def expand(template: str, values: dict[str, Word]) -> Word:
-    """Fill ``{name}`` placeholders of a trusted profile template with words."""
+    """Fill ``{name}`` placeholders of a trusted system-file template with words."""
     parts: list = []
     pos = 0
     for m in _PLACEHOLDER.finditer(template):

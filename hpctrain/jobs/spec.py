@@ -15,7 +15,8 @@ from hpctrain.errors import JobError
 from hpctrain.jobs import validate
 from hpctrain.jobs.command import check_command
 from hpctrain.jobs.launch import placement
-from hpctrain.jobs.systems import Profile, load_profile, srun_mpi as check_srun_mpi
+from hpctrain.jobs.systems import job_system, srun_mpi as check_srun_mpi
+from hpctrain.systems import System
 
 DEFAULT_JOB_NAME = "hpctrain"
 DEFAULT_RUN_ROOT = "runs"
@@ -25,7 +26,7 @@ OUT_DIR_REASON = ("a job writes into its own run directory (<run root>/<job name
 
 @dataclass(frozen=True)
 class JobSpec:
-    profile: Profile
+    system: System
     nodes: int
     walltime: str | None
     queue: str | None
@@ -33,28 +34,34 @@ class JobSpec:
     job_name: str
     filesystems: tuple
     env: tuple
-    """User ``(KEY, VALUE)`` pairs; they override the profile's."""
+    """User ``(KEY, VALUE)`` pairs; they override the system's ``[launch.env]``."""
     array: str | None
     profiler: str | None
     ranks_per_node: int | None
     venv: str | None
     setup_file: str | None
     setup: tuple | None
-    """Shell commands replacing the profile's setup (from ``setup_file``), or None."""
+    """Shell commands replacing the system's setup (from ``setup_file``), or None."""
     run_root: str
     command: tuple
     check_queue: bool = True
     srun_mpi: str | None = None
-    """``--srun-mpi``: replaces the profile's ``srun_mpi``."""
+    """``--srun-mpi``: replaces the system's ``srun_mpi``."""
+    launch: tuple | None = None
+    """What the job runs once, in its own shell, instead of starting ``command`` on every
+    rank with the system's launcher: the program and its arguments as words
+    (``shell.literal``/``word``; ``Var("RUN_DIR")``, ``Var("PYTHON")`` are the job's).
+    ``hpctrain scale run --one-job`` runs the study runner so, which launches each point
+    itself. Rendered through ``shell.render_word`` like every other word."""
 
     @property
     def mpi_plugin(self) -> str | None:
         """The ``--mpi=`` plugin of the launch line (``auto``: chosen in the job)."""
-        return self.srun_mpi or self.profile.srun_mpi
+        return self.srun_mpi or self.system.launch.srun_mpi
 
     def argv(self) -> list[str]:
         """The ``hpctrain jobscript`` command line that makes this script."""
-        a = ["hpctrain", "jobscript", "--system", self.profile.source, "--nodes", str(self.nodes)]
+        a = ["hpctrain", "jobscript", "--system", self.system.source, "--nodes", str(self.nodes)]
         for flag, value in (("--walltime", self.walltime), ("--queue", self.queue),
                             ("--account", self.account)):
             if value:
@@ -95,14 +102,15 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                array: str | None = None, profiler: str | None = None,
                ranks_per_node: int | None = None, venv: str | None = None,
                setup_file: str | None = None, run_root: str | None = None,
-               check_queue: bool = True, srun_mpi: str | None = None) -> JobSpec:
+               check_queue: bool = True, srun_mpi: str | None = None,
+               launch: tuple | None = None) -> JobSpec:
     if not system:
         raise JobError("name the system: --system polaris (or aurora, perlmutter, frontier, "
-                       "pbs, slurm, local, or a .toml profile); see --list-systems")
-    profile = load_profile(system)
-    name = profile.name
+                       "pbs, slurm, local, or a .toml file); see --list-systems")
+    sys_ = job_system(system)
+    name, batch, la = sys_.name, sys_.batch, sys_.launch
     n_nodes = validate.nodes(1 if nodes is None else nodes)
-    if profile.scheduler == "none":
+    if batch.scheduler == "none":
         given = [f for f, v in (("--walltime", walltime), ("--queue", queue),
                                 ("--account", account), ("--array", array),
                                 ("--filesystems", filesystems)) if v]
@@ -110,14 +118,14 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
             raise JobError(f"{name} has no batch system; drop {', '.join(given)}")
         if n_nodes != 1:
             raise JobError(f"{name} is one machine; use --nodes 1 or a cluster system")
-    queues = "; ".join(q.describe() for q in profile.queues.values())
+    queues = "; ".join(q.describe() for q in batch.queues.values())
     hints = {
         "account": f"--account PROJECT (the allocation {name} charges)",
         "queue": "--queue NAME" + (f" (one of: {queues})" if queues else ""),
         "walltime": "--walltime HH:MM:SS (e.g. 00:30:00)",
     }
     values = {"account": account, "queue": queue, "walltime": walltime}
-    for field in profile.requires:
+    for field in batch.requires:
         if not values.get(field):
             raise JobError(f"{name} needs {hints.get(field, '--' + field)}")
 
@@ -127,25 +135,25 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
     if account:
         validate.account(account)
     name_ = validate.job_name(job_name or DEFAULT_JOB_NAME)
-    known_queue = profile.queues.get(queue) if queue else None
-    if queue and profile.queues and check_queue:
-        validate.queue_limits(name, profile.queues, queue, n_nodes, walltime_s)
-    fs = validate.filesystems(name, profile.filesystems, filesystems) if filesystems \
-        else profile.default_filesystems
+    known_queue = batch.queues.get(queue) if queue else None
+    if queue and batch.queues and check_queue:
+        validate.queue_limits(name, batch.queues, queue, n_nodes, walltime_s)
+    fs = validate.filesystems(name, batch.filesystems, filesystems) if filesystems \
+        else batch.default_filesystems
     if array:
         limit = known_queue.array_throttle if known_queue and check_queue else None
-        validate.array(profile.scheduler, array, limit, f"{name} queue {queue}")
-    if profiler and profiler not in profile.profilers:
+        validate.array(batch.scheduler, array, limit, f"{name} queue {queue}")
+    if profiler and profiler not in la.profilers:
         raise JobError(f"--profile {profiler} is not available on {name}; available: "
-                       f"{', '.join(profile.profilers) or 'none'}")
+                       f"{', '.join(la.profilers) or 'none'}")
     if ranks_per_node is not None:
         validate.ranks_per_node(ranks_per_node)
     if srun_mpi is not None:
         check_srun_mpi(srun_mpi)
-        if not profile.uses_srun_mpi:
-            raise JobError(f"--srun-mpi: the launcher of {name} ({profile.launcher[0]}) has no "
+        if not la.uses_srun_mpi:
+            raise JobError(f"--srun-mpi: the launcher of {name} ({la.launcher[0]}) has no "
                            "--mpi= plugin to choose; drop --srun-mpi (or add --mpi={srun_mpi} "
-                           "to the launcher of your own profile)")
+                           "to the launcher of your own system file)")
     env_pairs = tuple(validate.env_pair(e) for e in env or ())
     venv = active_venv() if venv is None else (None if venv == "none" else venv)
     for what, value in (("--venv", venv), ("--run-root", run_root), ("--system", system)):
@@ -159,15 +167,19 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
             raise JobError(f"--setup {setup_file}: cannot read it ({e.strerror})") from None
         setup = tuple(line.strip() for line in text.splitlines()
                       if line.strip() and not line.strip().startswith("#"))
-    per_node = ranks_per_node or profile.ranks_per_node  # 0: one per core, not known here
+    if launch is not None:
+        launch = tuple(launch)
+        for part in (p for w in launch for p in w if isinstance(p, str)):
+            validate.no_nul(part, "the launch line")
+    per_node = ranks_per_node or la.ranks_per_node  # 0: one per core, not known here
     check_command(command, array=bool(array), forbid={"train.out_dir": OUT_DIR_REASON},
                   ranks=n_nodes * per_node if per_node else None)
-    spec = JobSpec(profile=profile, nodes=n_nodes,
+    spec = JobSpec(system=sys_, nodes=n_nodes,
                    walltime=validate.format_walltime(walltime_s) if walltime_s else None,
                    queue=queue, account=account, job_name=name_, filesystems=tuple(fs),
                    env=env_pairs, array=array, profiler=profiler, ranks_per_node=ranks_per_node,
                    venv=venv, setup_file=setup_file, setup=setup,
                    run_root=run_root or DEFAULT_RUN_ROOT, command=tuple(command),
-                   check_queue=check_queue, srun_mpi=srun_mpi)
-    placement(profile, ranks_per_node)  # ranks per node vs. cores and sockets
+                   check_queue=check_queue, srun_mpi=srun_mpi, launch=launch)
+    placement(sys_, ranks_per_node)  # ranks per node vs. cores and sockets
     return spec

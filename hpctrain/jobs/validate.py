@@ -10,12 +10,12 @@ from __future__ import annotations
 import re
 
 from hpctrain.errors import JobError
+from hpctrain.systems import format_walltime, walltime_seconds
 
 _JOB_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
 _ACCOUNT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _QUEUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_WALLTIME = re.compile(r"(\d{1,4}):([0-5]\d):([0-5]\d)")
 # What a rendered directive line may contain, whatever produced it (last line of defense).
 DIRECTIVE = re.compile(r"#(PBS|SBATCH) [A-Za-z0-9_.:=,%@+/-][A-Za-z0-9 _.:=,%@+/-]*")
 # PBS Pro: -J start-end[:step][%max]; SLURM: --array=list-of-ranges[%max].
@@ -45,19 +45,13 @@ def queue_name(value: str) -> str:
 
 def parse_walltime(value: str) -> int:
     """``HH:MM:SS`` (hours may exceed 24) -> seconds."""
-    m = _WALLTIME.fullmatch(value.strip())
-    if not m:
+    seconds = walltime_seconds(value)
+    if seconds is None:
         raise JobError(f"--walltime {value!r} is not HH:MM:SS; e.g. --walltime 00:30:00 "
                        "for half an hour or 24:00:00 for a day")
-    h, mi, s = (int(g) for g in m.groups())
-    seconds = h * 3600 + mi * 60 + s
     if seconds == 0:
         raise JobError("--walltime must be longer than 00:00:00, e.g. --walltime 00:30:00")
     return seconds
-
-
-def format_walltime(seconds: int) -> str:
-    return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def nodes(value: int) -> int:
@@ -168,5 +162,5 @@ def directive_line(line: str) -> str:
     """A rendered directive must stay one line of plain characters."""
     if not DIRECTIVE.fullmatch(line):
         raise JobError(f"directive {line!r} contains characters a batch system would not "
-                       "parse safely; fix the system profile or the value you passed")
+                       "parse safely; fix the system file or the value you passed")
     return line

@@ -19,6 +19,9 @@ import json
 import time
 
 import numpy as np
+from mpi4py import MPI  # a worker under mpiexec: MPI is what it measures
+
+from hpctrain.comm.watchdog import wait_all
 
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 """Bytes: 64 KiB to 16 MiB (the trainer's first bucket is 1 MiB, the others 25 MiB)."""
@@ -33,8 +36,6 @@ def _busy(seconds: float) -> None:
 
 
 def measure(comm, kind: str, n_bytes: int, reps: int, busy_s: float) -> float:
-    from mpi4py import MPI
-
     p, rank = comm.Get_size(), comm.Get_rank()
     count = max(p, n_bytes // 4 // p * p)
     send = np.ones(count, dtype=np.float32)
@@ -44,8 +45,8 @@ def measure(comm, kind: str, n_bytes: int, reps: int, busy_s: float) -> float:
 
     arena = None
     if kind == "shm_allreduce":
+        # torch (under shm_allreduce) only for this kind: the MPI timings need numpy alone.
         from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce
-        from hpctrain.comm.watchdog import wait_all
 
         arena = SharedMemoryAllreduce(comm, [count])
         arena.flat(0).fill_(1.0)
@@ -90,9 +91,7 @@ def concurrent_compute(comm, shape_key: str, rows: int, reps: int) -> float:
     followed by a one-number allreduce as a training step ends in its gradient reduction:
     what sharing the node's cores costs a rank, including waiting for the partner the
     OS had descheduled (MPICH's waiting ranks spin, taking cycles from those computing)."""
-    from mpi4py import MPI
-
-    import torch
+    import torch  # heavy: only with --compute
 
     from hpctrain.model.gpt import GPT, GPTConfig
 
@@ -124,13 +123,11 @@ def main(argv=None) -> int:
                          "L4-H4-C128-T128-V96) on all ranks at once")
     ap.add_argument("--rows", type=int, default=8)
     args = ap.parse_args(argv)
-    from mpi4py import MPI
-
     comm = MPI.COMM_WORLD
     result = {"ranks": comm.Get_size(), "points": {}, "fits": {}, "compute_s": {}}
     for key in args.compute:
         result["compute_s"][key] = concurrent_compute(comm, key, args.rows, args.reps)
-    from hpctrain.comm.shm_allreduce import use_shared_memory
+    from hpctrain.comm.shm_allreduce import use_shared_memory  # imports torch
 
     kinds = ["allreduce", "reduce_scatter", "allgather", "p2p"]
     if use_shared_memory("auto", comm, "cpu", [max(SIZES) // 4]):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpctrain.config import OptimConfig
 from hpctrain.errors import UserError
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.records import environment, git_state, now
@@ -46,7 +47,7 @@ def _median_time(fn, reps: int) -> float:
 
 def measure_compute(shape: ModelShape, dtype: str, rows=(2, 8), reps: int = 7) -> dict:
     """Rate and per-layer overhead of one shape's forward + backward (one thread)."""
-    import torch
+    import torch  # torch and the model load only when measuring, not at CLI start
 
     from hpctrain.model.gpt import GPT, GPTConfig
 
@@ -73,9 +74,8 @@ def measure_compute(shape: ModelShape, dtype: str, rows=(2, 8), reps: int = 7) -
 
 
 def measure_optimizer(sizes=(250_000, 2_000_000), reps: int = 7) -> dict:
-    import torch
+    import torch  # as above; parallel.optim imports torch too
 
-    from hpctrain.config import OptimConfig
     from hpctrain.parallel.optim import build_optimizer, clip_grads_, global_grad_norm
 
     times = []
@@ -98,7 +98,7 @@ def measure_optimizer(sizes=(250_000, 2_000_000), reps: int = 7) -> dict:
 
 def measure_peak(dtype: str, n: int = 1024, reps: int = 5) -> float:
     """TFLOP/s of an n x n matrix product on one thread: what this core can do at best."""
-    import torch
+    import torch  # not at CLI start
 
     t = torch.bfloat16 if dtype == "bf16" else torch.float32
     a, b = torch.randn(n, n, dtype=t), torch.randn(n, n, dtype=t)
@@ -135,7 +135,7 @@ def base_memory_mib() -> float:
 def calibrate(shapes: list[ModelShape], dtypes: list[str], ranks: list[int],
               stream=sys.stderr) -> dict:
     """Every measurement; returns the calibration file's content."""
-    import torch
+    import torch  # not at CLI start
 
     torch.set_num_threads(1)  # study ranks run one thread each
     say = lambda line: (stream.write(line + "\n"), stream.flush())  # noqa: E731

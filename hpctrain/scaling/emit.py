@@ -7,70 +7,74 @@ run directory under ``DIR/runs``; ``DIR/submit_all.sh`` submits them all and
 finished runs' ``summary.json`` files into records.
 
 One job (``--one-job``): the generator's script for the largest point's node count, whose
-launch line is replaced by ``python -m hpctrain scale run STUDY --launch-system SYSTEM``:
-inside the allocation the study runner starts each point with the system's own launch
-line (``hpctrain.jobs.launch.plan_launch``) on as many nodes as the point needs.
+``JobSpec.launch`` is ``python -m hpctrain scale run STUDY --launch-system SYSTEM``
+(rendered and quoted like every launch line): inside the allocation the study runner
+starts each point with the system's own launch line (``hpctrain.jobs.launch.plan_launch``)
+on as many nodes as the point needs.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.scaling.runner import train_command
-from hpctrain.scaling.spec import Study
+from hpctrain.jobs.render import SUBMIT, render, write_script
+from hpctrain.jobs.shell import Var, literal, word
+from hpctrain.jobs.spec import build_spec
+from hpctrain.scaling import records
+from hpctrain.scaling.perfmodel import predict
+from hpctrain.scaling.runner import finish_record, new_record, train_command, write_study
+from hpctrain.scaling.spec import Study, load_study, study_system
 
 
-def _spec(study: Study, *, system, nodes, command, job_name, run_root, account, queue,
-          walltime, venv):
-    from hpctrain.jobs.spec import build_spec
+def _command(study: Study, point) -> list[str]:
+    """The point's ``train ...`` arguments; the job sets ``--train.out_dir`` itself."""
+    return [c for c in train_command(study, point, Path("x"))
+            if not c.startswith("--train.out_dir=")]
 
-    return build_spec(system=system, command=command, nodes=nodes, walltime=walltime,
-                      queue=queue, account=account, job_name=job_name, venv=venv,
-                      run_root=run_root)
+
+def study_launch(study: Study, system: str) -> tuple:
+    """What a ``--one-job`` script runs: the study runner, which starts each point with
+    the system's launch line inside the allocation; records under ``$RUN_DIR/study``."""
+    return (word(Var("PYTHON")), *(literal(a) for a in (
+        "-m", "hpctrain", "scale", "run", str(study.path.resolve()), "--launch-system",
+        system, "--out")), word(Var("RUN_DIR"), "/study"))
 
 
 def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | None,
               queue: str | None, walltime: str | None, venv: str | None,
               one_job: bool = False) -> list[str]:
     """Write the scripts; return lines to print."""
-    from hpctrain.jobs.render import SUBMIT, render, write_script
-
     if not system:
         raise UserError("--jobs needs --system (polaris, aurora, ...: the job profile)")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     runs = (out / "runs").resolve()
+    common = dict(system=system, walltime=walltime, queue=queue, account=account, venv=venv,
+                  run_root=str(runs))
     lines = []
     if one_job:
         nodes = max(p.nodes for p in study.points)
-        first = study.points[0]
-        spec = _spec(study, system=system, nodes=nodes,
-                     command=[c for c in train_command(study, first, Path("x"))
-                              if not c.startswith("--train.out_dir=")],
-                     job_name=f"study-{study.name}"[:63], run_root=str(runs),
-                     account=account, queue=queue, walltime=walltime, venv=venv)
-        text = study_script(render(spec), study, system)
-        path = write_script(out / f"study-{study.name}.sh", text)
+        spec = build_spec(**common, nodes=nodes, command=_command(study, study.points[0]),
+                          job_name=f"study-{study.name}"[:63],
+                          launch=study_launch(study, system))
+        path = write_script(out / f"study-{study.name}.sh", render(spec))
         lines.append(f"wrote {path}: all {len(study.points)} point(s) in one job of {nodes} "
-                     f"node(s); submit with {SUBMIT[spec.profile.scheduler]} {path}; the "
+                     f"node(s); submit with {SUBMIT[spec.system.batch.scheduler]} {path}; the "
                      f"study's records land in {runs}/study-{study.name}-<job id>/study")
         return lines
     index, submit = {}, []
     for i, point in enumerate(study.points):
         for r in range(study.repeats):
             name = f"{study.name}-p{i:03d}r{r}"[:63]
-            command = [c for c in train_command(study, point, Path("x"))
-                       if not c.startswith("--train.out_dir=")]
-            spec = _spec(study, system=system, nodes=point.nodes, command=command,
-                         job_name=name, run_root=str(runs), account=account, queue=queue,
-                         walltime=walltime, venv=venv)
+            spec = build_spec(**common, nodes=point.nodes, command=_command(study, point),
+                              job_name=name)
             path = write_script(out / f"{name}.sh", render(spec))
             index[name] = {"point": point.id, "index": i, "repeat": r}
-            submit.append(f"{SUBMIT[spec.profile.scheduler]} {shlex.quote(str(path.resolve()))}")
+            submit.append(f"{SUBMIT[spec.system.batch.scheduler]} "
+                          f"{shlex.quote(str(path.resolve()))}")
     (out / "jobs.json").write_text(json.dumps({"study": str(study.path.resolve()),
                                                "jobs": index}, indent=1))
     script = out / "submit_all.sh"
@@ -81,37 +85,13 @@ def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | N
     return lines
 
 
-_LAUNCH = re.compile(r"^LAUNCH=\(\n.*?^\)\n", re.S | re.M)
-
-
-def study_script(text: str, study: Study, system: str) -> str:
-    """The generator's script with its launch line replaced by the study runner."""
-    from hpctrain.jobs.render import check_syntax
-    from hpctrain.jobs.shell import quote
-
-    run = ["scale", "run", str(study.path.resolve()), "--launch-system", system,
-           "--out"]
-    words = " ".join(quote(w) for w in run)
-    new = f'LAUNCH=(\n    "$PYTHON" -m hpctrain {words} "$RUN_DIR/study"\n)\n'
-    replaced, count = _LAUNCH.subn(lambda _: new, text, count=1)
-    if count != 1:
-        raise UserError("the job template has no LAUNCH=( ... ) block to replace; write "
-                        "per-point scripts (drop --one-job)")
-    check_syntax(replaced)
-    return replaced
-
-
 def collect(folder: str | Path) -> int:
     """Records for the finished per-point jobs of ``folder`` (from their run directories'
     ``summary.json`` and ``exit_code``); returns how many runs were found."""
-    from hpctrain.scaling import records
-    from hpctrain.scaling.commands import load_for_run
-    from hpctrain.scaling.perfmodel import predict
-    from hpctrain.scaling.runner import finish_record, new_record, write_study
-
     folder = Path(folder)
     index = json.loads((folder / "jobs.json").read_text())
-    study, system = load_for_run(index["study"])
+    study = load_study(index["study"])
+    system = study_system(study)
     points = {p.id: p for p in study.points}
     if not (folder / "study.json").is_file():
         write_study(study, folder, system, {"git": records.git_state(),

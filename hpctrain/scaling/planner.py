@@ -11,12 +11,12 @@ such a step would be bubble.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpctrain.errors import UserError
 from hpctrain.scaling.models import ModelShape, model_shape
 from hpctrain.scaling.perfmodel import Layout, Prediction, describe, fits, predict
-from hpctrain.scaling.systems import SystemPerf, load_system
+from hpctrain.scaling.systems import SystemPerf, load_perf
 
 GIB = 1 << 30
 
@@ -75,15 +75,13 @@ DEFAULT_BATCH = 512
 
 def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len: int = 0,
          dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None) -> Plan:
-    perf = load_system(system, calibration)
+    perf = load_perf(system, calibration)
     if nodes < 1:
         raise UserError(f"--nodes {nodes}: use at least 1")
     rpn = ranks_per_node or perf.ranks_per_node
     if rpn < 1:
         raise UserError(f"system {perf.name} has no ranks per node; pass --ranks-per-node N")
     if ranks_per_node and perf.ranks_per_node and ranks_per_node != perf.ranks_per_node:
-        from dataclasses import replace
-
         perf = replace(perf, ranks_per_node=ranks_per_node)
     shape = model_shape(model, block_size=seq_len)
     ranks = nodes * rpn

@@ -11,7 +11,7 @@ COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "bubble": "#C44E52", "data": 
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # heavy: only when a report draws its plots
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy
+
 SCHEMA = 1
 
 
@@ -34,10 +36,9 @@ def git_state(folder: str | os.PathLike | None = None) -> dict:
 
 def environment() -> dict:
     """Where the study ran: host, CPU, libraries (the numbers depend on all of them)."""
-    import numpy
-    import torch
+    import torch  # heavy, and only the runner asks: not at every `hpctrain scale` start
 
-    try:
+    try:  # importing mpi4py.MPI initializes MPI: only here, never at import time
         import mpi4py
         from mpi4py import MPI  # noqa: F401  (the library version below needs it loaded)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from hpctrain.errors import UserError
 from hpctrain.scaling import analysis, plots
 from hpctrain.scaling.document import to_html, to_markdown
+from hpctrain.scaling.emit import collect
 from hpctrain.scaling.records import read_records
 
 DEFINITIONS = [
@@ -41,8 +42,6 @@ def _pct(x) -> str:
 def build_report(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if (folder / "jobs.json").is_file():  # per-point job scripts: gather finished runs
-        from hpctrain.scaling.emit import collect
-
         collect(folder)
     meta_path = folder / "study.json"
     if not meta_path.is_file():

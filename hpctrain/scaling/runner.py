@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 from hpctrain.errors import UserError
+from hpctrain.jobs.launch import detect_allocation, plan_launch
+from hpctrain.jobs.systems import job_system
 from hpctrain.scaling import records
 from hpctrain.scaling.perfmodel import predict
 from hpctrain.scaling.spec import Point, Study
@@ -47,13 +49,10 @@ def train_command(study: Study, point: Point, out_dir: Path) -> list[str]:
 
 
 def launch_argv(study: Study, point: Point, command: list[str], launch_system: str) -> list[str]:
-    from hpctrain.jobs.launch import detect_allocation, plan_launch
-    from hpctrain.jobs.systems import load_profile
-
-    profile = load_profile(launch_system)
-    if profile.scheduler == "none":
-        return plan_launch(profile, detect_allocation({}), command, ranks=point.layout.ranks)
-    return plan_launch(profile, detect_allocation(), command, nodes=point.nodes)
+    system = job_system(launch_system)
+    if system.batch.scheduler == "none":
+        return plan_launch(system, detect_allocation({}), command, ranks=point.layout.ranks)
+    return plan_launch(system, detect_allocation(), command, nodes=point.nodes)
 
 
 def _error_text(log: str, rc: int, timed_out: bool, timeout_s: float) -> str:

@@ -7,7 +7,7 @@
     steps = 30                    # optimizer steps per run (the trainer drops a warm-up)
     repeats = 1
     recipe = "default"            # what `hpctrain train` starts from
-    system = "local"              # performance profile (hpctrain/scaling/systems)
+    system = "local"              # hpctrain/systems/<name>.toml: ranks per node, [perf]
     calibration = "local-calibration.json"   # from `hpctrain scale calibrate`, optional
     timeout_s = 300               # limit of each mpiexec
     overrides = ["--data.path=datasets/stdlib-char.h5"]
@@ -43,9 +43,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpctrain.errors import UserError
+from hpctrain.config import load_config, parse_overrides
+from hpctrain.data.dataset import read_info
+from hpctrain.errors import ConfigError, DataError, UserError
 from hpctrain.scaling.models import ModelShape, model_shape, presets
 from hpctrain.scaling.perfmodel import SCHEDULES, Layout
+from hpctrain.scaling.systems import SystemPerf, load_perf
+from hpctrain.systems import load_system
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -108,16 +112,33 @@ def _int_list(path, where: str, value, minimum: int = 1) -> list[int]:
     return items
 
 
-def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
-               vocab_size: int | None = None) -> Study:
-    """Read and check a study spec. ``vocab_size`` is the data's, for shapes without one."""
-    path = Path(path)
+def read_spec(path: Path) -> dict:
+    """The study file's tables; a missing, unreadable or broken file is one UserError."""
     if not path.is_file():
         raise UserError(f"study spec {path} does not exist; see perf/studies/local.toml")
     try:
-        d = tomllib.loads(path.read_text())
+        text = path.read_text()
+    except OSError as e:
+        raise _err(path, f"cannot be read ({e.strerror}); check its permissions") from None
+    except UnicodeDecodeError:
+        raise _err(path, "is not UTF-8 text; a study spec is a TOML file (see "
+                         "perf/studies/local.toml)") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise _err(path, f"not valid TOML ({e})") from None
+        raise _err(path, f"not valid TOML ({e}); fix the line it names") from None
+
+
+def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
+               vocab_size: int | None = None) -> Study:
+    """Read and check a study spec, the one reader of study files.
+
+    ``nodes = [...]`` takes the ranks per node of the study's system (``[launch]`` of
+    ``hpctrain/systems/<system>.toml``) unless ``ranks_per_node`` is given; a model
+    without ``vocab_size`` takes the vocabulary of the data file the study trains on
+    unless ``vocab_size`` is given."""
+    path = Path(path)
+    d = read_spec(path)
     s = d.get("study")
     if not isinstance(s, dict):
         raise _err(path, "needs a [study] table with name, scaling, ranks, steps")
@@ -136,9 +157,18 @@ def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
                          "rank) or \"strong\" (fixed global batch)")
     if ("ranks" in s) == ("nodes" in s):
         raise _err(path, "give exactly one of ranks = [...] or nodes = [...]")
+    system = s.get("system", "local")
+    if not isinstance(system, str) or not system:
+        raise _err(path, f"system = {system!r}: name a system (polaris, aurora, local) or "
+                         "the path of a .toml file")
+    recipe = s.get("recipe", "default")
+    if not isinstance(recipe, str):
+        raise _err(path, f"recipe = {recipe!r}: name a recipe, e.g. recipe = \"default\"")
     nodes = None
     if "nodes" in s:
         nodes = tuple(_int_list(path, "nodes", s["nodes"]))
+        if ranks_per_node is None:
+            ranks_per_node = _system_ranks_per_node(path, system)
         if not ranks_per_node:
             raise _err(path, "nodes = [...] needs a system with ranks per node (polaris, "
                              "aurora); on this machine use ranks = [...]")
@@ -170,7 +200,11 @@ def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
                          "(and no per_rank)")
     _int_list(path, "[batch]", per_rank if scaling == "weak" else global_batch)
 
-    models = [_model(path, m, vocab_size) for m in _tables(path, d, "models")]
+    model_tables = _tables(path, d, "models")
+    if vocab_size is None and any("vocab_size" not in m and "preset" not in m
+                                  for m in model_tables):
+        vocab_size = data_vocab(path, recipe, overrides)
+    models = [_model(path, m, vocab_size) for m in model_tables]
     parallels = [_parallel(path, p) for p in _tables(path, d, "parallel")]
     points, skipped = [], []
     for model, (pname, combos) in itertools.product(models, parallels):
@@ -205,11 +239,40 @@ def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
         raise _err(path, "two points have the same id; give each [[models]] and [[parallel]] "
                          "entry its own name")
     return Study(name=name, path=path, scaling=scaling, ranks=ranks, nodes=nodes, steps=steps,
-                 repeats=repeats, recipe=s.get("recipe", "default"),
-                 system=s.get("system", "local"), calibration=calib_path,
+                 repeats=repeats, recipe=recipe, system=system, calibration=calib_path,
                  timeout_s=float(timeout), overrides=tuple(overrides), dtype=dtype,
                  batch_per_rank=per_rank, global_batch=global_batch, points=tuple(points),
                  skipped=tuple(skipped), description=s.get("description", ""))
+
+
+def study_system(study: Study) -> SystemPerf:
+    """The study's system for the performance model, with the study's calibration."""
+    calib = study.calibration
+    if calib and not calib.is_file():
+        raise UserError(f"{study.path} names calibration {calib}, which does not exist; make "
+                        f"it with `hpctrain scale calibrate {study.path} --output {calib}` or "
+                        "drop the line")
+    return load_perf(study.system, calib)
+
+
+def _system_ranks_per_node(path, system: str) -> int:
+    try:
+        return load_system(system).launch.ranks_per_node
+    except UserError as e:
+        raise _err(path, f"system = {system!r}: {e}") from None
+
+
+def data_vocab(path, recipe: str, overrides: list[str]) -> int | None:
+    """The vocabulary of the data file the study trains on; None when that file cannot be
+    read here (e.g. on a login node before the data is staged)."""
+    try:
+        cfg = load_config(recipe, parse_overrides(list(overrides)))
+    except ConfigError as e:
+        raise _err(path, f"recipe and overrides: {e}") from None
+    try:
+        return read_info(cfg.data.path).vocab_size
+    except DataError:
+        return None
 
 
 def _tables(path, d: dict, key: str) -> list[dict]:

@@ -1,28 +1,23 @@
-"""Performance profiles of systems, as data: what the model needs to predict a step.
+"""A system as the performance model sees it: what it needs to predict a step.
 
-Profiles are TOML files in ``hpctrain/scaling/systems/`` (``polaris``, ``aurora``,
-``local``); ``--system`` also takes the path of your own. A calibration file written by
-``hpctrain scale calibrate`` (JSON) names its base profile and replaces the numbers it
-measured: the compute rate per model shape, the AdamW cost, a fitted line per collective
-and group size, the base memory of a rank.
+The figures are the ``[perf]`` table of the system's file (``hpctrain/systems/<name>.toml``,
+read by ``hpctrain.systems``; ``--system`` also takes the path of your own), in SI units,
+with the ranks per node of its ``[launch]`` table. A calibration file written by
+``hpctrain scale calibrate`` (JSON) replaces the numbers it measured: the compute rate per
+model shape, the AdamW cost, a fitted line per collective and group size, the base memory
+of a rank.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 from hpctrain.errors import UserError
 from hpctrain.scaling.collectives import KINDS, Fit, Link
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from hpctrain.systems import load_system, system_names
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -93,71 +88,52 @@ class SystemPerf:
             (os.cpu_count() or 1)
 
 
-def system_names() -> list[str]:
-    folder = resources.files("hpctrain.scaling").joinpath("systems")
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
+def _link(link) -> Link:
+    return Link(alpha_s=link.alpha_us * 1e-6, bandwidth=link.gbytes_per_s * 1e9)
 
 
-def _read_profile(name: str) -> tuple[dict, str]:
-    path = Path(name)
-    if name.endswith(".toml"):
-        if not path.is_file():
-            raise UserError(f"system profile {name} does not exist; copy one of "
-                            f"hpctrain/scaling/systems/*.toml and edit it")
-        return tomllib.loads(path.read_text()), str(path)
-    if name not in system_names():
-        raise UserError(f"unknown system {name!r} for the performance model; use one of "
-                        f"{', '.join(system_names())}, or the path of a .toml profile")
-    text = resources.files("hpctrain.scaling").joinpath("systems").joinpath(f"{name}.toml").read_text()
-    return tomllib.loads(text), name
+def perf_system_names() -> list[str]:
+    """The built-in systems with a ``[perf]`` table."""
+    return [n for n in system_names() if load_system(n).perf is not None]
 
 
-def _link(d: dict, what: str) -> Link:
-    try:
-        return Link(alpha_s=float(d["alpha_us"]) * 1e-6, bandwidth=float(d["gbytes_per_s"]) * 1e9)
-    except (KeyError, TypeError, ValueError):
-        raise UserError(f"{what} needs alpha_us and gbytes_per_s numbers") from None
-
-
-def load_system(name: str, calibration: str | os.PathLike | None = None) -> SystemPerf:
-    """The profile ``name`` (or a .toml path), with a calibration file's numbers on top."""
-    d, source = _read_profile(name)
-    calib: dict = {}
-    if calibration:
-        calib = read_calibration(calibration)
-    try:
-        c, n = d["compute"], d["network"]
-        cc = calib.get("compute", {})
-        system = SystemPerf(
-            name=d["name"], description=d.get("description", ""),
-            ranks_per_node=int(d["ranks_per_node"]), device=d.get("device", ""),
-            device_memory=float(d["device_memory_gib"]) * GIB,
-            memory_reserve=float(d.get("memory_reserve_gib", 0.0)) * GIB,
-            cores_per_node=int(calib.get("cores_per_node", d.get("cores_per_node", 0))),
-            flash_attention=bool(d.get("flash_attention", False)),
-            base_memory=float(calib.get("base_memory_mib", d.get("base_memory_mib", 0))) * MIB,
-            peak_flops={k: float(v) * 1e12 for k, v in
-                        {**c["peak_tflops"], **cc.get("peak_tflops", {})}.items()},
-            achieved_flops={k: float(v) * 1e12 for k, v in
-                            {**c["achieved_tflops"], **cc.get("achieved_tflops", {})}.items()},
-            layer_overhead_s=float(cc.get("layer_overhead_us", c["layer_overhead_us"])) * 1e-6,
-            optimizer_s_per_param=float(cc.get("optimizer_ns_per_param",
-                                               c["optimizer_ns_per_param"])) * 1e-9,
-            optimizer_overhead_s=float(cc.get("optimizer_overhead_us",
-                                              c["optimizer_overhead_us"])) * 1e-6,
-            intra=_link(n["intra"], f"{source}: [network] intra"),
-            inter=_link(n["inter"], f"{source}: [network] inter"),
-            overlap=float(calib.get("network", {}).get("overlap", n.get("overlap", 0.0))),
-            shapes=_shapes(cc.get("shapes", {})), fits=_fits(calib.get("collectives", {})),
-            slowdown={int(n): {k: float(v) for k, v in d.items()}
-                      for n, d in cc.get("concurrent_slowdown", {}).items()},
-            source=source, calibration=str(calibration or ""))
-    except KeyError as e:
-        raise UserError(f"system profile {source} lacks {e.args[0]!r}; compare it with "
-                        "hpctrain/scaling/systems/polaris.toml") from None
-    if not 0.0 <= system.overlap <= 1.0:
-        raise UserError(f"system profile {source}: overlap must be between 0 and 1")
-    return system
+def load_perf(name: str, calibration: str | os.PathLike | None = None) -> SystemPerf:
+    """System ``name`` (or a .toml path) for the model, with a calibration's numbers on top."""
+    system = load_system(name)
+    p = system.perf
+    if p is None:
+        raise UserError(f"system {system.name} has no performance figures (no [perf] table "
+                        f"in {system.file}); hpctrain plan and scale know "
+                        f"{', '.join(perf_system_names())}: use one of those, or add a [perf] "
+                        "table (see hpctrain/systems/polaris.toml)")
+    calib = read_calibration(calibration) if calibration else {}
+    cc = calib.get("compute", {})
+    perf = SystemPerf(
+        name=system.name, description=system.description,
+        ranks_per_node=system.launch.ranks_per_node, device=p.device,
+        device_memory=p.device_memory_gib * GIB, memory_reserve=p.memory_reserve_gib * GIB,
+        cores_per_node=int(calib.get("cores_per_node", p.cores_per_node)),
+        flash_attention=p.flash_attention,
+        base_memory=float(calib.get("base_memory_mib", p.base_memory_mib)) * MIB,
+        peak_flops={k: float(v) * 1e12 for k, v in
+                    {**p.peak_tflops, **cc.get("peak_tflops", {})}.items()},
+        achieved_flops={k: float(v) * 1e12 for k, v in
+                        {**p.achieved_tflops, **cc.get("achieved_tflops", {})}.items()},
+        layer_overhead_s=float(cc.get("layer_overhead_us", p.layer_overhead_us)) * 1e-6,
+        optimizer_s_per_param=float(cc.get("optimizer_ns_per_param",
+                                           p.optimizer_ns_per_param)) * 1e-9,
+        optimizer_overhead_s=float(cc.get("optimizer_overhead_us",
+                                          p.optimizer_overhead_us)) * 1e-6,
+        intra=_link(p.intra), inter=_link(p.inter),
+        overlap=float(calib.get("network", {}).get("overlap", p.overlap)),
+        shapes=_shapes(cc.get("shapes", {})), fits=_fits(calib.get("collectives", {})),
+        slowdown={int(n): {k: float(v) for k, v in d.items()}
+                  for n, d in cc.get("concurrent_slowdown", {}).items()},
+        source=system.source, calibration=str(calibration or ""))
+    if not 0.0 <= perf.overlap <= 1.0:
+        raise UserError(f"calibration file {calibration}: overlap must be between 0 and 1; "
+                        "make it again with `hpctrain scale calibrate`")
+    return perf
 
 
 def read_calibration(path: str | os.PathLike) -> dict:

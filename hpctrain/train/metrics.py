@@ -6,15 +6,10 @@ import json
 import math
 from pathlib import Path
 
-# Dense peak TFLOP/s per device from the vendors' data sheets, by compute dtype.
-# fp32 here is plain FP32 (no TF32). CPUs vary too much to tabulate: pass
-# --train.peak_tflops to get an MFU there.
-PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp32": 67.0},
-    "H100": {"bf16": 989.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp32": 19.5},
-    "V100": {"bf16": 125.0, "fp32": 15.7},  # fp16 tensor-core peak
-}
+from hpctrain.systems import device_peaks
+
+# Dense peak TFLOP/s per device and compute dtype: hpctrain/systems/devices.toml.
+PEAK_TFLOPS = device_peaks()
 
 
 def device_name(device: str) -> str:
