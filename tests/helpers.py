@@ -151,7 +151,7 @@ def fit_against_reference(trainer, cfg, comm=None, *, param_atol: float = 1e-5,
     from tests.reference import reference_run
 
     first = capture_first_step(trainer)
-    result = trainer.fit()
+    result = trainer.fit(close=False)  # the checks use the trainer's communicators
     # The gradients first: a wrong one names the parameter, a wrong loss only the step.
     ref = reference_run(cfg)
     replica = trainer.grid.pp_comm if trainer.grid.pp > 1 else None
@@ -160,6 +160,7 @@ def fit_against_reference(trainer, cfg, comm=None, *, param_atol: float = 1e-5,
                              loss_atol=loss_atol, ref=ref)
     if MPI.COMM_WORLD.size > 1:  # a failed assertion aborts every rank (conftest)
         MPI.COMM_WORLD.Barrier()
+    trainer.close()
     return result, ref
 
 

@@ -195,7 +195,7 @@ def test_bf16_pipeline_matches_the_bf16_single_process_run(mpi_dataset, shared_t
     trainer = Trainer(cfg, World.create(COMM), verbose=False)
     assert trainer.runner.dtype == torch.bfloat16
     first = capture_first_step(trainer)
-    result = trainer.fit()
+    result = trainer.fit(close=False)
     ref = reference_run(cfg)
     assert_gradients_match(first, ref, trainer.grid.pp_comm, rtol=BF16_GRAD_RTOL)
     np.testing.assert_allclose(result.losses, ref.losses, atol=BF16_LOSS_ATOL, rtol=0)
@@ -206,3 +206,4 @@ def test_bf16_pipeline_matches_the_bf16_single_process_run(mpi_dataset, shared_t
         assert (state["param"] - ref.params[name]).abs().max() < BF16_PARAM_ATOL, name
     if trainer.model.has_head:  # the head computes with the embedding's bf16 values
         assert trainer.model.head_weight.dtype == torch.bfloat16
+    trainer.close()

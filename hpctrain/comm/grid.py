@@ -12,11 +12,11 @@ Built once (collective over the world) and passed to whatever needs it.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.world import World
 from hpctrain.errors import UserError, factor_hint
 
@@ -48,6 +48,8 @@ class ProcessGrid:
     pp_comm: MPI.Comm
     """The ranks of this replica's pipeline, ranked by stage (activations, gradients)."""
     pipeline_inner: bool = True
+    resources: MPIResources = dataclasses.field(default_factory=MPIResources)
+    """The communicators the grid made (pp > 1); ``close()`` frees them."""
 
     @classmethod
     def create(cls, world: World, pp: int = 1, *, pipeline_inner: bool = True) -> "ProcessGrid":
@@ -57,17 +59,16 @@ class ProcessGrid:
                             f"stage(s): {factor_hint(world.size, pp)}")
         dp = world.size // pp
         dp_index, stage = grid_coords(world.rank, dp, pp, pipeline_inner)
+        resources = MPIResources()
         if pp == 1:
             dp_comm, pp_comm = world.comm, MPI.COMM_SELF
         else:
-            dp_comm = world.comm.Split(color=stage, key=dp_index)
-            pp_comm = world.comm.Split(color=dp_index, key=stage)
+            dp_comm = resources.add(world.comm.Split(color=stage, key=dp_index))
+            pp_comm = resources.add(world.comm.Split(color=dp_index, key=stage))
         dp_world = dataclasses.replace(world, comm=dp_comm, rank=dp_index, size=dp)
-        grid = cls(world=world, dp=dp, pp=pp, dp_index=dp_index, stage=stage,
-                   dp_world=dp_world, pp_comm=pp_comm, pipeline_inner=pipeline_inner)
-        if pp > 1:
-            weakref.finalize(grid, _free, [dp_comm, pp_comm])
-        return grid
+        return cls(world=world, dp=dp, pp=pp, dp_index=dp_index, stage=stage,
+                   dp_world=dp_world, pp_comm=pp_comm, pipeline_inner=pipeline_inner,
+                   resources=resources)
 
     @property
     def is_first(self) -> bool:
@@ -86,8 +87,6 @@ class ProcessGrid:
     def describe(self) -> str:
         return f"dp={self.dp} x pp={self.pp} (replica {self.dp_index}, stage {self.stage})"
 
-
-def _free(comms: list[MPI.Comm]) -> None:
-    if not MPI.Is_finalized():
-        for c in comms:
-            c.Free()
+    def close(self) -> None:
+        """Free the grid's communicators (collective; idempotent)."""
+        self.resources.close()

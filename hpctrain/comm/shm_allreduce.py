@@ -29,7 +29,6 @@ of the same bytes for 3 MiB of gradients, 2x for 41 MiB (2 ranks).
 
 from __future__ import annotations
 
-import atexit
 import collections
 import os
 
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpctrain.comm.resources import MPIResources
 from hpctrain.errors import ConfigError
 
 ARRIVED, REDUCED, GATHERED = 0, 1, 2
@@ -62,18 +62,6 @@ def shared_bytes_needed(numels: list[int]) -> int:
     return len(numels) * _ALIGN + sum(_align(4 * n) for n in numels)
 
 
-_OPEN: list["SharedMemoryAllreduce"] = []
-"""Windows not closed yet, oldest first. Freeing a window is collective, so it happens
-only in ``close()`` (called on every rank alike) or at exit, in creation order on every
-rank, never from the garbage collector, whose timing differs between ranks."""
-
-
-@atexit.register
-def _close_open_windows() -> None:
-    while _OPEN:
-        _OPEN[0].close()
-
-
 def free_shared_memory_bytes(path: str = "/dev/shm") -> int | None:
     """Free bytes where MPI maps shared windows on Linux; None when it cannot tell."""
     try:
@@ -97,11 +85,13 @@ class SharedMemoryAllreduce:
     def __init__(self, comm: MPI.Comm, numels: list[int], *, node_comm: MPI.Comm | None = None):
         if not numels:
             raise ValueError("no buckets to reduce")
-        node = (node_comm.Dup() if node_comm is not None
-                else comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank))
+        # Freed in reverse order by close(): the window, then the communicators.
+        self.resources = MPIResources()
+        node = self.resources.add(node_comm.Dup() if node_comm is not None
+                                  else comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank))
         sizes = comm.allgather(node.size)
         if len(set(sizes)) > 1:  # the same answer on every rank: all raise together
-            node.Free()
+            self.resources.close()
             raise ConfigError("the shared-memory allreduce needs the same number of ranks "
                               f"on every node (found {sorted(set(sizes))}); use "
                               "--parallel.allreduce=mpi")
@@ -111,12 +101,14 @@ class SharedMemoryAllreduce:
         # Ranks holding the same slice on every node reduce it across nodes. Collectives
         # on it must start in the same order everywhere: bucket launch order, kept by
         # ``cross_queue`` whatever order the requests are tested in.
-        self.cross = comm.Split(self.local, comm.rank) if n_nodes > 1 else None
+        self.cross = (self.resources.add(comm.Split(self.local, comm.rank)) if n_nodes > 1
+                      else None)
         self.cross_queue: collections.deque = collections.deque()
         self.bounds = [slice_bounds(n, self.local_size) for n in numels]
         nbytes = shared_bytes_needed(numels)
         self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.node)
         self.win.Lock_all(MPI.MODE_NOCHECK)  # passive epoch for Sync (no locking done)
+        self.resources.add(self.win, self._free_window)
         self.flags: list[np.ndarray] = []
         self.flats: list[list[torch.Tensor]] = []  # [local rank][bucket]
         for r in range(self.local_size):
@@ -132,8 +124,6 @@ class SharedMemoryAllreduce:
         self.flags[self.local][:] = 0
         self.epochs = [0] * len(numels)
         self.node.Barrier()  # every row zeroed before anyone polls it
-        self._closed = False
-        _OPEN.append(self)
 
     def flat(self, bucket: int) -> torch.Tensor:
         """This rank's bucket ``bucket``: a flat fp32 tensor in the shared window."""
@@ -172,18 +162,14 @@ class SharedMemoryAllreduce:
             if r != self.local and bounds[r + 1] > bounds[r]:
                 mine[bounds[r]:bounds[r + 1]].copy_(self.flats[r][bucket][bounds[r]:bounds[r + 1]])
 
-    def close(self) -> None:
-        """Free the window. Collective over the node; idempotent."""
-        if self._closed or MPI.Is_finalized():
-            return
-        self._closed = True
-        _OPEN.remove(self)
+    def _free_window(self) -> None:
         self.flats, self.flags = [], []  # drop the views into the window first
         self.win.Unlock_all()
         self.win.Free()
-        if self.cross is not None:
-            self.cross.Free()
-        self.node.Free()
+
+    def close(self) -> None:
+        """Free the window and the communicators. Collective over the node; idempotent."""
+        self.resources.close()
 
 
 class ShmReduction:

@@ -8,11 +8,12 @@ the same code runs on ``COMM_WORLD`` or on ``COMM_SELF`` (the single-process ref
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import CudaAwareness, detect_cuda_aware
+from hpctrain.comm.resources import MPIResources
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -35,6 +36,9 @@ class World:
     cuda_aware: CudaAwareness
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds any blocking MPI wait may take before the job is aborted."""
+    resources: MPIResources = field(default_factory=MPIResources, compare=False, repr=False)
+    """``local_comm``, freed by ``close()`` (views made with ``dataclasses.replace`` share
+    it: only the world that ``create`` returned is closed)."""
 
     @property
     def is_root(self) -> bool:
@@ -46,7 +50,8 @@ class World:
         """Build the world on ``comm`` (default ``COMM_WORLD``). Collective over ``comm``."""
         comm = MPI.COMM_WORLD if comm is None else comm
         rank, size = comm.Get_rank(), comm.Get_size()
-        local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        resources = MPIResources()
+        local_comm = resources.add(comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))
         local_rank, local_size = local_comm.Get_rank(), local_comm.Get_size()
         # Node index: number the lowest rank of each node, then share it within the node.
         is_leader = int(local_rank == 0)
@@ -58,7 +63,12 @@ class World:
         return cls(comm=comm, rank=rank, size=size, local_comm=local_comm,
                    local_rank=local_rank, local_size=local_size, node=node,
                    n_nodes=n_nodes, device=device,
-                   cuda_aware=detect_cuda_aware(cuda_aware), timeout=timeout)
+                   cuda_aware=detect_cuda_aware(cuda_aware), timeout=timeout,
+                   resources=resources)
+
+    def close(self) -> None:
+        """Free the node communicator (collective; idempotent)."""
+        self.resources.close()
 
     def describe(self) -> str:
         return (f"{self.size} rank(s) on {self.n_nodes} node(s), device {self.device}, "

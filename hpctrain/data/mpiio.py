@@ -31,12 +31,12 @@ same windows as hyperslabs through HDF5's ``mpio`` driver with collective transf
 
 from __future__ import annotations
 
-import atexit
 
 import numpy as np
 from mpi4py import MPI
 
 from hpctrain.comm.collectives import allreduce_array
+from hpctrain.comm.resources import MPIResources
 from hpctrain.data.dataset import BaseReader, DatasetInfo, check_windows, window_pieces
 from hpctrain.data.hints import READ_DEFAULTS
 from hpctrain.errors import DataError
@@ -63,14 +63,13 @@ class _CollectiveReader(BaseReader):
 
     def __init__(self, info: DatasetInfo, comm: MPI.Comm, *, timeout: float):
         super().__init__(info)
+        # Closing a file is collective: files and communicator are released together,
+        # newest first, by close() or at exit (hpctrain/comm/resources.py).
+        self.resources = MPIResources()
         # A private communicator: reads may run in a background thread while the
         # training thread uses ``comm`` for gradients.
-        self.comm = comm.Dup()
+        self.comm = self.resources.add(comm.Dup())
         self.timeout = timeout
-        self._closed = False
-        # Closing a file is collective; at exit every rank closes its readers in the
-        # same (reverse creation) order, before mpi4py finalizes MPI.
-        atexit.register(self.close)
 
     def _plan(self, split: str, starts, length: int, uniform: bool):
         """The output array, and per file the (first token, part, destination bytes) of
@@ -96,17 +95,8 @@ class _CollectiveReader(BaseReader):
         return raw.view(s.dtype), per_file, calls
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.close)
-        if MPI.Is_finalized():
-            return
-        self._close_files()
-        self.comm.Free()
-
-    def _close_files(self) -> None:
-        raise NotImplementedError
+        """Close the files and free the communicator (collective; idempotent)."""
+        self.resources.close()
 
 
 class MPIIODataset(_CollectiveReader):
@@ -118,8 +108,9 @@ class MPIIODataset(_CollectiveReader):
         self.hints = {**READ_DEFAULTS, **(hints or {})}
         mpi_info = make_info(self.hints)
         try:
-            self._files = [MPI.File.Open(self.comm, str(f), MPI.MODE_RDONLY, mpi_info)
-                           for f in info.files]
+            self._files = [self.resources.add(fh, fh.Close) for fh in (
+                MPI.File.Open(self.comm, str(f), MPI.MODE_RDONLY, mpi_info)
+                for f in info.files)]
         finally:
             mpi_info.Free()
         self._status = MPI.Status()
@@ -141,10 +132,6 @@ class MPIIODataset(_CollectiveReader):
                                     "started; re-create or re-copy it")
         return out.astype(np.int64)
 
-    def _close_files(self) -> None:
-        for fh in self._files:
-            fh.Close()
-
 
 class H5MPIODataset(_CollectiveReader):
     """The same windows read through parallel HDF5 (h5py built with MPI), as hyperslabs
@@ -162,8 +149,9 @@ class H5MPIODataset(_CollectiveReader):
         self.hints = {**READ_DEFAULTS, **(hints or {})}
         mpi_info = make_info(self.hints)
         try:
-            self._files = [h5py.File(f, "r", driver="mpio", comm=self.comm, info=mpi_info)
-                           for f in info.files]
+            self._files = [self.resources.add(h5, h5.close) for h5 in (
+                h5py.File(f, "r", driver="mpio", comm=self.comm, info=mpi_info)
+                for f in info.files)]
         finally:
             mpi_info.Free()
         self._dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
@@ -188,7 +176,3 @@ class H5MPIODataset(_CollectiveReader):
                 fspace.select_hyperslab((first,), (dest.size,))
                 dset.read(h5py.h5s.create_simple((dest.size,)), fspace, dest, dxpl=self._dxpl)
         return out.astype(np.int64)
-
-    def _close_files(self) -> None:
-        for f in self._files:
-            f.close()

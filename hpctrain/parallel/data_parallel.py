@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
@@ -105,14 +105,6 @@ def persistent_collectives_supported(comm: MPI.Comm) -> bool:
     return True
 
 
-def _free_requests(requests: list) -> None:
-    if not MPI.Is_finalized():
-        for req in requests:
-            if req != MPI.REQUEST_NULL:
-                req.Free()
-    requests.clear()
-
-
 class DataParallel(BucketScheduler):
     """Keeps ``model``'s gradients identical on every rank of ``world``."""
 
@@ -126,6 +118,7 @@ class DataParallel(BucketScheduler):
         parameters. ``norm_comms``: see engine.py."""
         self.model = model
         self.norm_comms = list(norm_comms)
+        self.resources = MPIResources()  # persistent requests; the arena has its own
         self.world = world
         self.comm = world.comm
         self.size = world.size
@@ -155,13 +148,10 @@ class DataParallel(BucketScheduler):
         else:
             self.transport = "MPI persistent Allreduce" if persistent else "MPI Iallreduce"
         """How gradients are summed (kept after ``close()``, for reports)."""
-        owned: list[MPI.Prequest] = []
         if persistent:
             for b in self.buckets:
-                b.persistent = self.comm.Allreduce_init(MPI.IN_PLACE, b.buffer.obj, op=MPI.SUM)
-                owned.append(b.persistent)
-        # Free the persistent requests before MPI_Finalize (atexit runs this first).
-        self._release = weakref.finalize(self, _free_requests, owned)
+                b.persistent = self.resources.add(
+                    self.comm.Allreduce_init(MPI.IN_PLACE, b.buffer.obj, op=MPI.SUM))
         self.zero_grad()
         if broadcast:
             self.broadcast_parameters()
@@ -288,7 +278,7 @@ class DataParallel(BucketScheduler):
     def close(self) -> None:
         """Release MPI resources (persistent requests, the shared window). Collective
         when the gradients live in shared memory; idempotent."""
-        self._release()
+        self.resources.close()
         if self.shm is not None:
             for b in self.buckets:  # keep the gradients readable once the window is gone
                 b.use_flat(b.flat.clone())

@@ -32,12 +32,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import weakref
 
 import torch
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
@@ -70,11 +70,6 @@ def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> No
     wait_all(reqs, timeout=world.timeout, what="broadcast of the initial parameters")
     for buf in bufs:
         buf.from_mpi()
-
-
-def _free_comm(comm: MPI.Comm) -> None:
-    if not MPI.Is_finalized():
-        comm.Free()
 
 
 def _empty_storage(t: torch.Tensor) -> None:
@@ -226,9 +221,8 @@ class Zero(BucketScheduler):
         self.dtype = DTYPES[dtype]
         self.optim_cfg = optim_cfg
         self.comm = world.comm
-        self.gather_comm = world.comm.Dup() if stage == 3 else None
-        if self.gather_comm is not None:
-            weakref.finalize(self, _free_comm, self.gather_comm)
+        self.resources = MPIResources()
+        self.gather_comm = self.resources.add(world.comm.Dup()) if stage == 3 else None
         self.size, self.rank = world.size, world.rank
         _broadcast_module(model, world)  # every rank starts from rank 0's initialization
         groups = zero_buckets(model, stage, blocks, bucket_mb, first_bucket_mb)
@@ -602,5 +596,8 @@ class Zero(BucketScheduler):
         return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=comm)
 
     def close(self) -> None:
-        """Nothing to release early: the gather communicator is freed with this object
-        (or at exit, before MPI_Finalize), so ``gathered()`` still works after training."""
+        """Free the gather communicator (collective; idempotent). ``gathered()`` still
+        works afterwards, on the reduction communicator: nothing reduces any more."""
+        self.resources.close()
+        if self.gather_comm is not None:
+            self.gather_comm = self.comm

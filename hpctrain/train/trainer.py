@@ -125,16 +125,18 @@ class Trainer:
         return self.engine.memory()
 
     # ---------------------------------------------------------------- the loop
-    def fit(self) -> TrainResult:
-        """Train, evaluate and write the outputs; then release everything (``close``).
-        On an error only this process's own holds are let go (the lock, the signal
-        handlers): the collective releases could wait for a rank that failed."""
+    def fit(self, close: bool = True) -> TrainResult:
+        """Train, evaluate and write the outputs; then release everything (``close``;
+        ``close=False`` keeps the communicators for a caller that inspects the run and
+        closes it). On an error only this process's own holds are let go (the lock, the
+        signal handlers): the collective releases could wait for a rank that failed."""
         try:
             result = self._fit()
         except BaseException:
             self._release_own()
             raise
-        self.close()
+        if close:
+            self.close()
         return result
 
     def _announce(self) -> None:
@@ -288,8 +290,10 @@ class Trainer:
         try:
             if self._stop is not None:
                 self._stop.close()
+            # Newest first: the engine, the reader, then the grid they were built on.
             self.engine.close()
             self.batches.close()
+            self.grid.close()
             self.metrics.close()
         finally:
             self._release_own()
