@@ -674,25 +674,131 @@ def test_every_alcf_queue_has_a_five_minute_minimum(system, queue):
         _spec(system, queue=queue, nodes=nodes, walltime="00:04:59")
 
 
-@pytest.mark.parametrize("queue, limit", [("debug", 1), ("debug-scaling", 1),
-                                          ("preemptable", 20), ("prod", 10)])
-def test_polaris_array_throttle_per_queue_and_rerunnable_arrays(queue, limit):
-    q = load_system("polaris").batch.queues[queue]
+@pytest.mark.parametrize("system, queue, limit", [
+    ("polaris", "debug", 1), ("polaris", "debug-scaling", 1), ("polaris", "preemptable", 20),
+    ("polaris", "prod", 10), ("aurora", "debug", 1), ("aurora", "debug-scaling", 1),
+    ("aurora", "prod", 10)])
+def test_alcf_array_throttle_per_queue_and_rerunnable_arrays(system, queue, limit):
+    # ALCF user guide, "Example Job Scripts" > "Limits on job arrays" and each system's
+    # "Running Jobs" queue table: sub-jobs count against the queue's concurrent-job limit.
+    q = load_system(system).batch.queues[queue]
     kw = dict(queue=queue, nodes=q.min_nodes, walltime="00:30:00")
-    text = render(_spec("polaris", array=f"0-31%{limit}", **kw))
+    text = render(_spec(system, array=f"0-31%{limit}", **kw))
     assert f"#PBS -J 0-31%{limit}" in directives(text)
     assert directives(text).count("#PBS -r y") == 1  # PBS reruns array sub-jobs
     with pytest.raises(JobError, match=rf"queue {queue} need a %N throttle with N <= {limit}"):
-        _spec("polaris", array=f"0-31%{limit + 1}", **kw)
+        _spec(system, array=f"0-31%{limit + 1}", **kw)
+    with pytest.raises(JobError, match=rf"queue {queue} need a %N throttle with N <= {limit}"):
+        _spec(system, array="0-31", **kw)
 
 
 def test_every_pbs_array_is_rerunnable():
     for system, kw in (("pbs", dict(walltime="01:00:00")),
                        ("polaris", dict(queue="capacity", nodes=1, walltime="01:00:00")),
-                       ("aurora", dict(queue="debug", nodes=1, walltime="00:30:00"))):
+                       ("aurora", dict(queue="capacity", nodes=1, walltime="00:30:00"))):
         text = render(_spec(system, array="0-3", **kw))
         assert "#PBS -J 0-3" in directives(text) and "#PBS -r y" in directives(text), system
     assert "#PBS -r y" not in script("pbs")  # not without an array
+
+
+# Every queue limit of the site profiles, as the sites' guides state it; the profile
+# comments cite the guide, section and the commit of the copy read. A row: system, queue,
+# [min, max] nodes, max walltime at the largest job, the smaller jobs' tighter limits,
+# min walltime, array throttle.
+SOURCED_QUEUES = [
+    # ALCF user guide, Polaris "Running Jobs" > "Queues" (queue and prod routing tables);
+    # "Example Job Scripts" > "Limits on job arrays".
+    ("polaris", "debug", [1, 2], "01:00:00", (), "00:05:00", 1),
+    ("polaris", "debug-scaling", [1, 10], "01:00:00", (), "00:05:00", 1),
+    ("polaris", "prod", [10, 496], "24:00:00",
+     ((24, "03:00:00"), (99, "06:00:00"), (496, "24:00:00")), "00:05:00", 10),
+    ("polaris", "preemptable", [1, 10], "72:00:00", (), "00:05:00", 20),
+    ("polaris", "capacity", [1, 4], "168:00:00", (), "00:05:00", None),
+    # ALCF user guide, Aurora "Running Jobs on Aurora" > "Queues"; "Known Issues" > "Job
+    # Array Submitted to prod Never Runs".
+    ("aurora", "debug", [1, 2], "01:00:00", (), "00:05:00", 1),
+    ("aurora", "debug-scaling", [2, 256], "01:00:00", (), "00:05:00", 1),
+    ("aurora", "prod", [256, 10624], "24:00:00",
+     ((1024, "12:00:00"), (1999, "18:00:00"), (10624, "24:00:00")), "00:05:00", 10),
+    ("aurora", "capacity", [1, 16], "168:00:00", (), "00:05:00", None),
+    # OLCF Frontier user guide, "Scheduling Policy": "Job Priority by Node Count",
+    # "extended Partition (queue) Policy", "debug Quality of Service Class".
+    ("frontier", "batch", [1, 9472], "12:00:00",
+     ((91, "02:00:00"), (183, "06:00:00"), (9472, "12:00:00")), None, None),
+    ("frontier", "debug", [1, 9472], "02:00:00", (), None, None),
+    ("frontier", "extended", [1, 64], "24:00:00", (), None, None),
+    # NERSC "QOSes and Charges" (docs.nersc.gov/jobs/policy/): unverified, see
+    # perlmutter.toml; the walltimes agree with sacctmgr output quoted elsewhere.
+    ("perlmutter", "debug", [1, 8], "00:30:00", (), None, None),
+    ("perlmutter", "regular", [1, 1536], "48:00:00", (), None, None),
+]
+
+
+def _seconds(hms):
+    h, m, s = (int(x) for x in hms.split(":"))
+    return h * 3600 + m * 60 + s
+
+
+def _plus_one_second(hms):
+    s = _seconds(hms) + 1
+    return f"{s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def test_the_profiles_hold_exactly_the_sourced_queues():
+    rows = {(s, q): row for s, q, *row in SOURCED_QUEUES}
+    for system in ("polaris", "aurora", "frontier", "perlmutter"):
+        for name, q in load_system(system).batch.queues.items():
+            assert (system, name) in rows, f"{system} {name}: add its source to SOURCED_QUEUES"
+            nodes, wall, by_nodes, min_wall, throttle = rows[system, name]
+            assert [q.min_nodes, q.max_nodes] == nodes, (system, name)
+            assert q.max_walltime == _seconds(wall), (system, name)
+            assert q.walltime_by_nodes == tuple((n, _seconds(w)) for n, w in by_nodes)
+            assert q.min_walltime == (_seconds(min_wall) if min_wall else 0), (system, name)
+            assert q.array_throttle == throttle, (system, name)
+    assert len(rows) == sum(len(load_system(s).batch.queues)
+                            for s in ("polaris", "aurora", "frontier", "perlmutter"))
+
+
+@pytest.mark.parametrize("system, queue, nodes, wall", [
+    (s, q, n, w) for s, q, n, w, *_ in SOURCED_QUEUES])
+def test_each_queue_takes_its_largest_job_and_refuses_one_node_more(system, queue, nodes,
+                                                                     wall):
+    _spec(system, queue=queue, nodes=nodes[1], walltime=wall)
+    with pytest.raises(JobError, match=rf"queue {queue} on {system} takes at most "
+                                       rf"{nodes[1]} node\(s\), you asked for {nodes[1] + 1}"):
+        _spec(system, queue=queue, nodes=nodes[1] + 1, walltime="00:30:00")
+    if nodes[0] > 1:
+        _spec(system, queue=queue, nodes=nodes[0], walltime="00:30:00")
+        with pytest.raises(JobError, match=rf"queue {queue} on {system} takes at least "
+                                           rf"{nodes[0]} nodes, you asked for {nodes[0] - 1}"):
+            _spec(system, queue=queue, nodes=nodes[0] - 1, walltime="00:30:00")
+
+
+@pytest.mark.parametrize("system, queue, nodes, wall", [
+    (s, q, n, w) for s, q, n, w, *_ in SOURCED_QUEUES])
+def test_each_queue_takes_its_walltime_limit_and_refuses_a_second_more(system, queue, nodes,
+                                                                       wall):
+    _spec(system, queue=queue, nodes=nodes[0], walltime=_limit_for(system, queue, nodes[0]))
+    _spec(system, queue=queue, nodes=nodes[1], walltime=wall)
+    with pytest.raises(JobError, match=rf"queue {queue} on {system} allows at most {wall} "
+                                       rf"for {nodes[1]} node\(s\), you asked for "
+                                       rf"{_plus_one_second(wall)}"):
+        _spec(system, queue=queue, nodes=nodes[1], walltime=_plus_one_second(wall))
+
+
+def _limit_for(system, queue, n):
+    row = next(r for r in SOURCED_QUEUES if r[:2] == (system, queue))
+    return next((w for most, w in row[4] if n <= most), row[3])
+
+
+def test_perlmutter_qos_it_does_not_model_need_no_queue_check():
+    with pytest.raises(JobError, match=r"perlmutter has no queue 'premium'; use one of: "
+                                       r"debug \(1-8 nodes, <= 00:30:00\); regular "
+                                       r"\(1-1536 nodes, <= 48:00:00\) \(or --no-queue-check"):
+        _spec("perlmutter", queue="premium", nodes=2, walltime="01:00:00")
+    text = render(_spec("perlmutter", queue="premium", nodes=2, walltime="01:00:00",
+                        check_queue=False))
+    assert "#SBATCH --qos=premium" in directives(text)
 
 
 def test_frontier_largest_job_debug_qos_and_ranks_per_node():
@@ -730,13 +836,13 @@ def test_frontier_puts_cray_libraries_first_and_miopen_cache_on_local_disk():
     assert 'export MIOPEN_CUSTOM_CACHE_DIR="${MIOPEN_USER_DB_PATH}"' in text
 
 
-@pytest.mark.parametrize("name", ["daos_user", "daos_user_fs"])
-def test_aurora_accepts_both_names_the_guides_give_daos(name):
+@pytest.mark.parametrize("name", ["daos_user", "daos_user_fs", "daos_perf", "daos_perf_fs"])
+def test_aurora_accepts_every_name_the_guides_give_daos(name):
     text = script("aurora", filesystems=["flare", name])
     assert f"#PBS -l filesystems=flare:{name}" in directives(text)
 
 
 def test_aurora_refuses_a_filesystem_it_does_not_list():
     with pytest.raises(JobError, match="no filesystem 'daos'; valid: home, flare, daos_user, "
-                                       "daos_user_fs"):
+                                       "daos_user_fs, daos_perf, daos_perf_fs"):
         script("aurora", filesystems=["daos"])

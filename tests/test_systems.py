@@ -130,3 +130,21 @@ def test_a_missing_or_binary_system_file_is_one_error(tmp_path):
     path.write_text("[batch\n")
     with pytest.raises(UserError, match="binary.toml is not valid TOML"):
         load_system(str(path))
+
+
+@pytest.mark.parametrize("system", ["polaris", "aurora", "frontier", "perlmutter"])
+def test_every_site_queue_cites_its_source(system):
+    # Each [batch.queues.NAME] follows a comment naming the queue, and the file names the
+    # guide's address and the copy read (a commit), or says why a limit is unverified.
+    lines = (REPO / "hpctrain" / "systems" / f"{system}.toml").read_text().splitlines()
+    text = "\n".join(lines)
+    assert "https://docs." in text and ("commit" in text or "unverified:" in text), system
+    for i, line in enumerate(lines):
+        if line.startswith("[batch.queues."):
+            name = line[len("[batch.queues."):-1]
+            comment = []
+            for above in reversed(lines[:i]):
+                if not above.startswith("#"):
+                    break
+                comment.append(above)
+            assert any(name in c for c in comment), f"{system} {name}: cite its source"
