@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, MODEL_KEYS, VERSION, CheckpointError,
+                                         bucket_entry,
                                          bucket_key, bucket_ranks, check_compatible,
                                          publish, read_full_state,
                                          read_manifest, read_own_shards, read_rng, shard_name,
@@ -34,12 +35,6 @@ def _replicated_shard(state, writes: bool):
             for k in KEYS:
                 datasets[f"{k}/{name}"] = tensors[k].detach().float().cpu().numpy()
     return index, datasets
-
-
-def bucket_entry(names: list[str], shapes: list[list[int]], layout) -> dict:
-    """The manifest's record of one bucket: which parameter lies where, and the shards."""
-    return {"names": list(names), "shapes": [list(s) for s in shapes],
-            "offsets": list(layout.offsets), "shard": layout.shard, "world": layout.world}
 
 
 def _zero_index(state, grid: ProcessGrid) -> dict:

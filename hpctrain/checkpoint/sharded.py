@@ -57,6 +57,13 @@ class CheckpointError(UserError):
     """A checkpoint is missing, corrupt, or does not fit the model being trained."""
 
 
+
+def bucket_entry(names: list[str], shapes: list[list[int]], layout) -> dict:
+    """The manifest's record of one bucket: which parameter lies where, and the shards
+    (``layout``: a ``parallel.shards.ShardLayout``)."""
+    return {"names": list(names), "shapes": [list(s) for s in shapes],
+            "offsets": list(layout.offsets), "shard": layout.shard, "world": layout.world}
+
 def _crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data) & 0xFFFFFFFF
 

@@ -3,15 +3,21 @@ on one process, without MPI (a checkpoint of any world size reads the same way).
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from hpctrain.checkpoint.export import export_hf, write_safetensors
-from hpctrain.checkpoint.sharded import (KEYS, CheckpointError, read_full_state,
-                                         read_manifest, read_rng, shard_name)
-from hpctrain.checkpoint.single_file import save_checkpoint
+from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError, bucket_entry,
+                                         read_full_state, read_manifest, read_rng,
+                                         shard_name, write_shard, write_synced)
+from hpctrain.checkpoint.single_file import load_checkpoint, save_checkpoint
+from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.parallel.shards import shard_layout
 
 
 def inspect(path: str | Path, verify: bool = False) -> str:
@@ -56,8 +62,6 @@ def merge(path: str | Path, output: str | Path) -> Path:
     full = read_full_state(m)
     params = {n: s["param"] for n, s in full.items()}
     optim = {n: {k: s[k] for k in KEYS[1:]} for n, s in full.items()}
-    import torch
-
     for s in optim.values():
         s["step"] = torch.tensor(float(m.data["optimizer_step"]))
     return save_checkpoint(output, params, optim, step=m.step, config=m.data["config"],
@@ -79,10 +83,6 @@ def export(path: str | Path, fmt: str, output: str | Path) -> Path:
 def load_weights(path: str | Path):
     """Parameters, model shape and tokenizer from a run's out_dir, a ``final.h5`` or a
     sharded checkpoint: ``(params by name, model dict, tokenizer meta)``."""
-    import torch
-
-    from hpctrain.checkpoint.single_file import load_checkpoint
-
     p = Path(path)
     if p.is_file() or (p / "final.h5").is_file():
         ckpt = load_checkpoint(p)
@@ -104,15 +104,8 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     """Rewrite a checkpoint for ``world`` ranks at ZeRO stage ``zero`` (bucket caps as in
     ``--parallel.*``), so that such a run reads only its own shard when it resumes. Any
     checkpoint also loads at any layout directly; this saves each rank the reshuffle."""
-    import json
-    import shutil
-
-    import torch
-
-    from hpctrain.checkpoint.sharded import FORMAT, VERSION, write_shard, write_synced
-    from hpctrain.model.gpt import GPT, GPTConfig
-    from hpctrain.parallel.shards import shard_layout
-    from hpctrain.checkpoint.collective import bucket_entry
+    # Here, not at the top: parallel.zero imports mpi4py, which starts MPI, and the other
+    # ckpt commands run on login nodes where that can fail.
     from hpctrain.parallel.zero import ALIGN, pack_flat, zero_buckets
 
     if world < 1 or zero not in (0, 1, 2, 3):
