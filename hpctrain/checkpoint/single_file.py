@@ -22,19 +22,6 @@ FORMAT = "hpctrain-checkpoint"
 VERSION = 1
 
 
-def replicated_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """Parameters and optimizer state by parameter name, from an unsharded model."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    optim = {}
-    if optimizer is not None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                optim[names[id(p)]] = dict(optimizer.state.get(p, {}))
-    return params, optim
-
-
 def save_checkpoint(path: str | Path, params: dict[str, torch.Tensor],
                     optim: dict[str, dict[str, torch.Tensor]] | None, *, step: int,
                     config: dict, tokenizer: dict) -> Path:
