@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
+
+import torch
+
+from hpctrain.comm.collectives import allreduce_array
 
 
 @dataclass
@@ -43,3 +49,32 @@ def bar_text(r: dict) -> str:
     skipped = f" | skipped {r['skipped_steps']}" if r["skipped_steps"] else ""
     return (f"loss {r['loss']:.4f} | {r['tokens_per_s'] / 1e3:.1f}k tok/s | "
             f"{r['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}{skipped}")
+
+
+class LogWindow:
+    """The steps since the last log line. Their losses stay on each rank until the log
+    step, where one small collective turns them into means over the whole global batch."""
+
+    def __init__(self, world, dp: int):
+        self.world, self.dp = world, dp
+        self.losses: list[torch.Tensor] = []
+        self.restart()
+
+    def restart(self) -> None:
+        """Start timing the next window (after a checkpoint save, which is not a step)."""
+        self.t0 = time.perf_counter()
+
+    def flush(self, result: TrainResult) -> tuple[float, int, float, list[float]]:
+        """Log step (collective): add the window's global losses to ``result``; returns
+        (the last loss, steps, seconds, mean data / comm / bubble seconds per step)."""
+        w, n = self.world, len(self.losses)
+        elapsed = time.perf_counter() - self.t0
+        local = torch.stack(self.losses).double().cpu().numpy()
+        # Each replica's last stage holds its loss; the other stages add zeros.
+        losses = allreduce_array(w.comm, local, timeout=w.timeout,
+                                 what="loss reduction") / self.dp
+        result.losses.extend(losses.tolist())
+        self.losses = []
+        means = [statistics.fmean(x[-n:]) for x in (result.data_times, result.comm_times,
+                                                     result.bubble_times)]
+        return float(losses[-1]), n, elapsed, means

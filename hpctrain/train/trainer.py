@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from hpctrain.checkpoint.collective import find_resume, load_checkpoint
-from hpctrain.comm.collectives import allreduce_array
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World, threads_per_rank
 from hpctrain.config import Config, ConfigError, check_layout
@@ -29,7 +28,7 @@ from hpctrain.train.evaluate import Evaluator
 from hpctrain.train.metrics import MetricsLog, peak_tflops
 from hpctrain.train.nonfinite import NonFiniteGuard
 from hpctrain.train.outputs import RunOutputs
-from hpctrain.train.result import TrainResult, bar_text, step_record
+from hpctrain.train.result import LogWindow, TrainResult, bar_text, step_record
 from hpctrain.train.rundir import claim_run_dir
 from hpctrain.train.saving import CheckpointSaver
 from hpctrain.train.schedule import learning_rate
@@ -148,10 +147,10 @@ class Trainer:
         if self.runner.describe():
             self._log(self.runner.describe())
         rows = t.batch_size // self.grid.dp
-        self._log(f"model: {self.gpt_cfg.num_params() / 1e6:.2f}M parameters, {self.engine.describe()}, "
-                  f"{t.dtype}; global batch "
-                  f"{t.batch_size} x {cfg.model.block_size} tokens = {rows} row(s) per rank "
-                  f"in {self.micro} micro-batch(es)")
+        self._log(f"model: {self.gpt_cfg.num_params() / 1e6:.2f}M parameters, "
+                  f"{self.engine.describe()}, {t.dtype}; global batch {t.batch_size} x "
+                  f"{cfg.model.block_size} tokens = {rows} row(s) per rank in {self.micro} "
+                  "micro-batch(es)")
         if self.start_step:
             self._log(f"resumed from the checkpoint of step {self.start_step}")
 
@@ -218,8 +217,7 @@ class Trainer:
 
     def _loop(self, result: TrainResult, bar: Progress, stop: StopAgreement) -> None:
         t, w = self.cfg.train, self.world
-        window_losses: list[torch.Tensor] = []
-        window_t0, window_steps = time.perf_counter(), 0
+        window = LogWindow(w, self.grid.dp)
         for step in range(self.start_step, t.max_iters):
             t0, comm0 = time.perf_counter(), self.engine.stats.wait_s
             bubble0 = self.runner.stats.bubble_s
@@ -233,8 +231,7 @@ class Trainer:
             result.bubble_times.append(self.runner.stats.bubble_s - bubble0)
             if step == self.start_step:
                 self._log(f"memory per rank: {self.memory().describe()}", bar)
-            window_losses.append(loss)
-            window_steps += 1
+            window.losses.append(loss)
             done = step + 1
             stopping = stop.agreed(done)  # the same answer on every rank
             is_eval = t.eval_interval > 0 and done % t.eval_interval == 0 and not stopping
@@ -244,30 +241,17 @@ class Trainer:
                     and done != t.max_iters):
                 bar.update(1)
                 continue
-            # Log step: one small collective turns every step's local loss since the last
-            # log into the mean over the whole global batch.
             self.saver.finish_pending()
-            elapsed = time.perf_counter() - window_t0
-            local = torch.stack(window_losses).double().cpu().numpy()
-            # Each replica's last stage holds its loss; the other stages add zeros.
-            global_losses = allreduce_array(w.comm, local, timeout=w.timeout,
-                                            what="loss reduction") / self.grid.dp
-            result.losses.extend(global_losses.tolist())
-            window = slice(-window_steps, None)  # this log window's steps
-            means = [sum(x[window]) / window_steps for x in (
-                result.data_times, result.comm_times, result.bubble_times)]
-            record = step_record(done, float(global_losses[-1]),
-                                 learning_rate(done - 1, self.cfg.optim, t.max_iters),
-                                 self.tokens_per_step * window_steps / elapsed,
-                                 elapsed / window_steps, float(norm), *means,
-                                 flops_per_token=self.gpt_cfg.flops_per_token(), world_size=w.size,
-                                 peak=self.peak, skipped=self.guard.skipped)
+            last, n, elapsed, means = window.flush(result)
+            record = step_record(done, last, learning_rate(done - 1, self.cfg.optim, t.max_iters),
+                                 self.tokens_per_step * n / elapsed, elapsed / n, float(norm),
+                                 *means, flops_per_token=self.gpt_cfg.flops_per_token(),
+                                 world_size=w.size, peak=self.peak, skipped=self.guard.skipped)
             if is_eval:
                 record["val_loss"] = result.val_losses[done] = self.evaluator.estimate()
                 self._log(f"step {done}: val loss {record['val_loss']:.4f}", bar)
             self.metrics.write(record)
             bar.update(1, bar_text(record), force=True)
-            window_losses, window_steps = [], 0
             if stopping:
                 result.stopped_at = done
                 return
@@ -278,7 +262,7 @@ class Trainer:
                           "step(s) were non-finite)", bar)
             elif is_ckpt:
                 self.saver.save(done, background=t.ckpt_background)
-            window_t0 = time.perf_counter()
+            window.restart()
 
     # -------------------------------------------------------------- the end
     def close(self) -> None:
