@@ -114,3 +114,21 @@ def test_world_describes_this_single_node_job():
     assert (w.rank, w.size) == (COMM.rank, COMM.size)
     assert w.n_nodes == 1 and w.node == 0 and w.local_size == COMM.size
     assert sorted(COMM.allgather(w.local_rank)) == list(range(COMM.size))
+
+
+def test_summary_times_the_reductions_of_each_step(mpi_dataset, shared_tmp):
+    """With several ranks the gradient hooks spend time on reductions and ``finish``
+    may wait: both appear in ``timing.phases_ms``, averaged over the ranks."""
+    import json
+    from pathlib import Path
+
+    cfg = tiny_config(mpi_dataset, shared_tmp, **{"train.max_iters": 20,
+                                                  "parallel.bucket_mb": 0.02,
+                                                  "parallel.first_bucket_mb": 0.005})
+    Trainer(cfg, World.create(COMM), verbose=False).fit()
+    if COMM.rank == 0:
+        phases = json.loads((Path(shared_tmp) / "summary.json").read_text())["timing"][
+            "phases_ms"]
+        assert phases["hooks"] > 0 and phases["wait"] >= 0
+        assert phases["hooks"] < phases["backward"]
+    COMM.Barrier()

@@ -10,6 +10,7 @@ from mpi4py import MPI
 from hpctrain.checkpoint.single_file import load_checkpoint
 from hpctrain.comm.world import World
 from hpctrain.errors import ConfigError
+from hpctrain.train.timing import PHASES
 from hpctrain.train.trainer import Trainer
 from tests.helpers import SGD, fit_against_reference, tiny_config
 
@@ -60,6 +61,22 @@ def test_outputs_metrics_checkpoint_and_sample(dataset_path, tmp_path):
     for name, p in trainer.model.named_parameters():
         np.testing.assert_array_equal(ckpt.model[name], p.detach().numpy())
     assert set(ckpt.optim["wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_summary_breaks_each_step_into_phases(dataset_path, tmp_path):
+    """summary.json's ``timing.phases_ms``: every phase, which add up to the step (hooks
+    are a part of backward); forward, backward and the optimizer take time, a single
+    rank neither waits nor reduces."""
+    _train(tiny_config(dataset_path, tmp_path, **{"train.max_iters": 20}))
+    timing = json.loads((tmp_path / "summary.json").read_text())["timing"]
+    phases = timing["phases_ms"]
+    assert set(phases) == {*PHASES, "step"}
+    assert min(phases["forward"], phases["backward"], phases["optimizer"]) > 0
+    assert phases["wait"] == phases["hooks"] == phases["bubble"] == 0
+    parts = sum(v for k, v in phases.items() if k not in ("hooks", "step"))
+    # Medians of each phase need not add up exactly to the median step.
+    assert parts == pytest.approx(phases["step"], rel=0.2)
+    assert phases["step"] == pytest.approx(timing["step_ms_median"], rel=0.2)
 
 
 def test_batch_that_does_not_split_is_refused(dataset_path, tmp_path):

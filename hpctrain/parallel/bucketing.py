@@ -49,6 +49,10 @@ class CommStats:
     """Parameter allgathers (ZeRO)."""
     wait_s: float = 0.0
     """Time spent in ``finish()`` waiting for reductions: communication not hidden."""
+    hook_s: float = 0.0
+    """Time gradient hooks spent launching and polling reductions during backward (with
+    the shared-memory allreduce, also its summing): the reductions' cost on the critical
+    path while they overlap."""
 
 
 class BucketScheduler:
@@ -86,11 +90,13 @@ class BucketScheduler:
         """One more of ``bucket``'s gradients is final for this backward."""
         if not self.syncing:
             return
+        t0 = time.perf_counter()
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_in_order()
         elif self._inflight:
             self.poll()
+        self.stats.hook_s += time.perf_counter() - t0
 
     def _launch_in_order(self) -> None:
         buckets = self.sched_buckets

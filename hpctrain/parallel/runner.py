@@ -11,6 +11,7 @@ rank (pp = 1), so a training step has one path::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,9 @@ from hpctrain.profiling import nvtx_range
 class LocalStats:
     bubble_s: float = 0.0
     """Always zero: nothing waits for a neighbouring stage."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    """Seconds in backward passes, the gradient engine's hooks included."""
 
 
 class LocalRunner:
@@ -38,10 +42,14 @@ class LocalRunner:
         for m, (x, y) in enumerate(zip(xs, ys)):
             if before_backward is not None:
                 before_backward(m == len(xs) - 1)
+            t0 = time.perf_counter()
             with nvtx_range("forward"):
                 loss = self.model(x, y)
+            t1 = time.perf_counter()
             with nvtx_range("backward"):
                 (loss * loss_scale).backward()
+            self.stats.forward_s += t1 - t0
+            self.stats.backward_s += time.perf_counter() - t1
             loss_sum += loss.detach()
         return loss_sum
 

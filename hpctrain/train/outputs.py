@@ -18,7 +18,7 @@ from hpctrain.checkpoint.single_file import save_checkpoint
 from hpctrain.comm.collectives import allreduce_array
 from hpctrain.train.metrics import finite_record
 from hpctrain.train.result import TrainResult
-from hpctrain.train.timing import peak_rss_bytes, summarize
+from hpctrain.train.timing import PHASES, peak_rss_bytes, phase_medians, summarize
 
 
 def sample_text(model: torch.nn.Module, tokenizer, prompt: str, n_tokens: int,
@@ -86,6 +86,13 @@ class RunOutputs:
         mean = self._sum(local, "time shares") / self.world.size
         if timing:
             timing["shares"] = dict(zip(keys, map(float, mean)))
+        # Milliseconds per step of each phase, each rank's median averaged over the ranks.
+        mine = phase_medians(result.phases, timing.get("warmup_steps", 0))
+        names = (*PHASES, "step")
+        per_rank = self._sum([mine.get(k, 0.0) for k in names], "phase times")
+        if mine:
+            timing["phases_ms"] = {k: float(v) / self.world.size
+                                   for k, v in zip(names, per_rank)}
         return timing
 
     def _summary(self, result: TrainResult, memory, peak_rss: int, timing: dict,

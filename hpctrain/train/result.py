@@ -26,6 +26,8 @@ class TrainResult:
     """Seconds each step waited for gradient reductions after backward (not hidden)."""
     bubble_times: list[float] = field(default_factory=list)
     """Seconds each step's pipeline stage sat idle waiting for a neighbour (pp > 1)."""
+    phases: list[dict] = field(default_factory=list)
+    """Each step's seconds per phase (``timing.PHASES``)."""
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
     stopped_at: int | None = None
@@ -49,6 +51,15 @@ def bar_text(r: dict) -> str:
     skipped = f" | skipped {r['skipped_steps']}" if r["skipped_steps"] else ""
     return (f"loss {r['loss']:.4f} | {r['tokens_per_s'] / 1e3:.1f}k tok/s | "
             f"{r['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}{skipped}")
+
+
+def add_step(result: TrainResult, phases: dict) -> None:
+    """Record one step's phase times (``PhaseClock.stop()``)."""
+    result.step_times.append(phases["step"])
+    result.data_times.append(phases["data"])
+    result.comm_times.append(phases["wait"])
+    result.bubble_times.append(phases["bubble"])
+    result.phases.append(phases)
 
 
 class LogWindow:

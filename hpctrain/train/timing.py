@@ -6,10 +6,18 @@ compute is the rest of the step. Scaling studies read these from ``summary.json`
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
+import time
 
 import numpy as np
+
+PHASES = ("data", "forward", "backward", "hooks", "wait", "optimizer", "bubble", "other")
+"""Where a step's time goes. ``hooks`` is the part of ``backward`` that gradient hooks
+spend on reductions (launching, polling, shared-memory sums); ``wait`` is ``finish()``
+waiting for them after backward; ``other`` is the rest of the step (loss bookkeeping,
+the stop agreement, zero_grad)."""
 
 
 def warmup_steps(n_steps: int) -> int:
@@ -39,3 +47,45 @@ def peak_rss_bytes() -> int:
     """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class PhaseClock:
+    """Each step's seconds per phase (``PHASES``), from the cumulative counters of the
+    runner (forward, backward, bubble) and the gradient engine (hooks, wait), and the
+    trainer's own timed sections (``with clock.timing("data")``)."""
+
+    def __init__(self, runner, engine):
+        self.runner, self.engine = runner, engine
+        self.own = {"data": 0.0, "optimizer": 0.0}
+
+    @contextlib.contextmanager
+    def timing(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.own[phase] += time.perf_counter() - t0
+
+    def _counters(self) -> dict[str, float]:
+        r, e = self.runner.stats, self.engine.stats
+        return {"forward": r.forward_s, "backward": r.backward_s, "bubble": r.bubble_s,
+                "hooks": e.hook_s, "wait": e.wait_s, **self.own}
+
+    def start(self) -> None:
+        self._t0, self._c0 = time.perf_counter(), self._counters()
+
+    def stop(self) -> dict[str, float]:
+        """Seconds of each phase since ``start()``, and ``step`` in all."""
+        step = time.perf_counter() - self._t0
+        now = self._counters()
+        phases = {k: now[k] - self._c0[k] for k in now}
+        phases["other"] = step - sum(v for k, v in phases.items() if k != "hooks")
+        return {**phases, "step": step}
+
+
+def phase_medians(phases: list[dict], skip: int) -> dict[str, float]:
+    """Median milliseconds per step of each phase, after ``skip`` warm-up steps."""
+    kept = phases[skip:] or phases
+    if not kept:
+        return {}
+    return {k: 1e3 * float(np.median([p[k] for p in kept])) for k in (*PHASES, "step")}

@@ -28,11 +28,12 @@ from hpctrain.train.evaluate import Evaluator
 from hpctrain.train.metrics import MetricsLog, peak_tflops
 from hpctrain.train.nonfinite import NonFiniteGuard
 from hpctrain.train.outputs import RunOutputs
-from hpctrain.train.result import LogWindow, TrainResult, bar_text, step_record
+from hpctrain.train.result import LogWindow, TrainResult, add_step, bar_text, step_record
 from hpctrain.train.rundir import claim_run_dir
 from hpctrain.train.saving import CheckpointSaver
 from hpctrain.train.schedule import learning_rate
 from hpctrain.train.stop import SignalFlag, StopAgreement
+from hpctrain.train.timing import PhaseClock
 
 
 class Trainer:
@@ -70,6 +71,7 @@ class Trainer:
         self.par = parallelize(GPT(self.gpt_cfg), self.grid, cfg)
         self.model, self.engine, self.runner = self.par.model, self.par.engine, self.par.runner
         self.micro = cfg.parallel.micro_batches
+        self.clock = PhaseClock(self.runner, self.engine)
         self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t.eval_iters)
         self.tokens_per_step = t.batch_size * cfg.model.block_size
         self.peak = peak_tflops(world.device, t.dtype, t.peak_tflops)
@@ -101,23 +103,23 @@ class Trainer:
             print(line, flush=True)
 
     # ---------------------------------------------------------------- the step
-    def train_step(self, step: int) -> tuple[torch.Tensor, float, float]:
-        """One optimizer step; returns (this rank's mean loss, grad norm, data seconds).
+    def train_step(self, step: int) -> tuple[torch.Tensor, float]:
+        """One optimizer step; returns (this rank's mean loss, grad norm).
         The norm is the same number on every rank; a NaN or inf one skipped the update."""
-        t0 = time.perf_counter()
-        x, y = self.batches.train(step)
-        data_s = time.perf_counter() - t0
+        with self.clock.timing("data"):
+            x, y = self.batches.train(step)
         engine = self.engine
         loss_sum = self.runner.train_step(x.chunk(self.micro), y.chunk(self.micro),
                                           engine.grad_scale / self.micro,
                                           engine.prepare_for_backward)
         engine.finish()
-        norm = engine.step(learning_rate(step, self.cfg.optim, self.cfg.train.max_iters),
-                           self.cfg.optim.grad_clip)
+        with self.clock.timing("optimizer"):
+            norm = engine.step(learning_rate(step, self.cfg.optim, self.cfg.train.max_iters),
+                               self.cfg.optim.grad_clip)
         self.runner.tie_weights()
         engine.zero_grad()
         self.guard.check(float(norm))
-        return loss_sum / self.micro, norm, data_s
+        return loss_sum / self.micro, norm
 
     def memory(self):
         """Per-rank bytes of parameters, gradients, optimizer state and comm buffers."""
@@ -219,16 +221,12 @@ class Trainer:
         t, w = self.cfg.train, self.world
         window = LogWindow(w, self.grid.dp)
         for step in range(self.start_step, t.max_iters):
-            t0, comm0 = time.perf_counter(), self.engine.stats.wait_s
-            bubble0 = self.runner.stats.bubble_s
+            self.clock.start()
             try:
-                loss, norm, d = self.train_step(step)
+                loss, norm = self.train_step(step)
             except CommTimeout as e:  # say where the job was when it stopped
                 raise CommTimeout(f"step {step + 1}: {e}") from None
-            result.step_times.append(time.perf_counter() - t0)
-            result.data_times.append(d)
-            result.comm_times.append(self.engine.stats.wait_s - comm0)
-            result.bubble_times.append(self.runner.stats.bubble_s - bubble0)
+            add_step(result, self.clock.stop())
             if step == self.start_step:
                 self._log(f"memory per rank: {self.memory().describe()}", bar)
             window.losses.append(loss)

@@ -15,8 +15,9 @@ The executor walks this stage's action list (``schedules.schedule``) once per st
   per micro-batch (which would cost 1F1B its memory advantage).
 
 Time blocked in receives is the stage's pipeline bubble (``stats.bubble_s``); time in
-forward and backward passes is its compute (``stats.compute_s``). Tags name
-(direction, micro-batch, receiving chunk), so messages never match the wrong receive.
+forward and backward passes is its compute (``stats.forward_s``, ``stats.backward_s``).
+Tags name (direction, micro-batch, receiving chunk), so messages never match the wrong
+receive.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ OVERSUBSCRIBED_POLL_SLEEP_S = 5e-5
 class PipelineStats:
     bubble_s: float = 0.0
     """Seconds blocked waiting for a neighbour's activation or gradient."""
-    compute_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
     """Seconds in this stage's forward and backward passes (host clock: on a GPU it
     counts kernel launches, not kernels still running)."""
     messages: int = 0
@@ -159,7 +161,7 @@ class PipelineExecutor:
                 t0 = time.perf_counter()
                 with nvtx_range(f"forward m{a.micro} c{a.chunk}"):
                     out = self.stage.chunk_forward(a.chunk, x, ys[a.micro] if last else None)
-                self.stats.compute_s += time.perf_counter() - t0
+                self.stats.forward_s += time.perf_counter() - t0
                 if last:
                     loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
                 if backward:
@@ -185,7 +187,7 @@ class PipelineExecutor:
                         (out * loss_scale).backward()
                     else:
                         out.backward(received.pop((S.RECV_GRAD, *key)))
-                self.stats.compute_s += time.perf_counter() - t0
+                self.stats.backward_s += time.perf_counter() - t0
                 in_flight -= 1
                 if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
                     self._send_tied_gradient(sends)
