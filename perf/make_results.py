@@ -121,7 +121,38 @@ def render_dp(d: dict) -> list[str]:
     if t:
         out += [f"Targets: weak-scaling efficiency >= {fmt(t.get('efficiency'))}, >= "
                 f"{fmt(t.get('vs_ddp'))}x torch DDP -> {'met' if d.get('met') else 'missed'}.", ""]
+    if d.get("end_to_end"):
+        out += render_dp_end_to_end(d["end_to_end"], t.get("end_to_end_efficiency"))
     return out
+
+
+def render_dp_end_to_end(e2e: dict, target) -> list[str]:
+    """The same configurations as separate jobs of ``hpctrain train`` (--end-to-end)."""
+    configs = [("alone", "1 rank"), ("pair", "2 x 1 rank at once"), ("dp2", "DP=2"),
+               ("ddp2", "torch DDP, 2 ranks")]
+    ratios = [("efficiency", "DP=2 / ceiling"), ("weak_scaling", "weak-scaling eff."),
+              ("ceiling", "contention ceiling"), ("vs_ddp", "vs DDP")]
+    tput, phases = [], []
+    for name, m in e2e.items():
+        runs = m["runs"]
+        tput.append([name, m["rounds"], m["steps_per_job"],
+                     *(fmt_spread([r["tokens_per_s"][k] for r in runs]) for k, _ in configs),
+                     *(fmt_spread([r[k] for r in runs]) for k, _ in ratios)])
+        alone, dp2 = m["phases_ms"]["alone"], m["phases_ms"]["dp2"]
+        for k in alone:
+            phases.append([name, k, fmt(alone[k]), fmt(dp2.get(k)),
+                           fmt((dp2.get(k) or 0.0) - alone[k])])
+    goal = f" Goal: DP=2 >= {fmt(target)} of the ceiling." if target else ""
+    return ["End to end: each configuration a separate `mpiexec` job of `hpctrain train` "
+            "(torch DDP: its own job), one thread per rank, median `step_ms` of "
+            "`metrics.jsonl` after the warm-up; configurations rotate within each round. "
+            f"Tokens/s and ratios, median [min, max] over the rounds.{goal}", "",
+            *_table(["model", "rounds", "steps/job", *(label for _, label in configs),
+                     *(label for _, label in ratios)], tput),
+            "Where a step's time goes (`summary.json` `timing.phases_ms`: ms per step, "
+            "median over the rounds; DP=2 averaged over its ranks; hooks are part of "
+            "backward).", "",
+            *_table(["model", "phase", "1 rank", "DP=2", "DP=2 - 1 rank"], phases)]
 
 
 def render_zero(d: dict) -> list[str]:
