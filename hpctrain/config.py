@@ -273,6 +273,12 @@ class TrainConfig:
     stop_check_steps: int = opt(1, "steps between the ranks' agreements on a stop signal "
                                    "(SIGTERM/SIGUSR1): a signal is acted on within twice "
                                    "this many steps", bounds=AT_LEAST_1)
+    time_limit: float = opt(0.0, "seconds the job may run, counted from its start "
+                                 "($HPCTRAIN_JOB_START, which generated job scripts set, "
+                                 "else the process start): training saves and stops early "
+                                 "enough to finish the save within it; 0 = no limit "
+                                 "(Slurm's $SLURM_JOB_END_TIME counts too)",
+                            bounds=AT_LEAST_0)
     progress: bool = opt(True, "show a progress bar on rank 0")
 
     def __post_init__(self):

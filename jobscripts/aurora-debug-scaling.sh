@@ -17,6 +17,7 @@ set -euo pipefail
 #   hpctrain jobscript --system aurora --nodes 16 --walltime 01:00:00
 #     --queue debug-scaling --account PROJECT --filesystems home:flare --venv .venv --
 #     train default --data.path=datasets/stdlib-char.h5 --train.batch_size=192
+#     --train.time_limit=3600
 # Submit it from the directory that relative paths (data, --venv, --run-root) refer to:
 #   qsub SCRIPT
 # Results go to runs/hpctrain-<job id>/: metrics.jsonl and summary.json from training,
@@ -24,6 +25,8 @@ set -euo pipefail
 
 die() { echo "hpctrain job: error: $*" >&2; exit 1; }
 trap 'echo "hpctrain job: error: line $LINENO failed with status $?" >&2' ERR
+# The job's start: the trainer's --train.time_limit (the walltime) counts from here.
+export HPCTRAIN_JOB_START=${HPCTRAIN_JOB_START:-$(date +%s)}
 
 # ---- the allocation -------------------------------------------------------------------
 : "${PBS_JOBID:?is not set: submit this script with qsub (or run it inside qsub -I)}"
@@ -110,6 +113,7 @@ LAUNCH=(
     "${PYTHON}" -m hpctrain train default
     --data.path=datasets/stdlib-char.h5
     --train.batch_size=192
+    --train.time_limit=3600
     --train.out_dir="${RUN_DIR}"
 )
 { printf '%q' "${LAUNCH[0]}"; printf ' %q' "${LAUNCH[@]:1}"; echo; } > "$RUN_DIR/launch.txt"

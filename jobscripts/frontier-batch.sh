@@ -14,6 +14,7 @@ set -euo pipefail
 # Made by this command (edit the script freely, or change the command and run it again):
 #   hpctrain jobscript --system frontier --nodes 2 --walltime 01:00:00 --queue batch
 #     --account PROJECT --venv .venv -- train default --data.path=datasets/stdlib-char.h5
+#     --train.time_limit=3600
 # Submit it from the directory that relative paths (data, --venv, --run-root) refer to:
 #   sbatch SCRIPT
 # Results go to runs/hpctrain-<job id>/: metrics.jsonl and summary.json from training,
@@ -21,6 +22,8 @@ set -euo pipefail
 
 die() { echo "hpctrain job: error: $*" >&2; exit 1; }
 trap 'echo "hpctrain job: error: line $LINENO failed with status $?" >&2' ERR
+# The job's start: the trainer's --train.time_limit (the walltime) counts from here.
+export HPCTRAIN_JOB_START=${HPCTRAIN_JOB_START:-$(date +%s)}
 
 # ---- the allocation -------------------------------------------------------------------
 : "${SLURM_JOB_ID:?is not set: submit this script with sbatch (or run it inside salloc)}"
@@ -106,6 +109,7 @@ LAUNCH=(
     srun -N"${NNODES}" -n"${NRANKS}" -c7 --gpus-per-task=1 --gpu-bind=closest
     "${PYTHON}" -m hpctrain train default
     --data.path=datasets/stdlib-char.h5
+    --train.time_limit=3600
     --train.out_dir="${RUN_DIR}"
 )
 { printf '%q' "${LAUNCH[0]}"; printf ' %q' "${LAUNCH[@]:1}"; echo; } > "$RUN_DIR/launch.txt"

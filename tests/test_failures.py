@@ -104,3 +104,22 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(dataset_path, tmp_
         f"--train.max_iters={stopped + 5}", "--train.resume=auto", *extra)), timeout=120)
     assert p.returncode == 0, p.stderr
     assert f"resumed from the checkpoint of step {stopped}" in p.stdout
+
+
+def test_a_time_limit_ends_with_a_checkpoint_before_the_walltime(dataset_path, tmp_path):
+    """``--train.time_limit=20`` with every save 2 s slower (a test-only switch): the run
+    measures its saves, stops early enough, saves and exits 0 before a 'scheduler' kills
+    the whole job 20 s after its start (whatever the launcher does with signals)."""
+    from hpctrain.checkpoint.collective import SLOW_SAVE_ENV
+    from hpctrain.checkpoint.tools import inspect
+    from hpctrain.train.deadline import JOB_START_ENV
+
+    out = tmp_path / "limit"
+    env = {SLOW_SAVE_ENV: "2", JOB_START_ENV: f"{time.time():.3f}"}
+    p = run(["timeout", "-s", "KILL", "20", *mpiexec(2, *hpctrain_cmd(
+        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}", *TINY,
+        "--train.max_iters=100000", "--train.ckpt_interval=10", "--train.time_limit=20"))],
+        timeout=60, env=env)
+    assert p.returncode == 0, f"status {p.returncode} (137: killed at the limit)\n{p.stderr}"
+    assert "stopped by the time limit" in p.stdout, p.stdout
+    assert "verified" in inspect(out / "checkpoints", verify=True)

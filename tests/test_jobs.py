@@ -155,7 +155,9 @@ def test_polaris_directives_binding_and_environment():
     # CUDA_VISIBLE_DEVICES = 3 - local_rank % 4, set by the per-rank helper before MPI starts
     assert words[8:18] == ["${PYTHON}", "-m", "hpctrain.jobs.bind", "--device-env",
                            "CUDA_VISIBLE_DEVICES", "--devices", "4", "--order", "reverse", "--"]
-    assert words[18:] == ["${PYTHON}", "-m", "hpctrain", *CMD, "--train.out_dir=${RUN_DIR}"]
+    # The walltime in seconds (the trainer stops before it), then the run directory.
+    assert words[18:] == ["${PYTHON}", "-m", "hpctrain", *CMD, "--train.time_limit=1800",
+                          "--train.out_dir=${RUN_DIR}"]
     assert "export MPICH_GPU_SUPPORT_ENABLED=1\n" in text
     assert "export OMP_NUM_THREADS=8\n" in text  # = --depth
     assert "module use /soft/modulefiles || die" in text and "module load conda || die" in text
@@ -344,7 +346,7 @@ def test_launch_plan_matches_the_script_for_the_same_allocation(tmp_path):
     nodefile.write_text("x1\nx1\nx2\nx2\nx3\n")  # one line per rank slot: 3 unique hosts
     alloc = launch.detect_allocation({"PBS_JOBID": "9.pbs", "PBS_NODEFILE": str(nodefile)})
     assert (alloc.scheduler, alloc.nodes) == ("pbs", 3)
-    command = CMD + ["--train.out_dir=/r"]
+    command = CMD + ["--train.time_limit=1800", "--train.out_dir=/r"]
     argv = launch.plan_launch(job_system("polaris"), alloc, command, python="/py")
     assert argv[:3] == ["mpiexec", "-n", "12"]
     # The script's LAUNCH array, with its variables given the same values, is this argv.

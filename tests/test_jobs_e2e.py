@@ -178,7 +178,7 @@ def test_polaris_script_trains_end_to_end(cluster, dataset_path):
     assert line[:8] == ["mpiexec", "-n", "4", "--ppn", "4", "--depth=8", "--cpu-bind", "depth"]
     python = line[8]
     q = run([python, "-m", "hpctrain", "launch", "--dry-run", "--", *command,
-             f"--train.out_dir={run_dir}"], timeout=60,
+             "--train.time_limit=600", f"--train.out_dir={run_dir}"], timeout=60,
             env={**cluster.env, **cluster.pbs, "HPCTRAIN_SYSTEM": "polaris"}, cwd=REPO)
     assert q.returncode == 0, q.stderr
     assert shlex.split(q.stdout.strip()[2:]) == line
@@ -259,7 +259,8 @@ def test_user_values_cannot_inject_shell_code(cluster):
     program = argv[argv.index("--", 1) + 1:]  # after the per-rank bind helper
     assert program[1:4] == ["-m", "hpctrain", "train"]
     run_dir = cluster.submit / "runs" / "$(touch PWNED)`touch PWNED`" / "hpctrain-4242"
-    assert program[5:] == [*overrides, f"--train.out_dir={run_dir}"]  # verbatim, one each
+    assert program[5:] == [*overrides, "--train.time_limit=600",  # verbatim, one each
+                           f"--train.out_dir={run_dir}"]
     for i, v in enumerate(PWNED_VALUES):
         assert got["env"][f"NASTY{i}"] == v
     assert (run_dir / "launch.txt").exists()
@@ -276,7 +277,7 @@ def test_array_index_reaches_the_override_and_the_run_directory(cluster):
     assert p.returncode == 0, p.stdout + p.stderr
     argv = json.loads(record.read_text())["argv"]
     run_dir = cluster.submit / "runs" / "hpctrain-4242-3"
-    assert argv[-2:] == ["--train.seed=3", f"--train.out_dir={run_dir}"]
+    assert argv[-3:] == ["--train.seed=3", "--train.time_limit=600", f"--train.out_dir={run_dir}"]
 
 
 def test_launch_runs_training_locally_without_a_batch_system(cluster, dataset_path, tmp_path):

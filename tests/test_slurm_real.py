@@ -109,13 +109,15 @@ def limit_jobs(submit, data):
     - ``usr1``: 2 ranks, a 1-minute limit, asks for SIGUSR1 30 s before it: the ranks
       save a checkpoint and exit 0 before the limit (COMPLETED).
     - ``term``: 1 rank, the same limit, without the early signal (the user deleted the
-      ``--signal`` line): SIGTERM at the limit, to the ranks and to the script."""
+      ``--signal`` line) nor the trainer's own stop (``--train.time_limit=0``): SIGTERM
+      at the limit, to the ranks and to the script."""
     long = ["train", "default", f"--data.path={data}", *TINY, "--train.max_iters=10000000",
             "--train.log_interval=500"]
     usr1 = jobscript(submit, "usr1.sh", ["--nodes", "1", "--ranks-per-node", "2",
                                          "--walltime", "00:01:00"], long)
     term = jobscript(submit, "term.sh", ["--nodes", "1", "--ranks-per-node", "1",
-                                         "--walltime", "00:01:00"], long)
+                                         "--walltime", "00:01:00"],
+                     long + ["--train.time_limit=0"])
     term.write_text("".join(line for line in term.read_text().splitlines(keepends=True)
                             if not line.startswith("#SBATCH --signal")))
     return {"usr1": sbatch(usr1, "--signal=USR1@30"), "term": sbatch(term)}

@@ -4,9 +4,11 @@ the on-disk format). Both are collective: every rank calls them."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +72,9 @@ def _merge_stage_indexes(world: World, grid: ProcessGrid, layout: str, index: di
     return {"buckets": [b for p in parts for b in p["buckets"]]}
 
 
+SLOW_SAVE_ENV = "HPCTRAIN_TEST_SLOW_SAVE_S"
+
+
 class PendingSave:
     """A checkpoint whose shards are being written; ``finish()`` publishes it (collective).
 
@@ -95,6 +100,8 @@ class PendingSave:
 
     def _write(self) -> None:
         w = self.world
+        # Test-only: a save this many seconds slower (tests of --train.time_limit).
+        time.sleep(float(os.environ.get(SLOW_SAVE_ENV, "0") or 0))
         try:
             crcs = write_shard(self.tmp / shard_name(w.rank), self._datasets,
                                {"format": FORMAT, "version": VERSION, "rank": w.rank,

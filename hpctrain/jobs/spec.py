@@ -171,6 +171,11 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
         launch = tuple(launch)
         for part in (p for w in launch for p in w if isinstance(p, str)):
             validate.no_nul(part, "the launch line")
+    if walltime_s and command and command[0] == "train" and not any(
+            str(w).startswith("--train.time_limit") for w in command):
+        # The trainer saves and stops before the walltime itself: the launcher may not
+        # pass the scheduler's signal on in time (Open MPI's mpirun kills a second later).
+        command = [*command, f"--train.time_limit={walltime_s}"]
     per_node = ranks_per_node or la.ranks_per_node  # 0: one per core, not known here
     check_command(command, array=bool(array), forbid={"train.out_dir": OUT_DIR_REASON},
                   ranks=n_nodes * per_node if per_node else None)

@@ -6,28 +6,33 @@ is: the next log step, before another save, and at the end."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from hpctrain.checkpoint.collective import PendingSave, begin_save
 
 
 class CheckpointSaver:
-    def __init__(self, root: Path, engine, grid, run: dict, keep: int, log):
+    def __init__(self, root: Path, engine, grid, run: dict, keep: int, log, on_saved=None):
         """``run``: the manifest's ``config``, ``model`` and ``tokenizer`` records;
-        ``log(line)`` prints on rank 0."""
+        ``log(line)`` prints on rank 0; ``on_saved(seconds)`` hears how long each
+        foreground save took (the deadline's margin)."""
         self.root, self.engine, self.grid = root, engine, grid
-        self.run, self.keep, self.log = run, keep, log
+        self.run, self.keep, self.log, self.on_saved = run, keep, log, on_saved
         self._pending: PendingSave | None = None
 
     def save(self, step: int, background: bool = False) -> Path | None:
         """Every rank writes its shard of ``<root>/step_<step>`` (collective)."""
         self.finish_pending()
+        t0 = time.perf_counter()
         pending = begin_save(self.root, step, self.engine, self.grid, run=self.run,
                              keep=self.keep, background=background)
         if background:
             self._pending = pending
             return None
         path = pending.finish()
+        if self.on_saved is not None:
+            self.on_saved(time.perf_counter() - t0)
         self.log(f"checkpoint: {path}")
         return path
 

@@ -1,4 +1,5 @@
-"""Stopping on the scheduler's signal: save a checkpoint and exit cleanly.
+"""Stopping on the scheduler's signal (or the trainer's own deadline, ``deadline.py``):
+save a checkpoint and exit cleanly.
 
 PBS and Slurm send SIGTERM (Slurm also SIGUSR1 with ``--signal``) before they kill a job
 at its walltime; ``mpiexec`` forwards it to every rank. The handler only records the
@@ -35,6 +36,8 @@ class SignalFlag:
 
     def __init__(self):
         self.received: int | None = None
+        self.reason: str | None = None
+        """Why the run stops when no signal came (the time limit, ``trip``)."""
         self._previous: dict = {}
 
     def install(self) -> "SignalFlag":
@@ -52,16 +55,31 @@ class SignalFlag:
         if self.received is None:
             self.received = signum
 
+    def trip(self, reason: str) -> None:
+        """Stop as if a signal had come, for ``reason`` (e.g. the time limit)."""
+        if not self.stopping:
+            self.reason = reason
+
+    @property
+    def stopping(self) -> bool:
+        return self.received is not None or self.reason is not None
+
     @property
     def name(self) -> str:
-        return signal.Signals(self.received).name if self.received else "a signal"
+        if self.received:
+            return signal.Signals(self.received).name
+        return self.reason or "a signal"
 
 
 class StopAgreement:
     """Whether any rank of ``comm`` had a signal, the same answer on every rank."""
 
-    def __init__(self, comm: MPI.Comm, flag: SignalFlag, timeout: float, every: int = 1):
+    def __init__(self, comm: MPI.Comm, flag: SignalFlag, timeout: float, every: int = 1,
+                 deadline=None):
+        """``deadline``: a ``deadline.Deadline``; once it has passed on a rank, that rank
+        asks to stop as if it had a signal."""
         self.comm, self.flag, self.timeout, self.every = comm, flag, timeout, every
+        self.deadline = deadline
         self._req: MPI.Request | None = None
         self._send = np.zeros(1, dtype=np.int64)
         self._recv = np.zeros(1, dtype=np.int64)
@@ -72,7 +90,7 @@ class StopAgreement:
         if step % self.every:
             return False
         stop = self._finish_pending()
-        self._send[0] = int(self.flag.received is not None)
+        self._send[0] = int(self._local_stop())
         self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
         return stop
 
@@ -80,8 +98,13 @@ class StopAgreement:
         """Blocking agreement (every rank calls it at the same point): True when some
         rank has had a signal."""
         pending = self._finish_pending()
-        return any_true(self.comm, pending or self.flag.received is not None,
+        return any_true(self.comm, pending or self._local_stop(),
                         timeout=self.timeout, what=f"stop-signal agreement ({what})")
+
+    def _local_stop(self) -> bool:
+        if self.deadline is not None and not self.flag.stopping and self.deadline.passed():
+            self.flag.trip(f"the time limit ({self.deadline.describe()})")
+        return self.flag.stopping
 
     def _finish_pending(self) -> bool:
         if self._req is None:

@@ -24,6 +24,7 @@ from hpctrain.errors import CommTimeout
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.progress import Progress
+from hpctrain.train.deadline import Deadline
 from hpctrain.train.evaluate import Evaluator
 from hpctrain.train.metrics import MetricsLog, peak_tflops
 from hpctrain.train.nonfinite import NonFiniteGuard
@@ -78,10 +79,12 @@ class Trainer:
         self.out_dir = Path(t.out_dir)
         self.guard = NonFiniteGuard(t.on_nonfinite, t.max_skipped_steps,
                                     self.out_dir / "checkpoints")
+        self.deadline = Deadline.from_config(t.time_limit)  # the walltime's, if known
         self.saver = CheckpointSaver(
             self.out_dir / "checkpoints", self.engine, self.grid,
             {"config": cfg.to_dict(), "model": self.gpt_cfg.shape(),
-             "tokenizer": self.tokenizer.meta()}, t.ckpt_keep, self._log)
+             "tokenizer": self.tokenizer.meta()}, t.ckpt_keep, self._log,
+            on_saved=self.deadline.record_save)
         self.start_step = 0
         resume_from = find_resume(t.resume, self.out_dir)
         if resume_from is not None:
@@ -161,7 +164,8 @@ class Trainer:
         result = TrainResult()
         self._announce()
         w = self.world
-        stop = self._stop = StopAgreement(w.comm, self.signals, w.timeout, t.stop_check_steps)
+        stop = self._stop = StopAgreement(w.comm, self.signals, w.timeout, t.stop_check_steps,
+                                          self.deadline)
         if stop.now("start-up"):  # a signal while the job was setting up
             result.stopped_at = self.start_step
             kept = (f"the checkpoint of step {self.start_step} is unchanged"
@@ -227,6 +231,7 @@ class Trainer:
             except CommTimeout as e:  # say where the job was when it stopped
                 raise CommTimeout(f"step {step + 1}: {e}") from None
             add_step(result, self.clock.stop())
+            self.deadline.record_step(result.step_times[-1])
             if step == self.start_step:
                 self._log(f"memory per rank: {self.memory().describe()}", bar)
             window.losses.append(loss)

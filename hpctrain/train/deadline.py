@@ -1,0 +1,92 @@
+"""Stopping before the job's walltime, whatever the launcher does with signals.
+
+Schedulers send SIGTERM (or Slurm's ``--signal``) shortly before they kill a job, but
+not every launcher passes it on in time: Open MPI's ``mpirun`` follows SIGTERM with
+SIGKILL about a second later, too soon for a checkpoint. So the trainer also keeps its
+own clock. The deadline is the earliest of ``--train.time_limit`` seconds after the
+job's start (``$HPCTRAIN_JOB_START``, epoch seconds, which generated job scripts export
+first thing; else this process's start) and Slurm's ``$SLURM_JOB_END_TIME``. After each
+step the trainer asks ``passed()``: true once the time left is less than the margin,
+
+    margin = base + 2 x (the longest checkpoint save so far) + 2 x (the longest step
+             of the last 20)
+
+with ``base`` = 5% of the limit, at most 60 s. Two saves, because a periodic save may
+fall on the step before the stop, and two steps, because the ranks agree on a stop one
+step after asking (``stop.py``). Before the first save nothing is known about its
+length: runs with a time limit should save periodically (``--train.ckpt_interval``).
+The answer goes into the ranks' stop agreement (``stop.py``) like a signal: every rank
+stops after the same step, saves, and exits 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+
+JOB_START_ENV = "HPCTRAIN_JOB_START"
+SLURM_END_ENV = "SLURM_JOB_END_TIME"
+
+
+def process_start_time() -> float:
+    """Epoch seconds when this process started (Linux /proc), else now."""
+    try:
+        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 of the whole line: start time after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def _epoch(env: dict, key: str) -> float | None:
+    try:
+        value = float(env.get(key, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+class Deadline:
+    def __init__(self, end: float | None, limit_s: float):
+        self.end = end
+        """Epoch seconds by which the job must be done (None: no deadline)."""
+        self.base = min(60.0, 0.05 * limit_s) if limit_s > 0 else 60.0
+        self.longest_save = 0.0
+        self._steps: collections.deque = collections.deque(maxlen=20)
+
+    @classmethod
+    def from_config(cls, time_limit: float, env: dict | None = None) -> Deadline:
+        env = os.environ if env is None else env
+        ends = []
+        if time_limit > 0:
+            start = _epoch(env, JOB_START_ENV) or process_start_time()
+            ends.append(start + time_limit)
+        slurm_end = _epoch(env, SLURM_END_ENV)
+        if slurm_end is not None:
+            ends.append(slurm_end)
+        limit = time_limit or (slurm_end - time.time() if slurm_end else 0.0)
+        return cls(min(ends) if ends else None, limit)
+
+    def record_step(self, seconds: float) -> None:
+        self._steps.append(seconds)
+
+    def record_save(self, seconds: float) -> None:
+        self.longest_save = max(self.longest_save, seconds)
+
+    @property
+    def margin(self) -> float:
+        return self.base + 2 * self.longest_save + 2 * max(self._steps, default=0.0)
+
+    def passed(self, now: float | None = None) -> bool:
+        """True once the time left is less than the margin."""
+        if self.end is None:
+            return False
+        return (time.time() if now is None else now) + self.margin >= self.end
+
+    def describe(self) -> str:
+        left = self.end - time.time() if self.end is not None else 0.0
+        return (f"{left:.0f} s left, margin {self.margin:.1f} s (longest save "
+                f"{self.longest_save:.1f} s)")
