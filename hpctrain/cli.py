@@ -16,6 +16,7 @@ by the subcommands that need it, after the configuration has been validated.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 
@@ -331,7 +332,6 @@ def cmd_prepare(args) -> int:
 def _launched_by_mpi() -> bool:
     """Whether an MPI launcher started this process (then prepare runs on all ranks; on
     its own it runs without initializing MPI, e.g. on a login node)."""
-    import os
 
     return any(name in os.environ for name in
                ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "PMI_SIZE"))
@@ -377,8 +377,8 @@ def _train(args, overrides: list[str], signals) -> int:
 
     install_abort_handler(MPI.COMM_WORLD)
     check_world_size(MPI.COMM_WORLD.Get_size())
-    world = World.create(MPI.COMM_WORLD, timeout=cfg.comm.timeout,
-                         cuda_aware=cfg.comm.cuda_aware, use_cuda=cfg.comm.device != "cpu")
+    world = World.create(MPI.COMM_WORLD, timeout=cfg.comm.timeout, device=cfg.train.device,
+                         gpu_aware=cfg.comm.gpu_aware, system=os.environ.get("HPCTRAIN_SYSTEM"))
     Trainer(cfg, world, signals=signals).fit()
     return 0
 
@@ -446,7 +446,6 @@ def cmd_jobscript(args, command: list[str]) -> int:
 
 
 def cmd_launch(args, command: list[str]) -> int:
-    import os
 
     from hpctrain.jobs.command import check_command
     from hpctrain.jobs.launch import detect_allocation, plan_launch, run_launch

@@ -246,6 +246,12 @@ class TrainConfig:
                              bounds=AT_LEAST_0)
     threads: int = opt(0, "CPU threads per rank; 0 = OMP_NUM_THREADS or cores/ranks",
                       bounds=AT_LEAST_0)
+    # -- the device (hpctrain/comm/device.py)
+    device: str = opt("auto", "where each rank computes: auto = the GPU it sees (cuda: "
+                              "NVIDIA or AMD ROCm; xpu: Intel) else the CPU, but an error "
+                              "where HPCTRAIN_SYSTEM promises GPUs and none is visible; "
+                              "fake = the CPU posing as a GPU (tests the GPU code paths)",
+                      ("auto", "cpu", "cuda", "xpu", "fake"))
     sample_tokens: int = opt(200, "tokens generated from the final model; 0 skips",
                             bounds=AT_LEAST_0)
     sample_prompt: str = opt("\n", "prompt for the final sample")
@@ -290,9 +296,10 @@ class TrainConfig:
 class CommConfig:
     timeout: float = opt(300.0, "seconds any MPI wait may take before the job aborts",
                         bounds=POSITIVE)
-    cuda_aware: str = opt("auto", "hand CUDA buffers to MPI directly", ("auto", "yes", "no"))
-    device: str = opt("auto", "auto picks cuda:<local_rank % n_gpus> when CUDA exists",
-                      ("auto", "cpu", "cuda"))
+    gpu_aware: str = opt("auto", "hand device memory to MPI directly (yes) or through host "
+                                 "buffers (no); auto asks the MPI library about this "
+                                 "device's vendor (CUDA, ROCm, Level Zero)",
+                         ("auto", "yes", "no"))
 
     def __post_init__(self):
         _check_fields(self)
@@ -405,7 +412,14 @@ def _all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
 
 
+# Options that were renamed: the old name gets a message naming the new one.
+RENAMED = {"comm.cuda_aware": "comm.gpu_aware", "comm.device": "train.device"}
+
+
 def _unknown(key: str) -> ConfigError:
+    if key in RENAMED:
+        return ConfigError(f"--{key} is now --{RENAMED[key]} (same values); rename it in "
+                           "your recipe or command line")
     close = difflib.get_close_matches(key, _all_keys(), n=1)
     hint = f"; did you mean --{close[0]}?" if close else "; see `hpctrain train RECIPE --help`"
     return ConfigError(f"unknown option --{key}{hint}")

@@ -93,7 +93,7 @@ def reduced_gradients(trainer) -> dict:
     out = {}
     for b in engine.buckets:
         lay = b.layout
-        shard = b.grad_shard[:lay.shard].detach().float().contiguous()
+        shard = b.grad_shard[:lay.shard].detach().float().contiguous().cpu()
         full = shard
         if lay.world > 1:
             full = torch.empty(lay.padded, dtype=torch.float32)

@@ -116,8 +116,28 @@ def test_the_mfu_peak_table_is_the_registry_s():
     from hpctrain.scaling.systems import load_perf
     from hpctrain.train.metrics import PEAK_TFLOPS
 
-    assert PEAK_TFLOPS["A100"] == {"bf16": 312.0, "fp32": 19.5}
+    assert PEAK_TFLOPS["A100"] == {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}
     assert load_perf("polaris").peak_flops["bf16"] == PEAK_TFLOPS["A100"]["bf16"] * 1e12
+
+
+@pytest.mark.parametrize("runtime_name, dtype, peak", [
+    ("NVIDIA A100-SXM4-40GB", "bf16", 312.0),
+    ("NVIDIA A100-SXM4-40GB", "tf32", 156.0),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+    ("NVIDIA H100 PCIe", "bf16", 756.0),  # the more specific table comes first
+    ("NVIDIA H200", "bf16", 989.0),
+    ("Intel(R) Data Center GPU Max 1550", "bf16", 419.0),  # one tile (FLAT mode)
+    ("AMD Instinct MI250X", "bf16", 191.5),  # one GCD
+    ("AMD Instinct MI250X", "tf32", None),  # CDNA2 has no TF32
+    ("cpu", "bf16", None),
+    ("fake accelerator (CPU)", "fp32", None),
+])
+def test_the_runtime_s_device_name_finds_its_peak(runtime_name, dtype, peak):
+    from hpctrain.systems import peak_for_device
+    from hpctrain.train.metrics import peak_tflops
+
+    assert peak_for_device(runtime_name, dtype) == peak
+    assert peak_tflops(runtime_name, dtype, override=7.0) == 7.0
 
 
 def test_a_missing_or_binary_system_file_is_one_error(tmp_path):

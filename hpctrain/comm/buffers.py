@@ -1,193 +1,194 @@
-"""Turn numpy arrays, torch tensors (CPU or CUDA) and cupy arrays into MPI buffers.
+"""Tensors (host or device) and numpy arrays as MPI buffers.
 
-A CUDA buffer goes to MPI directly only when the MPI library is CUDA-aware; otherwise it
-is staged through a pinned host buffer. mpi4py does not synchronize CUDA streams, so the
-producing stream is always synchronized before MPI touches the memory.
+Host memory goes to MPI as a numpy view (no copy). Device memory is never turned into
+numpy: it goes to MPI directly when the library is GPU-aware for this device's vendor
+(``gpu_aware.py``), handed over through DLPack (mpi4py reads the capsule for any device
+type: CUDA, ROCm, oneAPI), or else through a host staging buffer that the ``MPIBuffer``
+keeps, so a step allocates nothing. Open MPI's nonblocking reductions cannot take device
+memory at all, so buffers made for reductions are staged there (``reduction=True``).
 
-Use ``MPIBuffer`` around a tensor that is communicated repeatedly (a gradient bucket): it
-keeps its staging buffer, so a step allocates nothing.
+mpi4py does not synchronize streams (it asks DLPack for ``stream=-1``): the device must
+have written a buffer before MPI reads it, and finished reading a staging buffer before
+MPI overwrites it. ``prepare()`` queues what is needed (the copy to the staging buffer)
+and records an event behind it; ``ready()`` says, without blocking, whether the event
+has passed; ``to_mpi()`` waits for that event only (never for the whole device) and
+returns what to hand to mpi4py; ``from_mpi()`` copies a staged result back (queued on
+the stream; nothing waits).
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-from dataclasses import dataclass
-
 import numpy as np
+import torch
 
-# Environment switches that MPI libraries document for GPU-aware transfers.
-_ENV_SIGNALS = (
-    ("MPICH_GPU_SUPPORT_ENABLED", "1"),  # HPE Cray MPICH (Polaris, Perlmutter, Frontier)
-    ("MV2_USE_CUDA", "1"),  # MVAPICH2-GDR
-    ("OMPI_MCA_opal_cuda_support", "true"),  # Open MPI built with CUDA
-)
+from hpctrain.comm.device import Accelerator, Event
+from hpctrain.comm.gpu_aware import HOST_MEMORY, GPUAwareness
 
+# numpy has no bfloat16: host tensors of it travel as their 16-bit pattern (copies, p2p,
+# broadcasts); reductions of bf16 are done in fp32 buffers by the callers. (Through
+# DLPack a bf16 tensor is bytes to mpi4py: the same bits.)
+_REINTERPRET = {torch.bfloat16: torch.int16}
 
-@dataclass(frozen=True)
-class CudaAwareness:
-    enabled: bool
-    reason: str
+# MPI datatypes for host tensors handed over by address (``raw``); 16-bit floats travel
+# as their bit patterns, which suits copies and gathers (never reductions).
+_RAW_TYPES = {torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.int64: "INT64_T",
+              torch.int32: "INT32_T", torch.bfloat16: "INT16_T", torch.float16: "INT16_T"}
 
-    def __bool__(self) -> bool:
-        return self.enabled
-
-    def __str__(self) -> str:
-        return f"{'yes' if self.enabled else 'no'} ({self.reason})"
+_HOST = Accelerator()
 
 
-def detect_cuda_aware(setting: str = "auto", env: dict | None = None) -> CudaAwareness:
-    """Decide whether CUDA device pointers may be handed to MPI.
-
-    ``setting`` is ``yes``/``no`` to force, or ``auto``: the ``HPCTRAIN_CUDA_AWARE``
-    environment variable, then the documented switches of Cray MPICH, MVAPICH2 and Open
-    MPI, then a query of the loaded library (``MPIX_Query_cuda_support`` in Open MPI,
-    ``MPIX_GPU_query_support`` in MPICH 4). Anything uncertain answers no: a device
-    pointer given to an MPI that is not CUDA-aware crashes, staging only costs copies.
-    """
-    env = os.environ if env is None else env
-    setting = env.get("HPCTRAIN_CUDA_AWARE", setting).lower()
-    if setting in ("1", "yes", "true"):
-        return CudaAwareness(True, "forced on")
-    if setting in ("0", "no", "false"):
-        return CudaAwareness(False, "forced off")
-    if setting != "auto":
-        raise ValueError(f"cuda_aware must be auto, yes or no, not {setting!r}")
-    for name, value in _ENV_SIGNALS:
-        if env.get(name, "").lower() == value:
-            return CudaAwareness(True, f"{name}={value}")
-    found = _query_library()
-    if found is not None:
-        return found
-    return CudaAwareness(False, "no CUDA-aware MPI detected; staging through host memory")
-
-
-def _query_library() -> CudaAwareness | None:
-    try:
-        from mpi4py import MPI
-
-        lib = ctypes.CDLL(MPI.__file__)
-    except (ImportError, OSError):
-        return None
-    query = getattr(lib, "MPIX_Query_cuda_support", None)
-    if query is not None:
-        query.restype = ctypes.c_int
-        if query() == 1:
-            return CudaAwareness(True, "MPIX_Query_cuda_support() == 1")
-        return CudaAwareness(False, "MPIX_Query_cuda_support() == 0")
-    query = getattr(lib, "MPIX_GPU_query_support", None)
-    if query is not None:
-        supported = ctypes.c_int(0)
-        cuda_kind = 1  # MPIX_GPU_SUPPORT_CUDA in mpi_proto.h
-        if query(ctypes.c_int(cuda_kind), ctypes.byref(supported)) == 0 and supported.value:
-            return CudaAwareness(True, "MPIX_GPU_query_support(CUDA) == 1")
-    return None
-
-
-# numpy has no bfloat16: such tensors travel as their 16-bit pattern (copies, p2p,
-# broadcasts); reductions of bf16 are done in fp32 buffers by the callers.
-_REINTERPRET = {"torch.bfloat16": "int16"}
-
-
-# MPI datatypes for tensors handed over by address (``raw``); 16-bit floats travel as
-# their bit patterns, which suits copies and gathers (never reductions).
-_RAW_TYPES = {"torch.float32": "FLOAT", "torch.float64": "DOUBLE", "torch.int64": "INT64_T",
-              "torch.int32": "INT32_T", "torch.bfloat16": "INT16_T", "torch.float16": "INT16_T"}
-
-
-def _kind(x) -> str:
-    mod = type(x).__module__
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    if mod.startswith("torch"):
-        return "torch_cuda" if x.is_cuda else "torch_cpu"
-    if mod.startswith("cupy"):
-        return "cupy"
-    raise TypeError(f"cannot communicate a {type(x).__name__}; use numpy, torch or cupy")
-
-
-def _torch_cpu_view(t):
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a contiguous *host* tensor (bf16 as int16)."""
     if not t.is_contiguous():
         raise ValueError("MPI buffers must be contiguous tensors")
-    alias = _REINTERPRET.get(str(t.dtype))
-    if alias is not None:
-        import torch
-
-        t = t.view(getattr(torch, alias))
-    return t.detach().numpy()
+    alias = _REINTERPRET.get(t.dtype)
+    return (t.view(alias) if alias is not None else t).detach().numpy()
 
 
 class MPIBuffer:
-    """A tensor or array as MPI sees it, with host staging when needed.
+    """``x`` (a numpy array or a tensor) as MPI sees it.
 
-    Call ``to_mpi()`` before handing ``obj`` to an MPI call (syncs the CUDA stream, or
-    copies device to host) and ``from_mpi()`` after MPI wrote into it (copies host to
-    device when staged). Both are no-ops for host memory.
+    ``accel`` and ``aware``: the rank's device and whether its MPI is GPU-aware (default:
+    host memory). ``reduction``: the buffer takes part in nonblocking or persistent
+    reductions (staged where the library cannot reduce device memory). ``raw``: hand MPI
+    the host tensor's current address at every ``to_mpi()``, for storage that is freed
+    and re-allocated (ZeRO-3 gathered parameters): a numpy view would pin the storage
+    (torch forbids resizing it) and go stale.
     """
 
-    def __init__(self, x, *, cuda_aware: bool | CudaAwareness = False, raw: bool = False):
+    def __init__(self, x, accel: Accelerator | None = None,
+                 aware: GPUAwareness = HOST_MEMORY, *, reduction: bool = False,
+                 raw: bool = False):
+        if not isinstance(x, (np.ndarray, torch.Tensor)):
+            raise TypeError(f"cannot communicate a {type(x).__name__}; use a numpy array "
+                            "or a torch tensor")
+        if isinstance(x, torch.Tensor) and not x.is_contiguous():
+            raise ValueError("MPI buffers must be contiguous tensors")
         self.source = x
-        self.kind = _kind(x)
-        self.staged = self.kind in ("torch_cuda", "cupy") and not bool(cuda_aware)
-        self._host = None
-        # raw: hand MPI the tensor's current address as bytes, read at every to_mpi().
-        # For storage that is freed and re-allocated (ZeRO-3 gathered parameters): a
-        # numpy view would pin the storage (torch forbids resizing it) and go stale.
-        self.raw = raw and self.kind.startswith("torch") and not self.staged
+        self.accel = accel or _HOST
+        self.on_device = isinstance(x, torch.Tensor) and self.accel.holds(x)
+        self.staged = self.on_device and not (aware.direct and (aware.reductions
+                                                                or not reduction))
+        self.raw = raw and isinstance(x, torch.Tensor) and not self.on_device
+        self._ready: Event | None = None
+        """The event MPI waits for before it may use the buffer."""
+        self._prepared = False
+        self._host: torch.Tensor | None = None
+        if self.on_device:
+            self.accel.track(x)
+            self._event = self.accel.event()
         if self.raw:
             self.obj = None
-        elif self.kind == "numpy":
+        elif isinstance(x, np.ndarray):
             self.obj = x
-        elif self.kind == "torch_cpu":
-            self.obj = _torch_cpu_view(x)
-        elif not self.staged:
-            self.obj = x  # mpi4py reads __cuda_array_interface__ / DLPack
-        elif self.kind == "torch_cuda":
-            import torch
-
-            self._host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            self.obj = _torch_cpu_view(self._host)
+        elif not self.on_device:
+            self.obj = host_view(x)
+        elif self.staged:
+            self._host = self.accel.host_empty(x.shape, x.dtype)
+            self.obj = host_view(self._host)
         else:
-            import cupyx
-
-            self._host = cupyx.empty_pinned(x.shape, dtype=x.dtype)
-            self.obj = self._host
+            self.obj = None  # to_mpi() wraps the tensor for mpi4py each time
 
     @property
     def staging_nbytes(self) -> int:
-        """Bytes of the pinned host copy (0 when MPI reads the memory directly)."""
-        return 0 if self._host is None else int(self._host.nbytes)
+        """Bytes of the host staging copy (0 when MPI reads the memory directly)."""
+        return 0 if self._host is None else self._host.numel() * self._host.element_size()
 
-    def to_mpi(self) -> object:
+    def prepare(self, send: bool = True) -> None:
+        """Queue what the device must do before MPI may use the buffer and record an
+        event behind it. ``send=False``: MPI only writes the buffer (a receive): nothing
+        is copied to the staging buffer, only the copy back from its last use must pass."""
+        self._prepared = True
+        if not self.on_device or (self.staged and not send):
+            return
+        if self.staged:
+            self._host.copy_(self.source, non_blocking=True)
+            self.accel.stats.staged_bytes += self.staging_nbytes
+        self._ready = self._event.record()
+
+    @property
+    def event_serial(self) -> int:
+        """When the event MPI waits for was recorded (0: none to wait for)."""
+        return self._ready.serial if self._ready is not None and not self._ready.done else 0
+
+    def ready(self) -> bool:
+        """Whether MPI may take the buffer now (its event has passed); never blocks."""
+        return self._ready is None or self._ready.query()
+
+    def to_mpi(self, send: bool = True):
+        """What to hand to mpi4py, once the device is done with the buffer: waits for the
+        event of ``prepare()`` (which runs here if it was not called since the last
+        ``to_mpi``), never for the whole device."""
         if self.raw:
-            if self.kind == "torch_cuda":
-                import torch
-
-                torch.cuda.current_stream(self.source.device).synchronize()
             from mpi4py import MPI
 
-            nbytes = self.source.numel() * self.source.element_size()
-            datatype = _RAW_TYPES.get(str(self.source.dtype), MPI.BYTE)
-            return [MPI.buffer.fromaddress(self.source.data_ptr(), nbytes),
-                    getattr(MPI, datatype) if isinstance(datatype, str) else datatype]
-        if self.kind == "torch_cuda":
-            import torch
-
-            if self.staged:
-                self._host.copy_(self.source, non_blocking=True)
-            torch.cuda.current_stream(self.source.device).synchronize()
-        elif self.kind == "cupy":
-            import cupy
-
-            if self.staged:
-                self.source.get(out=self._host, stream=cupy.cuda.get_current_stream())
-            cupy.cuda.get_current_stream().synchronize()
-        return self.obj
+            t = self.source
+            datatype = _RAW_TYPES.get(t.dtype)
+            return [MPI.buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size()),
+                    getattr(MPI, datatype) if datatype else MPI.BYTE]
+        if not self.on_device:
+            return self.obj
+        if not self._prepared:
+            self.prepare(send)
+        self._prepared = False
+        if self._ready is not None:
+            self._ready.wait()
+        self.accel.note_handoff(not self.staged, self._ready)
+        return self.obj if self.staged else self.accel.for_mpi(self.source, self._ready)
 
     def from_mpi(self) -> None:
+        """After MPI wrote a staged buffer: queue the copy back to the device (the host
+        buffer stays busy until its event passes)."""
         if not self.staged:
             return
-        if self.kind == "torch_cuda":
-            self.source.copy_(self._host, non_blocking=True)
-        else:
-            self.source.set(self._host)
+        self.source.copy_(self._host, non_blocking=True)
+        self.accel.stats.staged_bytes += self.staging_nbytes
+        self._ready = self._event.record()
+
+
+def to_mpi_all(buffers: list[MPIBuffer], send: bool = True) -> list:
+    """``to_mpi()`` of several buffers, in order of ``buffers``; those not prepared yet are
+    prepared (``send``). The newest event is waited for first: a stream runs its work in
+    order, so when it has passed the others have too and one wait covers them all."""
+    for b in buffers:
+        if not b._prepared:
+            b.prepare(send)
+    objs: dict[int, object] = {}
+    for i in sorted(range(len(buffers)), key=lambda i: -buffers[i].event_serial):
+        objs[i] = buffers[i].to_mpi(send)
+    return [objs[i] for i in range(len(buffers))]
+
+
+def persistent_allreduce_works(comm, accel: Accelerator, aware: GPUAwareness,
+                               timeout: float) -> bool:
+    """Whether a persistent allreduce (``Allreduce_init``) works on device memory of
+    ``accel`` handed over directly, tried with one element on every rank, the answer
+    agreed (MPICH builds the schedule on the host; other libraries may refuse device
+    memory there). Collective over ``comm``."""
+    from mpi4py import MPI
+
+    from hpctrain.comm.collectives import allreduce_array
+    from hpctrain.comm.watchdog import wait_all
+
+    def agree(ok: bool) -> bool:
+        return bool(allreduce_array(comm, [int(ok)], timeout=timeout, op=MPI.MIN,
+                                    what="agreeing on persistent device reductions")[0])
+
+    buf = MPIBuffer(torch.ones(1, device=accel.torch_device), accel, aware, reduction=True)
+    try:
+        req = comm.Allreduce_init(MPI.IN_PLACE, buf.to_mpi(), op=MPI.SUM)
+    except (AttributeError, NotImplementedError, MPI.Exception):
+        req = None
+    if not agree(req is not None):
+        if req is not None:
+            req.Free()
+        return False
+    try:
+        buf.to_mpi()
+        req.Start()
+        wait_all([req], timeout=timeout, what="persistent allreduce probe on device memory")
+        buf.from_mpi()
+        ok = float(buf.source.cpu()[0]) == comm.Get_size()
+    finally:
+        req.Free()
+    return agree(ok)

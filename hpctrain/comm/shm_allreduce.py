@@ -215,17 +215,19 @@ def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[in
     """Decide, the same on every rank, whether gradients are summed through the node's
     shared memory. Collective over ``comm``.
 
-    ``setting`` is ``mpi`` (never), ``shm`` (always; an error when impossible) or
-    ``auto``: for CPU gradients when nodes hold several ranks each, the same number on
+    ``device``: the gradients' device kind (``cpu``; device memory of ``cuda``, ``xpu`` or
+    ``fake`` is never summed here). ``setting`` is ``mpi`` (never), ``shm`` (always; an
+    error when impossible) or ``auto``: for CPU gradients when nodes hold several ranks each, the same number on
     every node, and ``/dev/shm`` has room for the node's buckets. ``ranks_on_node``: all
     the job's ranks on this node (each allocates a segment, whatever group it reduces
     in: pipeline stages on one node each have a window); default, ``comm``'s."""
     if setting == "mpi" or comm.size == 1:
         return False
-    if str(device).startswith("cuda"):
+    if str(device).split(":")[0] != "cpu":
         if setting == "shm":
-            raise ConfigError("--parallel.allreduce=shm sums CPU gradients; GPU gradients go "
-                             "through (CUDA-aware) MPI: use --parallel.allreduce=auto or mpi")
+            raise ConfigError("--parallel.allreduce=shm sums CPU gradients; device gradients "
+                              "go through MPI (GPU-aware or staged): use "
+                              "--parallel.allreduce=auto or mpi")
         return False
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     local_size = node.size

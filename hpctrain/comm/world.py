@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from hpctrain.comm.buffers import CudaAwareness, detect_cuda_aware
+from hpctrain.comm.device import Accelerator
+from hpctrain.comm.gpu_aware import GPUAwareness, detect_gpu_aware
+from hpctrain.comm.placement import choose_kind, make_accelerator, visible_devices
 from hpctrain.comm.resources import MPIResources
+from hpctrain.errors import UserError
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -32,8 +35,13 @@ class World:
     """Index of this node among the job's nodes, 0-based, ordered by lowest rank."""
     n_nodes: int
     device: str
-    """``cuda:<local_rank % n_gpus>`` when CUDA exists, else ``cpu``."""
-    cuda_aware: CudaAwareness
+    """The torch device this rank's tensors live on: ``cuda:1``, ``xpu:0``, ``cpu`` (the
+    fake accelerator's tensors live on ``cpu`` too)."""
+    accel: Accelerator = field(compare=False)
+    """The device layer of this rank (``comm/device.py``): events, staging buffers,
+    counters; its ``kind`` is cpu, cuda, xpu or fake."""
+    gpu_aware: GPUAwareness
+    """Whether MPI takes this rank's device memory directly (``comm/gpu_aware.py``)."""
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds any blocking MPI wait may take before the job is aborted."""
     resources: MPIResources = field(default_factory=MPIResources, compare=False, repr=False)
@@ -46,8 +54,13 @@ class World:
 
     @classmethod
     def create(cls, comm: MPI.Comm | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
-               cuda_aware: str = "auto", use_cuda: bool = True) -> "World":
-        """Build the world on ``comm`` (default ``COMM_WORLD``). Collective over ``comm``."""
+               device: str = "auto", gpu_aware: str = "auto",
+               system: str | None = None) -> "World":
+        """Build the world on ``comm`` (default ``COMM_WORLD``). Collective over ``comm``.
+
+        ``device``: ``--train.device`` (auto, cpu, cuda, xpu, fake); ``gpu_aware``:
+        ``--comm.gpu_aware``; ``system``: the system profile the job runs under
+        (``HPCTRAIN_SYSTEM``), whose GPUs ``auto`` must find."""
         comm = MPI.COMM_WORLD if comm is None else comm
         rank, size = comm.Get_rank(), comm.Get_size()
         resources = MPIResources()
@@ -59,30 +72,70 @@ class World:
         node = sum(leaders[:rank]) if is_leader else 0
         node = local_comm.bcast(node, root=0)
         n_nodes = sum(leaders)
-        device = _pick_device(local_rank) if use_cuda else "cpu"
+        kind = _agree_on_kind(comm, device, system)
+        masks = local_comm.allgather(visible_devices(kind).mask)
+        accel = make_accelerator(kind, local_rank, masks)
+        check_thread_level(accel, MPI.Query_thread())
         return cls(comm=comm, rank=rank, size=size, local_comm=local_comm,
                    local_rank=local_rank, local_size=local_size, node=node,
-                   n_nodes=n_nodes, device=device,
-                   cuda_aware=detect_cuda_aware(cuda_aware), timeout=timeout,
+                   n_nodes=n_nodes, device=str(accel.torch_device), accel=accel,
+                   gpu_aware=detect_gpu_aware(gpu_aware, accel.vendor), timeout=timeout,
                    resources=resources)
 
     def close(self) -> None:
         """Free the node communicator (collective; idempotent)."""
         self.resources.close()
+        self.accel.close()
 
     def describe(self) -> str:
-        return (f"{self.size} rank(s) on {self.n_nodes} node(s), device {self.device}, "
-                f"CUDA-aware MPI: {self.cuda_aware}")
+        text = (f"{self.size} rank(s) on {self.n_nodes} node(s), device "
+                f"{self.accel.describe()}")
+        if self.accel.is_accelerator:
+            text += (f", GPU-aware MPI: {self.gpu_aware}, MPI thread level "
+                     f"{THREAD_LEVELS.get(MPI.Query_thread(), '?')}")
+        return text
 
 
-def _pick_device(local_rank: int) -> str:
-    import torch
+THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                 MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
 
-    if not torch.cuda.is_available():
-        return "cpu"
-    index = local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return f"cuda:{index}"
+
+def check_thread_level(accel: Accelerator, provided: int) -> None:
+    """Refuse a thread level the device cannot train with. On a GPU autograd runs the
+    gradient hooks, which start reductions, on a device thread of its own while the main
+    thread waits in ``backward()``: MPI is called from two threads, one at a time, which
+    needs ``MPI_THREAD_SERIALIZED``. (Reading data with MPI-IO in the background needs
+    ``MPI_THREAD_MULTIPLE``; without it the reader runs in the main thread,
+    ``data/loader.py``.)"""
+    if accel.hooks_off_main_thread and provided < MPI.THREAD_SERIALIZED:
+        raise UserError(
+            f"the MPI library provides thread level MPI_THREAD_"
+            f"{THREAD_LEVELS.get(provided, provided).upper()}, but on {accel.kind} gradient "
+            "hooks call MPI from autograd's device thread, which needs "
+            "MPI_THREAD_SERIALIZED or MULTIPLE; unset MPI4PY_RC_THREAD_LEVEL (mpi4py asks "
+            "for MULTIPLE by default) or use an MPI built with thread support")
+
+
+def _agree_on_kind(comm: MPI.Comm, setting: str, system: str | None) -> str:
+    """Every rank's device kind, the same everywhere, or one error on every rank."""
+    kind = error = None
+    try:
+        kind = choose_kind(setting, system=system)
+    except UserError as e:
+        error = str(e)
+    answers = comm.allgather((kind, error))
+    errors = [(r, e) for r, (_, e) in enumerate(answers) if e]
+    if errors:
+        r, e = errors[0]
+        everywhere = len(errors) == len(answers) and len({x for _, x in errors}) == 1
+        raise UserError(e if everywhere else f"rank {r}: {e}")
+    kinds = sorted({k for k, _ in answers})
+    if len(kinds) > 1:
+        where = {k: next(r for r, (x, _) in enumerate(answers) if x == k) for k in kinds}
+        raise UserError(f"--train.device={setting} found different devices on different "
+                        f"ranks ({', '.join(f'{k} on rank {r}' for k, r in where.items())}); "
+                        "give every node the same devices, or name one with --train.device")
+    return kinds[0]
 
 
 def threads_per_rank(local_size: int) -> int:

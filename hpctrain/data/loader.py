@@ -14,6 +14,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.comm.collectives import allreduce_array, any_true
+from hpctrain.comm.device import Accelerator
 from hpctrain.config import parse_hints
 from hpctrain.data.dataset import DatasetInfo, TokenDataset, read_info
 from hpctrain.data.mpiio import H5MPIODataset, MPIIODataset, h5py_has_mpi
@@ -105,7 +106,8 @@ def verify_dataset(data: Prefetcher, world, staged: bool) -> None:
 
 
 class BatchLoader:
-    """This rank's rows of each global batch, as (inputs, targets) on ``device``.
+    """This rank's rows of each global batch, as (inputs, targets) on ``device`` (the
+    rank's device layer, ``comm/device.py``: pinned and copied without blocking on a GPU).
 
     The training sampler is a pure function of the step, so step s+1's read is queued in
     the reader thread while step s computes. Evaluation batches use fixed random windows
@@ -114,7 +116,7 @@ class BatchLoader:
 
     def __init__(self, data: Prefetcher, *, block: int, batch_size: int, seed: int,
                  sampler: str, max_steps: int, dp_index: int, dp: int,
-                 device: torch.device):
+                 device: Accelerator):
         self.data, self.block, self.device = data, block, device
         self.dp_index, self.dp, self.max_steps = dp_index, dp, max_steps
         self.sampler = make_sampler(sampler, data.splits["train"].n_tokens, block,
@@ -125,7 +127,7 @@ class BatchLoader:
         self.tokenizer, self.vocab_size = data.tokenizer, data.vocab_size
 
     @classmethod
-    def open(cls, cfg, world, *, dp_index: int, dp: int, device: torch.device) -> BatchLoader:
+    def open(cls, cfg, world, *, dp_index: int, dp: int, device: Accelerator) -> BatchLoader:
         """The run's data (``cfg``: the whole ``Config``), checked against the model and,
         with ``--data.verify``, against its checksums. Collective."""
         data = open_dataset(cfg.data, world)
@@ -176,10 +178,7 @@ class BatchLoader:
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):
-        if self.device.type == "cuda":
-            x = x.pin_memory().to(self.device, non_blocking=True)
-            y = y.pin_memory().to(self.device, non_blocking=True)
-        return x, y
+        return self.device.to_device(x), self.device.to_device(y)
 
     def close(self) -> None:
         self.data.close()

@@ -60,7 +60,11 @@ class BucketScheduler:
 
     Buckets need ``params`` and a ``pending`` count. Subclasses implement ``launch``
     (start the bucket's reduction, return its request) and ``complete`` (after it is
-    done), and call ``grad_ready`` from their gradient hooks.
+    done), and call ``grad_ready`` from their gradient hooks. On a GPU a bucket whose
+    gradients are all queued is not yet written: ``bucket_ready`` (when its last gradient
+    arrives) lets the engine queue what the device must do and record an event, and the
+    bucket is launched once ``can_launch`` says the event has passed, at a later hook or
+    in ``finish()`` (which waits for it): the host never stalls the device mid-backward.
     """
 
     def __init__(self, buckets: list, *, timeout: float):
@@ -76,6 +80,14 @@ class BucketScheduler:
 
     def complete(self, bucket) -> None:
         raise NotImplementedError
+
+    def bucket_ready(self, bucket) -> None:
+        """Every gradient of ``bucket`` is queued (or none will come): prepare its
+        buffer for MPI (device work, an event). Nothing by default."""
+
+    def can_launch(self, bucket) -> bool:
+        """Whether the device is done with ``bucket``'s buffer (never blocks)."""
+        return True
 
     def prepare_for_backward(self, sync: bool) -> None:
         """Call before each backward; ``sync=False`` accumulates locally (no communication)."""
@@ -93,17 +105,23 @@ class BucketScheduler:
         t0 = time.perf_counter()
         bucket.pending -= 1
         if bucket.pending == 0:
-            self._launch_in_order()
-        elif self._inflight:
+            self.bucket_ready(bucket)
+        if not self._launch_in_order(block=False) and self._inflight:
             self.poll()
         self.stats.hook_s += time.perf_counter() - t0
 
-    def _launch_in_order(self) -> None:
-        buckets = self.sched_buckets
+    def _launch_in_order(self, block: bool) -> int:
+        """Launch the complete buckets in order; stop at one still waited for, or (not
+        ``block``) whose device work has not finished. Returns how many were launched."""
+        buckets, launched = self.sched_buckets, 0
         while self._next < len(buckets) and buckets[self._next].pending <= 0:
             b = buckets[self._next]
+            if not block and not self.can_launch(b):
+                break
             self._inflight.append((b, self.launch(b)))
             self._next += 1
+            launched += 1
+        return launched
 
     def poll(self) -> None:
         """Complete the reductions that are done, oldest first; stop at the first that is
@@ -127,8 +145,10 @@ class BucketScheduler:
         if not self.syncing:
             return
         for b in self.sched_buckets[self._next:]:
-            b.pending = 0
-        self._launch_in_order()
+            if b.pending > 0:  # some parameters got no gradient
+                b.pending = 0
+                self.bucket_ready(b)
+        self._launch_in_order(block=True)
         t0 = time.perf_counter()
         wait_all([req for _, req in self._inflight], timeout=self.timeout,
                  what=f"gradient reduction of {len(self.sched_buckets)} bucket(s)")

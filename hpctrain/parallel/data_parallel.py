@@ -16,7 +16,10 @@ How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
    (GPU gradients, ``--parallel.allreduce=mpi``) MPI reduces them: a bucket's buffer never
    moves, so with an MPI-4 library the reduction is a persistent collective
    (``Allreduce_init`` once, ``Start`` each step: the schedule is built once); MPI-3
-   libraries (Cray MPICH 8, for one) get ``Iallreduce``.
+   libraries (Cray MPICH 8, for one) get ``Iallreduce``. On a GPU the bucket's buffer
+   goes to MPI as device memory (GPU-aware MPI) or through a host staging copy
+   (``comm/buffers.py``); its reduction starts once the event recorded behind its last
+   gradient has passed, never after a wait for the whole device.
 4. ``finish()`` launches any bucket still pending (parameters that got no gradient) and
    waits for all reductions, under the watchdog deadline, before the optimizer step.
 
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.buffers import MPIBuffer, persistent_allreduce_works
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.watchdog import wait_all
@@ -44,7 +47,7 @@ from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
 from hpctrain.parallel.engine import STATE_KEYS, EngineState, finish_norm, nothing_to_gather
 from hpctrain.parallel.memory import MemoryReport, tensor_bytes
 from hpctrain.parallel.optim import build_optimizer, clip_grads_, global_grad_norm, param_groups
-from hpctrain.profiling import nvtx_range
+from hpctrain.profiling import profile_range
 
 MiB = 1 << 20
 
@@ -52,14 +55,14 @@ MiB = 1 << 20
 class Bucket:
     """A flat fp32 gradient buffer; each parameter's ``.grad`` is a view into it."""
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], cuda_aware,
+    def __init__(self, index: int, params: list[torch.nn.Parameter], world: World,
                  flat: torch.Tensor | None = None):
         for p in params:
             if p.dtype != torch.float32:
                 raise TypeError(f"bucketed allreduce expects fp32 parameters, got {p.dtype}")
         self.index = index
         self.params = params
-        self.cuda_aware = cuda_aware
+        self.world = world
         numel = sum(p.numel() for p in params)
         # ``flat`` given: the bucket lives in the node's shared-memory window.
         self.use_flat(torch.zeros(numel, dtype=torch.float32, device=params[0].device)
@@ -75,7 +78,7 @@ class Bucket:
         for p in self.params:
             self.views.append(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.buffer = MPIBuffer(flat, cuda_aware=self.cuda_aware)
+        self.buffer = MPIBuffer(flat, self.world.accel, self.world.gpu_aware, reduction=True)
 
     def start_allreduce(self, comm: MPI.Comm) -> MPI.Request:
         obj = self.buffer.to_mpi()
@@ -127,12 +130,11 @@ class DataParallel(BucketScheduler):
         groups = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
                               int(first_bucket_mb * MiB))
         numels = [sum(order[j].numel() for j in g) for g in groups]
-        device = params[0].device
         # node_comm: the ranks sharing a window (default: the node; tests pass less)
         self.shm = SharedMemoryAllreduce(self.comm, numels, node_comm=node_comm) \
-            if use_shared_memory(allreduce, self.comm, device, numels,
+            if use_shared_memory(allreduce, self.comm, world.accel.kind, numels,
                                  ranks_on_node=world.local_size) else None
-        self.buckets = [Bucket(i, [order[j] for j in g], world.cuda_aware,
+        self.buckets = [Bucket(i, [order[j] for j in g], world,
                                self.shm.flat(i) if self.shm else None)
                         for i, g in enumerate(groups)]
         super().__init__(self.buckets, timeout=world.timeout)
@@ -142,6 +144,11 @@ class DataParallel(BucketScheduler):
         if persistent is None:
             persistent = (self.size > 1 and self.shm is None
                           and persistent_collectives_supported(self.comm))
+            first = self.buckets[0].buffer
+            if persistent and first.on_device and not first.staged:
+                # The host probe says nothing of device memory: try a device buffer.
+                persistent = persistent_allreduce_works(self.comm, world.accel,
+                                                        world.gpu_aware, world.timeout)
         self.persistent = persistent
         if self.shm is not None:
             self.transport = "shared memory" + (" + MPI between nodes" if self.shm.cross else "")
@@ -151,7 +158,7 @@ class DataParallel(BucketScheduler):
         if persistent:
             for b in self.buckets:
                 b.persistent = self.resources.add(
-                    self.comm.Allreduce_init(MPI.IN_PLACE, b.buffer.obj, op=MPI.SUM))
+                    self.comm.Allreduce_init(MPI.IN_PLACE, b.buffer.to_mpi(), op=MPI.SUM))
         self.zero_grad()
         if broadcast:
             self.broadcast_parameters()
@@ -179,7 +186,8 @@ class DataParallel(BucketScheduler):
         with torch.no_grad():
             for b in self.buckets:
                 torch.cat([p.detach().reshape(-1) for p in b.params], out=b.flat)
-                req = self.comm.Ibcast(b.buffer.to_mpi(), root=root)
+                req = self.comm.Ibcast(b.buffer.to_mpi(send=self.world.rank == root),
+                                       root=root)
                 wait_all([req], timeout=self.world.timeout,
                          what=f"broadcast of parameters (bucket {b.index})")
                 b.buffer.from_mpi()
@@ -194,10 +202,17 @@ class DataParallel(BucketScheduler):
         if self.size > 1:
             self.grad_ready(bucket)
 
+    def bucket_ready(self, b: Bucket) -> None:
+        if self.shm is None:
+            b.buffer.prepare()  # an event behind the last gradient (or the staging copy)
+
+    def can_launch(self, b: Bucket) -> bool:
+        return self.shm is not None or b.buffer.ready()
+
     def launch(self, b: Bucket) -> MPI.Request:
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes
-        with nvtx_range(f"allreduce bucket {b.index}"):
+        with profile_range(f"allreduce bucket {b.index}"):
             if self.shm is not None:
                 return self.shm.start(b.index)
             return b.start_allreduce(self.comm)
@@ -208,7 +223,7 @@ class DataParallel(BucketScheduler):
     def finish(self) -> None:
         """Complete every bucket's reduction; gradients are then the global mean."""
         if self.size > 1:
-            with nvtx_range("allreduce wait"):
+            with profile_range("allreduce wait"):
                 super().finish()
 
     # --------------------------------------------------------------- optimizer
@@ -225,7 +240,7 @@ class DataParallel(BucketScheduler):
             group["lr"] = lr
         if clip > 0:
             clip_grads_(self.grad_tensors(), clip, norm)
-        with nvtx_range("optimizer"):
+        with profile_range("optimizer"):
             self.optimizer.step()
         return norm
 

@@ -62,5 +62,5 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
         runner = PipelineExecutor(model, grid, kind=par.schedule, n_micro=par.micro_batches,
                                   seq=cfg.model.block_size, timeout=world.timeout)
     else:
-        runner = LocalRunner(model)
+        runner = LocalRunner(model, world.accel)
     return Parallel(model, engine, runner)

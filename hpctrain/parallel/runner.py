@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hpctrain.profiling import nvtx_range
+from hpctrain.comm.device import Accelerator
+from hpctrain.profiling import profile_range
 
 
 @dataclass
@@ -29,8 +30,11 @@ class LocalStats:
 
 
 class LocalRunner:
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, accel: Accelerator | None = None):
+        """``accel``: the rank's device layer, which runs the backward passes (the fake
+        device runs them on a thread of their own, as CUDA's autograd does)."""
         self.model = model
+        self.accel = accel or Accelerator()
         self.stats = LocalStats()
 
     def train_step(self, xs: list, ys: list, loss_scale: float,
@@ -43,11 +47,11 @@ class LocalRunner:
             if before_backward is not None:
                 before_backward(m == len(xs) - 1)
             t0 = time.perf_counter()
-            with nvtx_range("forward"):
+            with profile_range("forward"):
                 loss = self.model(x, y)
             t1 = time.perf_counter()
-            with nvtx_range("backward"):
-                (loss * loss_scale).backward()
+            with profile_range("backward"):
+                self.accel.backward(loss * loss_scale)
             self.stats.forward_s += t1 - t0
             self.stats.backward_s += time.perf_counter() - t1
             loss_sum += loss.detach()

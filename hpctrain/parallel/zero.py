@@ -36,7 +36,7 @@ import math
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.buffers import MPIBuffer, to_mpi_all
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
@@ -45,7 +45,7 @@ from hpctrain.parallel.engine import (STATE_KEYS, BucketShard, EngineState, fini
                                       nothing_to_gather)
 from hpctrain.parallel.memory import MemoryReport, tensor_bytes
 from hpctrain.parallel.shards import shard_layout
-from hpctrain.profiling import nvtx_range
+from hpctrain.profiling import profile_range
 from hpctrain.parallel.optim import build_optimizer, clip_coefficient
 
 MiB = 1 << 20
@@ -65,8 +65,9 @@ def pack_flat(layout, tensors, device=None) -> torch.Tensor:
 def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> None:
     if world.size == 1:
         return
-    bufs = [MPIBuffer(p.data, cuda_aware=world.cuda_aware) for p in model.parameters()]
-    reqs = [world.comm.Ibcast(buf.to_mpi(), root=root) for buf in bufs]
+    bufs = [MPIBuffer(p.data, world.accel, world.gpu_aware) for p in model.parameters()]
+    objs = to_mpi_all(bufs, send=world.rank == root)
+    reqs = [world.comm.Ibcast(obj, root=root) for obj in objs]
     wait_all(reqs, timeout=world.timeout, what="broadcast of the initial parameters")
     for buf in bufs:
         buf.from_mpi()
@@ -108,8 +109,8 @@ def zero_buckets(model, stage: int, blocks, bucket_mb: float, first_bucket_mb: f
 class StagingPool:
     """fp32 buffers that gradients are reduced in; reused across buckets and steps."""
 
-    def __init__(self, numel: int, device, cuda_aware):
-        self.numel, self.device, self.cuda_aware = numel, device, cuda_aware
+    def __init__(self, numel: int, device, world: World):
+        self.numel, self.device, self.world = numel, device, world
         self.free: list[torch.Tensor] = []
         self.all: list[torch.Tensor] = []
         self._mpi: dict[tuple[int, int], MPIBuffer] = {}
@@ -121,7 +122,8 @@ class StagingPool:
         base = self.free.pop()
         key = (id(base), numel)
         if key not in self._mpi:
-            self._mpi[key] = MPIBuffer(base[:numel], cuda_aware=self.cuda_aware)
+            self._mpi[key] = MPIBuffer(base[:numel], self.world.accel, self.world.gpu_aware,
+                                       reduction=True)
         view = self._mpi[key].source
         view.zero_()
         return view, self._mpi[key]
@@ -139,9 +141,9 @@ class ZeroBucket:
     """One flat group of parameters and its shard of gradients and optimizer state."""
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], *, stage: int,
-                 rank: int, world: int, dtype: torch.dtype, cuda_aware):
+                 rank: int, world: int, dtype: torch.dtype, comm_world: World):
         self.index, self.params, self.stage, self.dtype = index, params, stage, dtype
-        self.cuda_aware = cuda_aware
+        self.world = comm_world
         self.layout = shard_layout([p.numel() for p in params], world if stage else 1, ALIGN)
         self.rank = rank if stage else 0
         lo, hi = self.layout.rank_range(self.rank)
@@ -180,10 +182,16 @@ class ZeroBucket:
         self.pending = len(params)
         self.staging: torch.Tensor | None = None
         self.staging_mpi: MPIBuffer | None = None
+        self.mpi: MPIBuffer | None = None  # what this backward's reduction hands to MPI
+        w = comm_world
+        self.grad_mpi = MPIBuffer(self.grad_full, w.accel, w.gpu_aware, reduction=True) \
+            if self.reduces_in_place() else None
+        self.shard_mpi = MPIBuffer(self.shard, w.accel, w.gpu_aware, raw=True) \
+            if stage == 3 else None
         # Stage 3 gather state: 'free' | 'gathering' | 'ready'.
         self.gather_state = "free" if stage == 3 else "ready"
         self.gather_request: MPI.Request | None = None
-        self._full_mpi: MPIBuffer | None = None
+        self._full_mpi: dict[bool, MPIBuffer] = {}
 
     @property
     def nbytes(self) -> int:
@@ -198,11 +206,14 @@ class ZeroBucket:
         """fp32 stages 0-1 reduce the gradient buffer itself; the rest stage in fp32."""
         return self.grad_full is not None and self.dtype == torch.float32
 
-    def full_mpi(self) -> MPIBuffer:
-        """MPI view of ``full`` (by address and byte count: stage 3 re-allocates it)."""
-        if self._full_mpi is None:
-            self._full_mpi = MPIBuffer(self.full, cuda_aware=self.cuda_aware, raw=True)
-        return self._full_mpi
+    def full_mpi(self, reduction: bool = False) -> MPIBuffer:
+        """MPI view of ``full`` (host memory by address and byte count: stage 3
+        re-allocates it), for gathers or (``reduction``) fp32 ZeRO-3's reductions."""
+        if reduction not in self._full_mpi:
+            self._full_mpi[reduction] = MPIBuffer(self.full, self.world.accel,
+                                                  self.world.gpu_aware, raw=True,
+                                                  reduction=reduction)
+        return self._full_mpi[reduction]
 
 
 class Zero(BucketScheduler):
@@ -227,11 +238,11 @@ class Zero(BucketScheduler):
         _broadcast_module(model, world)  # every rank starts from rank 0's initialization
         groups = zero_buckets(model, stage, blocks, bucket_mb, first_bucket_mb)
         self.buckets = [ZeroBucket(i, g, stage=stage, rank=self.rank, world=self.size,
-                                   dtype=self.dtype, cuda_aware=world.cuda_aware)
+                                   dtype=self.dtype, comm_world=world)
                         for i, g in enumerate(groups)]
         device = self.buckets[0].full.device
         biggest = max(b.layout.padded for b in self.buckets)
-        self.staging = StagingPool(biggest, device, world.cuda_aware)
+        self.staging = StagingPool(biggest, device, world)
         # bf16: the fp32 gradient the optimizer reads is up-cast one bucket at a time.
         self.scratch = (torch.zeros(max(b.layout.shard for b in self.buckets),
                                     dtype=torch.float32, device=device)
@@ -316,9 +327,11 @@ class Zero(BucketScheduler):
             self.complete_oldest()  # bound the memory: wait rather than allocate more
         return self.staging.acquire(b.layout.padded)
 
-    def launch(self, b: ZeroBucket) -> MPI.Request:
+    def bucket_ready(self, b: ZeroBucket) -> None:
+        """Queue the device work that fills ``b``'s fp32 reduction buffer and record the
+        event MPI waits for."""
         if b.reduces_in_place():
-            buf = MPIBuffer(b.grad_full, cuda_aware=self.world.cuda_aware).to_mpi()
+            b.mpi = b.grad_mpi
         elif b.grads_in_full:
             self._gather(b, wait=True)  # (only if no gradient at all arrived)
             for i, got in enumerate(b.got):
@@ -326,16 +339,23 @@ class Zero(BucketScheduler):
                     off = b.layout.offsets[i]
                     b.full[off:off + b.layout.numels[i]].zero_()
             b.full[b.layout.total:].zero_()
-            buf = b.full_mpi().to_mpi()
+            b.mpi = b.full_mpi(reduction=True)
         else:
             if b.staging is None:
                 b.staging, b.staging_mpi = self._acquire_staging(b)
             if b.grad_full is not None:  # bf16 stages 0-1: up-cast the whole bucket
                 b.staging.copy_(b.grad_full)
-            buf = b.staging_mpi.to_mpi()
+            b.mpi = b.staging_mpi
+        b.mpi.prepare()
+
+    def can_launch(self, b: ZeroBucket) -> bool:
+        return b.mpi.ready()
+
+    def launch(self, b: ZeroBucket) -> MPI.Request:
+        buf = b.mpi.to_mpi()
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes
-        with nvtx_range(f"reduce bucket {b.index}"):
+        with profile_range(f"reduce bucket {b.index}"):
             if self.stage == 0:
                 return self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             # In place: the input is the whole buffer, this rank's reduced shard lands
@@ -343,15 +363,15 @@ class Zero(BucketScheduler):
             return self.comm.Ireduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def complete(self, b: ZeroBucket) -> None:
+        b.mpi.from_mpi()
+        b.mpi = None
         if b.grads_in_full:
-            b.full_mpi().from_mpi()
             b.grad_shard.add_(b.full[:b.layout.shard])
             b.got = [False] * len(b.params)
             self._release(b)
             return
         if b.staging is None:
             return
-        b.staging_mpi.from_mpi()
         n = b.layout.padded if self.stage == 0 else b.layout.shard
         if b.grad_full is not None:
             b.grad_full[:n].copy_(b.staging[:n])
@@ -387,7 +407,7 @@ class Zero(BucketScheduler):
         if not math.isfinite(norm):
             return norm
         coef = clip_coefficient(norm, max_norm) if max_norm > 0 else 1.0
-        with nvtx_range("optimizer"), torch.no_grad():
+        with profile_range("optimizer"), torch.no_grad():
             for b, opt in zip(self.buckets, self.optimizers):
                 grad = b.grad_shard
                 if self.scratch is not None:
@@ -413,11 +433,10 @@ class Zero(BucketScheduler):
             b.full[lo:hi].copy_(b.master)
 
     def _allgather_parameters(self) -> None:
-        reqs = []
-        with nvtx_range("allgather parameters"):
-            for b in self.buckets:
-                # In place: each rank's updated slice already sits at its own offset.
-                reqs.append(self.comm.Iallgather(MPI.IN_PLACE, b.full_mpi().to_mpi()))
+        with profile_range("allgather parameters"):
+            # In place: each rank's updated slice already sits at its own offset.
+            objs = to_mpi_all([b.full_mpi() for b in self.buckets])
+            reqs = [self.comm.Iallgather(MPI.IN_PLACE, obj) for obj in objs]
             wait_all(reqs, timeout=self.world.timeout, what="parameter allgather after the "
                      "optimizer step")
         for b in self.buckets:
@@ -467,8 +486,10 @@ class Zero(BucketScheduler):
             _fill_storage(b.full)
             self.gathered_bytes += tensor_bytes(b.full)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-            send = MPIBuffer(b.shard, cuda_aware=self.world.cuda_aware, raw=True).to_mpi()
-            b.gather_request = self.gather_comm.Iallgather(send, b.full_mpi().to_mpi())
+            b.shard_mpi.prepare()
+            b.full_mpi().prepare(send=False)  # only written: nothing to stage
+            send, recv = to_mpi_all([b.shard_mpi, b.full_mpi()])
+            b.gather_request = self.gather_comm.Iallgather(send, recv)
             b.gather_state = "gathering"
             self.stats.gathers += 1
         if wait and b.gather_state == "gathering":
@@ -517,9 +538,12 @@ class Zero(BucketScheduler):
                 if b.layout.world == 1:
                     flat.copy_(shard)
                 else:
-                    src, dst = MPIBuffer(shard.contiguous(), cuda_aware=self.world.cuda_aware), \
-                        MPIBuffer(flat, cuda_aware=self.world.cuda_aware)
-                    wait_all([self.comm.Iallgather(src.to_mpi(), dst.to_mpi())],
+                    w = self.world
+                    src = MPIBuffer(shard.contiguous(), w.accel, w.gpu_aware)
+                    dst = MPIBuffer(flat, w.accel, w.gpu_aware)
+                    src.prepare()
+                    dst.prepare(send=False)
+                    wait_all([self.comm.Iallgather(*to_mpi_all([src, dst]))],
                              timeout=self.world.timeout, what="consolidating ZeRO state")
                     dst.from_mpi()
                 full[key] = flat

@@ -239,11 +239,26 @@ def load_system(name_or_path: str) -> System:
     return _system(name, data, name_or_path, file)
 
 
+def _device_tables() -> dict:
+    return tomllib.loads((_folder() / DEVICES).read_text())
+
+
 def device_peaks() -> dict[str, dict[str, float]]:
     """``{device: {dtype: TFLOP/s}}`` from ``devices.toml``, in file order."""
-    data = tomllib.loads((_folder() / DEVICES).read_text())
-    return {device: {dtype: float(v) for dtype, v in peaks.items()}
-            for device, peaks in data.items()}
+    return {device: {dtype: float(v) for dtype, v in table.items() if dtype != "match"}
+            for device, table in _device_tables().items()}
+
+
+def peak_for_device(runtime_name: str, dtype: str) -> float | None:
+    """The peak TFLOP/s in ``dtype`` of the device the runtime calls ``runtime_name``
+    (``torch.cuda.get_device_name``): the first table of ``devices.toml`` one of whose
+    ``match`` strings (default: its name) is part of that name; None when no table
+    matches or the table has no figure for ``dtype``."""
+    for device, table in _device_tables().items():
+        if any(m in runtime_name for m in table.get("match", [device])):
+            value = table.get(dtype)
+            return float(value) if value is not None else None
+    return None
 
 
 # ------------------------------------------------------------------------- reading

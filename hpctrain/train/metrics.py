@@ -6,29 +6,18 @@ import json
 import math
 from pathlib import Path
 
-from hpctrain.systems import device_peaks
+from hpctrain.systems import device_peaks, peak_for_device
 
 # Dense peak TFLOP/s per device and compute dtype: hpctrain/systems/devices.toml.
 PEAK_TFLOPS = device_peaks()
 
 
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_name(device)
-    return "cpu"
-
-
-def peak_tflops(device: str, dtype: str, override: float = 0.0) -> float | None:
-    """Peak TFLOP/s of one device, or None when unknown (MFU is then not reported)."""
+def peak_tflops(device_name: str, dtype: str, override: float = 0.0) -> float | None:
+    """Peak TFLOP/s of one device (``device_name``: the runtime's name of it, as
+    ``Accelerator.name`` gives), or None when unknown (MFU is then not reported)."""
     if override > 0:
         return override
-    name = device_name(device)
-    for key, peaks in PEAK_TFLOPS.items():
-        if key in name:
-            return peaks.get(dtype)
-    return None
+    return peak_for_device(device_name, dtype)
 
 
 def finite_record(record: dict) -> dict:

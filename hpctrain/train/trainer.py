@@ -64,7 +64,7 @@ class Trainer:
         self.device = torch.device(world.device)
         self.grid = ProcessGrid.create(world, cfg.parallel.pp)  # dp x pp ranks
         self.batches = BatchLoader.open(cfg, world, dp_index=self.grid.dp_index,
-                                        dp=self.grid.dp, device=self.device)
+                                        dp=self.grid.dp, device=world.accel)
         self.tokenizer = self.batches.tokenizer
         self.gpt_cfg = cfg.model.to_gpt(self.batches.vocab_size)
         torch.manual_seed(t.seed)
@@ -75,7 +75,7 @@ class Trainer:
         self.clock = PhaseClock(self.runner, self.engine)
         self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t.eval_iters)
         self.tokens_per_step = t.batch_size * cfg.model.block_size
-        self.peak = peak_tflops(world.device, t.dtype, t.peak_tflops)
+        self.peak = peak_tflops(world.accel.name, t.dtype, t.peak_tflops)
         self.out_dir = Path(t.out_dir)
         self.guard = NonFiniteGuard(t.on_nonfinite, t.max_skipped_steps,
                                     self.out_dir / "checkpoints")
@@ -233,7 +233,8 @@ class Trainer:
             add_step(result, self.clock.stop())
             self.deadline.record_step(result.step_times[-1])
             if step == self.start_step:
-                self._log(f"memory per rank: {self.memory().describe()}", bar)
+                self._log(f"memory per rank: {self.memory().describe()}"
+                          f"{_device_memory(w.accel.memory_stats())}", bar)
             window.losses.append(loss)
             done = step + 1
             stopping = stop.agreed(done)  # the same answer on every rank
@@ -289,3 +290,13 @@ class Trainer:
         if self._own_signals:
             self.signals.restore()
         self.lock.release()
+
+
+def _device_memory(stats: dict) -> str:
+    """The caching allocator's view of the device after the first step ('' on the host)."""
+    if not stats:
+        return ""
+    gib = {k: v / 2**30 for k, v in stats.items()}
+    return (f"; device: {gib['allocated']:.2f} GiB allocated, {gib['peak']:.2f} GiB peak, "
+            f"{gib['reserved']:.2f} GiB reserved")
+

@@ -36,7 +36,7 @@ from hpctrain.model.gpt import GPT
 from hpctrain.parallel.pipeline.consolidate import gather_parameters
 from hpctrain.parallel.pipeline import schedules as S
 from hpctrain.parallel.pipeline.stage import PipelineStage
-from hpctrain.profiling import nvtx_range
+from hpctrain.profiling import profile_range
 
 LOOKAHEAD = 2  # receives posted ahead of the action that consumes them
 TIE_TAG_OFFSET = 1  # tied-embedding messages use tags above every schedule tag
@@ -70,7 +70,7 @@ class PipelineExecutor:
         self.seq = seq  # tokens per row; a received activation has its micro-batch's rows
         self.timeout = timeout
         self.comm = grid.pp_comm
-        self.cuda_aware = grid.world.cuda_aware
+        self.accel, self.aware = grid.world.accel, grid.world.gpu_aware
         self.device = next(stage.parameters()).device
         self.dtype = next(stage.parameters()).dtype  # activations travel in it (bf16)
         self.poll_sleep = OVERSUBSCRIBED_POLL_SLEEP_S if node_oversubscribed(
@@ -88,14 +88,14 @@ class PipelineExecutor:
     def _post_recv(self, a: S.Action, rows: int):
         buf = torch.empty(self.stage.activation_shape(rows, self.seq), dtype=self.dtype,
                           device=self.device)
-        mpi = MPIBuffer(buf, cuda_aware=self.cuda_aware)
-        req = self.comm.Irecv(mpi.to_mpi(), source=a.peer, tag=self._tag(a))
+        mpi = MPIBuffer(buf, self.accel, self.aware)
+        req = self.comm.Irecv(mpi.to_mpi(send=False), source=a.peer, tag=self._tag(a))
         return buf, mpi, req
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int, pending: list) -> None:
         tensor = tensor.detach().contiguous()
-        mpi = MPIBuffer(tensor, cuda_aware=self.cuda_aware)
-        obj = mpi.to_mpi()  # synchronizes the CUDA stream / stages to host first
+        mpi = MPIBuffer(tensor, self.accel, self.aware)
+        obj = mpi.to_mpi()  # waits for the event behind the tensor (or its staging copy)
         pending.append((tensor, mpi, self.comm.Isend(obj, dest=peer, tag=tag)))
         self.stats.messages += 1
         self.stats.bytes_sent += tensor.numel() * tensor.element_size()
@@ -159,7 +159,7 @@ class PipelineExecutor:
                     x.requires_grad_(backward)
                 last = self.stage.is_last_chunk(a.chunk)
                 t0 = time.perf_counter()
-                with nvtx_range(f"forward m{a.micro} c{a.chunk}"):
+                with profile_range(f"forward m{a.micro} c{a.chunk}"):
                     out = self.stage.chunk_forward(a.chunk, x, ys[a.micro] if last else None)
                 self.stats.forward_s += time.perf_counter() - t0
                 if last:
@@ -182,11 +182,11 @@ class PipelineExecutor:
                 if before_backward is not None:
                     before_backward(i == last_backward)
                 t0 = time.perf_counter()
-                with nvtx_range(f"backward m{a.micro} c{a.chunk}"):
+                with profile_range(f"backward m{a.micro} c{a.chunk}"):
                     if self.stage.is_last_chunk(a.chunk):
-                        (out * loss_scale).backward()
+                        self.accel.backward(out * loss_scale)
                     else:
-                        out.backward(received.pop((S.RECV_GRAD, *key)))
+                        self.accel.backward(out, received.pop((S.RECV_GRAD, *key)))
                 self.stats.backward_s += time.perf_counter() - t0
                 in_flight -= 1
                 if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
@@ -229,8 +229,9 @@ class PipelineExecutor:
         if not self.stage.has_embedding or self.p == 1:
             return None
         buf = torch.empty_like(self.stage.wte.weight)
-        mpi = MPIBuffer(buf, cuda_aware=self.cuda_aware)
-        return buf, mpi, self.comm.Irecv(mpi.to_mpi(), source=self.p - 1, tag=self.tie_tag)
+        mpi = MPIBuffer(buf, self.accel, self.aware)
+        return buf, mpi, self.comm.Irecv(mpi.to_mpi(send=False), source=self.p - 1,
+                                         tag=self.tie_tag)
 
     def _add_tied_gradient(self, buf, mpi, req) -> None:
         self._wait([req], "receiving the tied-embedding gradient", bubble=False)
@@ -254,8 +255,8 @@ class PipelineExecutor:
             self._send(st.wte.weight, last, self.tie_tag + 1, sends)
             self._wait([r for _, _, r in sends], "sending the tied embedding", bubble=False)
         elif st.has_head:
-            mpi = MPIBuffer(st.head_weight.data, cuda_aware=self.cuda_aware)
-            req = self.comm.Irecv(mpi.to_mpi(), source=0, tag=self.tie_tag + 1)
+            mpi = MPIBuffer(st.head_weight.data, self.accel, self.aware)
+            req = self.comm.Irecv(mpi.to_mpi(send=False), source=0, tag=self.tie_tag + 1)
             self._wait([req], "receiving the tied embedding", bubble=False)
             mpi.from_mpi()
 

@@ -1,0 +1,239 @@
+"""One device layer: what a rank's device is, how the host waits for it, host buffers for
+staging, memory figures. Which device a rank takes: ``placement.py``; the fake one:
+``fake_device.py``; profiler ranges: ``hpctrain/profiling.py``; peak FLOP rates:
+``hpctrain/systems/devices.toml``.
+
+Kinds (``--train.device``):
+
+- ``cpu``: tensors in host memory; nothing to wait for (``Accelerator``).
+- ``cuda``: NVIDIA GPUs, and AMD GPUs under ROCm (torch calls both ``cuda``;
+  ``torch.version.hip`` tells them apart, and MPI is asked about HIP support then).
+- ``xpu``: Intel GPUs through Level Zero (Aurora's PVC tiles).
+- ``fake``: the CPU posing as an accelerator, so that tests walk every accelerator branch
+  (docs/design/devices.md says what it proves and what it cannot).
+
+Waiting for the device. A GPU runs the work queued on a stream while the host queues
+more; mpi4py hands MPI a device pointer without synchronizing anything (it asks DLPack
+for ``stream=-1``), so the host must know the kernels that write a buffer have run before
+MPI reads it. Synchronizing the device (or the stream) before each MPI call stalls the
+host until all queued work is done and leaves the GPU idle while the host queues more
+(about 18 stalls per backward pass of a 124M model). Instead the code records an
+``Event`` on the current stream when a buffer is ready and starts the MPI call once that
+event has passed (``Event.query``), blocking on it (``Event.wait``) only when nothing else
+is left to do. Every kind counts its event records, queries, waits and device
+synchronizations in ``stats``, so tests and benchmarks can check the counts.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DeviceStats:
+    """What the host did to wait for the device (and what went through host memory)."""
+    event_records: int = 0
+    event_queries: int = 0
+    """Non-blocking checks whether an event has passed."""
+    event_waits: int = 0
+    """Blocking waits on an event that had not yet passed."""
+    device_syncs: int = 0
+    """Whole-device synchronizations (none of hpctrain's step code makes one)."""
+    syncs_in_backward: int = 0
+    """Whole-device synchronizations made during a backward pass."""
+    staged_bytes: int = 0
+    """Bytes copied between device memory and host staging buffers for MPI."""
+    direct_handoffs: int = 0
+    """Device buffers handed to MPI as device memory (GPU-aware MPI)."""
+    handoffs_off_main_thread: int = 0
+    """Buffers made ready for MPI on a thread other than the main one (autograd's)."""
+    unready_handoffs: int = 0
+    """Buffers handed to MPI before the event of their last device work had passed (the
+    fake device also counts those whose DLPack capsule mpi4py took too early)."""
+    numpy_on_device: int = 0
+    """Fake device: ``.numpy()`` asked of device memory (a real GPU raises)."""
+
+    def snapshot(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Event:
+    """A point in the current stream's queue of work. ``record()`` marks it, ``query()``
+    says (without blocking) whether the device has passed it, ``wait()`` blocks the host
+    until it has (counted only when it had not). A host event has always passed."""
+
+    def __init__(self, accel: Accelerator, raw=None):
+        self.accel, self.raw = accel, raw
+        self.done = True
+        self.serial = 0
+
+    def record(self) -> Event:
+        if self.raw is not None:
+            self.raw.record()
+        self.accel.stats.event_records += 1
+        self.serial = self.accel.stats.event_records  # later records pass later
+        self.done = False
+        return self
+
+    def query(self) -> bool:
+        if not self.done:
+            self.accel.stats.event_queries += 1
+            self.done = self._passed()
+        return self.done
+
+    def wait(self) -> None:
+        if self.done or self._passed():
+            self.done = True
+            return
+        self.accel.stats.event_waits += 1
+        self._block()
+        self.done = True
+
+    def _passed(self) -> bool:
+        return self.raw is None or self.raw.query()
+
+    def _block(self) -> None:
+        self.raw.synchronize()
+
+
+class Accelerator:
+    """The host (``cpu``) and the base of the device kinds. ``torch_device`` is where this
+    rank's tensors live; ``vendor`` is what MPI's GPU support is asked about (``cuda``,
+    ``hip``, ``ze``; None for host memory)."""
+
+    kind = "cpu"
+    vendor: str | None = None
+    is_accelerator = False
+    hooks_off_main_thread = False
+    """Whether autograd runs gradient hooks (which call MPI) on a thread of its own."""
+
+    def __init__(self, index: int | None = None, *, placement: str = ""):
+        self.index = index
+        self.placement = placement
+        """How the device was chosen among those visible (for the start-up line)."""
+        self.stats = DeviceStats()
+        self._backward_depth = 0
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.kind if self.index is None else f"{self.kind}:{self.index}")
+
+    @property
+    def name(self) -> str:
+        """The runtime's name of the device (what the peak table is matched against)."""
+        return "cpu"
+
+    def describe(self) -> str:
+        if not self.is_accelerator:
+            return "cpu"
+        where = f" ({self.placement})" if self.placement else ""
+        return f"{self.torch_device} {self.name}{where}"
+
+    # ----------------------------------------------------------------- memory
+    def holds(self, x) -> bool:
+        """Whether ``x`` is this device's memory (MPI needs a device path for it)."""
+        return False
+
+    def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for staging device memory (page-locked on a GPU, so copies run
+        asynchronously and at full speed)."""
+        return torch.empty(shape, dtype=dtype)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor (a batch) on this device, copied without blocking the host."""
+        return t
+
+    def for_mpi(self, t: torch.Tensor, ready: Event | None = None):
+        """What mpi4py is given for device tensor ``t`` once ``ready`` has passed: the
+        tensor itself (mpi4py reads its DLPack capsule, whatever the device type)."""
+        return t
+
+    def track(self, t: torch.Tensor) -> None:
+        """``t`` is device memory handed to MPI (the fake device watches it)."""
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes allocated now, at peak, and reserved by the caching allocator ({} on the
+        host: the engines' ``memory()`` reports count its tensors)."""
+        return {}
+
+    # ----------------------------------------------------------------- waiting
+    def event(self) -> Event:
+        return Event(self)
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device (never inside a step; counted)."""
+        self.stats.device_syncs += 1
+        if self._backward_depth:
+            self.stats.syncs_in_backward += 1
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        pass
+
+    def backward(self, tensor: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
+        """``tensor.backward(gradient)``, marked as a backward pass (see ``stats``)."""
+        self._backward_depth += 1
+        try:
+            self._run_backward(tensor, gradient)
+        finally:
+            self._backward_depth -= 1
+
+    def _run_backward(self, tensor, gradient) -> None:
+        tensor.backward(gradient)
+
+    def note_handoff(self, direct: bool, ready: Event | None) -> None:
+        """A buffer of this device goes to MPI (``ready``: the event it had to pass)."""
+        if direct:
+            self.stats.direct_handoffs += 1
+        if ready is not None and not ready.done:
+            self.stats.unready_handoffs += 1
+        if threading.current_thread() is not threading.main_thread():
+            self.stats.handoffs_off_main_thread += 1
+
+    def close(self) -> None:
+        """Nothing to release (the fake device removes its watch on ``.numpy()``)."""
+
+
+class GPUAccelerator(Accelerator):
+    """``cuda`` (NVIDIA, or AMD under ROCm) and ``xpu`` (Intel Level Zero)."""
+
+    is_accelerator = True
+    hooks_off_main_thread = True  # autograd's per-device worker thread
+
+    def __init__(self, kind: str, index: int, *, placement: str = ""):
+        self.kind = kind
+        self.module = getattr(torch, kind)
+        if kind == "xpu":
+            self.vendor = "ze"
+        else:
+            self.vendor = "hip" if torch.version.hip else "cuda"
+        super().__init__(index, placement=placement)
+
+    @property
+    def name(self) -> str:
+        return self.module.get_device_name(self.index)
+
+    def holds(self, x) -> bool:
+        return isinstance(x, torch.Tensor) and x.device.type == self.kind
+
+    def host_empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def to_device(self, t):
+        return t.pin_memory().to(self.torch_device, non_blocking=True)
+
+    def memory_stats(self):
+        m = self.module
+        return {"allocated": m.memory_allocated(self.index),
+                "peak": m.max_memory_allocated(self.index),
+                "reserved": m.memory_reserved(self.index)}
+
+    def event(self):
+        return Event(self, self.module.Event())
+
+    def _synchronize(self):
+        self.module.synchronize(self.index)

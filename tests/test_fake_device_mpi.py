@@ -1,0 +1,137 @@
+"""The accelerator branches on the fake device, over real MPI ranks: data parallelism,
+ZeRO (fp32 and bf16) and the pipeline run on ``--train.device=fake`` (CPU memory posing
+as GPU memory: DLPack labelled CUDA, host staging, events, backward on its own thread)
+and must give the single-process losses, gradients and parameters, with
+
+- no more blocking event waits per step than buckets + gathers + messages + a constant;
+- no whole-device synchronization inside a backward pass;
+- host staging bytes exactly when MPI is "not GPU-aware", device handoffs when it is;
+- no device buffer handed to MPI before its event was waited; no ``.numpy()`` of device
+  memory (the fake device raises, as a GPU does).
+
+What the fake device cannot prove (real device memory, a GPU-aware library, streams
+running concurrently): docs/design/devices.md.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpctrain.comm.world import World
+from hpctrain.train.trainer import Trainer
+from tests.helpers import (assert_gradients_match, capture_first_step,
+                           fit_against_reference, same_on_all_ranks, tiny_config)
+from tests.reference import reference_run
+
+pytestmark = pytest.mark.mpi(min_size=2)
+COMM = MPI.COMM_WORLD
+WAIT_SLACK = 2  # blocking waits per step beyond one per bucket, gather and message
+
+
+def _config(data, out, **overrides):
+    # The same configurations as test_dp_mpi / test_zero_mpi / test_pipeline_mpi, so the
+    # single-process references are shared (HPCTRAIN_REF_CACHE).
+    return tiny_config(data, out, **{"parallel.bucket_mb": 0.02,
+                                     "parallel.first_bucket_mb": 0.005, **overrides})
+
+
+def _fit_on_fake(cfg, aware: str, check=None) -> tuple:
+    """Train ``cfg`` on the fake device and compare with the reference (``check``,
+    default ``fit_against_reference``); returns the trainer and the device counters of
+    the training steps (set-up and checks left out)."""
+    world = World.create(COMM, device="fake", gpu_aware=aware)
+    trainer = Trainer(cfg, world, verbose=False)
+    stats, counts = world.accel.stats, {}
+    fit, before = trainer.fit, stats.snapshot()
+
+    def fit_and_count(close=True):
+        result = fit(close=close)
+        counts.update({k: v - before[k] for k, v in stats.snapshot().items()})
+        return result
+
+    trainer.fit = fit_and_count
+    if check is not None:
+        check(trainer, cfg)
+    else:  # replicas of a pipeline stage hold the same values, stages different ones
+        fit_against_reference(trainer, cfg, trainer.grid.dp_world.comm
+                              if trainer.grid.pp > 1 else COMM)
+    world.close()
+    return trainer, counts
+
+
+def _check_counts(trainer, counts: dict, aware: str) -> None:
+    steps = trainer.cfg.train.max_iters
+    buckets = len(trainer.engine.buckets) if trainer.grid.dp > 1 else 0
+    gathers = trainer.engine.stats.gathers / steps
+    messages = 2 * getattr(trainer.runner.stats, "messages", 0) / steps  # sends + receives
+    waits = counts["event_waits"] / steps
+    assert waits <= buckets + gathers + messages + WAIT_SLACK, (
+        f"{waits:.1f} blocking event waits per step for {buckets} buckets, {gathers:.1f} "
+        f"gathers and {messages:.1f} messages")
+    assert counts["device_syncs"] == 0 and counts["syncs_in_backward"] == 0
+    assert counts["unready_handoffs"] == 0 and counts["numpy_on_device"] == 0
+    if aware == "no":
+        assert counts["staged_bytes"] > 0 and counts["direct_handoffs"] == 0
+    else:
+        assert counts["staged_bytes"] == 0 and counts["direct_handoffs"] > 0
+    if trainer.grid.dp > 1 and trainer.grid.pp == 1:
+        # Reductions start from the gradient hooks, on the backward's own thread (with a
+        # pipeline they may all wait for finish(): one chunk's backward per hook pass).
+        assert counts["handoffs_off_main_thread"] > 0
+
+
+@pytest.mark.parametrize("aware", ["yes", "no"])
+def test_dp_on_the_fake_device(mpi_dataset, shared_tmp, aware):
+    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.micro_batches": 2,
+                                              "parallel.allreduce": "mpi"})
+    trainer, counts = _fit_on_fake(cfg, aware)
+    assert trainer.engine.shm is None  # device gradients never go through /dev/shm
+    _check_counts(trainer, counts, aware)
+
+
+@pytest.mark.parametrize("stage,aware", [(1, "no"), (2, "yes"), (3, "no"), (3, "yes")])
+def test_zero_fp32_on_the_fake_device(mpi_dataset, shared_tmp, stage, aware):
+    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": stage,
+                                              "parallel.micro_batches": 2})
+    trainer, counts = _fit_on_fake(cfg, aware)
+    _check_counts(trainer, counts, aware)
+
+
+def _bf16_matches_reference(trainer, cfg):
+    """As test_zero_mpi's bf16 test: against the bf16 single-process run, its bounds."""
+    from tests.test_zero_mpi import BF16_GRAD_RTOL, BF16_LOSS_ATOL, BF16_PARAM_ATOL
+
+    first = capture_first_step(trainer)
+    result = trainer.fit(close=False)
+    ref = reference_run(cfg)
+    assert_gradients_match(first, ref, rtol=BF16_GRAD_RTOL)
+    np.testing.assert_allclose(result.losses, ref.losses, atol=BF16_LOSS_ATOL, rtol=0)
+    master = trainer.engine.consolidated_state()
+    for name, want in ref.params.items():
+        assert same_on_all_ranks(COMM, master[name]["param"])
+        assert (master[name]["param"] - want).abs().max() < BF16_PARAM_ATOL, name
+    trainer.close()
+
+
+@pytest.mark.parametrize("stage,aware", [(0, "yes"), (1, "no"), (3, "no")])
+def test_zero_bf16_on_the_fake_device(mpi_dataset, shared_tmp, stage, aware):
+    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": stage, "train.dtype": "bf16",
+                                              "parallel.micro_batches": 2})
+    trainer, counts = _fit_on_fake(cfg, aware, check=_bf16_matches_reference)
+    _check_counts(trainer, counts, aware)
+
+
+@pytest.mark.parametrize("schedule,virtual,aware", [("1f1b", 1, "no"),
+                                                    ("interleaved", 2, "yes")])
+def test_pipeline_on_the_fake_device(mpi_dataset, shared_tmp, schedule, virtual, aware):
+    """pp=2 (with dp=2 at 4 ranks): activations, gradients and the tied embedding travel
+    as device memory or through staging."""
+    if COMM.size % 2:
+        pytest.skip("needs an even number of ranks")
+    cfg = _config(mpi_dataset, shared_tmp, **{
+        "model.n_layer": 8, "parallel.pp": 2, "parallel.micro_batches": 4,
+        "parallel.schedule": schedule, "parallel.virtual_stages": virtual,
+        "train.max_iters": 6})
+    trainer, counts = _fit_on_fake(cfg, aware)
+    assert trainer.runner.stats.messages > 0
+    _check_counts(trainer, counts, aware)
