@@ -160,6 +160,15 @@ class Accelerator:
         host: the engines' ``memory()`` reports count its tensors)."""
         return {}
 
+    def describe_memory(self) -> str:
+        """``memory_stats()`` for a log line ('' on the host)."""
+        stats = self.memory_stats()
+        if not stats:
+            return ""
+        gib = {k: v / 2**30 for k, v in stats.items()}
+        return (f"device: {gib['allocated']:.2f} GiB allocated, {gib['peak']:.2f} GiB "
+                f"peak, {gib['reserved']:.2f} GiB reserved")
+
     # ----------------------------------------------------------------- waiting
     def event(self) -> Event:
         return Event(self)

@@ -61,7 +61,6 @@ class Trainer:
     def _build(self, cfg: Config, world: World) -> None:
         t = cfg.train
         torch.set_num_threads(t.threads or threads_per_rank(world.local_size))
-        self.device = torch.device(world.device)
         self.grid = ProcessGrid.create(world, cfg.parallel.pp)  # dp x pp ranks
         self.batches = BatchLoader.open(cfg, world, dp_index=self.grid.dp_index,
                                         dp=self.grid.dp, device=world.accel)
@@ -233,8 +232,9 @@ class Trainer:
             add_step(result, self.clock.stop())
             self.deadline.record_step(result.step_times[-1])
             if step == self.start_step:
+                device = w.accel.describe_memory()
                 self._log(f"memory per rank: {self.memory().describe()}"
-                          f"{_device_memory(w.accel.memory_stats())}", bar)
+                          f"{'; ' + device if device else ''}", bar)
             window.losses.append(loss)
             done = step + 1
             stopping = stop.agreed(done)  # the same answer on every rank
@@ -290,13 +290,4 @@ class Trainer:
         if self._own_signals:
             self.signals.restore()
         self.lock.release()
-
-
-def _device_memory(stats: dict) -> str:
-    """The caching allocator's view of the device after the first step ('' on the host)."""
-    if not stats:
-        return ""
-    gib = {k: v / 2**30 for k, v in stats.items()}
-    return (f"; device: {gib['allocated']:.2f} GiB allocated, {gib['peak']:.2f} GiB peak, "
-            f"{gib['reserved']:.2f} GiB reserved")
 
