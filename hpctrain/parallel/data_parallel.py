@@ -35,6 +35,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
@@ -91,14 +92,7 @@ class Bucket:
 
 def persistent_collectives_supported(comm: MPI.Comm) -> bool:
     """True when the library implements MPI-4 persistent collectives. Collective."""
-    if MPI.Get_version() < (4, 0) or not hasattr(comm, "Allreduce_init"):
-        return False
-    try:
-        probe = comm.Allreduce_init(MPI.IN_PLACE, np.zeros(1), op=MPI.SUM)
-    except (NotImplementedError, MPI.Exception):
-        return False
-    probe.Free()
-    return True
+    return persistent_collectives(comm)
 
 
 def _free_requests(requests: list) -> None:
