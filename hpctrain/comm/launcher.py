@@ -128,7 +128,8 @@ def launcher_argv(env=None, python: str | None = None) -> list[str]:
 def find_launcher(env=None, python: str | None = None) -> Launcher:
     """The launcher tests and tools use on this machine (see the module docstring)."""
     argv = launcher_argv(env, python)
-    argv[0] = shutil.which(argv[0]) or argv[0]  # a path: PATH may change in a child
+    found = shutil.which(argv[0])  # an absolute path: PATH and cwd may differ in a child
+    argv[0] = os.path.abspath(found) if found else argv[0]
     family, version = _probe(argv[0])
     return Launcher(tuple(argv), family, version,
                     root=hasattr(os, "geteuid") and os.geteuid() == 0)
