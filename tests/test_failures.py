@@ -89,7 +89,7 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(dataset_path, tmp_
                                                               sig):
     if sig == signal.SIGTERM and launcher().family == "openmpi":
         pytest.skip("Open MPI's mpirun answers SIGTERM with SIGTERM to the ranks, then "
-                    "SIGKILL about a second later, and exits 1: the save may not finish")
+                    "SIGKILL 1-2 s later, and exits 1: a save may not finish")
     out = tmp_path / "walltime"
     job = _start_training(dataset_path, out, "--train.max_iters=100000", *extra)
     try:
