@@ -24,7 +24,7 @@ VERSIONS = {
 
 
 @pytest.mark.parametrize("key,family", [("hydra", "hydra"), ("openmpi", "openmpi"),
-                                        ("openmpi5", "openmpi"), ("intel", "hydra"),
+                                        ("openmpi5", "openmpi"), ("intel", "intel"),
                                         ("slurm", "slurm")])
 def test_the_family_is_read_from_the_version_text(key, family):
     assert family_of(VERSIONS[key]) == family
@@ -43,7 +43,7 @@ def test_each_family_gets_only_its_own_flags():
         ["mpiexec", "-launcher", "fork", "-n", "2", *cmd]
     assert Launcher(("mpirun", "--bind-to", "none"), "openmpi").command(4, *cmd) == \
         ["mpirun", "--bind-to", "none", "--oversubscribe", "-n", "4", *cmd]
-    for family in ("pals", "slurm", "unknown"):
+    for family in ("intel", "pals", "slurm", "unknown"):
         assert Launcher(("x",), family).command(2, *cmd) == ["x", "-n", "2", *cmd]
 
 

@@ -17,14 +17,16 @@ ranks on this one machine:
 ============  =======================================  ===================================
 family        ``--version`` says                       added here
 ============  =======================================  ===================================
-``hydra``     ``HYDRA build details`` (MPICH),         ``-launcher fork``: inside a batch
-              ``Intel(R) MPI Library``                 allocation Hydra would otherwise
+``hydra``     ``HYDRA build details`` (MPICH)          ``-launcher fork``: inside a batch
+                                                       allocation Hydra would otherwise
                                                        start the ranks through ``srun`` or
                                                        the PBS agent
 ``openmpi``   ``mpirun (Open MPI) 4.1.4``              ``--oversubscribe`` (more ranks than
                                                        cores is an error otherwise); when
                                                        run as root, the two
                                                        ``OMPI_ALLOW_RUN_AS_ROOT*`` variables
+``intel``     ``Intel(R) MPI Library``                 nothing (no Intel MPI to try
+                                                       Hydra's flags on)
 ``pals``      ``PALS`` (HPE Cray: Polaris, Aurora)     nothing
 ``slurm``     ``slurm 23.11.4`` (``srun``)             nothing
 ``unknown``   anything else, or no answer              nothing
@@ -47,7 +49,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-FAMILIES = ("hydra", "openmpi", "pals", "slurm", "unknown")
+FAMILIES = ("hydra", "openmpi", "intel", "pals", "slurm", "unknown")
 ROOT_PERMISSION = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
@@ -56,7 +58,9 @@ def family_of(version_text: str, program: str = "") -> str:
     text = version_text.lower()
     if "open mpi" in text or "openrte" in text or "open-mpi" in text:
         return "openmpi"
-    if "hydra" in text or "intel(r) mpi" in text:
+    if "intel(r) mpi" in text:
+        return "intel"
+    if "hydra" in text:
         return "hydra"
     if "pals" in text or "/pals/" in program.lower():
         return "pals"
