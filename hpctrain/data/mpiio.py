@@ -68,7 +68,8 @@ _OMPI_PARAM_FILES = ("~/.openmpi/mca-params.conf", "/etc/openmpi/openmpi-mca-par
 
 def library_name() -> str:
     """The MPI library, briefly: ``Open MPI v4.1.4``, ``MPICH Version: 4.2.0``."""
-    first = (MPI.Get_library_version().strip().splitlines() or ["unknown MPI"])[0]
+    text = MPI.Get_library_version().replace("\x00", "").strip()  # Open MPI ends in NUL
+    first = (text.splitlines() or ["unknown MPI"])[0]
     return " ".join(first.split(",")[0].split())
 
 
