@@ -29,12 +29,29 @@ RUN_ENV := OMP_NUM_THREADS=1
 
 install: $(STAMP)
 
+# The stamp records the MPI choice. Another MPI_PACKAGES than the recorded one rebuilds
+# mpi4py without pip's wheel cache (a cached wheel is linked to the MPI it was built
+# with) and uninstalls the previous choice's MPI packages (the mpich wheel's mpiexec
+# would otherwise stay first in $(VENV)/bin).
+MPI_RECORDED := $(shell sed -n 's/^MPI_PACKAGES=//p' $(STAMP) 2>/dev/null)
+ifneq ($(MPI_RECORDED),$(strip $(MPI_PACKAGES)))
+$(STAMP): FORCE
+endif
+.PHONY: FORCE
+FORCE:
+
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(if $(strip $(TORCH)),$(PY) -m pip install -q $(TORCH))
-	$(PY) -m pip install -q $(MPI_PACKAGES)
+	@if [ -n "$(MPI_RECORDED)" ] && [ "$(MPI_RECORDED)" != "$(strip $(MPI_PACKAGES))" ]; then \
+	  echo "MPI_PACKAGES changed ($(MPI_RECORDED) -> $(strip $(MPI_PACKAGES))): rebuilding mpi4py"; \
+	  gone=$$(for w in $(MPI_RECORDED); do case " $(MPI_PACKAGES) " in *" $$w "*) ;; \
+	    *) case $$w in -*|:*) ;; *) echo $$w ;; esac ;; esac; done); \
+	  set -x; $(PY) -m pip uninstall -q -y mpi4py $$gone && \
+	  $(PY) -m pip install -q --no-cache-dir --force-reinstall --no-deps $(MPI_PACKAGES); \
+	else set -x; $(PY) -m pip install -q $(MPI_PACKAGES); fi
 	$(PY) -m pip install -q -e '.[dev]'
-	touch $@
+	echo 'MPI_PACKAGES=$(strip $(MPI_PACKAGES))' > $@
 
 $(DATA): | $(STAMP)
 	$(VENV)/bin/hpctrain prepare --corpus stdlib --output $@
@@ -49,19 +66,23 @@ run: $(STAMP) $(DATA)
 # (tests/reference.py); SELECT narrows every leg (test-fast leaves out `slow` tests:
 # subprocess trainings, signals, job scripts, scaling studies). The MPI legs collect only
 # tests/*_mpi.py, the files that hold the `mpi` tests (tests/conftest.py enforces it).
+# Every launch, the legs' and the tests' own, goes through hpctrain/comm/launcher.py with
+# MPIEXEC: it adds what the launcher's MPI needs (e.g. `make test MPIEXEC=mpirun`).
 # The single-process leg runs beside the 2-rank leg (it keeps one core busy, they share
 # the rest); its report is printed when both are done.
 SELECT ?=
 MPI_TESTS := $(sort $(wildcard tests/*_mpi.py))
+LAUNCH = env MPIEXEC="$(MPIEXEC)" $(PY) -m hpctrain.comm.launcher
 test: $(STAMP)
-	@ref=$$(mktemp -d); trap 'rm -rf "$$ref"' EXIT; export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV); \
+	@ref=$$(mktemp -d); trap 'rm -rf "$$ref"' EXIT; export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV) \
+	  MPIEXEC="$(MPIEXEC)"; \
 	start=$$(date +%s); rm -rf test-reports; mkdir -p test-reports; \
 	{ timeout $(TIME_LIMIT) $(PY) -m pytest -q tests $(SELECT) --junitxml=test-reports/unit.xml \
 	    > test-reports/unit.log 2>&1; echo $$? > test-reports/unit.rc; } & \
-	timeout $(TIME_LIMIT) $(MPIEXEC) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi2.xml; \
+	timeout $(TIME_LIMIT) $(LAUNCH) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi2.xml; \
 	mpi2=$$?; wait; echo "---- single-process leg"; cat test-reports/unit.log; \
 	[ "$$(cat test-reports/unit.rc)" = 0 ] && [ $$mpi2 = 0 ] && \
-	timeout $(TIME_LIMIT) $(MPIEXEC) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi4.xml && \
+	timeout $(TIME_LIMIT) $(LAUNCH) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi4.xml && \
 	echo "all legs passed in $$(( $$(date +%s) - start )) s"
 
 test-fast: $(STAMP)
@@ -86,11 +107,11 @@ clean:
 # ---- the hf leg and the skip audit ------------------------------------------------
 #   make test-hf     the tests marked `hf`: the Hugging Face export read back by
 #                    transformers and safetensors, the gpt2 tokenizer on GPT-2's real BPE
-#   make test-audit  reads test-reports/*.xml (from test, test-hf and test-slurm) and fails on a test
+#   make test-audit  reads test-reports/*.xml (from test, test-hf, test-slurm and test-openmpi) and fails on a test
 #                    that no leg runs (tests/skip_audit.py, tests/skip_allowlist.txt)
 HF_STAMP := $(VENV)/.installed-hf
 GPT2_BPE := $(VENV)/share/hpctrain/r50k_base.tiktoken
-LEGS ?= unit,mpi2,mpi4,hf,slurm
+LEGS ?= unit,mpi2,mpi4,hf,slurm,openmpi-unit,openmpi-mpi2,openmpi-mpi4
 
 .PHONY: test-hf test-audit test-slurm
 
@@ -127,3 +148,53 @@ test-audit: $(STAMP)
 .PHONY: results
 results: $(STAMP)
 	$(PY) perf/make_results.py
+
+# ---- the Open MPI leg: the same tests under a second MPI ----------------------------
+#   make test-openmpi  installs Debian's Open MPI if missing (root), builds mpi4py against
+#                      it in $(OMPI_VENV), and runs under Open MPI's mpirun: the MPI legs
+#                      at 2 and 4 ranks, the single-process tests that launch ranks
+#                      (command line, failures and signals, job scripts, prepare, scaling),
+#                      and a short `hpctrain train default`.
+# Every launch goes through hpctrain/comm/launcher.py (MPIEXEC names the binary): it adds
+# --oversubscribe, and the root permission variables when run as root (CI).
+OMPI_VENV ?= .venv-openmpi
+OMPI_PY := $(OMPI_VENV)/bin/python
+OMPI_DEBS ?= openmpi-bin libopenmpi-dev
+OMPI_MPIEXEC ?= mpirun.openmpi
+OMPI_MPICC ?= mpicc.openmpi
+OMPI_LAUNCH := $(OMPI_PY) -m hpctrain.comm.launcher
+# The single-process tests that start ranks (the rest do not depend on the MPI).
+OMPI_UNIT_TESTS ?= tests/test_stop.py tests/test_failures.py tests/test_cli.py \
+	tests/test_jobs_e2e.py tests/test_scaling_e2e.py tests/test_bad_input.py \
+	tests/test_io.py::test_prepare_under_mpiexec_writes_what_one_process_writes \
+	tests/test_io.py::test_corrupt_data_under_mpiexec_is_one_message_and_a_failed_exit
+
+.PHONY: test-openmpi openmpi-install
+
+openmpi-install:
+	@command -v $(OMPI_MPIEXEC) >/dev/null && command -v $(OMPI_MPICC) >/dev/null || \
+	{ export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q $(OMPI_DEBS) || \
+	  { apt-get update -q && apt-get install -y -q $(OMPI_DEBS); }; }
+	@MPICC=$(OMPI_MPICC) $(MAKE) --no-print-directory install VENV=$(OMPI_VENV) \
+	  MPI_PACKAGES="--no-binary mpi4py mpi4py"
+
+# As in `make test`, the single-process leg runs beside the 2-rank leg; then 4 ranks, then
+# the training. --color=no: mpirun gives the ranks a terminal.
+test-openmpi: openmpi-install
+	@export HPCTRAIN_REF_CACHE=$$(mktemp -d) MPIEXEC=$(OMPI_MPIEXEC) $(RUN_ENV); \
+	trap 'rm -rf "$$HPCTRAIN_REF_CACHE"' EXIT; start=$$(date +%s); mkdir -p test-reports; \
+	$(OMPI_LAUNCH) --describe; \
+	test -f $(DATA) || $(OMPI_VENV)/bin/hpctrain prepare --corpus stdlib --output $(DATA); \
+	{ timeout $(TIME_LIMIT) $(OMPI_PY) -m pytest -q $(OMPI_UNIT_TESTS) $(SELECT) \
+	    --junitxml=test-reports/openmpi-unit.xml > test-reports/openmpi-unit.log 2>&1; \
+	  echo $$? > test-reports/openmpi-unit.rc; } & \
+	timeout $(TIME_LIMIT) $(OMPI_LAUNCH) -n 2 $(OMPI_PY) -m tests.mpi_pytest -q --color=no \
+	  --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/openmpi-mpi2.xml; \
+	mpi2=$$?; wait; echo "---- single-process leg (Open MPI)"; cat test-reports/openmpi-unit.log; \
+	[ "$$(cat test-reports/openmpi-unit.rc)" = 0 ] && [ $$mpi2 = 0 ] && \
+	timeout $(TIME_LIMIT) $(OMPI_LAUNCH) -n 4 $(OMPI_PY) -m tests.mpi_pytest -q --color=no \
+	  --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/openmpi-mpi4.xml && \
+	timeout $(TIME_LIMIT) $(OMPI_LAUNCH) -n 2 $(OMPI_VENV)/bin/hpctrain train default \
+	  --train.out_dir=runs/openmpi --train.overwrite=true --train.max_iters=60 \
+	  --train.eval_interval=30 --train.sample_tokens=32 --train.progress=false && \
+	echo "Open MPI legs passed in $$(( $$(date +%s) - start )) s"

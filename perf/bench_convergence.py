@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import (MPIEXEC, ROOT, bench_parser, fmt, fmt_spread,  # noqa: E402
+from perf.common import (ROOT, bench_parser, fmt, fmt_spread, mpiexec,  # noqa: E402
                          print_table, shakespeare_dataset, spread, timed_command,
                          write_result)
 
@@ -53,10 +53,11 @@ MATCHED = ["--optimizer", "hpctrain", "--sampler", "hpctrain", "--eval", "hpctra
 def run_hpctrain(data: Path, seed: int, steps: int) -> dict:
     out = ROOT / "runs" / f"bench-convergence-{seed}"
     shutil.rmtree(out, ignore_errors=True)  # never read a previous run's files
-    wall, _ = timed_command([MPIEXEC, "-n", "2", sys.executable, "-m", "hpctrain", "train",
-                             "shakespeare-char", f"--data.path={data}", f"--train.out_dir={out}",
-                             f"--train.seed={seed}", f"--train.max_iters={steps}",
-                             "--train.progress=false"], threads=1)
+    wall, _ = timed_command(mpiexec(2, sys.executable, "-m", "hpctrain", "train",
+                                    "shakespeare-char", f"--data.path={data}",
+                                    f"--train.out_dir={out}", f"--train.seed={seed}",
+                                    f"--train.max_iters={steps}", "--train.progress=false"),
+                            threads=1)
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     estimates = [r["val_loss"] for r in records if "val_loss" in r]

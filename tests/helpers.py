@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from hpctrain.comm.launcher import Launcher, find_launcher
 from hpctrain.config import build_config
 from hpctrain.data.corpus import stdlib_files
 from hpctrain.data.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
+
+
+@functools.lru_cache(maxsize=1)
+def launcher() -> Launcher:
+    """The MPI launcher the tests start ranks with (``MPIEXEC``, else the venv's mpiexec)."""
+    return find_launcher()
 
 
 def make_dataset(path: Path, max_bytes: int = 300_000, tokenizer: str = "char") -> Path:
@@ -41,7 +47,7 @@ def tiny_config(data_path, out_dir, **overrides):
 def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
         cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """Run a command under a hard time limit (a hang fails the test, never the suite)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, **launcher().env(), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=full_env, cwd=cwd)
 
@@ -51,7 +57,8 @@ def hpctrain_cmd(*args: str) -> list[str]:
 
 
 def mpiexec(n: int, *cmd: str) -> list[str]:
-    return [MPIEXEC, "-n", str(n), *cmd]
+    """``cmd`` on ``n`` ranks of this machine, with the flags the launcher's MPI needs."""
+    return launcher().command(n, *cmd)
 
 
 def same_on_all_ranks(comm, tensor) -> bool:

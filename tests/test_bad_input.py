@@ -286,7 +286,8 @@ sys.exit(main(sys.argv[1:]))
 ])
 def test_a_stalled_rank_ends_prepare_through_the_watchdog_naming_the_operation(
         corpus, tmp_path, stall_at, waits_in):
-    from tests.helpers import mpiexec
+    from hpctrain.data.mpiio import mpiio_component
+    from tests.helpers import launcher, mpiexec
 
     out = tmp_path / "d.h5"
     if stall_at is None:
@@ -303,6 +304,11 @@ def test_a_stalled_rank_ends_prepare_through_the_watchdog_naming_the_operation(
     elapsed = time.monotonic() - t0
     assert p.returncode != 0, p.stderr
     assert elapsed < 30, f"took {elapsed:.0f} s"
+    if (stall_at == "write round 1" and launcher().family == "openmpi"
+            and mpiio_component("Open MPI")[0] == "OMPIO"):
+        # Open MPI's OMPIO completes rank 0's part of a nonblocking collective write
+        # without rank 1 (seen with 4.1.4): rank 0 then waits at the next collective.
+        waits_in = "prepare: barrier before closing the file"
     assert f"CommTimeout: {waits_in} did not complete within 3 s (--timeout)" in p.stderr, \
         p.stderr
     assert not out.exists()

@@ -27,14 +27,15 @@ from pathlib import Path
 import pytest
 
 from hpctrain.cli import main
-from tests.helpers import MPIEXEC, REPO, hpctrain_cmd, run
+from tests.helpers import REPO, hpctrain_cmd, launcher, run
 
 pytestmark = pytest.mark.slow
 
 TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
         "--train.batch_size=8", "--train.max_iters=6", "--train.log_interval=2",
         "--train.eval_interval=0", "--train.final_eval=false", "--train.sample_tokens=0",
-        "--train.save_checkpoint=false", "--train.progress=false"]
+        "--train.save_checkpoint=false", "--train.progress=false",
+        "--train.device=cpu"]  # the GPU systems' scripts, on purpose on CPU cores here
 PWNED_VALUES = ["x'; touch PWNED; '", "$(touch PWNED)", "`touch PWNED`", "a\ntouch PWNED"]
 JOB_TIMEOUT = 150
 
@@ -79,9 +80,10 @@ if [ -n "${FAKE_RECORD:-}" ]; then
     exit 0
 fi
 # The ranks must not think they are inside a real PBS/SLURM allocation (MPICH's hydra
-# would try to use it): drop those variables, launch by fork on this host.
+# would try to use it): drop those variables, launch on this host (the launcher helper
+# adds what the MPI needs: `-launcher fork` for Hydra, `--oversubscribe` for Open MPI).
 for v in $(compgen -e | grep -E '^(PBS_|SLURM_)'); do unset "$v"; done
-exec "$REAL_MPIEXEC" -launcher fork -n "$n" "$@"
+MPIEXEC=$REAL_MPIEXEC exec "$FAKE_PYTHON" -m hpctrain.comm.launcher -n "$n" "$@"
 """
 
 BASH_PROFILE = r"""
@@ -120,9 +122,10 @@ def cluster(tmp_path):
     nodefile.write_text(socket.gethostname() + "\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PBS_", "SLURM_", "PMI_", "PALS_", "HYDRA_", "MPI_LOCAL",
-                                "OMPI_", "HPCTRAIN_"))}
+                                "OMPI_COMM_WORLD_", "HPCTRAIN_"))}
     env.update(HOME=str(home), FAKE_BIN=str(bin_), FAKE_LOG=str(tmp_path / "fake.log"),
-               FAKE_PYTHON=sys.executable, REAL_MPIEXEC=MPIEXEC, OMP_NUM_THREADS="1")
+               FAKE_PYTHON=sys.executable, REAL_MPIEXEC=shlex.join(launcher().argv),
+               OMP_NUM_THREADS="1")
     pbs = {"PBS_JOBID": "4242.polaris-pbs-01.hsn.cm.polaris.alcf.anl.gov",
            "PBS_NODEFILE": str(nodefile), "PBS_O_WORKDIR": str(submit)}
     slurm = {"SLURM_JOB_ID": "777", "SLURM_SUBMIT_DIR": str(submit), "SLURM_JOB_NUM_NODES": "1",

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from hpctrain.cli import main
+from tests.helpers import launcher
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +48,8 @@ zero = 1
 
 def test_scale_run_and_report(tmp_path, dataset_path, capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for name, value in launcher().env().items():  # the study's own mpiexec runs (root)
+        monkeypatch.setenv(name, value)
     spec = tmp_path / "e2e.toml"
     spec.write_text(SPEC.format(data=dataset_path))
     out = tmp_path / "out"

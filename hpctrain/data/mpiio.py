@@ -27,10 +27,21 @@ the ranks first agree on the number of calls with one small allreduce.
 
 When h5py is built with MPI (``h5py.get_config().mpi``), ``H5MPIODataset`` reads the
 same windows as hyperslabs through HDF5's ``mpio`` driver with collective transfers.
+
+Which MPI-IO implementation runs the reads (``mpiio_component``): MPICH, Cray MPICH,
+Intel MPI and MVAPICH use ROMIO, which reads the hints above. Open MPI picks its own
+OMPIO unless its ``io`` MCA parameter selects ROMIO (``OMPI_MCA_io=romio321`` in Open MPI
+4, ``romio341`` in 5); OMPIO ignores ROMIO's hints and aggregates collective reads, which
+for small windows at random offsets is slow: 2 KiB windows at 4 ranks read 52-62 MB/s
+with OMPIO against 413-435 MB/s with ROMIO (``perf/bench_io.py`` has the per-library rows).
+Open MPI's ``MPI_File_get_info`` returns the hints it was given whichever component
+reads, so the choice is read from the parameter, as Open MPI itself does.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -49,6 +60,71 @@ def make_info(hints: dict[str, str]) -> MPI.Info:
     for key, value in hints.items():
         info.Set(key, str(value))
     return info
+
+
+# Open MPI reads MCA parameters from the environment first, then from these files.
+_OMPI_PARAM_FILES = ("~/.openmpi/mca-params.conf", "/etc/openmpi/openmpi-mca-params.conf")
+
+
+def library_name() -> str:
+    """The MPI library, briefly: ``Open MPI v4.1.4``, ``MPICH Version: 4.2.0``."""
+    text = MPI.Get_library_version().replace("\x00", "").strip()  # Open MPI ends in NUL
+    first = (text.splitlines() or ["unknown MPI"])[0]
+    return " ".join(first.split(",")[0].split())
+
+
+def _ompi_io_param(env) -> tuple[str, str] | None:
+    """(value, where it was set) of Open MPI's ``io`` MCA parameter, if set."""
+    if env.get("OMPI_MCA_io"):
+        return env["OMPI_MCA_io"], "OMPI_MCA_io"
+    files = env.get("OMPI_MCA_mca_base_param_files", "")
+    for name in (files.split(":") if files else _OMPI_PARAM_FILES):
+        path = Path(name).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, sep, value = line.split("#", 1)[0].partition("=")
+            if sep and key.strip() == "io" and value.strip():
+                return value.strip(), str(path)
+    return None
+
+
+def mpiio_component(library: str | None = None, env=None) -> tuple[str, str]:
+    """(``"ROMIO"`` or ``"OMPIO"``, why) for this MPI library: Open MPI's ``io``
+    parameter decides there (a list includes components, ``^`` excludes them; OMPIO
+    wins when both remain); every other MPI this project meets uses ROMIO."""
+    library = library_name() if library is None else library
+    env = os.environ if env is None else env
+    if not library.startswith("Open MPI"):
+        return "ROMIO", library
+    param = _ompi_io_param(env)
+    if param is None:
+        return "OMPIO", f"{library}'s default"
+    value, where = param
+    names = [n.strip() for n in value.lstrip("^").split(",") if n.strip()]
+    if value.startswith("^"):
+        romio = "ompio" in names
+    else:
+        romio = any(n.startswith("romio") for n in names) and "ompio" not in names
+    return ("ROMIO" if romio else "OMPIO"), f"{library}, io={value} from {where}"
+
+
+def describe_reader(reader) -> str:
+    """One line for the start-up log: the reader and, for MPI-IO, which implementation
+    reads and whether the ROMIO hints apply."""
+    name = type(reader).__name__
+    hints = getattr(reader, "hints", None)
+    if hints is None:
+        return f"{name} (memory map, no MPI-IO)"
+    component, why = mpiio_component()
+    text = ",".join(f"{k}={v}" for k, v in hints.items())
+    if component == "ROMIO":
+        return f"{name} through ROMIO ({why}), hints {text}"
+    return (f"{name} through OMPIO ({why}): ROMIO hints ignored, small random reads "
+            "are several times slower; OMPI_MCA_io=romio321 (Open MPI 4; romio341 in 5) "
+            "selects ROMIO")
 
 
 def h5py_has_mpi() -> bool:

@@ -39,6 +39,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer, persistent_allreduce_works
+from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.watchdog import wait_all
@@ -98,14 +99,7 @@ class Bucket:
 
 def persistent_collectives_supported(comm: MPI.Comm) -> bool:
     """True when the library implements MPI-4 persistent collectives. Collective."""
-    if MPI.Get_version() < (4, 0) or not hasattr(comm, "Allreduce_init"):
-        return False
-    try:
-        probe = comm.Allreduce_init(MPI.IN_PLACE, np.zeros(1), op=MPI.SUM)
-    except (NotImplementedError, MPI.Exception):
-        return False
-    probe.Free()
-    return True
+    return persistent_collectives(comm)
 
 
 class DataParallel(BucketScheduler):

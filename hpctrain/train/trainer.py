@@ -20,6 +20,7 @@ from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World, threads_per_rank
 from hpctrain.config import Config, ConfigError, check_layout
 from hpctrain.data.loader import BatchLoader
+from hpctrain.data.mpiio import describe_reader
 from hpctrain.errors import CommTimeout
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.parallelize import parallelize
@@ -155,6 +156,7 @@ class Trainer:
                   f"{self.engine.describe()}, {t.dtype}; global batch {t.batch_size} x "
                   f"{cfg.model.block_size} tokens = {rows} row(s) per rank in {self.micro} "
                   "micro-batch(es)")
+        self._log(f"data: {describe_reader(self.batches.data.reader)}")
         if self.start_step:
             self._log(f"resumed from the checkpoint of step {self.start_step}")
 
