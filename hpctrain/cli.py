@@ -1,4 +1,5 @@
-"""``hpctrain`` command line: prepare, train, sample, ckpt, jobscript, launch, scale, plan.
+"""``hpctrain`` command line: prepare, train, sample, ckpt, jobscript, launch, scale, plan,
+doctor.
 
     hpctrain prepare --corpus stdlib --output datasets/stdlib-char.h5
     mpiexec -n 4 hpctrain train default --train.max_iters=200
@@ -8,6 +9,7 @@
     hpctrain launch --dry-run -- train default        # inside a PBS/SLURM job
     hpctrain scale run perf/studies/local.toml && hpctrain scale report runs/study-local
     hpctrain plan --system polaris --nodes 64 --model gpt2-xl
+    mpiexec -n 4 hpctrain doctor --json doctor.json   # check a node before training
 
 Errors a user can fix print one message and exit with status 2. MPI is initialized only
 by the subcommands that need it, after the configuration has been validated.
@@ -128,6 +130,8 @@ def _add_jobscript(sub) -> None:
                    help="where run directories are made (default: runs, under the submit dir)")
     p.add_argument("--no-queue-check", action="store_true",
                    help="skip the queue limit checks (if the site changed its limits)")
+    p.add_argument("--doctor", action="store_true", help="a job that runs `hpctrain doctor` "
+                   "on the nodes instead of training (the same as '-- doctor')")
     p.add_argument("--output", "-o", metavar="FILE", help="write the script here "
                    "(atomically, executable) instead of printing it")
 
@@ -253,6 +257,44 @@ def _add_plan(sub) -> None:
                    help="show the terms of the layout ranked RANK (default 1)")
 
 
+def _add_doctor(sub) -> None:
+    p = sub.add_parser(
+        "doctor", help="check this node: devices, MPI, allreduce, bf16 p2p, a training step",
+        description="An acceptance check to run with mpiexec in a one-node job before "
+                    "training: each rank's device and CPU affinity, the MPI library and "
+                    "thread level, GPU-aware MPI per vendor, allreduce of host and device "
+                    "buffers (checked and timed), a bf16 round trip between rank pairs and "
+                    "one GPT training step (tokens/s, MFU). Exits 1 naming any failed check.")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu", "fake"],
+                   help="as --train.device (fake: the CPU posing as a GPU)")
+    p.add_argument("--gpu-aware", default="auto", choices=["auto", "yes", "no"],
+                   help="as --comm.gpu_aware")
+    p.add_argument("--sizes", type=float, nargs="+", default=[1.0, 25.0, 150.0],
+                   metavar="MIB", help="allreduce sizes in MiB (default 1 25 150)")
+    p.add_argument("--model", default="auto", choices=["auto", "small", "gpt2-124m"],
+                   help="the training step's model (auto: gpt2-124m on a GPU, else small)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON here")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long any wait may take before the job aborts (default 300)")
+
+
+def cmd_doctor(args) -> int:
+    from mpi4py import MPI
+
+    from hpctrain.comm.abort import install_abort_handler
+    from hpctrain.comm.world import World
+    from hpctrain.train.doctor import run_doctor
+
+    install_abort_handler(MPI.COMM_WORLD)
+    world = World.create(MPI.COMM_WORLD, timeout=args.timeout, device=args.device,
+                         gpu_aware=args.gpu_aware, system=os.environ.get("HPCTRAIN_SYSTEM"))
+    try:
+        return run_doctor(world, sizes_mib=args.sizes, model=args.model, json_path=args.json,
+                          out=lambda line: print(line, flush=True))
+    finally:
+        world.close()
+
+
 def cmd_ckpt(args) -> int:
     from hpctrain.checkpoint import tools
 
@@ -282,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ckpt(sub)
     _add_scale(sub)
     _add_plan(sub)
+    _add_doctor(sub)
     return parser
 
 
@@ -422,6 +465,11 @@ def cmd_jobscript(args, command: list[str]) -> int:
     if args.list_systems:
         print(describe_systems())
         return 0
+    if args.doctor:
+        if command and command[0] != "doctor":
+            raise UserError("--doctor runs `hpctrain doctor` instead of a command: drop "
+                            f"'-- {' '.join(command)}'")
+        command = command or ["doctor"]
     spec = build_spec(system=args.system, command=command, nodes=args.nodes,
                       walltime=args.walltime, queue=args.queue, account=args.account,
                       job_name=args.job_name, filesystems=args.filesystems, env=args.env,
@@ -441,7 +489,8 @@ def cmd_jobscript(args, command: list[str]) -> int:
     print(f"wrote {path}: {p.name}, {spec.nodes} node(s) x {rpn} rank(s){where}{when}")
     print(f"submit it from the directory its relative paths refer to:  "
           f"{SUBMIT[p.batch.scheduler]} {path}")
-    print(f"results: {spec.run_root}/{spec.job_name}-<job id>/metrics.jsonl")
+    result = "doctor.json" if spec.command[0] == "doctor" else "metrics.jsonl"
+    print(f"results: {spec.run_root}/{spec.job_name}-<job id>/{result}")
     return 0
 
 
@@ -501,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_prepare(args)
         if args.command == "ckpt":
             return cmd_ckpt(args)
+        if args.command == "doctor":
+            return cmd_doctor(args)
         if args.command == "scale":
             from hpctrain.scaling.commands import cmd_scale
 

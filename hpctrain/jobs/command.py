@@ -2,6 +2,7 @@
 
     hpctrain jobscript ... -- train RECIPE [--section.key=value ...]
     hpctrain launch ... -- train RECIPE [--section.key=value ...]
+    hpctrain jobscript ... --doctor            (the same as '-- doctor': check the node)
 
 The recipe and every override are validated here, on the login node, with the same code
 ``hpctrain train`` uses, so a typo fails in a second instead of after the queue wait.
@@ -13,7 +14,9 @@ from hpctrain.config import check_layout, load_config, parse_overrides
 from hpctrain.errors import ConfigError, JobError
 from hpctrain.jobs import validate
 
-RUNNABLE = ("train",)
+RUNNABLE = ("train", "doctor")
+DOCTOR_OPTIONS = ("--device", "--gpu-aware", "--sizes", "--model", "--timeout")
+"""What a job's ``doctor`` may be given (the job sets ``--json`` itself)."""
 ARRAY_INDEX = "{array_index}"
 """In an override of an array job: the sub-job's index (e.g. --train.seed={array_index})."""
 
@@ -33,6 +36,13 @@ def check_command(command: list[str], *, array: bool = False,
     if command[0] not in RUNNABLE:
         raise JobError(f"after '--' comes an hpctrain command ({', '.join(RUNNABLE)}), not "
                        f"{command[0]!r}; e.g. {example}")
+    if command[0] == "doctor":
+        for item in command[1:]:
+            validate.no_nul(item, "the command")
+            if item.startswith("-") and item.split("=")[0] not in DOCTOR_OPTIONS:
+                raise JobError(f"doctor in a job takes {', '.join(DOCTOR_OPTIONS)}, not "
+                               f"{item!r} (its JSON report goes to the run directory)")
+        return "", list(command[1:])
     if len(command) < 2 or command[1].startswith("-"):
         raise JobError(f"name a recipe after 'train', e.g. {example}")
     recipe, overrides = command[1], list(command[2:])

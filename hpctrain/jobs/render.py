@@ -94,7 +94,10 @@ def _command_words(spec: JobSpec) -> list:
             words.append(word(*parts))
         else:
             words.append(literal(arg))
-    words.append(word("--train.out_dir=", Var("RUN_DIR")))
+    if spec.command[0] == "doctor":
+        words.append(word("--json=", Var("RUN_DIR"), "/doctor.json"))
+    else:
+        words.append(word("--train.out_dir=", Var("RUN_DIR")))
     return words
 
 
@@ -189,6 +192,8 @@ def context(spec: JobSpec) -> dict:
         "launch_groups": _launch_lines(spec, place, plugin),
         "detect_srun_mpi": plugin == "auto",
         "submit": Shell(submit),
+        "results": Shell("doctor.json" if spec.command[0] == "doctor"
+                         else "metrics.jsonl, summary.json"),
     }
 
 

@@ -1,0 +1,53 @@
+"""``hpctrain doctor`` over real ranks (2 and 4): it passes on the CPU and on the fake
+device (device rows, the bf16 round trip between rank pairs through device memory), every
+rank gets the same exit status, and a planted fault in the allreduce or the round trip
+fails every rank, named in rank 0's report."""
+
+import json
+
+import pytest
+from mpi4py import MPI
+
+from hpctrain.comm.world import World
+from hpctrain.train.doctor import FAULT_ENV, run_doctor
+
+pytestmark = pytest.mark.mpi(min_size=2)
+COMM = MPI.COMM_WORLD
+
+
+def doctor(tmp_path, device="cpu"):
+    path = COMM.bcast(str(tmp_path / "doctor.json"), root=0)  # rank 0's file
+    world = World.create(COMM, device=device, timeout=60)
+    lines = []
+    try:
+        rc = run_doctor(world, sizes_mib=(0.25, 1), model="small", json_path=path,
+                        out=lines.append)
+    finally:
+        world.close()
+    report = json.loads(open(path).read()) if COMM.rank == 0 else None
+    return rc, "\n".join(lines), report
+
+
+@pytest.mark.parametrize("device", ["cpu", "fake"])
+def test_doctor_passes(tmp_path, device):
+    rc, text, report = doctor(tmp_path, device)
+    assert COMM.allgather(rc) == [0] * COMM.size
+    if COMM.rank == 0:
+        assert report["ok"], text
+        assert len(report["ranks"]) == COMM.size
+        assert report["p2p"]["status"] == "ok"
+        assert report["p2p"]["pairs"] == [[r, r + 1] for r in range(0, COMM.size - 1, 2)]
+        assert report["p2p"]["memory"] == ("device" if device == "fake" else "host")
+        device_rows = [r["status"] for r in report["allreduce"] if r["memory"] == "device"]
+        assert set(device_rows) == {"ok" if device == "fake" else "no accelerator"}
+        assert report["train"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("check", ["allreduce", "p2p"])
+def test_planted_fault_fails_every_rank(tmp_path, monkeypatch, check):
+    monkeypatch.setenv(FAULT_ENV, check)
+    rc, text, report = doctor(tmp_path, "fake")
+    assert COMM.allgather(rc) == [1] * COMM.size
+    if COMM.rank == 0:
+        assert {f.split(":")[0] for f in report["failures"]} == {check}
+        assert f"  {check}:" in text
