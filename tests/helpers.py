@@ -194,3 +194,53 @@ def assert_matches_reference(trainer, result, cfg, comm=None, *, param_atol: flo
 # Plain SGD without clipping (overrides for tiny_config): the update is lr x gradient.
 SGD = {"optim.name": "sgd", "optim.lr": 0.1, "optim.grad_clip": 0.0, "optim.warmup_iters": 0,
        "optim.schedule": "constant", "train.max_iters": 6}
+
+
+def bf16_accumulation_check(comm, stage: int, micro_batches: int = 16) -> tuple[float, float]:
+    """bf16 ZeRO-``stage`` over ``comm`` (collective), ``micro_batches`` micro-batches per
+    rank, each rank its own rows: the reduced gradient against the exact fp32 sum of the
+    same bf16 per-micro-batch gradients (a bf16 copy of the model run alone on every
+    rank's rows). Returns (largest error of the engine's gradient, largest error of the
+    same sum accumulated in bf16), both relative to the largest gradient element."""
+    import copy
+
+    import torch
+
+    from hpctrain.comm.world import World
+    from hpctrain.config import OptimConfig
+    from hpctrain.model.gpt import GPT, GPTConfig
+    from hpctrain.parallel.zero import Zero
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
+    alone = copy.deepcopy(model).to(torch.bfloat16)
+    zero = Zero(model, World.create(comm), OptimConfig(), stage=stage, dtype="bf16",
+                bucket_mb=0.01, first_bucket_mb=0.002, blocks=list(model.h))
+    size, rank = comm.Get_size(), comm.Get_rank()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 32, (size, micro_batches, 2, 8), generator=gen)
+    for m in range(micro_batches):
+        zero.prepare_for_backward(last_micro=m == micro_batches - 1)
+        (model(x[rank, m], x[rank, m]) * zero.grad_scale).backward()
+    zero.finish()
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = {}
+    for b in zero.buckets:
+        shard = b.grad_shard[:b.layout.shard].detach().clone()
+        full = torch.cat(comm.allgather(shard)) if b.layout.world > 1 else shard
+        for p, off in zip(b.params, b.layout.offsets):
+            got[names[id(p)]] = full[off:off + p.numel()].view(p.shape)
+    exact = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in alone.named_parameters()}
+    in_bf16 = {n: torch.zeros_like(p) for n, p in alone.named_parameters()}
+    for r in range(size):
+        for m in range(micro_batches):
+            alone.zero_grad(set_to_none=True)
+            (alone(x[r, m], x[r, m]) * (1.0 / size)).backward()
+            for n, p in alone.named_parameters():
+                exact[n] += p.grad  # fp32 += bf16: exact to fp32 rounding
+                in_bf16[n] += p.grad  # what accumulating in bf16 gives
+    zero.close()
+    err = max(float((got[n] - exact[n]).abs().max() / exact[n].abs().max()) for n in exact)
+    err_bf16 = max(float((in_bf16[n].float() - exact[n]).abs().max() / exact[n].abs().max())
+                   for n in exact)
+    return err, err_bf16

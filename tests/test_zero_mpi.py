@@ -15,15 +15,20 @@ from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.zero import Zero
 from hpctrain.train.trainer import Trainer
-from tests.helpers import (SGD, assert_gradients_match, capture_first_step,
+from tests.helpers import (SGD, assert_gradients_match, bf16_accumulation_check,
+                           capture_first_step,
                            fit_against_reference, same_on_all_ranks, tiny_config)
 from tests.reference import reference_run
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
-# bf16 vs the bf16 single-process run: the ranks sum bf16 gradients of their rows in
-# fp32, one process makes the whole batch's bf16 gradient directly; bf16 keeps 8 bits of
-# mantissa, so the two round differently and the difference grows over the steps.
+# bf16 vs the bf16 single-process run (tests/reference.py): the reference makes the whole
+# global batch's gradient in one bf16 backward, rounded to bf16 once and up-cast onto its
+# fp32 master: it accumulates no micro-batches, so there is nothing in it to move to fp32.
+# The engine adds each rank's and micro-batch's bf16 gradient in fp32 (its main
+# gradients) and never rounds the sum back; the two round differently (bf16 keeps 8 bits
+# of mantissa) and the difference grows over the steps. That the engine's sum is the fp32
+# one is checked exactly by test_bf16_micro_batches_accumulate_and_reduce_in_fp32.
 # Measured over 20 steps at N = 1, 2, 4: losses within 5.2e-4, master weights within
 # 2.3e-3; the bounds leave a 4x margin.
 BF16_LOSS_ATOL = 2e-3
@@ -105,6 +110,50 @@ def test_bf16_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, stage
     for name, want in ref.params.items():
         assert same_on_all_ranks(COMM, master[name]["param"])
         assert (master[name]["param"] - want).abs().max() < BF16_PARAM_ATOL, name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_micro_batches_accumulate_and_reduce_in_fp32(stage):
+    """16 micro-batches per rank: the reduced gradient is the fp32 sum of every rank's
+    and micro-batch's bf16 gradients (to fp32 rounding: the order of the additions
+    differs), where a sum in bf16, or a reduced sum rounded back to bf16, is off by bf16
+    ulps of the largest element."""
+    err, err_bf16 = bf16_accumulation_check(COMM, stage)
+    assert err <= 1e-6
+    assert err_bf16 > 1e-3  # the check can tell the two apart
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_bf16_bucket_can_be_in_flight(stage):
+    """The staging pool's default budget is every staged bucket's bytes: no gradient hook
+    ever waits for a reduction to give a buffer back. A budget below one bucket keeps no
+    reduction in flight when a bucket needs a buffer (hooks wait instead), holds less, and
+    gives the same gradients."""
+    grads, pools = [], []
+    for staging_mb in (None, 1e-9):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+        zero = Zero(model, World.create(COMM), OptimConfig(), stage=stage, dtype="bf16",
+                    bucket_mb=0.01, first_bucket_mb=0.002, blocks=list(model.h),
+                    staging_mb=staging_mb)
+        assert len(zero.buckets) >= 4
+        biggest = max(b.layout.padded for b in zero.buckets) * 4
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(COMM.rank))
+        for _ in range(2):
+            zero.zero_grad()
+            zero.prepare_for_backward(last_micro=True)
+            (model(x, x) * zero.grad_scale).backward()
+            zero.finish()
+        grads.append(torch.cat([b.grad_shard for b in zero.buckets]))
+        pools.append((zero.staging.refusals, zero.staging.nbytes, zero.memory().comm_buffers))
+        zero.close()
+    (refused, held, comm_bytes), (refused_small, held_small, _) = pools
+    assert refused == 0  # every bucket could be in flight
+    assert 0 < held <= comm_bytes  # memory() counts the staging buffers
+    # A bucket still filling keeps its buffer (ZeRO-3's embeddings unit gets the final
+    # LayerNorm's gradient first and the tied embedding's last): two buffers at most here.
+    assert refused_small > 0 and 0 < held_small <= 2 * biggest and held_small < held
+    assert torch.equal(grads[0], grads[1])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

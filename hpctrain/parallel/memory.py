@@ -20,7 +20,7 @@ class MemoryReport:
     optimizer: int
     """Adam moments plus fp32 master weights where they are a separate copy."""
     comm_buffers: int
-    """Reduction staging, up-cast scratch and (peak) gathered ZeRO-3 parameters."""
+    """Reduction staging and (peak) gathered ZeRO-3 parameters."""
 
     @property
     def model_state(self) -> int:
@@ -41,9 +41,12 @@ class MemoryReport:
 
 
 def zero_formula(stage: int, dtype: str, world: int) -> float:
-    """Model-state bytes per parameter from the ZeRO paper (Rajbhandari et al. 2020),
-    Adam with fp32 master weights and moments (K = 12 for bf16, 8 + fp32 params for fp32)."""
+    """Model-state bytes per parameter of ``Zero``: the ZeRO paper's (Rajbhandari et al.
+    2020) Adam with fp32 master weights and moments (K = 12), except that bf16 keeps fp32
+    gradients (4 bytes, not the paper's 2), as Megatron does, so micro-batches accumulate
+    and reduce in fp32 and the optimizer reads unrounded sums."""
     n = world
     if dtype == "fp32":  # params 4, grads 4, moments 8 (params are the master)
         return {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[stage]
-    return {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
+    # params 2, fp32 grads 4, fp32 master 4 + moments 8
+    return {0: 18, 1: 6 + 12 / n, 2: 2 + 16 / n, 3: 18 / n}[stage]

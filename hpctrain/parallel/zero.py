@@ -5,20 +5,24 @@ does; for stage 3 one bucket per transformer block plus one for the embeddings a
 LayerNorm). Each bucket is one flat buffer padded to a multiple of the N data-parallel
 ranks; rank r owns the slice ``[r*s, (r+1)*s)`` (``shards.shard_layout``).
 
-What each rank keeps, per stage (compute dtype c = fp32 or bf16; fp32 master weights and
-Adam moments always live in the shard):
+What each rank keeps, per stage (compute dtype c = fp32 or bf16; gradients, fp32 master
+weights and Adam moments are fp32 in either dtype, as Megatron's "main gradients"):
 
     stage  parameters          gradients            master + Adam moments
-    0      full (c)            full (c)             full        (bf16 only; fp32 uses DataParallel)
-    1      full (c)            full (c)             shard
-    2      full (c)            shard (c)            shard
-    3      shard (c)           shard (c)            shard
+    0      full (c)            full (fp32)          full        (bf16 only; fp32 uses DataParallel)
+    1      full (c)            full (fp32)          shard
+    2      full (c)            shard (fp32)         shard
+    3      shard (c)           shard (fp32)         shard
 
-A step: backward produces gradients; when a bucket's last gradient arrives its reduction
-starts (nonblocking, in bucket order on every rank): ``Iallreduce`` for stage 0,
-``Ireduce_scatter_block`` otherwise, always on fp32 data. Stages 0 and 1 accumulate
-micro-batches locally and reduce once; stages 2 and 3 keep no full gradient, so they
-reduce-scatter every micro-batch and add the result to the gradient shard. Then the
+A step: backward produces gradients (in bf16 autograd's gradient of one parameter is bf16
+and lives only until its hook has added it into the fp32 buffer); when a bucket's last
+gradient arrives its reduction starts (nonblocking, in bucket order on every rank):
+``Iallreduce`` for stage 0, ``Ireduce_scatter_block`` otherwise, always on fp32 data.
+Stages 0 and 1 accumulate micro-batches in their fp32 gradient buffer and reduce it in
+place once; stages 2 and 3 keep no full gradient, so they up-cast each micro-batch's
+gradients into an fp32 staging buffer, reduce-scatter it and add the result to the fp32
+gradient shard. The optimizer reads the fp32 gradient: nothing is rounded back to bf16.
+With one data-parallel rank no reduction is started (nor allgather of stages 1-2). Then the
 global gradient norm is summed over the shards, each rank clips and updates its shard
 with AdamW, and stages 1 and 2 allgather the new parameters. Stage 3 allgathers a
 block's parameters right before its forward and again before its backward, frees them
@@ -51,7 +55,6 @@ from hpctrain.parallel.optim import build_optimizer, clip_coefficient
 MiB = 1 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIGN = 16  # shard length multiple: 64-byte aligned fp32 shards for vector kernels
-MAX_STAGING = 2  # fp32 reduction buffers before a new bucket waits for an old reduction
 
 
 def pack_flat(layout, tensors, device=None) -> torch.Tensor:
@@ -107,30 +110,49 @@ def zero_buckets(model, stage: int, blocks, bucket_mb: float, first_bucket_mb: f
 
 
 class StagingPool:
-    """fp32 buffers that gradients are reduced in; reused across buckets and steps."""
+    """fp32 buffers that stages 2-3 up-cast and reduce-scatter a bucket's gradients in,
+    drawn from a byte budget and reused across buckets and steps.
 
-    def __init__(self, numel: int, device, world: World):
-        self.numel, self.device, self.world = numel, device, world
-        self.free: list[torch.Tensor] = []
+    A buffer is reused only by a bucket of the same length, so with the default budget
+    (every staged bucket's bytes) each bucket can be in flight at once and a hook never
+    waits for a reduction to free a buffer. A smaller budget bounds the memory: ``take``
+    then says no and the caller completes an old reduction first."""
+
+    def __init__(self, budget: int, device, world: World):
+        self.budget, self.device, self.world = budget, device, world
+        self.free: dict[int, list[torch.Tensor]] = {}
         self.all: list[torch.Tensor] = []
-        self._mpi: dict[tuple[int, int], MPIBuffer] = {}
+        self._mpi: dict[int, MPIBuffer] = {}
+        self.refusals = 0
+        """Times a bucket found the budget spent (and a reduction had to finish first)."""
 
-    def acquire(self, numel: int) -> tuple[torch.Tensor, MPIBuffer]:
-        if not self.free:
-            self.all.append(torch.empty(self.numel, dtype=torch.float32, device=self.device))
-            self.free.append(self.all[-1])
-        base = self.free.pop()
-        key = (id(base), numel)
-        if key not in self._mpi:
-            self._mpi[key] = MPIBuffer(base[:numel], self.world.accel, self.world.gpu_aware,
-                                       reduction=True)
-        view = self._mpi[key].source
-        view.zero_()
-        return view, self._mpi[key]
+    def take(self, numel: int, force: bool = False) -> tuple[torch.Tensor, MPIBuffer] | None:
+        """A zeroed buffer of ``numel`` and its MPI view; None if the budget is spent
+        (``force``: allocate anyway, when nothing in flight could give one back)."""
+        same = self.free.get(numel)
+        if same:
+            base = same.pop()
+        else:
+            need = numel * 4
+            for n in sorted(self.free):  # idle buffers of other lengths make room
+                while self.free[n] and self.nbytes + need > self.budget:
+                    self._drop(self.free[n].pop())
+            if self.nbytes + need > self.budget and not force:
+                self.refusals += 1
+                return None
+            base = torch.empty(numel, dtype=torch.float32, device=self.device)
+            self.all.append(base)
+            self._mpi[id(base)] = MPIBuffer(base, self.world.accel, self.world.gpu_aware,
+                                            reduction=True)
+        base.zero_()
+        return base, self._mpi[id(base)]
 
-    def release(self, view: torch.Tensor) -> None:
-        base = next(b for b in self.all if b.data_ptr() == view.data_ptr())
-        self.free.append(base)
+    def _drop(self, base: torch.Tensor) -> None:
+        self.all = [b for b in self.all if b is not base]
+        del self._mpi[id(base)]
+
+    def release(self, base: torch.Tensor) -> None:
+        self.free.setdefault(base.numel(), []).append(base)
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +164,8 @@ class ZeroBucket:
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], *, stage: int,
                  rank: int, world: int, dtype: torch.dtype, comm_world: World):
+        """``world``: data-parallel ranks; at 1 nothing is reduced (gradients are added
+        straight into the fp32 gradient buffer or shard)."""
         self.index, self.params, self.stage, self.dtype = index, params, stage, dtype
         self.world = comm_world
         self.layout = shard_layout([p.numel() for p in params], world if stage else 1, ALIGN)
@@ -164,19 +188,22 @@ class ZeroBucket:
                 self.shard = self.master if dtype == torch.float32 else self.full[lo:hi].clone()
                 _empty_storage(self.full)
         del master_full
+        self.local = world == 1
+        # fp32 gradients in either compute dtype ("main gradients"): micro-batches add up
+        # and reduce in fp32, and the optimizer reads them as they are.
         if stage <= 1:
-            self.grad_full = torch.zeros(lay.padded, dtype=dtype, device=device)
+            self.grad_full = torch.zeros(lay.padded, dtype=torch.float32, device=device)
             self.grad_shard = self.grad_full[:lay.shard]  # in-place reduce-scatter lands here
         else:
             self.grad_full = None
-            self.grad_shard = torch.zeros(lay.shard, dtype=dtype, device=device)
+            self.grad_shard = torch.zeros(lay.shard, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(lay.shard, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(lay.shard, dtype=torch.float32, device=device)
         self.bind_grads()
         self.slot = {id(p): i for i, p in enumerate(params)}
         # fp32 ZeRO-3 reduces gradients inside the gathered parameter buffer (see
         # Zero._stage_grad); `got` marks which parameters' slices hold a gradient.
-        self.grads_in_full = stage == 3 and dtype == torch.float32
+        self.grads_in_full = stage == 3 and dtype == torch.float32 and not self.local
         self.got = [False] * len(params)
         # Scheduling state for one backward.
         self.pending = len(params)
@@ -185,7 +212,7 @@ class ZeroBucket:
         self.mpi: MPIBuffer | None = None  # what this backward's reduction hands to MPI
         w = comm_world
         self.grad_mpi = MPIBuffer(self.grad_full, w.accel, w.gpu_aware, reduction=True) \
-            if self.reduces_in_place() else None
+            if self.reduces_in_place() and not self.local else None
         self.shard_mpi = MPIBuffer(self.shard, w.accel, w.gpu_aware, raw=True) \
             if stage == 3 else None
         # Stage 3 gather state: 'free' | 'gathering' | 'ready'.
@@ -198,13 +225,15 @@ class ZeroBucket:
         return self.layout.padded * 4
 
     def bind_grads(self) -> None:
+        """fp32 stages 0-1: autograd accumulates into views of the gradient buffer; else
+        each gradient is autograd's own tensor until the hook takes it."""
+        bind = self.grad_full is not None and self.dtype == torch.float32
         for p, off in zip(self.params, self.layout.offsets):
-            p.grad = (self.grad_full[off:off + p.numel()].view(p.shape)
-                      if self.grad_full is not None else None)
+            p.grad = self.grad_full[off:off + p.numel()].view(p.shape) if bind else None
 
     def reduces_in_place(self) -> bool:
-        """fp32 stages 0-1 reduce the gradient buffer itself; the rest stage in fp32."""
-        return self.grad_full is not None and self.dtype == torch.float32
+        """Stages 0-1 reduce the fp32 gradient buffer itself; 2-3 stage in fp32."""
+        return self.grad_full is not None
 
     def full_mpi(self, reduction: bool = False) -> MPIBuffer:
         """MPI view of ``full`` (host memory by address and byte count: stage 3
@@ -221,9 +250,11 @@ class Zero(BucketScheduler):
 
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, stage: int,
                  dtype: str = "fp32", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = ()):
+                 blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = (),
+                 staging_mb: float | None = None):
         """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``:
-        see engine.py."""
+        see engine.py; ``staging_mb``: the byte budget of stages 2-3's fp32 reduction
+        buffers (default: every bucket's, so all can be in flight at once)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, not {stage}")
         self.model, self.world, self.stage = model, world, stage
@@ -240,13 +271,12 @@ class Zero(BucketScheduler):
         self.buckets = [ZeroBucket(i, g, stage=stage, rank=self.rank, world=self.size,
                                    dtype=self.dtype, comm_world=world)
                         for i, g in enumerate(groups)]
+        self.local = self.size == 1  # nothing to reduce or share: no MPI reduction
         device = self.buckets[0].full.device
-        biggest = max(b.layout.padded for b in self.buckets)
-        self.staging = StagingPool(biggest, device, world)
-        # bf16: the fp32 gradient the optimizer reads is up-cast one bucket at a time.
-        self.scratch = (torch.zeros(max(b.layout.shard for b in self.buckets),
-                                    dtype=torch.float32, device=device)
-                        if self.dtype != torch.float32 else None)
+        staged = [b.layout.padded * 4 for b in self.buckets
+                  if not (b.local or b.reduces_in_place() or b.grads_in_full)]
+        budget = sum(staged) if staging_mb is None else int(staging_mb * MiB)
+        self.staging = StagingPool(budget, device, world)
         self.optimizers = [self._optimizer(b) for b in self.buckets]
         super().__init__(self.buckets, timeout=world.timeout)
         for b in self.buckets:
@@ -262,7 +292,7 @@ class Zero(BucketScheduler):
         """The optimizer over this rank's pieces of ``b``; AdamW's state is the bucket's
         flat shards."""
         cfg = self.optim_cfg
-        grad_source = self.scratch if self.scratch is not None else b.grad_shard
+        grad_source = b.grad_shard  # fp32 in either compute dtype
         decay, no_decay, state = [], [], {}
         for piece in b.layout.pieces(b.rank):
             a, z = piece.shard_start, piece.shard_start + piece.length
@@ -300,14 +330,28 @@ class Zero(BucketScheduler):
     def _on_grad(self, bucket: ZeroBucket, param: torch.nn.Parameter) -> None:
         if self.stage >= 2:
             self._stage_grad(bucket, param)
+        elif self.dtype != torch.float32:
+            self._add_to_main_grad(bucket, param)
         self.grad_ready(bucket)
         if self.stage == 3 and bucket.pending == 0 and not bucket.grads_in_full:
             self._release(bucket)  # its backward is done: free the gathered parameters
 
+    def _add_to_main_grad(self, b: ZeroBucket, p: torch.nn.Parameter) -> None:
+        """bf16 stages 0-1: add autograd's bf16 gradient into the fp32 gradient buffer
+        (every micro-batch), drop it."""
+        off = b.layout.offsets[b.slot[id(p)]]
+        b.grad_full[off:off + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+
     def _stage_grad(self, b: ZeroBucket, p: torch.nn.Parameter) -> None:
-        """Stages 2-3: move a fresh gradient into the bucket's reduction buffer, drop it."""
+        """Stages 2-3: move a fresh gradient into the bucket's reduction buffer (at one
+        rank: add it to the gradient shard, which is the whole bucket), drop it."""
         i = b.slot[id(p)]
         off = b.layout.offsets[i]
+        if b.local:
+            b.grad_shard[off:off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
+            return
         if b.grads_in_full:
             # fp32 ZeRO-3: autograd runs a parameter's accumulate-grad node after every
             # node that reads the parameter, so its slice of the gathered buffer is dead
@@ -322,14 +366,21 @@ class Zero(BucketScheduler):
         p.grad = None
 
     def _acquire_staging(self, b: ZeroBucket):
-        self.poll()  # completed reductions give their buffers back
-        while not self.staging.free and len(self.staging.all) >= MAX_STAGING and self.inflight:
-            self.complete_oldest()  # bound the memory: wait rather than allocate more
-        return self.staging.acquire(b.layout.padded)
+        got = self.staging.take(b.layout.padded)
+        if got is None:  # only under a budget smaller than every bucket's
+            self.poll()  # completed reductions give their buffers back
+            while (got := self.staging.take(b.layout.padded)) is None and self.inflight:
+                self.complete_oldest()  # bound the memory: wait rather than allocate more
+            if got is None:
+                got = self.staging.take(b.layout.padded, force=True)
+        return got
 
     def bucket_ready(self, b: ZeroBucket) -> None:
         """Queue the device work that fills ``b``'s fp32 reduction buffer and record the
         event MPI waits for."""
+        if b.local:
+            b.mpi = None  # one rank: the gradients are already the sum
+            return
         if b.reduces_in_place():
             b.mpi = b.grad_mpi
         elif b.grads_in_full:
@@ -343,15 +394,15 @@ class Zero(BucketScheduler):
         else:
             if b.staging is None:
                 b.staging, b.staging_mpi = self._acquire_staging(b)
-            if b.grad_full is not None:  # bf16 stages 0-1: up-cast the whole bucket
-                b.staging.copy_(b.grad_full)
             b.mpi = b.staging_mpi
         b.mpi.prepare()
 
     def can_launch(self, b: ZeroBucket) -> bool:
-        return b.mpi.ready()
+        return b.mpi is None or b.mpi.ready()
 
     def launch(self, b: ZeroBucket) -> MPI.Request:
+        if b.mpi is None:  # one rank: no reduction
+            return MPI.REQUEST_NULL
         buf = b.mpi.to_mpi()
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes
@@ -363,6 +414,8 @@ class Zero(BucketScheduler):
             return self.comm.Ireduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def complete(self, b: ZeroBucket) -> None:
+        if b.mpi is None:
+            return
         b.mpi.from_mpi()
         b.mpi = None
         if b.grads_in_full:
@@ -370,13 +423,9 @@ class Zero(BucketScheduler):
             b.got = [False] * len(b.params)
             self._release(b)
             return
-        if b.staging is None:
+        if b.staging is None:  # stages 0-1 reduced their fp32 gradient buffer in place
             return
-        n = b.layout.padded if self.stage == 0 else b.layout.shard
-        if b.grad_full is not None:
-            b.grad_full[:n].copy_(b.staging[:n])
-        else:
-            b.grad_shard.add_(b.staging[:n])
+        b.grad_shard.add_(b.staging[:b.layout.shard])
         self.staging.release(b.staging)
         b.staging = b.staging_mpi = None
 
@@ -409,10 +458,7 @@ class Zero(BucketScheduler):
         coef = clip_coefficient(norm, max_norm) if max_norm > 0 else 1.0
         with profile_range("optimizer"), torch.no_grad():
             for b, opt in zip(self.buckets, self.optimizers):
-                grad = b.grad_shard
-                if self.scratch is not None:
-                    grad = self.scratch[:b.layout.shard]
-                    grad.copy_(b.grad_shard)
+                grad = b.grad_shard  # fp32: what the optimizer's views read
                 if coef != 1.0:
                     grad.mul_(coef)
                 for group in opt.param_groups:
@@ -420,7 +466,7 @@ class Zero(BucketScheduler):
                 opt.step()
                 if self.dtype != torch.float32:
                     self._publish_master(b)
-        if self.stage in (1, 2):
+        if self.stage in (1, 2) and not self.local:
             self._allgather_parameters()
         return norm
 
@@ -616,7 +662,7 @@ class Zero(BucketScheduler):
             optim += tensor_bytes(b.exp_avg) + tensor_bytes(b.exp_avg_sq)
             if self.dtype != torch.float32:
                 optim += tensor_bytes(b.master)  # bf16: the fp32 master is its own copy
-        comm = self.staging.nbytes + tensor_bytes(self.scratch) + self.peak_gathered_bytes
+        comm = self.staging.nbytes + self.peak_gathered_bytes
         return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=comm)
 
     def close(self) -> None:
