@@ -67,3 +67,13 @@ def test_batch_that_does_not_split_is_refused(dataset_path, tmp_path):
                                                  "parallel.micro_batches": 4})
     with pytest.raises(ConfigError, match="use a multiple of 4"):
         _train(cfg)
+
+
+def test_a_padded_vocabulary_trains_like_an_unpadded_one(dataset_path, tmp_path):
+    """The default pads the 95-character vocabulary to 128 rows: the same losses as no
+    padding, and the padded rows stay zero through AdamW's weight decay."""
+    padded, result = _train(tiny_config(dataset_path, tmp_path / "a"))
+    assert padded.gpt_cfg.vocab_size == 95 and padded.model.wte.weight.shape[0] == 128
+    _, plain = _train(tiny_config(dataset_path, tmp_path / "b", **{"model.vocab_multiple": 1}))
+    np.testing.assert_allclose(result.losses, plain.losses, atol=1e-6, rtol=0)
+    assert not padded.model.wte.weight[95:].any()
