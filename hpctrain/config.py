@@ -103,6 +103,11 @@ class ModelConfig:
                                   "(50257 -> 50304 at 64): a faster head matmul on GPUs; the "
                                   "padded rows are never a token; 1 pads nothing",
                               bounds=AT_LEAST_1)
+    recompute: str = opt("none", "activation recomputation: 'block' keeps only each "
+                                 "transformer block's input and runs the block again in "
+                                 "backward (less memory, about a third more compute)",
+                         ("none", "block"))
+
     def __post_init__(self):
         _check_fields(self)
         _require(self.n_embd % self.n_head == 0,
@@ -277,6 +282,11 @@ class TrainConfig:
                                    "(SIGTERM/SIGUSR1): a signal is acted on within twice "
                                    "this many steps", bounds=AT_LEAST_1)
     progress: bool = opt(True, "show a progress bar on rank 0")
+    tf32: bool = opt(True, "let fp32 matrix multiplies use TF32 tensor cores on GPUs "
+                           "(no effect on CPUs, or on bf16 compute)")
+    compile: bool = opt(False, "compile each transformer block with torch.compile (minutes "
+                               "of compilation at the first step, then faster steps on GPUs)")
+
     def __post_init__(self):
         _check_fields(self)
         _require(self.out_dir != "", "train.out_dir must name a directory")

@@ -41,7 +41,10 @@ def test_unknown_option_suggests_the_close_one():
     (["--parallel.allreduce=shm", "--parallel.zero=1"], "drop --parallel.allreduce=shm"),
     (["--parallel.allreduce=shm", "--train.dtype=bf16"], "drop --parallel.allreduce=shm"),
     (["--parallel.allreduce=ring"], "not one of auto, shm, mpi"),
+    (["--model.recompute=full"], "model.recompute='full' is not one of none, block"),
     (["--model.vocab_multiple=0"], "model.vocab_multiple must be at least 1, not 0"),
+    (["--train.compile=maybe"], "--train.compile expects bool"),
+    (["--train.tf32=2"], "--train.tf32 expects bool"),
 ])
 def test_bad_values_name_the_fix(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -88,7 +91,7 @@ def test_to_gpt_maps_every_model_field():
     assert sorted(names) == sorted(f.name for f in dataclasses.fields(GPTConfig))
     # A value per field that no default has, so a dropped field shows.
     m = ModelConfig(n_layer=3, n_head=2, n_embd=24, block_size=17, vocab_size=0,
-                    dropout=0.25, bias=True, vocab_multiple=8)
+                    dropout=0.25, bias=True, vocab_multiple=8, recompute="block")
     gpt = m.to_gpt(vocab_size=71)
     want = {**dataclasses.asdict(m), "vocab_size": 71}
     assert dataclasses.asdict(gpt) == want

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.gpt import GPT, GPTConfig, compile_blocks
 from hpctrain.model.shape import SHAPE_KEYS
 
 
@@ -147,9 +147,74 @@ def test_padding_counts_in_parameters_not_in_flops():
 
 def test_shape_records_padding_and_old_records_mean_none():
     cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32,
-                    vocab_multiple=64)
+                    vocab_multiple=64, recompute="block")
     record = cfg.shape()
-    assert record["vocab_multiple"] == 64
+    assert record["vocab_multiple"] == 64 and "recompute" not in record
     assert GPTConfig.from_shape(record).padded_vocab_size == 64
     older = {k: v for k, v in record.items() if k != "vocab_multiple"}  # before padding
     assert GPTConfig.from_shape(older).vocab_multiple == 1
+
+
+# ------------------------------------------------- recomputation and compilation
+
+def _loss_and_grads(m, x, y):
+    loss = m(x, y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+
+def _saved_bytes(m, x, y) -> int:
+    """Bytes of the tensors autograd keeps for backward (parameters included)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x, y)
+    return total
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_recompute_gives_the_same_loss_and_gradients_with_less_saved(dropout):
+    """Dropout too: the recomputed forward must draw the same masks."""
+    x, y = torch.randint(0, 50, (2, 4, 16), generator=torch.Generator().manual_seed(2))
+    plain, recomputed = small(dropout=dropout), small(dropout=dropout, recompute="block")
+    torch.manual_seed(5)
+    want_loss, want = _loss_and_grads(plain, x, y)
+    torch.manual_seed(5)
+    loss, got = _loss_and_grads(recomputed, x, y)
+    torch.testing.assert_close(loss, want_loss, atol=0, rtol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-5, msg=name)
+    assert _saved_bytes(recomputed, x, y) < 0.5 * _saved_bytes(plain, x, y)
+    recomputed.eval(), plain.eval()
+    with torch.no_grad():  # evaluation keeps nothing either way: no recomputation
+        torch.testing.assert_close(recomputed(x), plain(x))
+
+
+def test_compile_blocks_compiles_each_block_of_a_model_or_a_stage():
+    m = small()
+    assert compile_blocks(m) == 2
+    assert all(b.compiled_body is not None for b in m.h)
+    assert compile_blocks(torch.nn.ModuleDict({"1": m.h[1]})) == 1  # a stage's blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "block"])
+def test_compiled_blocks_give_the_same_loss_and_gradients(recompute):
+    """torch.compile on this CPU (inductor generates and builds C++): the compiled
+    blocks compute what the eager ones do, to fp32 round-off (fused kernels reorder
+    sums)."""
+    x, y = torch.randint(0, 50, (2, 4, 16), generator=torch.Generator().manual_seed(3))
+    want_loss, want = _loss_and_grads(small(), x, y)
+    m = small(recompute=recompute)
+    compile_blocks(m)
+    for _ in range(2):  # the second call runs the compiled code without compiling
+        m.zero_grad()
+        loss, got = _loss_and_grads(m, x, y)
+        torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=0)
+        for name, g in want.items():
+            torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=name)

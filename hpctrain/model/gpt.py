@@ -8,6 +8,15 @@ pipeline stages reuse: ``embed`` (tokens -> residual stream), the blocks ``h``, 
 the last through the same ``EmbeddingAndHead`` code. The shape, with its parameter count
 and FLOPs, is ``GPTConfig`` (``shape.py``).
 
+Two options change how a block runs, never what it computes: ``recompute="block"`` keeps
+only each block's input and runs the block again in backward (``torch.utils.checkpoint``;
+Chen et al. 2016, "Training deep nets with sublinear memory cost"), and ``compile_blocks``
+puts each block's body through ``torch.compile``. Both act inside ``Block.forward``, so
+the module hooks on a block (ZeRO-3 gathers its parameters before it and frees them
+after) run once per forward, as without them. A checkpoint around the whole module would
+run them again in backward's recomputation, and the freeing hook would take away the
+parameters that the recomputed graph then needs (docs/design/compute-options.md).
+
 Shapes: B batch, T time (tokens), C channels (n_embd), nh heads, hs head size, V vocab,
 Vp the padded vocabulary (``GPTConfig.padded_vocab_size``).
 """
@@ -19,6 +28,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hpctrain.model.shape import GPTConfig
 
@@ -62,10 +72,31 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.recompute = cfg.recompute == "block"
+        self.compiled_body = None  # torch.compile(self.body), set by compile_blocks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        body = self.body if self.compiled_body is None else self.compiled_body
+        if self.recompute and torch.is_grad_enabled():
+            # Saves only x; the first saved tensor backward asks for runs body(x) again,
+            # with the same dropout masks (the RNG state is restored).
+            return checkpoint(body, x, use_reentrant=False)
+        return body(x)
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Compile the body of every ``Block`` in ``model`` (a GPT or a pipeline stage) with
+    ``torch.compile``; returns how many. Per block, as torchtitan does: the blocks share
+    one code object, so one compilation serves them all, and the hooks around a block
+    stay eager (the compiler never traces an MPI call)."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for blk in blocks:
+        blk.compiled_body = torch.compile(blk.body)
+    return len(blocks)
 
 
 class EmbeddingAndHead:

@@ -29,6 +29,9 @@ class GPTConfig:
     bias: bool = False
     vocab_multiple: int = 1
     """Pad the embedding and head rows up to a multiple of this (1: no padding)."""
+    recompute: str = "none"
+    """'block': keep only each block's input in forward and run the block again in
+    backward (activation recomputation); 'none' keeps every activation."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -38,8 +41,8 @@ class GPTConfig:
         return -(-self.vocab_size // m) * m
 
     def shape(self) -> dict:
-        """Every field that fixes the parameters (all but dropout): what a checkpoint
-        records and a resume must match."""
+        """Every field that fixes the parameters (all but dropout and recompute): what a
+        checkpoint records and a resume must match."""
         return {k: getattr(self, k) for k in SHAPE_KEYS}
 
     @classmethod
@@ -78,5 +81,5 @@ class GPTConfig:
                 + 12.0 * self.n_layer * self.n_embd * self.block_size)
 
 
-SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name != "dropout")
+SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "recompute"))
 """The fields of ``GPTConfig.shape()``."""
