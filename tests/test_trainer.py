@@ -114,3 +114,22 @@ def test_compiled_blocks_match_the_plain_model(dataset_path, tmp_path):
     trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
     assert all(block.compiled_body is not None for block in trainer.model.h)
     fit_against_reference(trainer, plain_model_config(cfg))
+
+
+def test_the_validation_estimate_is_the_same_in_smaller_passes(dataset_path, tmp_path,
+                                                               monkeypatch):
+    """A batch larger than ``FULL_EVAL_ROWS`` is evaluated in passes of at most that many
+    rows (a GPU's memory), weighted into the same batch mean."""
+    import hpctrain.train.evaluate as evaluate
+
+    trainer = Trainer(tiny_config(dataset_path, tmp_path, **{"train.eval_iters": 2}),
+                      World.create(MPI.COMM_SELF), verbose=False)
+    whole = trainer.evaluator.estimate()
+    rows = []
+    forward_loss = trainer.runner.forward_loss
+    monkeypatch.setattr(trainer.runner, "forward_loss",
+                        lambda x, y: rows.append(len(x)) or forward_loss(x, y))
+    monkeypatch.setattr(evaluate, "FULL_EVAL_ROWS", 3)
+    assert trainer.evaluator.estimate() == pytest.approx(whole, rel=1e-6, abs=0)
+    assert rows == [3, 3, 2] * 2  # 8 rows per batch, 2 batches
+    trainer.close()
