@@ -18,6 +18,33 @@ def test_builtin_recipes_load_and_match_nanogpt_cpu_config():
     load_config("default")
 
 
+def test_gpt2_124m_recipe_builds_gpt2_for_gpus():
+    """GPT-2 124M in bf16 with compiled blocks and a padded vocabulary; it builds (on
+    the meta device: no memory) and its batch splits for the example job scripts."""
+    import torch
+
+    from hpctrain.model.gpt import GPT
+
+    cfg = load_config("gpt2-124m")
+    m, t = cfg.model, cfg.train
+    gpt = m.to_gpt(50257)  # the vocabulary of a GPT-2 BPE dataset
+    assert (gpt.n_layer, gpt.n_head, gpt.n_embd, gpt.block_size) == (12, 12, 768, 1024)
+    assert gpt.padded_vocab_size == 50304
+    assert (t.dtype, t.compile, t.tf32, m.recompute) == ("bf16", True, True, "none")
+    with torch.device("meta"):
+        model = GPT(gpt)
+    assert model.wte.weight.shape == (50304, 768)
+    total = sum(p.numel() for p in model.parameters())
+    assert total == gpt.num_params(non_embedding=False) and round(total / 1e6) == 124
+    assert t.batch_size * m.block_size == 491520  # nanoGPT's ~0.5M tokens per step
+    # jobscripts/generate.sh: Polaris 2 nodes x 4, Aurora 1 node x 12 tiles; 12 rows each
+    for ranks, overrides in ((8, ["--parallel.micro_batches=5"]),
+                             (12, ["--train.batch_size=576", "--parallel.micro_batches=4"])):
+        job = load_config("gpt2-124m", overrides)
+        check_layout(job, ranks)
+        assert job.train.batch_size // (ranks * job.parallel.micro_batches) == 12
+
+
 def test_overrides_are_typed_in_both_spellings():
     cfg = load_config("default", ["--train.max_iters=7", "--model.bias", "true",
                                   "--optim.lr=5e-4", "--train.out_dir", "x/y"])
@@ -52,7 +79,8 @@ def test_bad_values_name_the_fix(args, message):
 
 
 def test_unknown_recipe_lists_the_builtin_ones(tmp_path):
-    with pytest.raises(ConfigError, match="built-in recipes: default, shakespeare-char"):
+    with pytest.raises(ConfigError,
+                       match="built-in recipes: default, gpt2-124m, shakespeare-char"):
         load_config("no-such-recipe")
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\n")
