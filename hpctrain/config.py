@@ -99,6 +99,14 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout probability (0 keeps runs equal across world sizes)",
                          bounds=FRACTION)
     bias: bool = opt(False, "use biases in Linear and LayerNorm layers")
+    vocab_multiple: int = opt(64, "pad the embedding and head rows up to a multiple of this "
+                                  "(50257 -> 50304 at 64): a faster head matmul on GPUs; the "
+                                  "padded rows are never a token; 1 pads nothing",
+                              bounds=AT_LEAST_1)
+    recompute: str = opt("none", "activation recomputation: 'block' keeps only each "
+                                 "transformer block's input and runs the block again in "
+                                 "backward (less memory, about a third more compute)",
+                         ("none", "block"))
 
     def __post_init__(self):
         _check_fields(self)
@@ -286,6 +294,10 @@ class TrainConfig:
                                  "(Slurm's $SLURM_JOB_END_TIME counts too)",
                             bounds=AT_LEAST_0)
     progress: bool = opt(True, "show a progress bar on rank 0")
+    tf32: bool = opt(True, "let fp32 matrix multiplies use TF32 tensor cores on GPUs "
+                           "(no effect on CPUs, or on bf16 compute)")
+    compile: bool = opt(False, "compile each transformer block with torch.compile (minutes "
+                               "of compilation at the first step, then faster steps on GPUs)")
 
     def __post_init__(self):
         _check_fields(self)

@@ -7,15 +7,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 hpctrain() { "${PYTHON:-.venv/bin/python}" -m hpctrain "$@"; }
 
+# GPT-2 124M (recipe gpt2-124m) on the ALCF GPU systems, 12 rows per micro-batch:
+# Polaris 2 nodes x 4 A100 (480 = 8 x 5 x 12), Aurora 1 node x 12 tiles (576 = 12 x 4 x 12).
 hpctrain jobscript --system polaris --nodes 2 --walltime 00:30:00 --queue debug \
     --account PROJECT --filesystems home:eagle --venv .venv \
     --output jobscripts/polaris-debug.sh \
-    -- train default --data.path=datasets/stdlib-char.h5
+    -- train gpt2-124m --data.path=datasets/stdlib-gpt2.h5 --parallel.micro_batches=5
 
-hpctrain jobscript --system aurora --nodes 16 --walltime 01:00:00 --queue debug-scaling \
+hpctrain jobscript --system aurora --nodes 1 --walltime 00:30:00 --queue debug \
     --account PROJECT --filesystems home:flare --venv .venv \
-    --output jobscripts/aurora-debug-scaling.sh \
-    -- train default --data.path=datasets/stdlib-char.h5 --train.batch_size=192
+    --output jobscripts/aurora-debug.sh \
+    -- train gpt2-124m --data.path=datasets/stdlib-gpt2.h5 --train.batch_size=576 \
+    --parallel.micro_batches=4
 
 hpctrain jobscript --system perlmutter --nodes 2 --walltime 00:30:00 --queue debug \
     --account PROJECT --venv .venv \

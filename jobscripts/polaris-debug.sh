@@ -15,8 +15,9 @@ set -euo pipefail
 #
 # Made by this command (edit the script freely, or change the command and run it again):
 #   hpctrain jobscript --system polaris --nodes 2 --walltime 00:30:00 --queue debug
-#     --account PROJECT --filesystems home:eagle --venv .venv -- train default
-#     --data.path=datasets/stdlib-char.h5 --train.time_limit=1800
+#     --account PROJECT --filesystems home:eagle --venv .venv -- train gpt2-124m
+#     --data.path=datasets/stdlib-gpt2.h5 --parallel.micro_batches=5
+#     --train.time_limit=1800
 # Submit it from the directory that relative paths (data, --venv, --run-root) refer to:
 #   qsub SCRIPT
 # Results go to runs/hpctrain-<job id>/: metrics.jsonl and summary.json from training,
@@ -110,8 +111,9 @@ NRANKS=$((NNODES * RANKS_PER_NODE))
 LAUNCH=(
     mpiexec -n "${NRANKS}" --ppn 4 --depth=8 --cpu-bind depth
     "${PYTHON}" -m hpctrain.jobs.bind --device-env CUDA_VISIBLE_DEVICES --devices 4 --order reverse --
-    "${PYTHON}" -m hpctrain train default
-    --data.path=datasets/stdlib-char.h5
+    "${PYTHON}" -m hpctrain train gpt2-124m
+    --data.path=datasets/stdlib-gpt2.h5
+    --parallel.micro_batches=5
     --train.time_limit=1800
     --train.out_dir="${RUN_DIR}"
 )

@@ -41,6 +41,13 @@ class Reference:
     """The global L2 norm of ``grads``."""
 
 
+def plain_model_config(cfg: Config) -> Config:
+    """``cfg`` without activation recomputation or ``torch.compile``: the run those two
+    options must reproduce (the reference otherwise builds its model as ``cfg`` says)."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="none"),
+                               train=dataclasses.replace(cfg.train, compile=False))
+
+
 def plain_lr(step: int, cfg: Config) -> float:
     o, t = cfg.optim, cfg.train
     if o.schedule == "constant":

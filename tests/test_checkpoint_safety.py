@@ -263,19 +263,37 @@ def test_a_consistent_checkpoint_of_other_shapes_is_refused_at_load(runs, datase
 V1_MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 
 
-def test_a_version_1_model_record_still_loads(runs, dataset_path, tmp_path):
+def test_a_version_1_checkpoint_still_loads(dataset_path, tmp_path):
     """The manifest's model record is ``GPTConfig.shape()``. A field added to GPTConfig
-    would be a key that every older checkpoint lacks: this fails first, so that the
-    format's VERSION and the validation change with it."""
-    assert sorted(sharded.MODEL_KEYS) == sorted(V1_MODEL_KEYS)
-    ckpt = _copy_checkpoint(runs, "replicated", tmp_path / "step_000010")
+    is a key that every older checkpoint lacks: this fails first, so that the format's
+    VERSION, the versions it reads and ``upgrade_model_record`` change with it. Version
+    2 added ``vocab_multiple``; a version 1 checkpoint is an unpadded model: it resumes
+    with --model.vocab_multiple=1, and today's default (64) is refused with that fix."""
+    assert sorted(sharded.MODEL_KEYS) == sorted(V1_MODEL_KEYS + ("vocab_multiple",))
+    unpadded = {"model.vocab_multiple": 1}
+    _fit(_cfg(dataset_path, tmp_path / "old", **unpadded))
+    ckpt = tmp_path / "old" / "checkpoints" / "step_000010"
     mf = ckpt / "manifest.json"
     manifest = json.loads(mf.read_text())
-    manifest["model"] = {k: manifest["model"][k] for k in V1_MODEL_KEYS}  # as v1 wrote it
+    manifest["version"] = 1  # as version 1 wrote it
+    manifest["model"] = {k: manifest["model"][k] for k in V1_MODEL_KEYS}
     mf.write_text(json.dumps(manifest))
+    assert read_manifest(ckpt).data["model"]["vocab_multiple"] == 1
+    with pytest.raises(CheckpointError, match=r"vocab_multiple=1 \(yours 64\); resume with "
+                                              r"--model.vocab_multiple=1$"):
+        _trainer(_cfg(dataset_path, tmp_path / "padded", **{"train.resume": str(ckpt)}))
     _, resumed = _fit(_cfg(dataset_path, tmp_path / "again",
-                           **{"train.resume": str(ckpt), "train.max_iters": 12}))
+                           **unpadded, **{"train.resume": str(ckpt), "train.max_iters": 12}))
     assert len(resumed.losses) == 2  # steps 10 and 11: it went on from the checkpoint
+
+
+def test_a_checkpoint_of_an_unknown_version_is_refused(runs, tmp_path):
+    ckpt = _copy_checkpoint(runs, "replicated", tmp_path / "step_000010")
+    mf = ckpt / "manifest.json"
+    mf.write_text(json.dumps({**json.loads(mf.read_text()), "version": 3}))
+    with pytest.raises(CheckpointError, match="not an hpctrain sharded checkpoint of version "
+                                              "1 or 2"):
+        read_manifest(ckpt)
 
 
 # ------------------------------------------------------------------ 5. crafted files
@@ -335,7 +353,7 @@ def test_shard_dataset_declared_other_than_the_manifest_is_not_read(runs, tmp_pa
 def test_final_h5_declaring_more_than_the_file_holds_is_not_read(runs, tmp_path, monkeypatch):
     final = tmp_path / "final.h5"
     shutil.copy(runs / "replicated" / "final.h5", final)
-    assert load_checkpoint(final).model["wte.weight"].shape == (95, 32)
+    assert load_checkpoint(final).model["wte.weight"].shape == (128, 32)  # 95 rows, padded
     with h5py.File(final, "r+") as f:
         del f["model/wte.weight"]
         f.create_dataset("model/wte.weight", shape=(950_000, 32), dtype="f4")

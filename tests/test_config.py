@@ -18,6 +18,33 @@ def test_builtin_recipes_load_and_match_nanogpt_cpu_config():
     load_config("default")
 
 
+def test_gpt2_124m_recipe_builds_gpt2_for_gpus():
+    """GPT-2 124M in bf16 with compiled blocks and a padded vocabulary; it builds (on
+    the meta device: no memory) and its batch splits for the example job scripts."""
+    import torch
+
+    from hpctrain.model.gpt import GPT
+
+    cfg = load_config("gpt2-124m")
+    m, t = cfg.model, cfg.train
+    gpt = m.to_gpt(50257)  # the vocabulary of a GPT-2 BPE dataset
+    assert (gpt.n_layer, gpt.n_head, gpt.n_embd, gpt.block_size) == (12, 12, 768, 1024)
+    assert gpt.padded_vocab_size == 50304
+    assert (t.dtype, t.compile, t.tf32, m.recompute) == ("bf16", True, True, "none")
+    with torch.device("meta"):
+        model = GPT(gpt)
+    assert model.wte.weight.shape == (50304, 768)
+    total = sum(p.numel() for p in model.parameters())
+    assert total == gpt.num_params(non_embedding=False) and round(total / 1e6) == 124
+    assert t.batch_size * m.block_size == 491520  # nanoGPT's ~0.5M tokens per step
+    # jobscripts/generate.sh: Polaris 2 nodes x 4, Aurora 1 node x 12 tiles; 12 rows each
+    for ranks, overrides in ((8, ["--parallel.micro_batches=5"]),
+                             (12, ["--train.batch_size=576", "--parallel.micro_batches=4"])):
+        job = load_config("gpt2-124m", overrides)
+        check_layout(job, ranks)
+        assert job.train.batch_size // (ranks * job.parallel.micro_batches) == 12
+
+
 def test_overrides_are_typed_in_both_spellings():
     cfg = load_config("default", ["--train.max_iters=7", "--model.bias", "true",
                                   "--optim.lr=5e-4", "--train.out_dir", "x/y"])
@@ -41,6 +68,10 @@ def test_unknown_option_suggests_the_close_one():
     (["--parallel.allreduce=shm", "--parallel.zero=1"], "drop --parallel.allreduce=shm"),
     (["--parallel.allreduce=shm", "--train.dtype=bf16"], "drop --parallel.allreduce=shm"),
     (["--parallel.allreduce=ring"], "not one of auto, shm, mpi"),
+    (["--model.recompute=full"], "model.recompute='full' is not one of none, block"),
+    (["--model.vocab_multiple=0"], "model.vocab_multiple must be at least 1, not 0"),
+    (["--train.compile=maybe"], "--train.compile expects bool"),
+    (["--train.tf32=2"], "--train.tf32 expects bool"),
 ])
 def test_bad_values_name_the_fix(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -48,7 +79,8 @@ def test_bad_values_name_the_fix(args, message):
 
 
 def test_unknown_recipe_lists_the_builtin_ones(tmp_path):
-    with pytest.raises(ConfigError, match="built-in recipes: default, shakespeare-char"):
+    with pytest.raises(ConfigError,
+                       match="built-in recipes: default, gpt2-124m, shakespeare-char"):
         load_config("no-such-recipe")
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\n")
@@ -87,7 +119,7 @@ def test_to_gpt_maps_every_model_field():
     assert sorted(names) == sorted(f.name for f in dataclasses.fields(GPTConfig))
     # A value per field that no default has, so a dropped field shows.
     m = ModelConfig(n_layer=3, n_head=2, n_embd=24, block_size=17, vocab_size=0,
-                    dropout=0.25, bias=True)
+                    dropout=0.25, bias=True, vocab_multiple=8, recompute="block")
     gpt = m.to_gpt(vocab_size=71)
     want = {**dataclasses.asdict(m), "vocab_size": 71}
     assert dataclasses.asdict(gpt) == want

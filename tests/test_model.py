@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.gpt import GPT, GPTConfig, compile_blocks
 from hpctrain.model.shape import SHAPE_KEYS
 
 
@@ -104,3 +104,117 @@ def test_shape_record_round_trips_and_leaves_out_dropout():
     assert back.bias is True and back.dropout == 0.0
     with pytest.raises(KeyError):
         GPTConfig.from_shape({k: v for k, v in record.items() if k != "bias"})
+
+
+# ------------------------------------------------------------ a padded vocabulary
+
+def test_padding_changes_no_value_the_model_computes():
+    """Same seed, with and without padding: the same initial values, loss and gradients;
+    the padded rows are zero, get a zero gradient and appear in no logit."""
+    plain, padded = small(), small(vocab_multiple=64)
+    assert padded.wte.weight.shape == (64, 32) and padded.lm_head.weight is padded.wte.weight
+    assert padded.cfg.padded_vocab_size == 64 and padded.cfg.vocab_size == 50
+    x, y = torch.randint(0, 50, (2, 3, 16), generator=torch.Generator().manual_seed(1))
+    plain(x, y).backward()
+    padded(x, y).backward()
+    torch.testing.assert_close(padded(x, y), plain(x, y), atol=0, rtol=0)
+    for (name, p), q in zip(plain.named_parameters(), padded.parameters()):
+        q, g = (q[:50], q.grad[:50]) if name == "wte.weight" else (q, q.grad)
+        torch.testing.assert_close(q, p, atol=0, rtol=0)
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-5)
+    assert not padded.wte.weight[50:].any() and not padded.wte.weight.grad[50:].any()
+    assert padded(x).shape == (3, 1, 50)
+
+
+def test_padded_ids_are_never_sampled():
+    """Padded rows that would win every softmax if their logits were kept."""
+    m = small(vocab_multiple=64)
+    with torch.no_grad():
+        m.wte.weight[50:] = 10 * m.ln_f.weight.sign()  # logit 10 x |h| per padded id
+    out = m.generate(torch.zeros(4, 1, dtype=torch.long), 30,
+                     generator=torch.Generator().manual_seed(0))
+    assert int(out.max()) < 50
+
+
+def test_padding_counts_in_parameters_not_in_flops():
+    plain, padded = (GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12,
+                               n_embd=768, vocab_multiple=m) for m in (1, 64))
+    assert padded.padded_vocab_size == 50304 and plain.padded_vocab_size == 50257
+    assert padded.num_params() - plain.num_params() == 47 * 768  # rows that take memory
+    assert padded.flops_per_token() == plain.flops_per_token()  # but do no useful work
+    assert GPTConfig(vocab_size=128, vocab_multiple=64).padded_vocab_size == 128
+
+
+def test_shape_records_padding_and_old_records_mean_none():
+    cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                    vocab_multiple=64, recompute="block")
+    record = cfg.shape()
+    assert record["vocab_multiple"] == 64 and "recompute" not in record
+    assert GPTConfig.from_shape(record).padded_vocab_size == 64
+    older = {k: v for k, v in record.items() if k != "vocab_multiple"}  # before padding
+    assert GPTConfig.from_shape(older).vocab_multiple == 1
+
+
+# ------------------------------------------------- recomputation and compilation
+
+def _loss_and_grads(m, x, y):
+    loss = m(x, y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+
+def _saved_bytes(m, x, y) -> int:
+    """Bytes of the tensors autograd keeps for backward (parameters included)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x, y)
+    return total
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_recompute_gives_the_same_loss_and_gradients_with_less_saved(dropout):
+    """Dropout too: the recomputed forward must draw the same masks."""
+    x, y = torch.randint(0, 50, (2, 4, 16), generator=torch.Generator().manual_seed(2))
+    plain, recomputed = small(dropout=dropout), small(dropout=dropout, recompute="block")
+    torch.manual_seed(5)
+    want_loss, want = _loss_and_grads(plain, x, y)
+    torch.manual_seed(5)
+    loss, got = _loss_and_grads(recomputed, x, y)
+    torch.testing.assert_close(loss, want_loss, atol=0, rtol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-5, msg=name)
+    assert _saved_bytes(recomputed, x, y) < 0.5 * _saved_bytes(plain, x, y)
+    recomputed.eval(), plain.eval()
+    with torch.no_grad():  # evaluation keeps nothing either way: no recomputation
+        torch.testing.assert_close(recomputed(x), plain(x))
+
+
+def test_compile_blocks_compiles_each_block_of_a_model_or_a_stage():
+    m = small()
+    assert compile_blocks(m) == 2
+    assert all(b.compiled_body is not None for b in m.h)
+    assert compile_blocks(torch.nn.ModuleDict({"1": m.h[1]})) == 1  # a stage's blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "block"])
+def test_compiled_blocks_give_the_same_loss_and_gradients(recompute):
+    """torch.compile on this CPU (inductor generates and builds C++): the compiled
+    blocks compute what the eager ones do, to fp32 round-off (fused kernels reorder
+    sums)."""
+    x, y = torch.randint(0, 50, (2, 4, 16), generator=torch.Generator().manual_seed(3))
+    want_loss, want = _loss_and_grads(small(), x, y)
+    m = small(recompute=recompute)
+    compile_blocks(m)
+    for _ in range(2):  # the second call runs the compiled code without compiling
+        m.zero_grad()
+        loss, got = _loss_and_grads(m, x, y)
+        torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=0)
+        for name, g in want.items():
+            torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=name)

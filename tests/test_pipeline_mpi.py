@@ -16,6 +16,7 @@ from hpctrain.comm.world import World
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (SGD, assert_gradients_match, capture_first_step,
                            fit_against_reference, same_on_all_ranks, tiny_config)
+from tests.reference import plain_model_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -75,6 +76,20 @@ def test_pipeline_with_plain_sgd_matches_single_process(mpi_dataset, shared_tmp,
         pytest.skip("needs an even number of ranks")
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, schedule, virtual, **SGD)
     _check(Trainer(cfg, World.create(COMM), verbose=False), cfg)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_recompute_in_pipeline_stages_matches_the_plain_model(mpi_dataset, shared_tmp,
+                                                              schedule, virtual):
+    """Each stage runs its blocks again in its backward steps, interleaved with other
+    micro-batches' forwards: the same results as the plain model on one process."""
+    if COMM.size % 2:
+        pytest.skip("needs an even number of ranks")
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, schedule, virtual,
+                           **{"model.recompute": "block"})
+    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    assert all(block.recompute for block in trainer.model.h.values())
+    _check(trainer, plain_model_config(cfg))
 
 
 def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):

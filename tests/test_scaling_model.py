@@ -47,6 +47,9 @@ def test_a_shape_is_a_gpt_config_with_a_name():
     assert shape.gpt.shape() == {k: getattr(shape, k) for k in SHAPE_KEYS}
     assert shape.bias and shape.key == model_shape("gpt2").key
     assert shape.params > model_shape("gpt2").params
+    padded = model_shape("gpt2", vocab_multiple=64)  # 50257 -> 50304 embedding rows
+    assert padded.params - model_shape("gpt2").params == 47 * 768
+    assert padded.flops_per_token == model_shape("gpt2").flops_per_token
 
 
 def test_shape_rejects_bad_dimensions():

@@ -65,6 +65,20 @@ def test_weak_spec_expands_and_skips_with_reasons(tmp_path):
     assert "pp=2 does not divide 1" in reasons and "pp=4 does not divide 2" in reasons
 
 
+def test_study_runs_train_the_modelled_shape(tmp_path):
+    """The run trains exactly what the performance model counts: the shape, and no
+    vocabulary padding (``ModelShape.vocab_multiple`` = 1) although training pads by
+    default."""
+    from hpctrain.config import load_config
+    from hpctrain.scaling.runner import train_command
+
+    s = load_study(_write(tmp_path, SPEC.format(scaling="weak", batch="per_rank = 4")))
+    point = s.points[0]
+    cmd = train_command(s, point, tmp_path / "out")
+    cfg = load_config(cmd[1], cmd[2:])
+    assert cfg.model.to_gpt() == point.model.gpt
+
+
 def test_strong_spec_keeps_the_global_batch(tmp_path):
     s = load_study(_write(tmp_path, SPEC.format(scaling="strong", batch="global = 16")))
     assert {p.layout.global_batch for p in s.points} == {16}

@@ -13,6 +13,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.train.timing import PHASES
 from hpctrain.train.trainer import Trainer
 from tests.helpers import SGD, fit_against_reference, tiny_config
+from tests.reference import plain_model_config
 
 
 def _train(cfg):
@@ -84,3 +85,68 @@ def test_batch_that_does_not_split_is_refused(dataset_path, tmp_path):
                                                  "parallel.micro_batches": 4})
     with pytest.raises(ConfigError, match="use a multiple of 4"):
         _train(cfg)
+
+
+def test_recompute_matches_the_plain_model(dataset_path, tmp_path):
+    cfg = tiny_config(dataset_path, tmp_path, **{"model.recompute": "block",
+                                                 "parallel.micro_batches": 2})
+    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    assert all(block.recompute for block in trainer.model.h)
+    fit_against_reference(trainer, plain_model_config(cfg))
+
+
+def test_a_padded_vocabulary_trains_like_an_unpadded_one(dataset_path, tmp_path):
+    """The default pads the 95-character vocabulary to 128 rows: the same losses as no
+    padding, and the padded rows stay zero through AdamW's weight decay."""
+    padded, result = _train(tiny_config(dataset_path, tmp_path / "a"))
+    assert padded.gpt_cfg.vocab_size == 95 and padded.model.wte.weight.shape[0] == 128
+    _, plain = _train(tiny_config(dataset_path, tmp_path / "b", **{"model.vocab_multiple": 1}))
+    np.testing.assert_allclose(result.losses, plain.losses, atol=1e-6, rtol=0)
+    assert not padded.model.wte.weight[95:].any()
+
+
+def test_tf32_is_set_for_gpus_only():
+    from hpctrain.parallel.parallelize import set_matmul_precision
+
+    before = torch.get_float32_matmul_precision()
+    assert before == "highest"
+    assert not set_matmul_precision(torch.device("cpu"), True)  # a CPU rank: no change
+    assert torch.get_float32_matmul_precision() == "highest"
+    try:
+        assert set_matmul_precision(torch.device("cuda", 0), True)
+        assert torch.get_float32_matmul_precision() == "high"
+        assert set_matmul_precision(torch.device("cuda", 0), False)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+        torch.backends.cudnn.allow_tf32 = True
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_the_plain_model(dataset_path, tmp_path):
+    """torch.compile (inductor, C++ on this CPU) for every block, with recomputation:
+    the same losses, gradients and parameters as the eager plain model, to round-off."""
+    cfg = tiny_config(dataset_path, tmp_path, **{"train.compile": True,
+                                                 "model.recompute": "block"})
+    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    assert all(block.compiled_body is not None for block in trainer.model.h)
+    fit_against_reference(trainer, plain_model_config(cfg))
+
+
+def test_the_validation_estimate_is_the_same_in_smaller_passes(dataset_path, tmp_path,
+                                                               monkeypatch):
+    """A batch larger than ``FULL_EVAL_ROWS`` is evaluated in passes of at most that many
+    rows (a GPU's memory), weighted into the same batch mean."""
+    import hpctrain.train.evaluate as evaluate
+
+    trainer = Trainer(tiny_config(dataset_path, tmp_path, **{"train.eval_iters": 2}),
+                      World.create(MPI.COMM_SELF), verbose=False)
+    whole = trainer.evaluator.estimate()
+    rows = []
+    forward_loss = trainer.runner.forward_loss
+    monkeypatch.setattr(trainer.runner, "forward_loss",
+                        lambda x, y: rows.append(len(x)) or forward_loss(x, y))
+    monkeypatch.setattr(evaluate, "FULL_EVAL_ROWS", 3)
+    assert trainer.evaluator.estimate() == pytest.approx(whole, rel=1e-6, abs=0)
+    assert rows == [3, 3, 2] * 2  # 8 rows per batch, 2 batches
+    trainer.close()

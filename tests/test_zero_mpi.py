@@ -18,7 +18,7 @@ from hpctrain.train.trainer import Trainer
 from tests.helpers import (SGD, assert_gradients_match, bf16_accumulation_check,
                            capture_first_step,
                            fit_against_reference, same_on_all_ranks, tiny_config)
-from tests.reference import reference_run
+from tests.reference import plain_model_config, reference_run
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -63,6 +63,25 @@ def test_zero_with_plain_sgd_matches_single_process(mpi_dataset, shared_tmp, sta
                                                      "parallel.micro_batches": 2})
     trainer = Trainer(cfg, World.create(COMM), verbose=False)
     fit_against_reference(trainer, cfg, COMM)
+
+
+@pytest.mark.parametrize("compile_", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_recompute_with_zero_matches_the_plain_model(mpi_dataset, shared_tmp, stage,
+                                                     compile_):
+    """ZeRO-3 gathers a block's parameters in its forward pre-hook and frees them after
+    it, and gathers them again when the gradient reaches the block's output: the
+    recomputation that backward then starts must find them gathered (it runs inside the
+    block, after that gather). Two micro-batches: the second forward gathers again.
+    With compile, the hooks stay outside the compiled block bodies."""
+    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": stage,
+                                              "parallel.micro_batches": 2,
+                                              "model.recompute": "block",
+                                              "train.compile": compile_})
+    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    fit_against_reference(trainer, plain_model_config(cfg), COMM)
+    if stage == 3:  # every gathered block was freed again
+        assert trainer.engine.gathered_bytes == 0
 
 
 def test_clipping_uses_the_global_norm_over_all_shards(mpi_dataset, shared_tmp):

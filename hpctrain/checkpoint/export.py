@@ -7,6 +7,10 @@ the package. The Hugging Face layout follows ``transformers.GPT2LMHeadModel``: n
 ``nn.Linear``, a bias on every LayerNorm and projection (zeros when the model has none),
 the output head tied to the token embedding, exact-erf GELU (``activation_function:
 "gelu"``), LayerNorm epsilon 1e-5, and no dropout.
+
+Both exports drop the embedding's padded rows (``--model.vocab_multiple``): they are no
+token, and another program would take every row for one (Hugging Face's
+``vocab_size`` must be the tokenizer's, or generation can emit an id nothing decodes).
 """
 
 from __future__ import annotations
@@ -49,8 +53,14 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
     return path
 
 
+def unpadded(params: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
+    """``params`` with the token embedding cut to the model record's ``vocab_size`` rows."""
+    return {**params, "wte.weight": params["wte.weight"][:model["vocab_size"]]}
+
+
 def hf_gpt2_state(params: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
     """hpctrain parameter names -> ``GPT2LMHeadModel`` names and layouts."""
+    params = unpadded(params, model)
     out = {"transformer.wte.weight": params["wte.weight"],
            "transformer.wpe.weight": params["wpe.weight"]}
 

@@ -8,10 +8,21 @@ from __future__ import annotations
 from hpctrain.model.shape import SHAPE_KEYS
 
 FORMAT = "hpctrain-sharded-checkpoint"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
+"""The versions this hpctrain reads. Version 2 added ``vocab_multiple`` to the model
+record (the embedding's padded rows); a version 1 record lacks it and describes an
+unpadded model, which ``upgrade_model_record`` says explicitly."""
 MODEL_KEYS = SHAPE_KEYS
 """The manifest's ``model`` record is ``GPTConfig.shape()``: n_layer, n_head, n_embd,
-block_size, vocab_size and bias, the same keys since version 1."""
+block_size, vocab_size, bias and (since version 2) vocab_multiple."""
+
+
+def upgrade_model_record(data: dict) -> None:
+    """Give a version 1 manifest's model record the key version 2 added, in place, so
+    everything after reading sees one form (a v1 checkpoint is an unpadded model)."""
+    if data.get("version") == 1 and isinstance(data.get("model"), dict):
+        data["model"].setdefault("vocab_multiple", 1)
 
 
 def step_dir_name(step: int) -> str:

@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpctrain.checkpoint.format import (FORMAT, MODEL_KEYS, VERSION, shard_name,
-                                        step_dir_name)
+from hpctrain.checkpoint.format import (FORMAT, MODEL_KEYS, READS, VERSION, shard_name,
+                                        step_dir_name, upgrade_model_record)
 from hpctrain.checkpoint.validate import Damaged, describe, validate_manifest
 from hpctrain.errors import UserError
 from hpctrain.files import chmod_as_created
@@ -255,8 +255,10 @@ def read_manifest(path: str | Path) -> Manifest:
         raise CheckpointError(f"{mf} is unreadable ({e}); check its permissions, or "
                               "resume from an older step_N directory") from None
     if (not isinstance(data, dict) or data.get("format") != FORMAT
-            or data.get("version") != VERSION):
-        raise CheckpointError(f"{mf} is not an hpctrain v{VERSION} sharded checkpoint")
+            or data.get("version") not in READS):
+        raise CheckpointError(f"{mf} is not an hpctrain sharded checkpoint of version "
+                              f"{' or '.join(map(str, READS))}")
+    upgrade_model_record(data)
     try:
         validate_manifest(data)
     except Damaged as e:
@@ -266,12 +268,15 @@ def read_manifest(path: str | Path) -> Manifest:
 
 def check_compatible(manifest: Manifest, model_shape: dict) -> None:
     theirs = manifest.data["model"]
-    diff = [f"{k}={theirs.get(k)} (yours {model_shape[k]})" for k in MODEL_KEYS
-            if theirs.get(k) != model_shape[k]]
-    if diff:
-        raise CheckpointError(f"checkpoint {manifest.path} was made for another model: "
-                              f"{', '.join(diff)}; resume with the same --model.* options, or "
-                              "start a new --train.out_dir")
+    differ = [k for k in MODEL_KEYS if theirs.get(k) != model_shape[k]]
+    if not differ:
+        return
+    fix = "resume with the same --model.* options, or start a new --train.out_dir"
+    if differ == ["vocab_multiple"]:  # e.g. a checkpoint from before vocabulary padding
+        fix = f"resume with --model.vocab_multiple={theirs['vocab_multiple']}"
+    diff = ", ".join(f"{k}={theirs.get(k)} (yours {model_shape[k]})" for k in differ)
+    raise CheckpointError(f"checkpoint {manifest.path} was made for another model: {diff}; "
+                          f"{fix}")
 
 
 def _open_shard(manifest: Manifest, rank: int):

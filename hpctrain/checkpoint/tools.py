@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpctrain.checkpoint.export import export_hf, write_safetensors
+from hpctrain.checkpoint.export import export_hf, unpadded, write_safetensors
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError, bucket_entry,
                                          read_full_state, read_manifest, read_rng,
                                          shard_name, write_shard, write_synced)
@@ -74,7 +74,8 @@ def export(path: str | Path, fmt: str, output: str | Path) -> Path:
     if fmt == "safetensors":
         out = Path(output)
         out.parent.mkdir(parents=True, exist_ok=True)
-        return write_safetensors(out, params, {"format": "pt", "hpctrain_step": str(m.step)})
+        return write_safetensors(out, unpadded(params, m.data["model"]),
+                                 {"format": "pt", "hpctrain_step": str(m.step)})
     if fmt == "hf":
         return export_hf(output, params, m.data["model"], m.data.get("tokenizer"))
     raise CheckpointError(f"unknown export format {fmt!r}; use safetensors or hf")
@@ -92,7 +93,11 @@ def load_weights(path: str | Path):
             raise CheckpointError(f"{p} records no model shape or no embedding: it was not "
                                   "written by `hpctrain train` or is damaged")
         model = dict(model)
-        model["vocab_size"] = model.get("vocab_size") or params["wte.weight"].shape[0]
+        # model.vocab_size=0 took the vocabulary from the data: the tokenizer's size, or
+        # (a file without one) the embedding's rows, which a padded model has more of
+        vocab = ckpt.tokenizer.get("vocab_size") if isinstance(ckpt.tokenizer, dict) else None
+        model["vocab_size"] = (model.get("vocab_size") or vocab
+                               or params["wte.weight"].shape[0])
         return params, model, ckpt.tokenizer
     m = read_manifest(p)
     params = {n: s["param"] for n, s in read_full_state(m).items()}
@@ -156,7 +161,8 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
         crcs[shard_name(r)] = write_shard(tmp / shard_name(r), shards[r],
                                           {"format": FORMAT, "version": VERSION, "rank": r,
                                            "step": m.step})
-    manifest = {**m.data, "layout": layout, "world_size": world, "config": config,
+    manifest = {**m.data, "version": VERSION, "layout": layout, "world_size": world,
+                "config": config,
                 "index": index, "crc32": crcs}
     write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
     tmp.rename(out)

@@ -8,7 +8,17 @@ pipeline stages reuse: ``embed`` (tokens -> residual stream), the blocks ``h``, 
 the last through the same ``EmbeddingAndHead`` code. The shape, with its parameter count
 and FLOPs, is ``GPTConfig`` (``shape.py``).
 
-Shapes: B batch, T time (tokens), C channels (n_embd), nh heads, hs head size, V vocab.
+Two options change how a block runs, never what it computes: ``recompute="block"`` keeps
+only each block's input and runs the block again in backward (``torch.utils.checkpoint``;
+Chen et al. 2016, "Training deep nets with sublinear memory cost"), and ``compile_blocks``
+puts each block's body through ``torch.compile``. Both act inside ``Block.forward``, so
+the module hooks on a block (ZeRO-3 gathers its parameters before it and frees them
+after) run once per forward, as without them. A checkpoint around the whole module would
+run them again in backward's recomputation, and the freeing hook would take away the
+parameters that the recomputed graph then needs (docs/design/compute-options.md).
+
+Shapes: B batch, T time (tokens), C channels (n_embd), nh heads, hs head size, V vocab,
+Vp the padded vocabulary (``GPTConfig.padded_vocab_size``).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hpctrain.model.shape import GPTConfig
 
@@ -61,10 +72,31 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.recompute = cfg.recompute == "block"
+        self.compiled_body = None  # torch.compile(self.body), set by compile_blocks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        body = self.body if self.compiled_body is None else self.compiled_body
+        if self.recompute and torch.is_grad_enabled():
+            # Saves only x; the first saved tensor backward asks for runs body(x) again,
+            # with the same dropout masks (the RNG state is restored).
+            return checkpoint(body, x, use_reentrant=False)
+        return body(x)
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Compile the body of every ``Block`` in ``model`` (a GPT or a pipeline stage) with
+    ``torch.compile``; returns how many. Per block, as torchtitan does: the blocks share
+    one code object, so one compilation serves them all, and the hooks around a block
+    stay eager (the compiler never traces an MPI call)."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for blk in blocks:
+        blk.compiled_body = torch.compile(blk.body)
+    return len(blocks)
 
 
 class EmbeddingAndHead:
@@ -85,7 +117,9 @@ class EmbeddingAndHead:
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.ln_f(h), self.head_weight)  # (B, T, C) -> (B, T, V)
+        """(B, T, C) -> (B, T, V). The head computes Vp columns, the width the matmul wants;
+        the padding's are cut off here, so no loss, gradient or sample ever sees them."""
+        return F.linear(self.ln_f(h), self.head_weight)[..., :self.cfg.vocab_size]
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Mean cross-entropy of the residual stream ``h`` against ``targets``; without
@@ -107,20 +141,37 @@ class GPT(EmbeddingAndHead, nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self._pad_vocabulary()  # wte: (V, C) -> (Vp, C)
         self.lm_head.weight = self.wte.weight  # tied (Press & Wolf 2017)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """GPT-2's initialization. The padded embedding rows start at zero and, with no
+        gradient, stay there; the real rows draw the very numbers an unpadded model
+        draws, so padding changes no value the model computes."""
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=residual_std)
-            elif p.dim() >= 2:  # Linear weights and embeddings
+            elif name == "wte.weight":
+                nn.init.normal_(p[:self.cfg.vocab_size], mean=0.0, std=0.02)
+                nn.init.zeros_(p[self.cfg.vocab_size:])
+            elif p.dim() >= 2:  # Linear weights and the position embedding
                 nn.init.normal_(p, mean=0.0, std=0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
             else:  # LayerNorm weights
                 nn.init.ones_(p)
+
+    def _pad_vocabulary(self) -> None:
+        """Give the embedding its padded rows (zeros). Built unpadded first, the modules
+        draw the random numbers an unpadded model draws, so the same seed gives the same
+        values with and without padding."""
+        pad = self.cfg.padded_vocab_size - self.cfg.vocab_size
+        if pad:
+            w = self.wte.weight.detach()
+            self.wte.weight = nn.Parameter(torch.cat([w, w.new_zeros(pad, w.size(1))]))
+            self.wte.num_embeddings = self.lm_head.out_features = self.cfg.padded_vocab_size
 
     @property
     def head_weight(self) -> torch.Tensor:

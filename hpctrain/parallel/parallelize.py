@@ -12,6 +12,11 @@ One fixed order (as torchtitan's ``parallelize``), because each step needs the p
    may turn the parameters into bf16 views of its buffers, so it comes before anything
    that reads their dtype. With a pipeline, the gradient norm also sums over the stages.
 4. **Runner**: the pipeline executor, or ``LocalRunner`` when the model is whole.
+5. **Compute settings**: TF32 for fp32 matrix multiplies on GPUs (``--train.tf32``), then
+   ``torch.compile`` of each block (``--train.compile``) last, once the parameters have
+   their final dtype and the engine's hooks are in place (they stay outside the compiled
+   code). Activation recomputation (``--model.recompute``) was built into the blocks with
+   the model (``gpt.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from hpctrain.comm.grid import ProcessGrid
-from hpctrain.model.gpt import GPT
+from hpctrain.model.gpt import GPT, compile_blocks
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
@@ -63,4 +68,23 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
                                   seq=cfg.model.block_size, timeout=world.timeout)
     else:
         runner = LocalRunner(model, world.accel)
+    set_matmul_precision(device, cfg.train.tf32)
+    if cfg.train.compile:
+        compile_blocks(model)
     return Parallel(model, engine, runner)
+
+
+def set_matmul_precision(device: torch.device, tf32: bool) -> bool:
+    """Let fp32 matrix multiplies and convolutions use TF32 on a GPU (10-bit mantissa
+    inputs, fp32 accumulation: the precision nanoGPT trains with; 8x the fp32 rate on an
+    A100). Process-wide, so set only where a rank trains on an accelerator, never on a
+    CPU rank, whose results must stay those of the plain fp32 model. This call sets
+    CUDA's and oneDNN's precision together (oneDNN runs XPU matmuls; not yet checked on
+    an XPU); setting one backend through torch's newer per-backend flags would make
+    ``torch.get_float32_matmul_precision()``, which the compiler reads, raise (torch
+    2.13). Returns whether it changed anything."""
+    if device.type not in ("cuda", "xpu"):
+        return False
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = tf32
+    return True

@@ -32,9 +32,14 @@ class ModelShape:
     vocab_size: int
     name: str = ""
     bias: bool = False
+    vocab_multiple: int = 1
+    """Embedding rows padded to a multiple of this; 1 (no padding) is what every record
+    and calibration written before ``--model.vocab_multiple`` describes. Study runs
+    train with this value (``runner.train_command``), so they match the model."""
 
     def __post_init__(self):
-        for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
+                      "vocab_multiple"):
             if int(getattr(self, field)) < 1:
                 raise UserError(f"model {self.label}: {field} must be at least 1")
         if not isinstance(self.bias, bool):

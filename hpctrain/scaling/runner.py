@@ -37,7 +37,7 @@ def train_command(study: Study, point: Point, out_dir: Path) -> list[str]:
     cmd = ["train", study.recipe, *study.overrides,
            f"--model.n_layer={m.n_layer}", f"--model.n_head={m.n_head}",
            f"--model.n_embd={m.n_embd}", f"--model.block_size={m.block_size}",
-           f"--model.vocab_size={m.vocab_size}",
+           f"--model.vocab_size={m.vocab_size}", f"--model.vocab_multiple={m.vocab_multiple}",
            f"--train.batch_size={lay.global_batch}", f"--train.max_iters={study.steps}",
            f"--train.log_interval={study.steps}", f"--train.dtype={lay.dtype}",
            f"--parallel.zero={lay.zero}", f"--parallel.micro_batches={lay.micro_batches}",

@@ -1,10 +1,10 @@
 #!/bin/bash -l
 #PBS -N hpctrain
 #PBS -A PROJECT
-#PBS -q debug-scaling
-#PBS -l select=16
+#PBS -q debug
+#PBS -l select=1
 #PBS -l place=scatter
-#PBS -l walltime=01:00:00
+#PBS -l walltime=00:30:00
 #PBS -l filesystems=home:flare
 #PBS -j oe
 #PBS -k doe
@@ -14,10 +14,10 @@ set -euo pipefail
 # ALCF Aurora: 6 Intel PVC GPUs (12 tiles) and 2x 52-core Xeon Max per node; PBS Pro, PALS mpiexec
 #
 # Made by this command (edit the script freely, or change the command and run it again):
-#   hpctrain jobscript --system aurora --nodes 16 --walltime 01:00:00
-#     --queue debug-scaling --account PROJECT --filesystems home:flare --venv .venv --
-#     train default --data.path=datasets/stdlib-char.h5 --train.batch_size=192
-#     --train.time_limit=3600
+#   hpctrain jobscript --system aurora --nodes 1 --walltime 00:30:00 --queue debug
+#     --account PROJECT --filesystems home:flare --venv .venv -- train gpt2-124m
+#     --data.path=datasets/stdlib-gpt2.h5 --train.batch_size=576
+#     --parallel.micro_batches=4 --train.time_limit=1800
 # Submit it from the directory that relative paths (data, --venv, --run-root) refer to:
 #   qsub SCRIPT
 # Results go to runs/hpctrain-<job id>/: metrics.jsonl and summary.json from training,
@@ -110,10 +110,11 @@ NRANKS=$((NNODES * RANKS_PER_NODE))
 LAUNCH=(
     mpiexec -n "${NRANKS}" --ppn 12 --cpu-bind=list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100 --pmi=pmix
     "${PYTHON}" -m hpctrain.jobs.bind --device-env ZE_AFFINITY_MASK --devices 12 --order direct --
-    "${PYTHON}" -m hpctrain train default
-    --data.path=datasets/stdlib-char.h5
-    --train.batch_size=192
-    --train.time_limit=3600
+    "${PYTHON}" -m hpctrain train gpt2-124m
+    --data.path=datasets/stdlib-gpt2.h5
+    --train.batch_size=576
+    --parallel.micro_batches=4
+    --train.time_limit=1800
     --train.out_dir="${RUN_DIR}"
 )
 { printf '%q' "${LAUNCH[0]}"; printf ' %q' "${LAUNCH[@]:1}"; echo; } > "$RUN_DIR/launch.txt"
