@@ -74,8 +74,9 @@ def _check_counts(trainer, counts: dict, aware: str) -> None:
         assert counts["staged_bytes"] > 0 and counts["direct_handoffs"] == 0
     elif trainer.world.gpu_aware.reductions:
         assert counts["staged_bytes"] == 0 and counts["direct_handoffs"] > 0
-    else:  # Open MPI: reductions on device memory are staged, the rest goes direct
-        assert counts["direct_handoffs"] > 0
+    else:  # Open MPI: its reductions cannot take device memory (staged); sends can
+        assert trainer.grid.dp == 1 or counts["staged_bytes"] > 0
+        assert trainer.grid.pp == 1 or counts["direct_handoffs"] > 0
     if trainer.grid.dp > 1 and trainer.grid.pp == 1:
         # Reductions start from the gradient hooks, on the backward's own thread (with a
         # pipeline they may all wait for finish(): one chunk's backward per hook pass).
