@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import (MPIEXEC, ROOT, run_worker, scratch_dir, spread,  # noqa: E402
-                         worker_args)
+from perf.common import (ROOT, launch_env, mpiexec, run_worker, scratch_dir,  # noqa: E402
+                         spread, worker_args)
 
 CONFIGS = ("alone", "pair", "dp2", "ddp2")
 # model -> (steps per job, warm-up steps left out)
@@ -40,13 +40,13 @@ LOG_INTERVAL = 5
 
 
 def train_command(overrides: list[str], ranks: int, out_dir: str) -> list[str]:
-    return [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "hpctrain", "train",
-            "shakespeare-char", *overrides, f"--train.out_dir={out_dir}",
-            f"--train.log_interval={LOG_INTERVAL}"]
+    return mpiexec(ranks, sys.executable, "-m", "hpctrain", "train", "shakespeare-char",
+                   *overrides, f"--train.out_dir={out_dir}",
+                   f"--train.log_interval={LOG_INTERVAL}")
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = launch_env(OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
