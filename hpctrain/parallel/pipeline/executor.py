@@ -60,6 +60,11 @@ class PipelineStats:
     peak_in_flight: int = 0
     """Most micro-batch chunks held between their forward and backward."""
 
+    @property
+    def compute_s(self) -> float:
+        """Seconds in forward and backward passes together."""
+        return self.forward_s + self.backward_s
+
 
 class PipelineExecutor:
     def __init__(self, stage: PipelineStage, grid: ProcessGrid, *, kind: str, n_micro: int,
