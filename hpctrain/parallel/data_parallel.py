@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
