@@ -427,9 +427,6 @@ def _train(args, overrides: list[str], signals) -> int:
 
 
 def cmd_sample(args) -> int:
-    import numpy as np
-    import torch
-
     from hpctrain.checkpoint.tools import load_weights
     from hpctrain.data.tokenizers import tokenizer_from_meta
     from hpctrain.model.gpt import GPT, GPTConfig
@@ -448,12 +445,8 @@ def cmd_sample(args) -> int:
         raise UserError(f"{args.checkpoint}: its weights do not fit the model shape it "
                         f"records ({first}); the file is damaged: sample from another "
                         "checkpoint") from None
-    model.eval()
-    ids = torch.tensor(tok.encode(args.prompt).astype(np.int64))[None]
-    gen = torch.Generator().manual_seed(args.seed)
-    out = model.generate(ids, args.tokens, temperature=args.temperature,
-                         top_k=args.top_k or None, generator=gen)
-    print(tok.decode(out[0].tolist()))
+    print(model.complete(tok, args.prompt, args.tokens, temperature=args.temperature,
+                         top_k=args.top_k or None, seed=args.seed))
     return 0
 
 

@@ -194,6 +194,23 @@ class GPT(EmbeddingAndHead, nn.Module):
         return self.cfg.flops_per_token()
 
     @torch.no_grad()
+    @torch.no_grad()
+    def complete(self, tokenizer, prompt: str, n_tokens: int, *, temperature: float = 0.8,
+                 top_k: int | None = 50, seed: int = 0) -> str:
+        """``prompt`` and ``n_tokens`` sampled after it, as text (``tokenizer``: anything
+        with ``encode(str) -> ids`` and ``decode(list) -> str``); an empty prompt starts
+        from a newline. The training mode is restored afterwards."""
+        device = next(self.parameters()).device
+        ids = torch.tensor([int(i) for i in tokenizer.encode(prompt or "\n")],
+                           dtype=torch.long, device=device)[None]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        was_training = self.training
+        self.eval()
+        out = self.generate(ids, n_tokens, temperature=temperature, top_k=top_k,
+                            generator=gen)
+        self.train(was_training)
+        return tokenizer.decode(out[0].tolist())
+
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T)."""

@@ -10,8 +10,6 @@ import json
 import statistics
 from pathlib import Path
 
-import numpy as np
-import torch
 from mpi4py import MPI
 
 from hpctrain.checkpoint.single_file import save_checkpoint
@@ -19,17 +17,6 @@ from hpctrain.comm.collectives import allreduce_array
 from hpctrain.train.metrics import finite_record
 from hpctrain.train.result import TrainResult
 from hpctrain.train.timing import PHASES, peak_rss_bytes, phase_medians, summarize
-
-
-def sample_text(model: torch.nn.Module, tokenizer, prompt: str, n_tokens: int,
-                seed: int = 0) -> str:
-    device = next(model.parameters()).device
-    ids = torch.tensor(tokenizer.encode(prompt or "\n").astype(np.int64), device=device)[None]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    model.eval()
-    out = model.generate(ids, n_tokens, temperature=0.8, top_k=50, generator=gen)
-    model.train()
-    return tokenizer.decode(out[0].tolist())
 
 
 class RunOutputs:
@@ -61,8 +48,8 @@ class RunOutputs:
                 if t.save_checkpoint:
                     self._final_checkpoint(state)
                 if t.sample_tokens > 0:
-                    text = sample_text(runner.whole_model(state), self.tokenizer,
-                                       t.sample_prompt, t.sample_tokens)
+                    text = runner.whole_model(state).complete(
+                        self.tokenizer, t.sample_prompt, t.sample_tokens)
                     (self.out_dir / "sample.txt").write_text(text)
                     self.log(f"sample ({t.sample_tokens} tokens):\n{text}")
                 self._summary(result, memory, peak_rss, timing, skipped)
