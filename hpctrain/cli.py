@@ -242,7 +242,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--nodes", type=int, required=True, metavar="N")
     p.add_argument("--model", required=True, metavar="NAME",
                    help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-2.7b, gpt3-6.7b, "
-                        "gpt3-13b, default")
+                        "gpt3-13b, llama3-8b, default")
     p.add_argument("--global-batch", type=int, default=0, metavar="SEQ",
                    help="sequences per optimizer step (default: 512, GPT-2's, or one per "
                         "rank when there are more ranks)")
@@ -438,8 +438,7 @@ def cmd_sample(args) -> int:
     tok = tokenizer_from_meta(tokenizer)
     try:  # the recorded shape and the stored tensors must agree
         model = GPT(GPTConfig.from_shape(m))
-        state["lm_head.weight"] = state["wte.weight"]
-        model.load_state_dict(state)
+        model.load_parameters(state)
     except (KeyError, TypeError, ValueError, AssertionError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise UserError(f"{args.checkpoint}: its weights do not fit the model shape it "

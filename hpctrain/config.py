@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from hpctrain.errors import ConfigError, factor_hint
-from hpctrain.model.shape import GPTConfig
+from hpctrain.model.shape import ARCHS, GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -107,12 +107,34 @@ class ModelConfig:
                                  "transformer block's input and runs the block again in "
                                  "backward (less memory, about a third more compute)",
                          ("none", "block"))
+    arch: str = opt("gpt", "architecture: 'gpt' (GPT-2: learned positions, LayerNorm, GELU) "
+                           "or 'llama' (rotary positions, RMSNorm, SwiGLU, grouped-query "
+                           "attention)", ARCHS)
+    n_kv_head: int = opt(0, "key/value heads (grouped-query attention, llama); 0 = n_head",
+                         bounds=AT_LEAST_0)
+    ffn_hidden: int = opt(0, "hidden width of the MLP; 0 = 4 x n_embd (gpt) or 8/3 x n_embd "
+                             "rounded up to a multiple of 256 (llama)", bounds=AT_LEAST_0)
+    rope_theta: float = opt(10000.0, "base of the rotary position frequencies (llama; Llama 3 "
+                                     "uses 500000)", bounds=POSITIVE)
+    rope_scaling: str = opt("", "rotary frequency scaling (llama): '' none, 'linear:F', or "
+                                "'llama3:F:LOW:HIGH:ORIG' as Llama 3.1")
+    norm_eps: float = opt(1e-5, "epsilon of the LayerNorms / RMSNorms", bounds=POSITIVE)
+    tie_embeddings: bool = opt(True, "the head shares the token embedding's matrix; false "
+                                     "gives it its own (Llama 3 8B)")
+    loss_chunk: int = opt(0, "compute the head and the loss this many tokens at a time, "
+                             "recomputing each chunk's logits in backward (long context: "
+                             "the logits never exist whole); 0 = all at once",
+                          bounds=AT_LEAST_0)
 
     def __post_init__(self):
         _check_fields(self)
         _require(self.n_embd % self.n_head == 0,
                  f"model.n_embd={self.n_embd} must be a multiple of model.n_head="
                  f"{self.n_head}; change one of them")
+        try:  # the shape's own checks (heads, rope_scaling), on a placeholder vocabulary
+            self.to_gpt(self.vocab_size or 1)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}; change the --model.* options") from None
 
     def to_gpt(self, vocab_size: int = 0) -> GPTConfig:
         """The model this section describes: the one place where the config becomes a

@@ -118,11 +118,17 @@ def test_to_gpt_maps_every_model_field():
     names = [f.name for f in dataclasses.fields(ModelConfig)]
     assert sorted(names) == sorted(f.name for f in dataclasses.fields(GPTConfig))
     # A value per field that no default has, so a dropped field shows.
-    m = ModelConfig(n_layer=3, n_head=2, n_embd=24, block_size=17, vocab_size=0,
-                    dropout=0.25, bias=True, vocab_multiple=8, recompute="block")
+    m = ModelConfig(n_layer=3, n_head=4, n_embd=24, block_size=17, vocab_size=0,
+                    dropout=0.25, bias=True, vocab_multiple=8, recompute="block",
+                    arch="llama", n_kv_head=2, ffn_hidden=40, rope_theta=500.0,
+                    rope_scaling="linear:2", norm_eps=1e-6, tie_embeddings=False,
+                    loss_chunk=5)
     gpt = m.to_gpt(vocab_size=71)
     want = {**dataclasses.asdict(m), "vocab_size": 71}
     assert dataclasses.asdict(gpt) == want
+    # 0 means the architecture's default, resolved in the model's shape
+    resolved = ModelConfig(arch="llama", n_embd=96, n_head=4).to_gpt(71)
+    assert (resolved.n_kv_head, resolved.ffn_hidden) == (4, 256)
     assert ModelConfig(vocab_size=33).to_gpt(71).vocab_size == 33  # the config's wins
     with pytest.raises(ConfigError, match="set --model.vocab_size"):
         ModelConfig().to_gpt()

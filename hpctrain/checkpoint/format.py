@@ -5,24 +5,35 @@ without importing each other."""
 
 from __future__ import annotations
 
-from hpctrain.model.shape import SHAPE_KEYS
+from hpctrain.model.shape import SHAPE_KEYS, GPTConfig
 
 FORMAT = "hpctrain-sharded-checkpoint"
-VERSION = 2
-READS = (1, 2)
+VERSION = 3
+READS = (1, 2, 3)
 """The versions this hpctrain reads. Version 2 added ``vocab_multiple`` to the model
-record (the embedding's padded rows); a version 1 record lacks it and describes an
-unpadded model, which ``upgrade_model_record`` says explicitly."""
+record (the embedding's padded rows); version 3 the architecture's keys (``arch``,
+``n_kv_head``, ``ffn_hidden``, ``rope_theta``, ``rope_scaling``, ``norm_eps``,
+``tie_embeddings``). An older record lacks them and describes an unpadded (v1) GPT-2
+model, which ``upgrade_model_record`` says explicitly."""
 MODEL_KEYS = SHAPE_KEYS
 """The manifest's ``model`` record is ``GPTConfig.shape()``: n_layer, n_head, n_embd,
-block_size, vocab_size, bias and (since version 2) vocab_multiple."""
+block_size, vocab_size, bias, (since version 2) vocab_multiple and (since version 3) the
+architecture's keys."""
 
 
 def upgrade_model_record(data: dict) -> None:
-    """Give a version 1 manifest's model record the key version 2 added, in place, so
-    everything after reading sees one form (a v1 checkpoint is an unpadded model)."""
-    if data.get("version") == 1 and isinstance(data.get("model"), dict):
-        data["model"].setdefault("vocab_multiple", 1)
+    """Give an older manifest's model record the keys later versions added, in place, so
+    everything after reading sees one form: the values ``GPTConfig.from_shape`` gives a
+    record without them (v1: unpadded; v1 and v2: GPT-2). A record too damaged for that
+    is left for ``validate_manifest`` to name."""
+    model = data.get("model")
+    if data.get("version") in (1, 2) and isinstance(model, dict):
+        try:
+            full = GPTConfig.from_shape(model).shape()
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return
+        for k, v in full.items():
+            model.setdefault(k, v)
 
 
 def step_dir_name(step: int) -> str:

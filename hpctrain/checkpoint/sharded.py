@@ -257,7 +257,7 @@ def read_manifest(path: str | Path) -> Manifest:
     if (not isinstance(data, dict) or data.get("format") != FORMAT
             or data.get("version") not in READS):
         raise CheckpointError(f"{mf} is not an hpctrain sharded checkpoint of version "
-                              f"{' or '.join(map(str, READS))}")
+                              f"{', '.join(map(str, READS[:-1]))} or {READS[-1]}")
     upgrade_model_record(data)
     try:
         validate_manifest(data)

@@ -11,10 +11,15 @@ manifest when they are read (``sharded._read``), the model when it is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 from hpctrain.checkpoint.format import MODEL_KEYS, shard_name
+from hpctrain.model.shape import GPTConfig
+
+MODEL_TYPES = {f.name: str(f.type) for f in dataclasses.fields(GPTConfig)}
+"""Each model key's type ('int', 'float', 'str', 'bool'; annotations are strings)."""
 
 MAX_WORLD = 1 << 20
 """More ranks than any machine has: a larger world_size is damage, and a loop over it is
@@ -53,13 +58,25 @@ def validate_manifest(data) -> None:
 
 
 def _model(model: dict) -> None:
+    """Each key by the type of its ``GPTConfig`` field, then the shape's own checks."""
     for k in MODEL_KEYS:
         v = _key(model, k, "model")
-        if k == "bias":
+        kind = MODEL_TYPES[k]
+        if kind == "bool":
             if not isinstance(v, bool):
-                raise Damaged(f"model.bias is {_show(v)}, not true or false")
+                raise Damaged(f"model.{k} is {_show(v)}, not true or false")
+        elif kind == "str":
+            if not isinstance(v, str) or len(v) > 200:
+                raise Damaged(f"model.{k} is {_show(v)}, not a short string")
+        elif kind == "float":
+            if _number(v, f"model.{k}") <= 0:
+                raise Damaged(f"model.{k} is {_show(v)}, not a number > 0")
         else:
             _int(v, f"model.{k}", 1, MAX_MODEL_SIZE)
+    try:
+        GPTConfig.from_shape(model)
+    except ValueError as e:
+        raise Damaged(f"model: {e}") from None
 
 
 def _replicated_index(index: dict, world: int) -> None:

@@ -1,12 +1,19 @@
-"""A GPT of the nanoGPT family in one readable file.
+"""A GPT of the nanoGPT family, and the Llama family, in one readable file.
 
-Learned position embeddings, pre-LayerNorm blocks, GELU MLP, causal scaled-dot-product
-attention, input and output embeddings tied, residual projections initialized with
-std 0.02 / sqrt(2 n_layer) (GPT-2 paper, section 2.3). The model is three parts that
-pipeline stages reuse: ``embed`` (tokens -> residual stream), the blocks ``h``, and
-``head_loss`` (final LayerNorm, tied head, cross-entropy); a stage runs the first and
-the last through the same ``EmbeddingAndHead`` code. The shape, with its parameter count
-and FLOPs, is ``GPTConfig`` (``shape.py``).
+``arch="gpt"`` (GPT-2): learned position embeddings, pre-LayerNorm blocks, GELU MLP,
+causal scaled-dot-product attention, input and output embeddings tied, residual
+projections initialized with std 0.02 / sqrt(2 n_layer) (GPT-2 paper, section 2.3).
+``arch="llama"`` changes four parts and keeps the rest: rotary position embeddings in
+the attention instead of ``wpe`` (``rope.py``), RMSNorm instead of LayerNorm, a SwiGLU
+MLP (Shazeer 2020), grouped-query attention (``n_kv_head`` key/value heads; Ainslie et
+al. 2023), and usually a head of its own (``tie_embeddings=False``). Parameter names are
+the same for both (``wte``, ``h.<i>.attn.c_attn``, ``h.<i>.mlp.c_fc``, ``ln_f``, and
+``lm_head`` when untied), so pipeline stages, ZeRO and checkpoints treat them alike.
+
+The model is three parts that pipeline stages reuse: ``embed`` (tokens -> residual
+stream), the blocks ``h``, and ``head_loss`` (final norm, head, cross-entropy); a stage
+runs the first and the last through the same ``EmbeddingAndHead`` code. The shape, with
+its parameter count and FLOPs, is ``GPTConfig`` (``shape.py``).
 
 Two options change how a block runs, never what it computes: ``recompute="block"`` keeps
 only each block's input and runs the block again in backward (``torch.utils.checkpoint``;
@@ -16,9 +23,11 @@ the module hooks on a block (ZeRO-3 gathers its parameters before it and frees t
 after) run once per forward, as without them. A checkpoint around the whole module would
 run them again in backward's recomputation, and the freeing hook would take away the
 parameters that the recomputed graph then needs (docs/design/compute-options.md).
+``loss_chunk`` changes how the head runs, never what it computes (``chunked_loss.py``).
 
-Shapes: B batch, T time (tokens), C channels (n_embd), nh heads, hs head size, V vocab,
-Vp the padded vocabulary (``GPTConfig.padded_vocab_size``).
+Shapes: B batch, T time (tokens), C channels (n_embd), nh heads, nkv key/value heads,
+hs head size, H the MLP's hidden width, V vocab, Vp the padded vocabulary
+(``GPTConfig.padded_vocab_size``).
 """
 
 from __future__ import annotations
@@ -30,47 +39,88 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from hpctrain.model.chunked_loss import chunked_cross_entropy
+from hpctrain.model.rope import Rotary
 from hpctrain.model.shape import GPTConfig
 
 
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (Zhang & Sennrich 2019), in fp32 whatever the input's dtype,
+    as Llama's reference code does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.arch == "llama":
+        return RMSNorm(cfg.n_embd, cfg.norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
+
+
 class CausalSelfAttention(nn.Module):
+    """One projection ``c_attn`` makes the queries (nh heads), keys and values (nkv heads
+    each); with nkv < nh each key/value head serves nh / nkv query heads."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.n_head, self.n_kv_head, hs = cfg.n_head, cfg.n_kv_head, cfg.head_size
+        self.widths = [cfg.n_head * hs, cfg.n_kv_head * hs, cfg.n_kv_head * hs]
+        self.c_attn = nn.Linear(cfg.n_embd, sum(self.widths), bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.rotary = (Rotary(hs, cfg.rope_theta, cfg.rope_scaling)
+                       if cfg.arch == "llama" else None)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, nh, T, hs)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.c_attn(x).split(self.widths, dim=2)
+        # (B, T, heads * hs) -> (B, heads, T, hs)
+        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.rotary is not None:
+            q, k = self.rotary.rotate(q), self.rotary.rotate(k)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
+            enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_drop(self.c_proj(y))
 
 
 class MLP(nn.Module):
+    """GPT-2: c_proj(gelu(c_fc(x))). Llama (SwiGLU): ``c_fc`` holds the gate and the up
+    projection in one matrix (2H rows: gate first), c_proj(silu(gate) * up)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.gated = cfg.arch == "llama"
+        h = cfg.ffn_hidden
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * h if self.gated else h, bias=cfg.bias)
+        self.c_proj = nn.Linear(h, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
+        if self.gated:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(self.c_fc(x))
+        return self.drop(self.c_proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.recompute = cfg.recompute == "block"
         self.compiled_body = None  # torch.compile(self.body), set by compile_blocks
@@ -103,9 +153,10 @@ class EmbeddingAndHead:
     """The two ends of the GPT, shared with the pipeline stages that hold them.
 
     A class with this mixin keeps the GPT's parts under the GPT's names (``cfg``, ``wte``,
-    ``wpe``, ``drop``, ``ln_f``) and its head's weight as ``head_weight``: the GPT's is
-    the token embedding (tied), a last pipeline stage's is its copy of it (``stage.py``).
-    So a stage runs the very code the GPT runs, block_size check included.
+    ``wpe`` (gpt only), ``drop``, ``ln_f``) and its head's weight as ``head_weight``: the
+    GPT's is ``lm_head.weight`` (the token embedding when tied), a last pipeline stage's
+    is its copy of the tied embedding or its own ``lm_head`` (``stage.py``). So a stage
+    runs the very code the GPT runs, block_size check included.
     """
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -113,8 +164,10 @@ class EmbeddingAndHead:
         T = idx.size(1)
         if T > self.cfg.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        if self.cfg.arch == "gpt":  # llama's positions are rotations inside attention
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        return self.drop(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(B, T, C) -> (B, T, V). The head computes Vp columns, the width the matmul wants;
@@ -126,6 +179,9 @@ class EmbeddingAndHead:
         targets, the last position's logits (B, 1, V): generation needs only those."""
         if targets is None:
             return self.logits(h[:, [-1], :])
+        if self.cfg.loss_chunk:
+            return chunked_cross_entropy(self.ln_f(h), self.head_weight, targets,
+                                         self.cfg.vocab_size, self.cfg.loss_chunk)
         logits = self.logits(h).float()  # the softmax in fp32 even when computing in bf16
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
                                ignore_index=-1)
@@ -136,13 +192,15 @@ class GPT(EmbeddingAndHead, nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        if cfg.arch == "gpt":
+            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self._pad_vocabulary()  # wte: (V, C) -> (Vp, C)
-        self.lm_head.weight = self.wte.weight  # tied (Press & Wolf 2017)
+        self._pad_vocabulary()  # wte (and an untied lm_head): (V, C) -> (Vp, C)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # tied (Press & Wolf 2017)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -153,14 +211,14 @@ class GPT(EmbeddingAndHead, nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=residual_std)
-            elif name == "wte.weight":
+            elif name in ("wte.weight", "lm_head.weight"):
                 nn.init.normal_(p[:self.cfg.vocab_size], mean=0.0, std=0.02)
                 nn.init.zeros_(p[self.cfg.vocab_size:])
             elif p.dim() >= 2:  # Linear weights and the position embedding
                 nn.init.normal_(p, mean=0.0, std=0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
-            else:  # LayerNorm weights
+            else:  # LayerNorm and RMSNorm weights
                 nn.init.ones_(p)
 
     def _pad_vocabulary(self) -> None:
@@ -169,13 +227,21 @@ class GPT(EmbeddingAndHead, nn.Module):
         values with and without padding."""
         pad = self.cfg.padded_vocab_size - self.cfg.vocab_size
         if pad:
-            w = self.wte.weight.detach()
-            self.wte.weight = nn.Parameter(torch.cat([w, w.new_zeros(pad, w.size(1))]))
+            for module in (self.wte, self.lm_head):
+                w = module.weight.detach()
+                module.weight = nn.Parameter(torch.cat([w, w.new_zeros(pad, w.size(1))]))
             self.wte.num_embeddings = self.lm_head.out_features = self.cfg.padded_vocab_size
 
     @property
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
+
+    def load_parameters(self, params: dict) -> None:
+        """Load parameters by name as ``named_parameters`` gives them (a tied head
+        appears once, as ``wte.weight``)."""
+        if self.cfg.tie_embeddings:
+            params = {**params, "lm_head.weight": params["wte.weight"]}
+        self.load_state_dict(params)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Mean cross-entropy when ``targets`` is given, else the last position's logits."""
@@ -193,7 +259,6 @@ class GPT(EmbeddingAndHead, nn.Module):
         """``GPTConfig.flops_per_token``: 6N + 12 L C T."""
         return self.cfg.flops_per_token()
 
-    @torch.no_grad()
     @torch.no_grad()
     def complete(self, tokenizer, prompt: str, n_tokens: int, *, temperature: float = 0.8,
                  top_k: int | None = 50, seed: int = 0) -> str:

@@ -11,11 +11,20 @@ the head up (50257 -> 50304 for GPT-2 at 64), so the head's matrix multiply gets
 that GPU kernels tile without a ragged edge (as nanoGPT pads its GPT-2). The
 padded rows are parameters (memory, optimizer state, checkpoints count them) but never
 a token: ``gpt.py`` cuts their logits off, so they get no gradient and are never sampled.
+
+Two architectures share the skeleton (embedding, blocks, final norm, head):
+``arch="gpt"`` is GPT-2 (learned positions, LayerNorm, GELU MLP of 4C), and
+``arch="llama"`` the Llama family (rotary positions, RMSNorm, SwiGLU MLP, grouped-query
+attention with ``n_kv_head`` key/value heads, usually an untied head). ``n_kv_head=0``
+and ``ffn_hidden=0`` mean the architecture's default; a ``GPTConfig`` always holds the
+resolved numbers, so a checkpoint records what was built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+ARCHS = ("gpt", "llama")
 
 
 @dataclass
@@ -32,6 +41,48 @@ class GPTConfig:
     recompute: str = "none"
     """'block': keep only each block's input in forward and run the block again in
     backward (activation recomputation); 'none' keeps every activation."""
+    arch: str = "gpt"
+    """'gpt' (GPT-2) or 'llama' (the Llama family), see the module docstring."""
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention: n_head / n_kv_head query heads share
+    one); 0 = n_head (multi-head attention)."""
+    ffn_hidden: int = 0
+    """Hidden width of the MLP; 0 = the architecture's rule (``default_ffn_hidden``)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embeddings' frequencies (llama)."""
+    rope_scaling: str = ""
+    """Rotary frequency scaling for contexts longer than the training one (llama): ''
+    none, 'linear:F' (positions divided by F), 'llama3:F:LOW:HIGH:ORIG' (Llama 3.1's
+    wavelength-dependent scaling, ``rope.py``)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the LayerNorms (gpt) or RMSNorms (llama)."""
+    tie_embeddings: bool = True
+    """The head uses the token embedding's matrix (GPT-2, small Llamas); False gives the
+    head its own (Llama 3 8B)."""
+    loss_chunk: int = 0
+    """Compute the head and the loss this many tokens at a time, recomputing each chunk's
+    logits in backward (``chunked_loss.py``); 0 = all at once."""
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"model arch {self.arch!r} is not one of {', '.join(ARCHS)}")
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of "
+                             f"n_kv_head={self.n_kv_head}")
+        if self.arch == "gpt" and self.n_kv_head != self.n_head:
+            raise ValueError("grouped-query attention (n_kv_head < n_head) needs arch=llama")
+        if self.ffn_hidden == 0:
+            self.ffn_hidden = default_ffn_hidden(self.arch, self.n_embd)
+        if self.arch == "llama" and self.head_size % 2:
+            raise ValueError(f"rotary embeddings turn pairs of channels: the head size "
+                             f"n_embd / n_head = {self.head_size} must be even")
+        parse_scaling(self.rope_scaling)
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
 
     @property
     def padded_vocab_size(self) -> int:
@@ -48,28 +99,41 @@ class GPTConfig:
     @classmethod
     def from_shape(cls, record: dict) -> GPTConfig:
         """The model a ``shape()`` record describes (a checkpoint's; extra keys, such as a
-        config section's dropout, are ignored). KeyError when one is missing, except
-        ``vocab_multiple``: records written before vocabulary padding existed lack it and
-        describe unpadded models (1)."""
-        return cls(**{k: record[k] for k in SHAPE_KEYS if k != "vocab_multiple"},
-                   vocab_multiple=record.get("vocab_multiple", 1))
+        config section's dropout, are ignored). KeyError when one of GPT-2's own keys is
+        missing; the keys added later take the values every older record describes
+        (``vocab_multiple=1``: written before vocabulary padding; ``arch="gpt"`` with
+        its defaults: written before the Llama family)."""
+        later = {k: record[k] for k in LATER_KEYS if k in record}
+        if "vocab_multiple" not in later:
+            later["vocab_multiple"] = 1
+        return cls(**{k: record[k] for k in SHAPE_KEYS if k not in LATER_KEYS}, **later)
+
+    def norm_params(self) -> int:
+        """One LayerNorm (weight, and bias with ``bias``) or RMSNorm (weight only)."""
+        c = self.n_embd
+        return 2 * c if self.bias and self.arch == "gpt" else c
 
     def block_params(self) -> int:
         """Parameters of one transformer block."""
-        c = self.n_embd
-        n = 12 * c * c + 2 * c  # qkv 3C^2, proj C^2, MLP 8C^2, two LayerNorm weights
-        if self.bias:
-            n += 3 * c + c + 4 * c + c + 2 * c  # qkv, proj, MLP in and out, two LayerNorms
+        c, h, kv = self.n_embd, self.ffn_hidden, self.n_kv_head * self.head_size
+        attn = c * (c + 2 * kv) + c * c  # q, k, v and the output projection
+        mlp = (3 if self.arch == "llama" else 2) * c * h  # SwiGLU: gate, up, down
+        n = attn + mlp + 2 * self.norm_params()
+        if self.bias:  # Linear biases
+            n += (c + 2 * kv) + c + (2 * h if self.arch == "llama" else h) + c
         return n
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters of ``GPT(self)``, the tied embedding and head once (padded rows
-        included: they take memory like any other); the position embeddings are left out
-        by default (they do no matrix multiply per token)."""
-        c = self.n_embd
-        n = self.n_layer * self.block_params() + self.padded_vocab_size * c  # blocks, wte
-        n += 2 * c if self.bias else c  # final LayerNorm
-        return n if non_embedding else n + self.block_size * c
+        """Parameters of ``GPT(self)``, a tied embedding and head once (padded rows
+        included: they take memory like any other). ``non_embedding`` leaves out what does
+        no matrix multiply per token: the position embeddings, and an untied token
+        embedding (a lookup; the head's own matrix stays)."""
+        c, rows = self.n_embd, self.padded_vocab_size * self.n_embd
+        n = self.n_layer * self.block_params() + rows + self.norm_params()  # head: wte or lm_head
+        if non_embedding:
+            return n
+        positions = self.block_size * c if self.arch == "gpt" else 0
+        return n + positions + (0 if self.tie_embeddings else rows)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N for the weights (forward 2N, backward 4N) plus
@@ -81,5 +145,39 @@ class GPTConfig:
                 + 12.0 * self.n_layer * self.n_embd * self.block_size)
 
 
-SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in ("dropout", "recompute"))
-"""The fields of ``GPTConfig.shape()``."""
+def parse_scaling(spec: str) -> tuple[str, list[float]]:
+    """Rotary scaling (``rope.py``): '' -> ('none', []); 'linear:F' -> ('linear', [F]); 'llama3:F:LOW:HIGH:ORIG'."""
+    if not spec:
+        return "none", []
+    kind, *args = spec.split(":")
+    want = {"linear": 1, "llama3": 4}.get(kind)
+    try:
+        values = [float(a) for a in args]
+    except ValueError:
+        values = []
+    if want is None or len(values) != want or min(values) <= 0:
+        raise ValueError(f"rope_scaling {spec!r}: use '' (none), 'linear:FACTOR' or "
+                         "'llama3:FACTOR:LOW_FREQ_FACTOR:HIGH_FREQ_FACTOR:ORIGINAL_CONTEXT' "
+                         "with positive numbers")
+    if kind == "llama3" and values[1] >= values[2]:
+        raise ValueError(f"rope_scaling {spec!r}: LOW_FREQ_FACTOR must be below "
+                         "HIGH_FREQ_FACTOR")
+    return kind, values
+
+
+def default_ffn_hidden(arch: str, n_embd: int) -> int:
+    """GPT-2: 4C. Llama: two thirds of 4C (SwiGLU has three matrices where GELU has two,
+    so the parameters stay 8C^2), rounded up to a multiple of 256 (Llama's
+    ``multiple_of``)."""
+    if arch == "gpt":
+        return 4 * n_embd
+    return -(-int(2 * 4 * n_embd / 3) // 256) * 256
+
+
+SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig)
+                   if f.name not in ("dropout", "recompute", "loss_chunk"))
+"""The fields of ``GPTConfig.shape()``: those that decide what the model computes."""
+
+LATER_KEYS = ("vocab_multiple", "arch", "n_kv_head", "ffn_hidden", "rope_theta",
+              "rope_scaling", "norm_eps", "tie_embeddings")
+"""Shape keys that older checkpoints lack (``from_shape`` fills them in)."""

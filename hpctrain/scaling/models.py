@@ -36,6 +36,13 @@ class ModelShape:
     """Embedding rows padded to a multiple of this; 1 (no padding) is what every record
     and calibration written before ``--model.vocab_multiple`` describes. Study runs
     train with this value (``runner.train_command``), so they match the model."""
+    arch: str = "gpt"
+    n_kv_head: int = 0
+    ffn_hidden: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: str = ""
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
 
     def __post_init__(self):
         for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
@@ -48,6 +55,12 @@ class ModelShape:
         if self.n_embd % self.n_head:
             raise UserError(f"model {self.label}: n_embd {self.n_embd} is not a multiple of "
                             f"n_head {self.n_head}; pick a width divisible by the head count")
+        try:  # the architecture's checks, and its defaults for n_kv_head and ffn_hidden
+            gpt = GPTConfig.from_shape(vars(self))
+        except (ValueError, TypeError) as e:
+            raise UserError(f"model {self.label}: {e}") from None
+        object.__setattr__(self, "n_kv_head", gpt.n_kv_head)
+        object.__setattr__(self, "ffn_hidden", gpt.ffn_hidden)
 
     @property
     def gpt(self) -> GPTConfig:
@@ -61,8 +74,11 @@ class ModelShape:
     def key(self) -> str:
         """Identifies a shape in calibration files (the compute rate depends on it; biases
         add FLOPs, counted, but do not change the rate)."""
-        return (f"L{self.n_layer}-H{self.n_head}-C{self.n_embd}-T{self.block_size}"
-                f"-V{self.vocab_size}")
+        key = (f"L{self.n_layer}-H{self.n_head}-C{self.n_embd}-T{self.block_size}"
+               f"-V{self.vocab_size}")
+        if self.arch != "gpt":  # GPT-2 keys stay as calibration files wrote them
+            key += f"-{self.arch}-KV{self.n_kv_head}-F{self.ffn_hidden}"
+        return key
 
     @property
     def layer_params(self) -> int:
@@ -70,7 +86,8 @@ class ModelShape:
 
     @property
     def embedding_params(self) -> int:
-        """Token embeddings (tied with the head) and the final LayerNorm."""
+        """The head's matrix (the tied token embedding, or the untied head) and the final
+        norm."""
         return self.params_non_embedding - self.n_layer * self.layer_params
 
     @property
@@ -99,10 +116,12 @@ class ModelShape:
         return self.gpt.flops_per_token()
 
     def stage_params(self, pp: int) -> int:
-        """Parameters on the largest pipeline stage: ceil(L/pp) blocks, plus the tied
-        embedding on the first stage (the last keeps a copy too, see parallelism.md)."""
+        """Parameters on the largest pipeline stage: ceil(L/pp) blocks, plus the token
+        embedding (and GPT-2's positions) on the first stage; the last holds the head (a
+        copy of a tied embedding, see parallelism.md), of the same size."""
         layers = -(-self.n_layer // pp)
-        extra = self.embedding_params + self.block_size * self.n_embd
+        positions = self.block_size * self.n_embd if self.arch == "gpt" else 0
+        extra = self.embedding_params + positions
         return layers * self.layer_params + extra
 
 

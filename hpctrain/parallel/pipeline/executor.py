@@ -230,8 +230,13 @@ class PipelineExecutor:
     # last micro-batch has gone backward; the first stage adds it to the embedding's
     # gradient before its own last backward pass, so the bucket holding the embedding
     # is complete when its reduction starts (the hooks launch it during that pass).
+    @property
+    def tied(self) -> bool:
+        """Whether the first and the last stage share a tied embedding."""
+        return self.p > 1 and self.stage.cfg.tie_embeddings
+
     def _post_tie_recv(self):
-        if not self.stage.has_embedding or self.p == 1:
+        if not self.stage.has_embedding or not self.tied:
             return None
         buf = torch.empty_like(self.stage.wte.weight)
         mpi = MPIBuffer(buf, self.accel, self.aware)
@@ -249,18 +254,22 @@ class PipelineExecutor:
 
     def _send_tied_gradient(self, sends: list) -> None:
         st = self.stage
-        self._send(st.head_weight.grad, 0, self.tie_tag, sends)
-        st.head_weight.grad = None  # the send holds the tensor until it completes
+        if not self.tied:
+            return
+        self._send(st.head_copy.grad, 0, self.tie_tag, sends)
+        st.head_copy.grad = None  # the send holds the tensor until it completes
 
     def tie_weights(self) -> None:
         """After the optimizer step: the head's copy takes the updated embedding."""
         st, last = self.stage, self.p - 1
+        if not self.tied:
+            return
         if st.has_embedding:
             sends: list = []
             self._send(st.wte.weight, last, self.tie_tag + 1, sends)
             self._wait([r for _, _, r in sends], "sending the tied embedding", bubble=False)
         elif st.has_head:
-            mpi = MPIBuffer(st.head_weight.data, self.accel, self.aware)
+            mpi = MPIBuffer(st.head_copy.data, self.accel, self.aware)
             req = self.comm.Irecv(mpi.to_mpi(send=False), source=0, tag=self.tie_tag + 1)
             self._wait([req], "receiving the tied embedding", bubble=False)
             mpi.from_mpi()
@@ -277,6 +286,5 @@ class PipelineExecutor:
     def whole_model(self, state: dict) -> GPT:
         """A GPT put together from ``gather_state``'s result (on rank 0), for sampling."""
         model = GPT(self.stage.cfg)
-        params = {n: s["param"] for n, s in state.items()}
-        model.load_state_dict({**params, "lm_head.weight": params["wte.weight"]})
+        model.load_parameters({n: s["param"] for n, s in state.items()})
         return model.to(self.device)

@@ -6,7 +6,7 @@ take the remainder), and the final LayerNorm, the head and the loss go with chun
 Chunk g lives on stage g mod p (``schedules.py``).
 
 A stage keeps its parts under the GPT's own attribute names (``wte``, ``wpe``,
-``h.<layer>``, ``ln_f``), so its ``named_parameters()`` are the GPT's names for the
+``h.<layer>``, ``ln_f``, an untied ``lm_head``), so its ``named_parameters()`` are the GPT's names for the
 same tensors: checkpoints, the optimizer's decay groups and the tests need no mapping.
 It runs them with the GPT's own code (``EmbeddingAndHead.embed`` and ``head_loss``), so
 a stage computes exactly what the GPT does and checks the sequence against block_size.
@@ -16,7 +16,8 @@ last stage keeps a copy that is *not* one of its parameters: after backward its 
 is sent to the first stage and added to the embedding's gradient there (before the
 data-parallel reduction), the first stage updates the one real parameter, and the new
 values are copied back (``PipelineEngine.tie_*``). So the optimizer, the gradient norm
-and the checkpoint all see the embedding once.
+and the checkpoint all see the embedding once. An untied head (``tie_embeddings=False``,
+as Llama 3 8B) is simply the last stage's own parameter ``lm_head.weight``.
 """
 
 from __future__ import annotations
@@ -54,16 +55,26 @@ class PipelineStage(EmbeddingAndHead, nn.Module):
         self.has_embedding = stage == 0
         self.has_head = stage == n_stages - 1
         if self.has_embedding:
-            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+            self.wte, self.drop = gpt.wte, gpt.drop
+            if self.cfg.arch == "gpt":
+                self.wpe = gpt.wpe
         self.h = nn.ModuleDict({str(i): gpt.h[i] for layers in self.chunk_layers for i in layers})
         if self.has_head:
             self.ln_f = gpt.ln_f
+            if not self.cfg.tie_embeddings:
+                self.lm_head = gpt.lm_head
         # Only this stage goes to the device: the whole model need not fit there.
         if device is not None:
             self.to(device)
-        if self.has_head:
+        self.head_copy = None
+        if self.has_head and self.cfg.tie_embeddings:
             # The head's copy of the tied embedding (see the module docstring).
-            self.head_weight = gpt.wte.weight.detach().to(device).clone().requires_grad_(True)
+            self.head_copy = gpt.wte.weight.detach().to(device).clone().requires_grad_(True)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The head's matrix: the copy of the tied embedding, or the own ``lm_head``."""
+        return self.head_copy if self.head_copy is not None else self.lm_head.weight
 
     def is_first_chunk(self, chunk: int) -> bool:
         return self.has_embedding and chunk == 0
@@ -85,10 +96,10 @@ class PipelineStage(EmbeddingAndHead, nn.Module):
 
     def sync_head_dtype(self) -> None:
         """Give the head's copy the compute dtype the engine gave the parameters (bf16)."""
-        if self.has_head:
+        if self.head_copy is not None:
             dtype = next(self.parameters()).dtype
-            if self.head_weight.dtype != dtype:
-                self.head_weight = self.head_weight.detach().to(dtype).requires_grad_(True)
+            if self.head_copy.dtype != dtype:
+                self.head_copy = self.head_copy.detach().to(dtype).requires_grad_(True)
 
     def activation_shape(self, rows: int, seq: int) -> tuple[int, int, int]:
         return (rows, seq, self.cfg.n_embd)

@@ -1,0 +1,68 @@
+"""The head and the cross-entropy, a chunk of tokens at a time (``--model.loss_chunk``).
+
+The logits of a batch are (tokens x vocabulary) numbers, kept in fp32 for the softmax:
+with a 128K vocabulary, 8K tokens already take 4 GiB, and backward needs as much again
+for their gradient. At long context they, not the transformer blocks, decide whether a
+batch fits. This function never holds more than one chunk's logits: forward computes
+each chunk's logits, its log-sum-exp and its loss, and keeps only the log-sum-exp (one
+number per token); backward computes each chunk's logits again, turns them into the
+gradient of the loss (softmax minus one-hot, over the token count) and multiplies it into
+the gradients of the hidden states and of the head's weight. The extra cost is one more
+head matmul per chunk (2 N V C FLOPs, a few percent of a step).
+
+It computes the same numbers as ``F.cross_entropy(F.linear(h, W[:V]).float(), t)`` with
+``ignore_index=-1``: the same matmuls in the same dtype, the softmax in fp32; only the
+order of the sum over tokens differs (fp32 rounding, ~1e-7 relative).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, vocab: int, chunk: int):
+        """h (N, C) final-normed hidden states, weight (Vp, C), targets (N,) with -1 for
+        tokens that do not count; returns the mean loss over the counted tokens."""
+        w = weight[:vocab]
+        lse = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, h.size(0), chunk):
+            logits = (h[s:s + chunk] @ w.t()).float()
+            t = targets[s:s + chunk]
+            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+            total += ((lse[s:s + chunk] - picked) * (t != -1)).sum()
+        count = (targets != -1).sum()
+        ctx.save_for_backward(h, weight, targets, lse, count)
+        ctx.vocab, ctx.chunk = vocab, chunk
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        h, weight, targets, lse, count = ctx.saved_tensors
+        vocab, chunk = ctx.vocab, ctx.chunk
+        w = weight[:vocab]
+        scale = grad_loss / count
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for s in range(0, h.size(0), chunk):
+            hc, t = h[s:s + chunk], targets[s:s + chunk]
+            # d loss / d logits = (softmax - one_hot(t)) / count, zero for ignored tokens
+            g = torch.exp((hc @ w.t()).float() - lse[s:s + chunk, None])
+            g[torch.arange(t.size(0), device=t.device), t.clamp(min=0)] -= 1.0
+            g *= (scale * (t != -1))[:, None]
+            g = g.to(h.dtype)
+            if grad_h is not None:
+                grad_h[s:s + chunk] = g @ w
+            grad_w[:vocab] += (g.t() @ hc).float()
+        return grad_h, grad_w.to(weight.dtype), None, None, None
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          vocab: int, chunk: int) -> torch.Tensor:
+    """Mean cross-entropy of ``h @ weight[:vocab].T`` (h: (B, T, C) or (N, C)) against
+    ``targets``, ``chunk`` tokens at a time."""
+    return ChunkedCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
+                                     vocab, chunk)

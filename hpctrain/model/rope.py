@@ -1,0 +1,64 @@
+"""Rotary position embeddings (Su et al. 2021, "RoFormer"), as the Llama family uses them.
+
+Each pair of channels (i, i + hs/2) of a query or key head is rotated by the angle
+``position * inv_freq[i]``, so the dot product of a query and a key depends on their
+distance only. The pairing is the "rotate half" one of Hugging Face's Llama (the first
+half of the head against the second), not the original interleaved (2i, 2i + 1): the
+published Llama weights are stored for this pairing, so they load without a permutation.
+
+Frequencies: ``inv_freq[i] = theta ** (-2i / hs)``. Scaling stretches them for contexts
+longer than the model was trained on: ``linear:F`` divides every frequency by F
+(position interpolation, Chen et al. 2023); ``llama3:F:LOW:HIGH:ORIG`` is Llama 3.1's
+rule: wavelengths shorter than ORIG/HIGH stay, those longer than ORIG/LOW are divided by
+F, and those between blend the two smoothly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hpctrain.model.shape import parse_scaling
+
+
+def inverse_frequencies(head_size: int, theta: float, scaling: str = "") -> torch.Tensor:
+    """The hs/2 rotation frequencies, fp32."""
+    inv = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+    kind, v = parse_scaling(scaling)
+    if kind == "linear":
+        inv = inv / v[0]
+    elif kind == "llama3":
+        factor, low, high, original = v
+        wavelength = 2 * math.pi / inv
+        scaled = torch.where(wavelength > original / low, inv / factor, inv)
+        smooth = (original / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        between = (wavelength >= original / high) & (wavelength <= original / low)
+        inv = torch.where(between, blended, scaled)
+    return inv.float()
+
+
+class Rotary:
+    """cos and sin tables for positions 0..T-1, made once per (T, device, dtype). Not a
+    module and no buffers: the tables are derived, so checkpoints, ``.to(bf16)`` and
+    ZeRO-3's parameter handling never see them, and the angles stay computed in fp32."""
+
+    def __init__(self, head_size: int, theta: float, scaling: str = ""):
+        self.inv_freq = inverse_frequencies(head_size, theta, scaling)
+        self._tables: dict = {}
+
+    def tables(self, T: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (T, str(device), dtype)
+        if key not in self._tables:
+            angles = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)  # (T, hs): both halves of a pair
+            self._tables = {key: (angles.cos().to(device, dtype), angles.sin().to(device, dtype))}
+        return self._tables[key]
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate (B, heads, T, hs) by each position's angles."""
+        cos, sin = self.tables(x.size(-2), x.device, x.dtype)
+        half = x.size(-1) // 2
+        rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated_half * sin
