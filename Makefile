@@ -16,6 +16,7 @@ TORCH ?= torch==2.13.0
 MPI_PACKAGES ?= mpi4py mpich
 NP ?= 2
 ARGS ?=
+RECIPE ?= default
 TIME_LIMIT ?= 1200
 
 PY := $(VENV)/bin/python
@@ -57,9 +58,10 @@ $(DATA): | $(STAMP)
 	$(VENV)/bin/hpctrain prepare --corpus stdlib --output $@
 
 # A second `make run` starts fresh: the previous run's outputs move into
-# runs/default/previous-<time>/ (--train.overwrite; nothing is deleted).
+# runs/default/previous-<time>/ (--train.overwrite; nothing is deleted). RECIPE picks
+# another recipe on the same data: make run RECIPE=llama-tiny
 run: $(STAMP) $(DATA)
-	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train default --train.overwrite=true $(ARGS)
+	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train $(RECIPE) --train.overwrite=true $(ARGS)
 
 # The suite in three legs: one process, then the MPI tests at 2 and 4 ranks. The
 # single-process reference runs are kept in a temporary directory for the legs to share

@@ -1,5 +1,6 @@
 """Config: recipes, overrides, and validation messages that name the fix (no MPI)."""
 
+import re
 import pytest
 
 from hpctrain.config import (Config, build_config, check_layout, load_config, parse_overrides,
@@ -80,7 +81,8 @@ def test_bad_values_name_the_fix(args, message):
 
 def test_unknown_recipe_lists_the_builtin_ones(tmp_path):
     with pytest.raises(ConfigError,
-                       match="built-in recipes: default, gpt2-124m, shakespeare-char"):
+                       match="built-in recipes: default, gpt2-124m, llama-tiny, llama3-8b, "
+                             "shakespeare-char"):
         load_config("no-such-recipe")
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\n")
@@ -132,3 +134,17 @@ def test_to_gpt_maps_every_model_field():
     assert ModelConfig(vocab_size=33).to_gpt(71).vocab_size == 33  # the config's wins
     with pytest.raises(ConfigError, match="set --model.vocab_size"):
         ModelConfig().to_gpt()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"arch": "llama", "n_kv_head": 3}, "multiple of n_kv_head=3"),
+    ({"arch": "llama", "rope_scaling": "cubic"}, "rope_scaling 'cubic'"),
+    ({"n_kv_head": 2}, "needs arch=llama"),
+    ({"arch": "llama", "n_embd": 20, "n_head": 4}, "must be even"),
+    ({"arch": "mamba"}, "model.arch='mamba' is not one of gpt, llama"),
+])
+def test_bad_model_shapes_name_the_option(overrides, message):
+    from hpctrain.config import ModelConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig(**overrides)
