@@ -224,3 +224,21 @@ def test_every_preset_plans_on_a_login_node_quickly():
         if name != "default":
             assert plan(system="aurora", nodes=64, model=name).fitting
     assert time.perf_counter() - t0 < 10.0
+
+
+def test_calibration_workers_rebuild_the_model_a_key_names():
+    from hpctrain.scaling.calib_worker import config_from_key
+
+    for shape in (model_shape("default"), model_shape("llama3-8b", block_size=64, n_layer=1)):
+        cfg = config_from_key(shape.key)
+        assert (cfg.arch, cfg.n_kv_head, cfg.ffn_hidden, cfg.n_embd) == \
+            (shape.arch, shape.n_kv_head, shape.ffn_hidden, shape.n_embd)
+
+
+def test_llama3_8b_has_its_published_parameter_count():
+    """8,030,261,248: Meta's count for Llama 3 8B (untied head, GQA with 8 key/value
+    heads, SwiGLU 14336); FLOPs per token 6N + 12 L C T with N without the embedding."""
+    shape = model_shape("llama3-8b")
+    assert shape.params == 8_030_261_248
+    n = shape.params - 128256 * 4096  # the embedding is a lookup; the head multiplies
+    assert shape.flops_per_token == 6 * n + 12 * 32 * 4096 * 8192

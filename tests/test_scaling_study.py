@@ -77,6 +77,13 @@ def test_study_runs_train_the_modelled_shape(tmp_path):
     cmd = train_command(s, point, tmp_path / "out")
     cfg = load_config(cmd[1], cmd[2:])
     assert cfg.model.to_gpt() == point.model.gpt
+    llama = SPEC.format(scaling="weak", batch="per_rank = 4").replace(
+        "vocab_size = 50", 'vocab_size = 50\narch = "llama"\nn_kv_head = 1\n'
+                           "tie_embeddings = false\nrope_theta = 500000.0")
+    s = load_study(_write(tmp_path, llama, "llama.toml"))
+    cmd = train_command(s, s.points[0], tmp_path / "out")
+    gpt = load_config(cmd[1], cmd[2:]).model.to_gpt()
+    assert gpt == s.points[0].model.gpt and (gpt.arch, gpt.n_kv_head) == ("llama", 1)
 
 
 def test_strong_spec_keeps_the_global_batch(tmp_path):

@@ -22,9 +22,21 @@ import numpy as np
 from mpi4py import MPI  # a worker under mpiexec: MPI is what it measures
 
 from hpctrain.comm.watchdog import wait_all
+from hpctrain.model.shape import GPTConfig
 
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 """Bytes: 64 KiB to 16 MiB (the trainer's first bucket is 1 MiB, the others 25 MiB)."""
+
+
+def config_from_key(shape_key: str):
+    """The model a ``ModelShape.key`` names: ``L4-H4-C128-T64-V65`` (GPT-2), with
+    ``-llama-KV2-F352`` after it for a Llama."""
+    parts = shape_key.split("-")
+    L, H, C, T, V = (int(x[1:]) for x in parts[:5])
+    extra = {}
+    if len(parts) == 8:
+        extra = {"arch": parts[5], "n_kv_head": int(parts[6][2:]), "ffn_hidden": int(parts[7][1:])}
+    return GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C, **extra)
 
 
 def _busy(seconds: float) -> None:
@@ -93,12 +105,11 @@ def concurrent_compute(comm, shape_key: str, rows: int, reps: int) -> float:
     OS had descheduled (MPICH's waiting ranks spin, taking cycles from those computing)."""
     import torch  # heavy: only with --compute
 
-    from hpctrain.model.gpt import GPT, GPTConfig
+    from hpctrain.model.gpt import GPT
 
     torch.set_num_threads(1)
-    L, H, C, T, V = (int(x[1:]) for x in shape_key.split("-"))
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C))
+    model = GPT(config_from_key(shape_key))
     x = torch.randint(0, V, (rows, T))
     flag = np.zeros(1)
     times = []

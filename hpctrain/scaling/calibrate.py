@@ -49,11 +49,10 @@ def measure_compute(shape: ModelShape, dtype: str, rows=(2, 8), reps: int = 7) -
     """Rate and per-layer overhead of one shape's forward + backward (one thread)."""
     import torch  # torch and the model load only when measuring, not at CLI start
 
-    from hpctrain.model.gpt import GPT, GPTConfig
+    from hpctrain.model.gpt import GPT
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=shape.vocab_size, block_size=shape.block_size,
-                          n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd))
+    model = GPT(shape.gpt)  # the architecture too: a Llama's SwiGLU and GQA run at other rates
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     times = []

@@ -34,10 +34,10 @@ KILL_AFTER_S = 10  # after the timeout's SIGTERM, SIGKILL this much later
 def train_command(study: Study, point: Point, out_dir: Path) -> list[str]:
     """``train RECIPE --...`` for one point (the launcher goes in front)."""
     m, lay = point.model, point.layout
-    cmd = ["train", study.recipe, *study.overrides,
-           f"--model.n_layer={m.n_layer}", f"--model.n_head={m.n_head}",
-           f"--model.n_embd={m.n_embd}", f"--model.block_size={m.block_size}",
-           f"--model.vocab_size={m.vocab_size}", f"--model.vocab_multiple={m.vocab_multiple}",
+    # Every key of the shape (architecture included), so the run trains what is modelled
+    shape = [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+             for k, v in m.gpt.shape().items()]
+    cmd = ["train", study.recipe, *study.overrides, *shape,
            f"--train.batch_size={lay.global_batch}", f"--train.max_iters={study.steps}",
            f"--train.log_interval={study.steps}", f"--train.dtype={lay.dtype}",
            f"--parallel.zero={lay.zero}", f"--parallel.micro_batches={lay.micro_batches}",

@@ -60,6 +60,9 @@ STUDY_KEYS = {"name", "scaling", "ranks", "nodes", "steps", "repeats", "recipe",
               "calibration", "timeout_s", "overrides", "dtype", "description"}
 PARALLEL_KEYS = {"name", "zero", "pp", "micro_batches", "schedule", "virtual_stages"}
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+OPTIONAL_SHAPE_KEYS = ("bias", "vocab_multiple", "arch", "n_kv_head", "ffn_hidden",
+                       "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
+"""``ModelShape``'s fields with a default (GPT-2's): a [[models]] table may set them."""
 
 
 @dataclass(frozen=True)
@@ -283,10 +286,10 @@ def _tables(path, d: dict, key: str) -> list[dict]:
 
 
 def _model(path, m: dict, vocab_size: int | None) -> ModelShape:
-    unknown = set(m) - set(SHAPE_KEYS) - {"name", "preset"}
+    unknown = set(m) - set(SHAPE_KEYS) - set(OPTIONAL_SHAPE_KEYS) - {"name", "preset"}
     if unknown:
         raise _err(path, f"unknown key(s) in [[models]]: {', '.join(sorted(unknown))}")
-    shape = {k: m[k] for k in SHAPE_KEYS if k in m}
+    shape = {k: m[k] for k in SHAPE_KEYS + OPTIONAL_SHAPE_KEYS if k in m}
     if "preset" in m:
         return model_shape(m["preset"], **shape)
     shape.setdefault("vocab_size", vocab_size)
