@@ -43,9 +43,10 @@ def _add_prepare(sub) -> None:
                           "(--output NAME.json): one dataset, each split the files' splits "
                           "in order")
     p.add_argument("--output", required=True, metavar="FILE.h5")
-    p.add_argument("--tokenizer", default="char", choices=["char", "byte", "gpt2"],
+    p.add_argument("--tokenizer", default="char", metavar="NAME",
                    help="char (vocabulary from the text), byte (256), gpt2 (GPT-2 BPE via "
-                        "tiktoken, from its local cache)")
+                        "tiktoken, from its local cache), or hf:DIR (the Hugging Face "
+                        "tokenizer.json in DIR, e.g. the model directory you import)")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="fraction of the tokens used for validation (default 0.1): "
                         "whole files in a fixed random order; of one file, its last tokens")

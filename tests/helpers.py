@@ -44,6 +44,28 @@ def tiny_config(data_path, out_dir, **overrides):
     return build_config(recipe)
 
 
+TEXTS = ["def hello(world):\n    return world * 2\n", "class Point:\n    x: int = 0\n",
+         "for i in range(10):\n    print(i, 'é')\n"]
+
+
+def save_tokenizer(directory, vocab_size: int = 300) -> int:
+    """A byte-level BPE trained here on ``TEXTS`` (nothing downloaded), saved as
+    ``directory/tokenizer.json``; returns its vocabulary size. Skips the test without
+    the tokenizers package."""
+    import pytest
+
+    tk = pytest.importorskip("tokenizers")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    tok.train_from_iterator(TEXTS * 10, tk.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|end|>"],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
 def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
         cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """Run a command under a hard time limit (a hang fails the test, never the suite)."""
