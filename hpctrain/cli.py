@@ -428,7 +428,7 @@ def _train(args, overrides: list[str], signals) -> int:
 
 
 def cmd_sample(args) -> int:
-    from hpctrain.checkpoint.tools import load_weights
+    from hpctrain.checkpoint.weights import load_weights
     from hpctrain.data.tokenizers import tokenizer_from_meta
     from hpctrain.model.gpt import GPT, GPTConfig
 

@@ -54,8 +54,10 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
 
 
 def unpadded(params: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
-    """``params`` with the token embedding cut to the model record's ``vocab_size`` rows."""
-    return {**params, "wte.weight": params["wte.weight"][:model["vocab_size"]]}
+    """``params`` with the token embedding (and an untied head) cut to the model record's
+    ``vocab_size`` rows."""
+    return {n: p[:model["vocab_size"]] if n in ("wte.weight", "lm_head.weight") else p
+            for n, p in params.items()}
 
 
 def hf_gpt2_state(params: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
