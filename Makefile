@@ -109,8 +109,9 @@ clean:
 	rm -rf $(VENV) datasets runs *.egg-info test-reports
 
 # ---- the hf leg and the skip audit ------------------------------------------------
-#   make test-hf     the tests marked `hf`: the Hugging Face export read back by
-#                    transformers and safetensors, the gpt2 tokenizer on GPT-2's real BPE
+#   make test-hf     the tests marked `hf`: Hugging Face import and export against
+#                    transformers and safetensors, `--tokenizer hf:DIR`, the gpt2
+#                    tokenizer on GPT-2's real BPE
 #   make test-audit  reads test-reports/*.xml (from test, test-hf, test-slurm and test-openmpi) and fails on a test
 #                    that no leg runs (tests/skip_audit.py, tests/skip_allowlist.txt)
 HF_STAMP := $(VENV)/.installed-hf

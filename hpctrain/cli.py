@@ -4,6 +4,7 @@ doctor.
     hpctrain prepare --corpus stdlib --output datasets/stdlib-char.h5
     mpiexec -n 4 hpctrain train default --train.max_iters=200
     hpctrain sample --checkpoint runs/default --prompt "def "
+    hpctrain ckpt import --from hf models/gpt2 --output ckpt/gpt2    # then --train.init_from
     hpctrain jobscript --system polaris --nodes 2 --walltime 00:30:00 --queue debug \
         --account PROJECT --output job.sh -- train default
     hpctrain launch --dry-run -- train default        # inside a PBS/SLURM job
@@ -43,9 +44,10 @@ def _add_prepare(sub) -> None:
                           "(--output NAME.json): one dataset, each split the files' splits "
                           "in order")
     p.add_argument("--output", required=True, metavar="FILE.h5")
-    p.add_argument("--tokenizer", default="char", choices=["char", "byte", "gpt2"],
+    p.add_argument("--tokenizer", default="char", metavar="NAME",
                    help="char (vocabulary from the text), byte (256), gpt2 (GPT-2 BPE via "
-                        "tiktoken, from its local cache)")
+                        "tiktoken, from its local cache), or hf:DIR (the Hugging Face "
+                        "tokenizer.json in DIR, e.g. the model directory you import)")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="fraction of the tokens used for validation (default 0.1): "
                         "whole files in a fixed random order; of one file, its last tokens")
@@ -158,11 +160,14 @@ def _add_launch(sub) -> None:
 
 
 def _add_ckpt(sub) -> None:
-    p = sub.add_parser("ckpt", help="inspect, merge, reshard or export a sharded checkpoint",
+    p = sub.add_parser("ckpt", help="inspect, merge, reshard, export or import a sharded "
+                                    "checkpoint",
                        description="Work with a sharded checkpoint (a run's out_dir, its "
                                    "checkpoints/ folder, or one checkpoints/step_N) on one "
                                    "process. Any checkpoint loads at any world size and ZeRO "
-                                   "stage with `hpctrain train ... --train.resume=PATH`.")
+                                   "stage with `hpctrain train ... --train.resume=PATH`, or "
+                                   "starts a new run from its weights with "
+                                   "--train.init_from=PATH.")
     acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     a = acts.add_parser("inspect", help="step, layout, model, shards")
     a.add_argument("path")
@@ -180,10 +185,23 @@ def _add_ckpt(sub) -> None:
     a.add_argument("--first-bucket-mb", type=float, default=1.0)
     a.add_argument("--output", required=True, metavar="DIR")
     a = acts.add_parser("export", help="weights as safetensors, or a Hugging Face GPT-2 "
-                                       "directory (config.json + model.safetensors)")
+                                       "or Llama directory (config.json + model.safetensors)")
     a.add_argument("path")
     a.add_argument("--format", choices=["safetensors", "hf"], default="hf")
     a.add_argument("--output", required=True, metavar="FILE_OR_DIR")
+    a = acts.add_parser("import", help="a Hugging Face GPT-2 or Llama directory as a "
+                                       "checkpoint to fine-tune (--train.init_from)",
+                        description="Read DIR's config.json, its safetensors weights (one "
+                                    "file or an index with shards; pickle files are refused) "
+                                    "and its tokenizer.json, and write a sharded checkpoint: "
+                                    "step 0, weights only, fp32.")
+    a.add_argument("source", metavar="DIR")
+    a.add_argument("--from", dest="source_format", choices=["hf"], required=True,
+                   help="the source's format: hf (a Hugging Face model directory)")
+    a.add_argument("--output", required=True, metavar="DIR")
+    a.add_argument("--vocab-multiple", type=int, default=1, metavar="N",
+                   help="pad the vocabulary rows to a multiple of N (default 1, none; "
+                        "--train.init_from pads to the run's --model.vocab_multiple anyway)")
 
 
 def _add_scale(sub) -> None:
@@ -307,9 +325,28 @@ def cmd_ckpt(args) -> int:
                             bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
         print(f"wrote {out}: resume with mpiexec -n {args.world} hpctrain train ... "
               f"--parallel.zero={args.zero} --train.resume={out}")
+    elif args.action == "import":
+        _import(args)
     else:
         print(f"wrote {tools.export(args.path, args.format, args.output)}")
     return 0
+
+
+def _import(args) -> None:
+    import shlex
+
+    from hpctrain.checkpoint.hf_import import import_hf
+    from hpctrain.checkpoint.weights import model_options
+
+    done = import_hf(args.source, args.output, vocab_multiple=args.vocab_multiple)
+    for note in done.notes:
+        print(f"note: {note}")
+    m = done.model
+    print(f"wrote {done.path}: {m['arch']}, {m['n_layer']} layers, {done.n_params:,} "
+          "parameters (fp32, step 0, weights only)")
+    print(f"fine-tune it: hpctrain train RECIPE --data.path=DATA.h5 "
+          f"{shlex.quote(f'--train.init_from={done.path}')} {' '.join(model_options(m))} "
+          "(a shorter --model.block_size is fine)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -427,7 +464,7 @@ def _train(args, overrides: list[str], signals) -> int:
 
 
 def cmd_sample(args) -> int:
-    from hpctrain.checkpoint.tools import load_weights
+    from hpctrain.checkpoint.weights import load_weights
     from hpctrain.data.tokenizers import tokenizer_from_meta
     from hpctrain.model.gpt import GPT, GPTConfig
 

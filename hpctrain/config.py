@@ -297,6 +297,13 @@ class TrainConfig:
     resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "
                           "exists; a path resumes from that checkpoint (any world size or "
                           "ZeRO stage); '' starts fresh")
+    init_from: str = opt("", "start a new run (step 0, fresh optimizer and learning-rate "
+                             "schedule) from the weights of this checkpoint: one `hpctrain "
+                             "ckpt import` wrote, a run's out_dir or final.h5, or a "
+                             "checkpoints/step_N (any layout); the --model.* options must "
+                             "describe its model (the vocabulary padding may differ). With "
+                             "--train.resume=auto a checkpoint in out_dir wins, so a "
+                             "requeued job continues instead of starting over")
     overwrite: bool = opt(False, "start fresh in an out_dir that holds an earlier run: its "
                                  "outputs are moved into <out_dir>/previous-<time>/ "
                                  "(nothing is deleted)")
@@ -324,6 +331,10 @@ class TrainConfig:
     def __post_init__(self):
         _check_fields(self)
         _require(self.out_dir != "", "train.out_dir must name a directory")
+        _require(not self.init_from or self.resume in ("", "auto"),
+                 f"--train.resume={self.resume} continues a run and --train.init_from="
+                 f"{self.init_from} starts a new one from weights; give one of them (or "
+                 "--train.resume=auto with init_from: resume when out_dir has a checkpoint)")
 
 
 @dataclass

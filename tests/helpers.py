@@ -44,6 +44,62 @@ def tiny_config(data_path, out_dir, **overrides):
     return build_config(recipe)
 
 
+LLAMA = {"model.arch": "llama", "model.n_kv_head": 1, "model.ffn_hidden": 48,
+         "model.tie_embeddings": False, "model.rope_theta": 500.0}
+"""``tiny_config`` overrides for a tiny Llama: grouped-query attention, an untied head."""
+
+
+def random_weights(gpt_cfg, seed: int = 7) -> dict:
+    """Parameters for ``GPT(gpt_cfg)`` that no seed's initialization gives: every tensor,
+    the norms' ones included, moved by noise; the vocabulary's padded rows stay zero."""
+    import torch
+
+    from hpctrain.model.gpt import GPT
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        params = {}
+        for name, p in GPT(gpt_cfg).named_parameters():
+            t = p.detach() + 0.05 * torch.randn_like(p)
+            if name in ("wte.weight", "lm_head.weight"):
+                t[gpt_cfg.vocab_size:] = 0
+            params[name] = t
+    return params
+
+
+def weights_checkpoint(path, params: dict, gpt_cfg, tokenizer: dict | None = None) -> Path:
+    """``params`` (padded as ``gpt_cfg`` says) as the checkpoint ``ckpt import`` writes,
+    recorded unpadded (``vocab_multiple=1``), as an import of a published model is."""
+    from hpctrain.checkpoint.export import unpadded
+    from hpctrain.checkpoint.weights import save_weights
+
+    model = {**gpt_cfg.shape(), "vocab_multiple": 1}
+    return save_weights(path, unpadded(params, model), model, tokenizer=tokenizer,
+                        note={"from": "test"})
+
+
+TEXTS = ["def hello(world):\n    return world * 2\n", "class Point:\n    x: int = 0\n",
+         "for i in range(10):\n    print(i, 'é')\n"]
+
+
+def save_tokenizer(directory, vocab_size: int = 300) -> int:
+    """A byte-level BPE trained here on ``TEXTS`` (nothing downloaded), saved as
+    ``directory/tokenizer.json``; returns its vocabulary size. Skips the test without
+    the tokenizers package."""
+    import pytest
+
+    tk = pytest.importorskip("tokenizers")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    tok.train_from_iterator(TEXTS * 10, tk.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|end|>"],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
 def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
         cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """Run a command under a hard time limit (a hang fails the test, never the suite)."""

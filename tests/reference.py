@@ -61,8 +61,10 @@ def plain_lr(step: int, cfg: Config) -> float:
     return o.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (o.lr - o.min_lr)
 
 
-def plain_torch_run(cfg: Config) -> Reference:
-    """Train ``cfg`` on one process with the whole global batch in one forward pass.
+def plain_torch_run(cfg: Config, init: dict | None = None) -> Reference:
+    """Train ``cfg`` on one process with the whole global batch in one forward pass,
+    from ``init`` (parameters by name, as the model's own; ``--train.init_from``'s
+    tests) or from the seed's initialization.
 
     With ``train.dtype=bf16`` this is textbook mixed precision: a bf16 copy of the fp32
     master model computes forward and backward, its gradients are up-cast onto the
@@ -71,6 +73,8 @@ def plain_torch_run(cfg: Config) -> Reference:
     m = cfg.model
     torch.manual_seed(cfg.train.seed)
     model = GPT(m.to_gpt(ds.vocab_size))
+    if init is not None:
+        model.load_parameters(init)
     params = list(model.parameters())
     compute = model
     if cfg.train.dtype == "bf16":

@@ -112,12 +112,12 @@ def test_hugging_face_export_gives_the_same_logits(trained, tmp_path, monkeypatc
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from hpctrain.checkpoint.export import hf_gpt2_state
+    from hpctrain.checkpoint.hf_names import to_hf
 
     out, gpt_cfg, params = trained
     hf_dir = tools.export(out, "hf", tmp_path / "hf")
     state = load_file(hf_dir / "model.safetensors")
-    expected_state = hf_gpt2_state(params, vars(gpt_cfg))
+    expected_state = to_hf(params, gpt_cfg.shape())
     assert set(state) == set(expected_state)
     for name, t in expected_state.items():
         torch.testing.assert_close(state[name], t, atol=0, rtol=0)

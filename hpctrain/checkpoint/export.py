@@ -1,12 +1,12 @@
-"""Export a checkpoint's weights: safetensors, and a Hugging Face GPT-2 directory.
+"""Export a checkpoint's weights: safetensors, and a Hugging Face model directory.
 
 safetensors is a plain format (8-byte little-endian header length, a JSON header of
 name -> dtype, shape, byte range, then the raw little-endian bytes), written here without
-the package. The Hugging Face layout follows ``transformers.GPT2LMHeadModel``: names under
-``transformer.``, ``Conv1D`` weights stored as (in, out), i.e. transposed from
-``nn.Linear``, a bias on every LayerNorm and projection (zeros when the model has none),
-the output head tied to the token embedding, exact-erf GELU (``activation_function:
-"gelu"``), LayerNorm epsilon 1e-5, and no dropout.
+the package. The Hugging Face directory holds ``transformers.GPT2LMHeadModel`` (arch gpt)
+or ``LlamaForCausalLM`` (arch llama): the tensor names and layouts are ``hf_names.py``'s
+(GPT-2's ``Conv1D`` transposed, Llama's q/k/v and gate/up projections split apart), the
+config ``hf_config.py``'s (exact-erf GELU for GPT-2, fp32, no dropout); ``hf_import.py``
+reads both back through the same two modules.
 
 Both exports drop the embedding's padded rows (``--model.vocab_multiple``): they are no
 token, and another program would take every row for one (Hugging Face's
@@ -23,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpctrain.checkpoint.hf_config import to_hf_config
+from hpctrain.checkpoint.hf_names import to_hf
+from hpctrain.data.tokenizers import HFTokenizer
 from hpctrain.files import chmod_as_created
 
 _DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("int64"): "I64"}
@@ -54,53 +57,24 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
 
 
 def unpadded(params: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
-    """``params`` with the token embedding cut to the model record's ``vocab_size`` rows."""
-    return {**params, "wte.weight": params["wte.weight"][:model["vocab_size"]]}
-
-
-def hf_gpt2_state(params: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
-    """hpctrain parameter names -> ``GPT2LMHeadModel`` names and layouts."""
-    params = unpadded(params, model)
-    out = {"transformer.wte.weight": params["wte.weight"],
-           "transformer.wpe.weight": params["wpe.weight"]}
-
-    def linear(src: str, dst: str, width: int) -> None:
-        out[f"{dst}.weight"] = params[f"{src}.weight"].t().contiguous()  # Conv1D: (in, out)
-        out[f"{dst}.bias"] = params.get(f"{src}.bias", torch.zeros(width))
-
-    def norm(src: str, dst: str) -> None:
-        out[f"{dst}.weight"] = params[f"{src}.weight"]
-        out[f"{dst}.bias"] = params.get(f"{src}.bias", torch.zeros_like(params[f"{src}.weight"]))
-
-    C = model["n_embd"]
-    for i in range(model["n_layer"]):
-        src, dst = f"h.{i}", f"transformer.h.{i}"
-        norm(f"{src}.ln_1", f"{dst}.ln_1")
-        linear(f"{src}.attn.c_attn", f"{dst}.attn.c_attn", 3 * C)
-        linear(f"{src}.attn.c_proj", f"{dst}.attn.c_proj", C)
-        norm(f"{src}.ln_2", f"{dst}.ln_2")
-        linear(f"{src}.mlp.c_fc", f"{dst}.mlp.c_fc", 4 * C)
-        linear(f"{src}.mlp.c_proj", f"{dst}.mlp.c_proj", C)
-    norm("ln_f", "transformer.ln_f")
-    return {k: v.float() for k, v in out.items()}
-
-
-def hf_gpt2_config(model: dict) -> dict:
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": model["vocab_size"], "n_positions": model["block_size"],
-            "n_embd": model["n_embd"], "n_layer": model["n_layer"], "n_head": model["n_head"],
-            "n_inner": 4 * model["n_embd"], "activation_function": "gelu",
-            "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0, "tie_word_embeddings": True, "torch_dtype": "float32"}
+    """``params`` with the token embedding (and an untied head) cut to the model record's
+    ``vocab_size`` rows."""
+    return {n: p[:model["vocab_size"]] if n in ("wte.weight", "lm_head.weight") else p
+            for n, p in params.items()}
 
 
 def export_hf(out_dir: str | Path, params: dict[str, torch.Tensor], model: dict,
               tokenizer: dict | None) -> Path:
+    """A Hugging Face model directory: ``config.json``, ``model.safetensors`` and the
+    tokenizer (a Hugging Face one as its own ``tokenizer.json``; hpctrain's byte, char and
+    gpt2 as ``hpctrain_tokenizer.json``, whose ids are ours)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / "model.safetensors", hf_gpt2_state(params, model),
-                      {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_gpt2_config(model), indent=1))
-    if tokenizer is not None:  # hpctrain's byte/char vocabulary: token ids are ours
+    write_safetensors(out / "model.safetensors", to_hf(params, model), {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(to_hf_config(model), indent=1))
+    if tokenizer is not None and tokenizer.get("name") == HFTokenizer.name:
+        (out / "tokenizer.json").write_text(HFTokenizer.from_meta(tokenizer).text,
+                                            encoding="utf-8")
+    elif tokenizer is not None:
         (out / "hpctrain_tokenizer.json").write_text(json.dumps(tokenizer, indent=1))
     return out

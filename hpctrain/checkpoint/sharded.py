@@ -41,6 +41,7 @@ import torch
 from hpctrain.checkpoint.format import (FORMAT, MODEL_KEYS, READS, VERSION, shard_name,
                                         step_dir_name, upgrade_model_record)
 from hpctrain.checkpoint.validate import Damaged, describe, validate_manifest
+from hpctrain.data.format import crc32_combine
 from hpctrain.errors import UserError
 from hpctrain.files import chmod_as_created
 
@@ -85,7 +86,26 @@ def write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def write_shard(path: Path, datasets: dict[str, np.ndarray], attrs: dict) -> dict[str, int]:
+@dataclass(frozen=True)
+class Zeros:
+    """A float32 dataset of zeros that ``write_shard`` never writes: chunked with fill
+    value 0 and no chunk allocated, it reads as zeros and takes no disk space (the Adam
+    moments of a checkpoint made from weights alone, ``weights.py``)."""
+    shape: tuple[int, ...]
+
+
+def zeros_crc32(nbytes: int) -> int:
+    """CRC-32 of ``nbytes`` zero bytes, without making them: two halves joined by
+    ``crc32_combine`` (logarithmic in ``nbytes``)."""
+    if nbytes <= 1 << 24:
+        return zlib.crc32(bytes(nbytes))
+    half = zeros_crc32(nbytes // 2)
+    both = crc32_combine(half, half, nbytes // 2)
+    return crc32_combine(both, zlib.crc32(bytes(nbytes % 2)), nbytes % 2)
+
+
+def write_shard(path: Path, datasets: dict[str, np.ndarray | Zeros],
+                attrs: dict) -> dict[str, int]:
     """Write one rank's shard; return the CRC-32 of each dataset."""
     import h5py
 
@@ -93,6 +113,11 @@ def write_shard(path: Path, datasets: dict[str, np.ndarray], attrs: dict) -> dic
     with h5py.File(path, "w") as f:
         f.attrs.update(attrs)
         for name, a in datasets.items():
+            if isinstance(a, Zeros):
+                f.create_dataset(name, shape=a.shape, dtype=np.float32, fillvalue=0.0,
+                                 chunks=True)
+                crcs[name] = zeros_crc32(4 * math.prod(a.shape))
+                continue
             f.create_dataset(name, data=a)
             crcs[name] = _crc(a)
         f.flush()
@@ -337,8 +362,10 @@ def bucket_key(entry: dict, i: int) -> str:
     return entry.get("key", f"bucket_{i}")
 
 
-def read_full_state(manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
-    """Whole fp32 parameters and Adam moments by parameter name, from any layout."""
+def read_full_state(manifest: Manifest, keys: tuple[str, ...] = KEYS
+                    ) -> dict[str, dict[str, torch.Tensor]]:
+    """Whole fp32 parameters and Adam moments by parameter name, from any layout;
+    ``keys=("param",)`` reads the parameters alone (``--train.init_from``)."""
     data = manifest.data
     out: dict[str, dict[str, torch.Tensor]] = {}
     if data["layout"] == "replicated":
@@ -352,24 +379,24 @@ def read_full_state(manifest: Manifest) -> dict[str, dict[str, torch.Tensor]]:
                 for name in names:
                     shape = data["index"]["params"][name]
                     out[name] = {k: torch.from_numpy(_read(manifest, f, rank, f"{k}/{name}",
-                                                           tuple(shape))) for k in KEYS}
+                                                           tuple(shape))) for k in keys}
         return out
     buckets = data["index"]["buckets"]
-    flats = [{k: [] for k in KEYS} for _ in buckets]
+    flats = [{k: [] for k in keys} for _ in buckets]
     for rank in range(manifest.world_size):
         mine = [i for i, b in enumerate(buckets) if rank in bucket_ranks(manifest, b)]
         if not mine:
             continue
         with _open_shard(manifest, rank) as f:
             for i in mine:
-                for k in KEYS:
+                for k in keys:
                     flats[i][k].append(_read_bucket(manifest, f, rank, buckets[i], i, k))
     for i, b in enumerate(buckets):
-        full = {k: np.concatenate(flats[i][k]) for k in KEYS}
+        full = {k: np.concatenate(flats[i][k]) for k in keys}
         for name, shape, off in zip(b["names"], b["shapes"], b["offsets"]):
             n = math.prod(shape)  # inside the bucket: validate_manifest checked
             out[name] = {k: torch.from_numpy(full[k][off:off + n].copy()).reshape(shape)
-                         for k in KEYS}
+                         for k in keys}
     return out
 
 

@@ -1,5 +1,6 @@
-"""``hpctrain ckpt inspect | merge | export``: look into and convert sharded checkpoints
-on one process, without MPI (a checkpoint of any world size reads the same way)."""
+"""``hpctrain ckpt inspect | merge | export | reshard``: look into and convert sharded
+checkpoints on one process, without MPI (a checkpoint of any world size reads the same
+way). ``ckpt import`` is ``hf_import.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hpctrain.checkpoint.export import export_hf, unpadded, write_safetensors
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError, bucket_entry,
                                          read_full_state, read_manifest, read_rng,
                                          shard_name, write_shard, write_synced)
-from hpctrain.checkpoint.single_file import load_checkpoint, save_checkpoint
+from hpctrain.checkpoint.single_file import save_checkpoint
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.shards import shard_layout
 
@@ -37,6 +38,9 @@ def inspect(path: str | Path, verify: bool = False) -> str:
              f"  {len(_shapes(d))} tensors, {n_params:,} parameters",
              f"  data: {data.get('sampler')} sampler, seed {data.get('seed')}, next step "
              f"{data.get('next_step')}",
+             *([f"  imported from {d['imported'].get('from')} {d['imported'].get('path')} "
+                f"(weights only: step 0, Adam moments zero)"]
+               if isinstance(d.get("imported"), dict) else []),
              "  shards: " + ", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)"
                                       if p.exists() else f"{p.name} (MISSING)" for p in shards)]
     if verify:
@@ -70,7 +74,7 @@ def merge(path: str | Path, output: str | Path) -> Path:
 
 def export(path: str | Path, fmt: str, output: str | Path) -> Path:
     m = read_manifest(path)
-    params = {n: s["param"] for n, s in read_full_state(m).items()}
+    params = {n: s["param"] for n, s in read_full_state(m, ("param",)).items()}
     if fmt == "safetensors":
         out = Path(output)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -79,29 +83,6 @@ def export(path: str | Path, fmt: str, output: str | Path) -> Path:
     if fmt == "hf":
         return export_hf(output, params, m.data["model"], m.data.get("tokenizer"))
     raise CheckpointError(f"unknown export format {fmt!r}; use safetensors or hf")
-
-
-def load_weights(path: str | Path):
-    """Parameters, model shape and tokenizer from a run's out_dir, a ``final.h5`` or a
-    sharded checkpoint: ``(params by name, model dict, tokenizer meta)``."""
-    p = Path(path)
-    if p.is_file() or (p / "final.h5").is_file():
-        ckpt = load_checkpoint(p)
-        params = {k: torch.from_numpy(v) for k, v in ckpt.model.items()}
-        model = ckpt.config.get("model") if isinstance(ckpt.config, dict) else None
-        if not isinstance(model, dict) or "wte.weight" not in params:
-            raise CheckpointError(f"{p} records no model shape or no embedding: it was not "
-                                  "written by `hpctrain train` or is damaged")
-        model = dict(model)
-        # model.vocab_size=0 took the vocabulary from the data: the tokenizer's size, or
-        # (a file without one) the embedding's rows, which a padded model has more of
-        vocab = ckpt.tokenizer.get("vocab_size") if isinstance(ckpt.tokenizer, dict) else None
-        model["vocab_size"] = (model.get("vocab_size") or vocab
-                               or params["wte.weight"].shape[0])
-        return params, model, ckpt.tokenizer
-    m = read_manifest(p)
-    params = {n: s["param"] for n, s in read_full_state(m).items()}
-    return params, m.data["model"], m.data.get("tokenizer")
 
 
 def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,

@@ -52,7 +52,7 @@ from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_bl
                                   create_token_file, crc32_combine, temp_name, token_dtype,
                                   write_all, write_manifest)
 from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
-from hpctrain.data.tokenizers import TOKENIZERS, CharTokenizer, make_tokenizer
+from hpctrain.data.tokenizers import CharTokenizer, check_tokenizer_name, make_tokenizer
 from hpctrain.errors import DataError, UserError
 from hpctrain.files import chmod_as_created
 from hpctrain.progress import Progress
@@ -305,8 +305,7 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
         raise DataError(f"--timeout must be a finite number of seconds > 0, not {timeout}")
     group = _Solo() if comm is None else _Group(comm, timeout)
     output, hints = Path(output), romio_hints or {}
-    if tokenizer not in TOKENIZERS:
-        raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+    check_tokenizer_name(tokenizer)
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction must be between 0 and 1, not {val_fraction}")
 

@@ -1,14 +1,17 @@
-"""Byte, character and GPT-2 BPE tokenizers. No MPI here.
+"""Byte, character, GPT-2 BPE and Hugging Face tokenizers. No MPI here.
 
-A tokenizer is described by ``meta()`` (a small JSON-able dict stored in the dataset
-file and in checkpoints) and rebuilt by ``tokenizer_from_meta``.
+A tokenizer is described by ``meta()`` (a JSON-able dict stored in the dataset file and
+in checkpoints) and rebuilt by ``tokenizer_from_meta``.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -141,18 +144,139 @@ def _load_gpt2():
         f"{url} and save it as {_cache_file(url)}")
 
 
+MAX_TOKENIZER_JSON_BYTES = 64 << 20
+"""Larger than any real ``tokenizer.json`` (Llama 3's is 9 MB): refused before reading."""
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package (its Rust
+    implementation reads the file as data: nothing in it runs as code).
+
+    ``meta()`` embeds the file, zlib-compressed and base64-encoded, with its sha256, so
+    that a dataset or a checkpoint decodes on a machine that never saw the file. The
+    ``tokenizers`` object is built on first use: training reads only ``vocab_size``, and
+    only encoding and decoding need the package.
+
+    Text is encoded without the special tokens a post-processor would add (a BOS per
+    call): ``prepare`` encodes whole files, as ``gpt2`` does with ``encode_ordinary``.
+    Decoding keeps special tokens as text.
+    """
+
+    name = "hf"
+
+    def __init__(self, text: str, vocab_size: int, packed: str | None = None):
+        self.text, self.vocab_size = text, vocab_size
+        self.sha256 = hashlib.sha256(text.encode()).hexdigest()
+        self._packed = packed
+        self._tok = None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HFTokenizer:
+        """``path``: a model directory holding ``tokenizer.json``, or the file itself."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise DataError(f"{p} does not exist; --tokenizer hf:DIR reads DIR/tokenizer.json, "
+                            "a Hugging Face fast tokenizer (a model with only "
+                            "tokenizer.model or vocab files: save it once as tokenizer.json "
+                            "with transformers' AutoTokenizer.from_pretrained(DIR)"
+                            ".save_pretrained(DIR))")
+        if p.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
+            raise DataError(f"{p} has {p.stat().st_size:,} bytes, more than any tokenizer "
+                            f"({MAX_TOKENIZER_JSON_BYTES >> 20} MiB); is it the right file?")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"{p} is unreadable ({e}); pass a tokenizer.json") from None
+        tok = _build_hf(text, str(p))
+        vocab = tok.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise DataError(f"{p} has an empty vocabulary; pass the model's tokenizer.json")
+        obj = cls(text, max(vocab.values()) + 1)  # ids may have gaps: the largest decides
+        obj._tok = tok
+        return obj
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> HFTokenizer:
+        try:
+            packed = meta["json_zlib"]
+            inflate = zlib.decompressobj()  # bounded: a crafted record is no memory bomb
+            raw = inflate.decompress(base64.b64decode(packed, validate=True),
+                                     MAX_TOKENIZER_JSON_BYTES)
+            if inflate.unconsumed_tail or not inflate.eof:
+                raise ValueError(f"not one whole file of at most {MAX_TOKENIZER_JSON_BYTES} "
+                                 "bytes")
+            text, vocab = raw.decode(), int(meta["vocab_size"])
+        except (KeyError, TypeError, ValueError, binascii.Error, zlib.error) as e:
+            raise DataError(f"the recorded Hugging Face tokenizer is damaged ({e}); prepare "
+                            "the data again with --tokenizer hf:DIR") from None
+        obj = cls(text, vocab, packed)
+        if obj.sha256 != meta.get("sha256"):
+            raise DataError("the recorded Hugging Face tokenizer fails its sha256 check; "
+                            "prepare the data again with --tokenizer hf:DIR")
+        return obj
+
+    @property
+    def tokenizer(self):
+        if self._tok is None:
+            self._tok = _build_hf(self.text, "the recorded tokenizer.json")
+        return self._tok
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.array(self.tokenizer.encode(text, add_special_tokens=False).ids,
+                        dtype=np.uint32)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in np.asarray(ids).tolist()],
+                                     skip_special_tokens=False)
+
+    def meta(self) -> dict:
+        if self._packed is None:  # level 9: the same text gives the same bytes
+            self._packed = base64.b64encode(zlib.compress(self.text.encode(), 9)).decode()
+        return {"name": self.name, "vocab_size": self.vocab_size, "sha256": self.sha256,
+                "json_zlib": self._packed}
+
+
+def _build_hf(text: str, where: str):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError("Hugging Face tokenizers (--tokenizer hf:DIR) need the tokenizers "
+                        "package: `pip install tokenizers` (or hpctrain's hf extra)") from None
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception
+        raise DataError(f"{where} is not a tokenizer.json the tokenizers package reads "
+                        f"({str(e)[:200]}); pass the model's tokenizer.json") from None
+    tok.no_truncation()  # a file may ask for both; whole documents need neither
+    tok.no_padding()
+    return tok
+
+
 TOKENIZERS = ("byte", "char", "gpt2")
+HF_PREFIX = "hf:"
+
+
+def check_tokenizer_name(name: str) -> None:
+    """``prepare --tokenizer``: one of ``TOKENIZERS`` or ``hf:DIR``."""
+    if name not in TOKENIZERS and not (name.startswith(HF_PREFIX) and name[len(HF_PREFIX):]):
+        raise DataError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)} "
+                        "or hf:DIR (a Hugging Face tokenizer.json in DIR)")
 
 
 def make_tokenizer(name: str):
     """A tokenizer with a fixed vocabulary (``char`` is built from the text instead)."""
+    check_tokenizer_name(name)
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
         tok = GPT2Tokenizer()
         tok.encoding  # fail now, with the message, not halfway through a corpus
         return tok
-    raise DataError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
+    if name.startswith(HF_PREFIX):
+        return HFTokenizer.from_file(name[len(HF_PREFIX):])
+    raise DataError(f"tokenizer {name!r} builds its vocabulary from the text")
 
 
 def tokenizer_from_meta(meta: dict):
@@ -163,4 +287,15 @@ def tokenizer_from_meta(meta: dict):
         return CharTokenizer(meta["chars"])
     if name == "gpt2":
         return GPT2Tokenizer()
-    raise DataError(f"unknown tokenizer {name!r}; this hpctrain knows {', '.join(TOKENIZERS)}")
+    if name == HFTokenizer.name:
+        return HFTokenizer.from_meta(meta)
+    raise DataError(f"unknown tokenizer {name!r}; this hpctrain knows "
+                    f"{', '.join(TOKENIZERS)} and {HFTokenizer.name}")
+
+
+def tokenizer_identity(meta: dict) -> tuple:
+    """What makes two tokenizer records the same tokenizer (ids meaning the same text):
+    a Hugging Face one by its file's sha256, not by its compressed bytes."""
+    if meta.get("name") == HFTokenizer.name:
+        return (HFTokenizer.name, meta.get("vocab_size"), meta.get("sha256"))
+    return tuple(sorted((k, str(v)) for k, v in meta.items()))

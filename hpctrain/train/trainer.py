@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from hpctrain.checkpoint.collective import find_resume, load_checkpoint
+from hpctrain.checkpoint.init_from import load_initial_weights
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World, threads_per_rank
 from hpctrain.config import Config, ConfigError, check_layout
@@ -86,6 +87,7 @@ class Trainer:
              "tokenizer": self.tokenizer.meta()}, t.ckpt_keep, self._log,
             on_saved=self.deadline.record_save)
         self.start_step = 0
+        self.initialized_from = ""
         resume_from = find_resume(t.resume, self.out_dir)
         if resume_from is not None:
             self.start_step = load_checkpoint(resume_from, self.engine, self.grid,
@@ -94,6 +96,11 @@ class Trainer:
             if self.start_step > t.max_iters:
                 raise ConfigError(f"the checkpoint is at step {self.start_step}, past "
                                   f"--train.max_iters={t.max_iters}; raise max_iters to go on")
+        elif t.init_from:  # resume=auto found nothing to resume: a new run from weights
+            load_initial_weights(t.init_from, self.engine, model_shape=self.gpt_cfg.shape(),
+                                 tokenizer=self.tokenizer.meta())
+            self.runner.tie_weights()
+            self.initialized_from = t.init_from
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
                                   append=self.start_step > 0)
 
@@ -159,6 +166,9 @@ class Trainer:
         self._log(f"data: {describe_reader(self.batches.data.reader)}")
         if self.start_step:
             self._log(f"resumed from the checkpoint of step {self.start_step}")
+        elif self.initialized_from:
+            self._log(f"weights from {self.initialized_from}; the optimizer and the "
+                      "learning-rate schedule start fresh")
 
     def _fit(self) -> TrainResult:
         t = self.cfg.train

@@ -1,0 +1,169 @@
+"""Which Hugging Face tensors make each hpctrain parameter: one table, read both ways.
+
+``rules(model)`` lists, for a model record (``GPTConfig.shape()``), every hpctrain
+parameter with the Hugging Face tensors it is made of; ``to_hf`` (the export) and
+``from_hf`` (the import) both walk that one list, so the two directions cannot drift
+apart. Three things differ between the layouts:
+
+- **Fused projections.** hpctrain keeps one matrix where Hugging Face's Llama keeps
+  several: ``c_attn`` is the rows of ``q_proj``, ``k_proj`` and ``v_proj`` stacked (nkv
+  key/value heads each, grouped-query attention), ``mlp.c_fc`` the rows of
+  ``gate_proj`` and ``up_proj`` (the gate first, as ``gpt.MLP`` splits it). The rotary
+  pairing is the same ("rotate half", ``model/rope.py``), so queries and keys need no
+  permutation.
+- **GPT-2's ``Conv1D``** stores its weights (in, out), transposed from ``nn.Linear``.
+  GPT-2 has every bias; a model without them (``bias=False``) exports zeros there, and
+  an import takes a model whose biases are all zero as one without them.
+- **The vocabulary's padding** (``vocab_multiple``): hpctrain's embedding and untied
+  head have ``padded_vocab_size`` rows, Hugging Face's exactly ``vocab_size``. The
+  export cuts the padding off; the import appends zero rows (padding is never a token).
+
+A tied head (``tie_embeddings``) has no tensor of its own on either side.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from hpctrain.model.gpt import GPT
+from hpctrain.model.shape import GPTConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    ours: str
+    """The hpctrain parameter."""
+    theirs: tuple[str, ...]
+    """The Hugging Face tensors it is made of, its rows in this order."""
+    rows: tuple[int, ...]
+    """Rows (output features) of each of ``theirs``."""
+    conv1d: bool = False
+    """GPT-2's ``Conv1D``: stored (in, out), the transpose of ours."""
+    absent_is_zero: bool = False
+    """Hugging Face always has this tensor; a model without it (no biases) writes zeros."""
+    vocab: bool = False
+    """Rows are the vocabulary: ours are padded to ``padded_vocab_size``, theirs not."""
+
+
+IGNORED = (re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias"),  # GPT-2's causal mask
+           re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"))  # Llama's
+"""Buffers that older transformers saved with the weights: derived, never parameters."""
+
+
+def rules(model: dict) -> list[Rule]:
+    """Every parameter of the model ``model`` records, in ``GPT.named_parameters`` order."""
+    cfg = GPTConfig.from_shape(model)
+    return _llama(cfg) if cfg.arch == "llama" else _gpt2(cfg)
+
+
+def _gpt2(cfg: GPTConfig) -> list[Rule]:
+    C, H, V = cfg.n_embd, cfg.ffn_hidden, cfg.vocab_size
+    out = [Rule("wte.weight", ("transformer.wte.weight",), (V,), vocab=True),
+           Rule("wpe.weight", ("transformer.wpe.weight",), (cfg.block_size,))]
+
+    def linear(ours: str, theirs: str, rows: int) -> None:
+        out.append(Rule(f"{ours}.weight", (f"{theirs}.weight",), (rows,), conv1d=True))
+        out.append(Rule(f"{ours}.bias", (f"{theirs}.bias",), (rows,),
+                        absent_is_zero=not cfg.bias))
+
+    def norm(ours: str, theirs: str) -> None:
+        out.append(Rule(f"{ours}.weight", (f"{theirs}.weight",), (C,)))
+        out.append(Rule(f"{ours}.bias", (f"{theirs}.bias",), (C,), absent_is_zero=not cfg.bias))
+
+    for i in range(cfg.n_layer):
+        ours, theirs = f"h.{i}", f"transformer.h.{i}"
+        norm(f"{ours}.ln_1", f"{theirs}.ln_1")
+        linear(f"{ours}.attn.c_attn", f"{theirs}.attn.c_attn", 3 * C)
+        linear(f"{ours}.attn.c_proj", f"{theirs}.attn.c_proj", C)
+        norm(f"{ours}.ln_2", f"{theirs}.ln_2")
+        linear(f"{ours}.mlp.c_fc", f"{theirs}.mlp.c_fc", H)
+        linear(f"{ours}.mlp.c_proj", f"{theirs}.mlp.c_proj", C)
+    norm("ln_f", "transformer.ln_f")
+    if not cfg.tie_embeddings:
+        out.append(Rule("lm_head.weight", ("lm_head.weight",), (V,), vocab=True))
+    return out
+
+
+def _llama(cfg: GPTConfig) -> list[Rule]:
+    C, H, V = cfg.n_embd, cfg.ffn_hidden, cfg.vocab_size
+    q, kv = cfg.n_head * cfg.head_size, cfg.n_kv_head * cfg.head_size
+    out = [Rule("wte.weight", ("model.embed_tokens.weight",), (V,), vocab=True)]
+
+    def linear(ours: str, theirs: tuple[str, ...], rows: tuple[int, ...]) -> None:
+        for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            out.append(Rule(f"{ours}.{kind}", tuple(f"{t}.{kind}" for t in theirs), rows))
+
+    for i in range(cfg.n_layer):
+        ours, theirs = f"h.{i}", f"model.layers.{i}"
+        attn, mlp = f"{theirs}.self_attn", f"{theirs}.mlp"
+        out.append(Rule(f"{ours}.ln_1.weight", (f"{theirs}.input_layernorm.weight",), (C,)))
+        linear(f"{ours}.attn.c_attn", (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"),
+               (q, kv, kv))
+        linear(f"{ours}.attn.c_proj", (f"{attn}.o_proj",), (C,))
+        out.append(Rule(f"{ours}.ln_2.weight", (f"{theirs}.post_attention_layernorm.weight",),
+                        (C,)))
+        linear(f"{ours}.mlp.c_fc", (f"{mlp}.gate_proj", f"{mlp}.up_proj"), (H, H))
+        linear(f"{ours}.mlp.c_proj", (f"{mlp}.down_proj",), (C,))
+    out.append(Rule("ln_f.weight", ("model.norm.weight",), (C,)))
+    if not cfg.tie_embeddings:
+        out.append(Rule("lm_head.weight", ("lm_head.weight",), (V,), vocab=True))
+    return out
+
+
+def hf_names(model: dict) -> set[str]:
+    """Every tensor name of the Hugging Face model (what an import must find)."""
+    return {t for r in rules(model) for t in r.theirs}
+
+
+def to_hf(params: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
+    """hpctrain parameters -> Hugging Face tensors (fp32, contiguous)."""
+    out = {}
+    for r in rules(model):
+        if r.ours not in params:
+            if not r.absent_is_zero:
+                raise KeyError(f"the checkpoint has no {r.ours}")
+            for name, rows in zip(r.theirs, r.rows):
+                out[name] = torch.zeros(rows)
+            continue
+        t = params[r.ours].detach().float()
+        if r.vocab:
+            t = t[:sum(r.rows)]
+        for name, piece in zip(r.theirs, t.split(list(r.rows), dim=0)):
+            out[name] = (piece.t() if r.conv1d else piece).contiguous()
+    return out
+
+
+def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors -> hpctrain parameters (fp32, vocabulary padded with zero
+    rows). Every tensor must have the shape ``model`` implies: ValueError names the first
+    that does not (the caller adds where it was read)."""
+    cfg = GPTConfig.from_shape(model)
+    with torch.device("meta"):  # the shapes alone, from the model itself: no memory
+        shapes = {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}
+    out = {}
+    for r in rules(model):
+        want = shapes.get(r.ours)
+        if want is None and not r.absent_is_zero:
+            raise KeyError(f"{r.ours} is not a parameter of the model")  # a bug in rules()
+        pieces = []
+        for name, rows in zip(r.theirs, r.rows):
+            t = tensors[name].float()
+            expect = (rows, *want[1:]) if want is not None else (rows,)
+            if r.conv1d:
+                expect = expect[::-1]
+            if tuple(t.shape) != expect:
+                raise ValueError(f"{name} has shape {list(t.shape)}, but config.json implies "
+                                 f"{list(expect)}")
+            pieces.append(t.t() if r.conv1d else t)
+        if want is None:  # absent_is_zero: a bias the model does not have
+            if any(p.any() for p in pieces):
+                raise ValueError(f"{r.theirs[0]} is not zero, but the model has no biases")
+            continue
+        t = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        if r.vocab and t.shape[0] < want[0]:
+            t = torch.cat([t, t.new_zeros(want[0] - t.shape[0], *t.shape[1:])])
+        out[r.ours] = t.contiguous()
+    return out
