@@ -267,6 +267,12 @@ def _add_plan(sub) -> None:
     p.add_argument("--seq-len", type=int, default=0, metavar="T",
                    help="context length (default: the model's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--recompute", default="none", choices=["none", "block"],
+                   help="as --model.recompute: block keeps only each layer's input (a third "
+                        "more compute)")
+    p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
+                   help="as --model.loss_chunk: the head's logits N tokens at a time "
+                        "(default 0: all at once)")
     p.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
                    help="default: the system's (one per GPU or tile)")
     p.add_argument("--calibration", metavar="FILE.json", help="measured numbers to use")

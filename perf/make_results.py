@@ -374,6 +374,48 @@ def render_io(d: dict) -> list[str]:
     return out
 
 
+def render_long_context(d: dict) -> list[str]:
+    m = d["model"]
+    variants = list(dict.fromkeys(r["variant"] for r in d["sweep"]))
+    by_seq: dict = {}
+    for r in d["sweep"]:
+        by_seq.setdefault(r["seq"], {})[r["variant"]] = r
+    rows = []
+    for seq, rs in by_seq.items():
+        plain = rs.get("plain", {}).get("peak_bytes")
+        row = [seq]
+        for v in variants:
+            r = rs.get(v)
+            row += [fmt(r["peak_bytes"] / 2**20), fmt_spread(r["step_ms_all"])] if r \
+                else ["n/a", "n/a"]
+        row += [fmt(_ratio(plain, rs[v]["peak_bytes"])) if v in rs else "n/a"
+                for v in variants[1:]]
+        rows.append(row)
+    shape = (f"Llama-shaped, {m['n_layer']} layers, width {m['n_embd']}, "
+             f"{m['n_head']}/{m['n_kv_head']} query/key-value heads, vocabulary "
+             f"{m['vocab_size']}, {'tied' if m.get('tie_embeddings', True) else 'untied'} "
+             f"head, {d['dtype']}, one sequence, {d['threads']} threads")
+    out = [f"Peak memory growth of one training step (forward and backward; MiB) and step "
+           f"time (ms, median [min, max]) by sequence length T; {shape}; loss_chunk "
+           f"{d['loss_chunk']}. Memory is the result; the times come from a shared, "
+           "noisy machine and are an indication only.", "",
+           *_table(["T", *(f"{v} {k}" for v in variants for k in ("MiB", "ms")),
+                    *(f"plain / {v} peak" for v in variants[1:])], rows)]
+    cap = d.get("capacity", {})
+    found = cap.get("by_variant", {})
+    if found:
+        out += [f"Longest sequence whose step stays under {fmt(cap['cap_bytes'] / 2**20)} "
+                f"MiB ({cap['cap_from']}), in steps of {cap['search_step']} tokens up to "
+                f"{cap['max_t']}.", "",
+                *_table(["variant", "longest T", "vs plain"],
+                        [[v, (">= " if f["at_limit"] else "") + str(f["longest"]),
+                          fmt(f["vs_plain"])] for v, f in found.items()]),
+                f"Target: the chunked head trains >= {fmt(d['target'])}x the plain head's "
+                f"context under the same memory: {fmt(d['ratio'])}x -> "
+                f"{'met' if d.get('met') else 'missed'}.", ""]
+    return out
+
+
 # name -> (title, command, renderer), in the Makefile's order
 SECTIONS = {
     "allreduce": ("Gradient allreduce", "python perf/bench_allreduce.py", render_allreduce),
@@ -386,6 +428,8 @@ SECTIONS = {
                    render_checkpoint),
     "io": ("Data reading", "python perf/bench_io.py --shakespeare PATH", render_io),
     "pipeline": ("Pipeline parallelism", "python perf/bench_pipeline.py", render_pipeline),
+    "long_context": ("Long context: chunked loss and recomputation",
+                     "python perf/bench_long_context.py", render_long_context),
 }
 
 

@@ -42,9 +42,11 @@ class Reference:
 
 
 def plain_model_config(cfg: Config) -> Config:
-    """``cfg`` without activation recomputation or ``torch.compile``: the run those two
-    options must reproduce (the reference otherwise builds its model as ``cfg`` says)."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute="none"),
+    """``cfg`` without activation recomputation, the chunked loss or ``torch.compile``: the
+    run those options must reproduce (the reference otherwise builds its model as ``cfg``
+    says)."""
+    model = dataclasses.replace(cfg.model, recompute="none", loss_chunk=0)
+    return dataclasses.replace(cfg, model=model,
                                train=dataclasses.replace(cfg.train, compile=False))
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from perf import make_results
 from perf.bench_convergence import seed_checks
+from perf.bench_long_context import longest_under
 from perf.bench_pipeline import bubble_theory, combine_stages, pipeline_efficiency
 from perf.common import (RESULTS, dirty_paths, fmt, fmt_spread, shakespeare_text, spread,
                          table_lines)
@@ -147,3 +148,35 @@ def test_missing_shakespeare_names_where_to_get_it(monkeypatch, tmp_path):
     text.write_text("a few words of text\n")
     monkeypatch.setenv("HPCTRAIN_SHAKESPEARE", str(text))
     assert shakespeare_text(None) == text.resolve()
+
+
+def test_longest_under_doubles_then_bisects_to_the_step():
+    for limit, want in [(300, 0), (1000, 512), (1024, 1024), (9000, 8704), (20000, 16384)]:
+        probes = []
+        got = longest_under(lambda t: probes.append(t) or t <= limit, 1024, 16384, 512)
+        assert got == want, limit
+        assert len(probes) == len(set(probes)) and all(t % 512 == 0 for t in probes)
+        assert max(probes) <= 16384
+
+
+def test_long_context_section_renders_the_sweep_and_the_capacity(tmp_path):
+    def rec(variant, seq, mib, ms):
+        return {"variant": variant, "seq": seq, "peak_bytes": mib * 2**20, "step_ms_all": ms}
+
+    d = {"git_sha": "abc1234", "tree_clean": True, "time": "2026-01-01T00:00:00",
+         "machine": {}, "model": {"n_layer": 2, "n_embd": 256, "n_head": 4, "n_kv_head": 2,
+                                  "vocab_size": 32000, "tie_embeddings": False},
+         "loss_chunk": 1024, "dtype": "fp32", "threads": 2,
+         "sweep": [rec("plain", 1024, 400, [2.0, 1.0, 3.0]), rec("chunked", 1024, 200, [4.0])],
+         "capacity": {"cap_bytes": 400 * 2**20, "cap_from": "the plain head's peak at 1024",
+                      "search_step": 512, "max_t": 4096,
+                      "by_variant": {"plain": {"longest": 1024, "at_limit": False,
+                                               "vs_plain": 1.0},
+                                     "chunked": {"longest": 4096, "at_limit": True,
+                                                 "vs_plain": 4.0}}},
+         "target": 2.0, "ratio": 4.0, "met": True}
+    (tmp_path / "long_context.json").write_text(json.dumps(d))
+    doc = make_results.render(tmp_path)
+    assert "| 1024 | 400 | 2.000 [1.000, 3.000] | 200 | 4.000 | 2.000 |" in doc
+    assert "| chunked | >= 4096 | 4.000 |" in doc
+    assert "4.000x -> met." in doc

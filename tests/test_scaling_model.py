@@ -39,6 +39,27 @@ def test_shape_counts_match_the_real_model(dims, bias):
     assert shape.stage_params(1) == shape.params
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_shape_counts_match_the_real_model(tied):
+    shape = ModelShape(3, 4, 64, 32, 97, arch="llama", n_kv_head=2, tie_embeddings=tied,
+                       vocab_multiple=64)
+    gpt = GPT(shape.gpt)
+    every = {n: p.numel() for n, p in gpt.named_parameters()}
+    assert shape.params == sum(every.values())
+    assert shape.layer_params == sum(v for n, v in every.items() if n.startswith("h.0."))
+    assert 3 * shape.layer_params + shape.embedding_params == shape.params_non_embedding
+    assert shape.flops_per_token == pytest.approx(gpt.flops_per_token())
+    padding = (128 - 97) * 64  # computed (step time), not credited (MFU)
+    assert 3 * shape.layer_flops_per_token + shape.head_flops_per_token == \
+        pytest.approx(shape.flops_per_token + 6 * padding)
+
+
+def test_llama3_8b_preset_has_the_published_parameter_count():
+    shape = model_shape("llama3-8b")
+    assert shape.params == pytest.approx(8.03e9, rel=2e-3)  # Meta: 8.03B
+    assert (shape.n_kv_head, shape.ffn_hidden, shape.tie_embeddings) == (8, 14336, False)
+
+
 def test_a_shape_is_a_gpt_config_with_a_name():
     """ModelShape lists GPTConfig's shape fields, so that none is left out of the counts."""
     names = {f.name for f in dataclasses.fields(ModelShape)} - {"name"}
@@ -102,6 +123,94 @@ def test_activation_memory_korthikanti():
     assert pm.activation_bytes_per_layer(shape, 2, "fp32", True) == 2 * flash
     assert pm.micro_batches_in_flight(4, 8, "1f1b") == 4
     assert pm.micro_batches_in_flight(4, 8, "gpipe") == 8
+
+
+def _saved_activation_bytes(block, x) -> int:
+    """Bytes of the tensors autograd keeps for backward in one forward of ``block``,
+    each storage once, parameters left out."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(n for ptr, n in saved.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kv", [2, 8])
+def test_llama_activation_bytes_are_what_a_real_block_keeps(dtype, kv):
+    """Counted tensor by tensor: within 2% of the saved tensors of a real Llama block
+    (with grouped-query attention and without), CPU flash attention."""
+    import torch
+
+    from hpctrain.model.gpt import Block
+
+    shape = ModelShape(1, 8, 128, 64, 50, arch="llama", n_kv_head=kv)
+    dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    torch.manual_seed(0)
+    block = Block(shape.gpt).to(dt)
+    saved = _saved_activation_bytes(block, torch.randn(2, 64, 128, dtype=dt,
+                                                       requires_grad=True))
+    predicted = pm.activation_bytes_per_layer(shape, 2, dtype, flash_attention=True)
+    assert predicted == pytest.approx(saved, rel=0.02)
+    assert predicted < saved  # what is left out is small, never negative
+    h, kv_w, big = 128, kv * 16, shape.ffn_hidden
+    word = 4 if dtype == "fp32" else 2
+    assert predicted == 64 * 2 * (8 * h + word * (7 * h + 3 * kv_w + 4 * big))
+    without = pm.activation_bytes_per_layer(shape, 2, dtype, flash_attention=False)
+    assert without - predicted == word * 8 * 64 * 64 * 2  # the softmax output, a s^2 b
+
+
+def test_llama_keeps_more_per_token_than_gpt2s_34_words():
+    shape = model_shape("llama3-8b")
+    per_h = pm.llama_bytes_per_token(shape, "bf16") / shape.n_embd
+    assert per_h == pytest.approx(51.5)  # fp32 norms; Korthikanti's count would say 41
+
+
+@pytest.mark.parametrize("shape", [model_shape("gpt2"), ModelShape(4, 8, 512, 1024, 32000,
+                                                                   arch="llama", n_kv_head=2)])
+def test_recomputation_keeps_layer_inputs_and_one_layer(shape):
+    sys_ = dataclasses.replace(load_perf("polaris"), overlap=0.0,
+                               shapes={shape.key: {"bf16": ShapeRate(1e12, 0.0)}})
+    lay = pm.Layout(ranks=8, pp=2, micro_batches=4, global_batch=16, dtype="bf16")
+    layers, held, rows = shape.n_layer // 2, 2, 2  # 1F1B: stage 0 holds p micro-batches
+    lay = dataclasses.replace(lay, global_batch=32)  # 4 x 4 micro-batches of 2 rows
+    plain = pm.predict(sys_, shape, lay)
+    again = pm.predict(sys_, shape, dataclasses.replace(lay, recompute="block"))
+    full = pm.activation_bytes_per_layer(shape, rows, "bf16", sys_.flash_attention)
+    assert plain.memory_terms["activations"] == pytest.approx(held * layers * full)
+    inputs = 1024 * rows * shape.n_embd * 2  # s b h in bf16
+    assert again.memory_terms["activations"] == pytest.approx(held * layers * inputs + full)
+    # One more forward of the blocks (2 of their 6 FLOPs per weight and token), for each
+    # of the 4 micro-batches; the head is not recomputed, MFU counts the model's FLOPs.
+    tokens = 4 * rows * 1024
+    extra = tokens * layers * shape.layer_flops_per_token / 3 / 1e12
+    assert again.compute_s - plain.compute_s == pytest.approx(extra)
+    assert again.mfu < plain.mfu
+    assert again.flops_per_s_per_rank * again.step_s == \
+        pytest.approx(plain.flops_per_s_per_rank * plain.step_s)
+
+
+def test_a_chunked_head_holds_one_chunk_of_logits_and_computes_them_twice():
+    shape = ModelShape(2, 8, 512, 2048, 32000, arch="llama")
+    sys_ = dataclasses.replace(load_perf("polaris"),
+                               shapes={shape.key: {"bf16": ShapeRate(1e12, 0.0)}})
+    lay = pm.Layout(ranks=1, global_batch=2, dtype="bf16")  # 2 x 2048 tokens
+    plain = pm.predict(sys_, shape, lay)
+    assert plain.memory_terms["logits"] == 2 * 4 * 4096 * 32000
+    chunked = pm.predict(sys_, shape, dataclasses.replace(lay, loss_chunk=1024))
+    assert chunked.memory_terms["logits"] == 2 * 4 * 1024 * 32000 + 4 * 4096
+    whole = pm.predict(sys_, shape, dataclasses.replace(lay, loss_chunk=10_000))
+    assert whole.memory_terms["logits"] == 2 * 4 * 4096 * 32000 + 4 * 4096  # one chunk
+    extra = 4096 * shape.head_flops_per_token / 3 / 1e12  # the logits again in backward
+    assert chunked.compute_s - plain.compute_s == pytest.approx(extra)
+    assert chunked.memory_terms["activations"] == plain.memory_terms["activations"]
 
 
 def _cpu_system(cores=2):
@@ -206,6 +315,30 @@ def test_plan_prefers_more_nodes_for_throughput():
     assert big.tokens_per_s > 4 * small.tokens_per_s
 
 
+def test_llama3_8b_fits_16_polaris_nodes_only_with_recompute_and_a_chunked_loss(capsys):
+    from hpctrain.cli import main
+
+    with pytest.raises(UserError, match="use --recompute block, --loss-chunk 4096, more"):
+        plan(system="polaris", nodes=16, model="llama3-8b")
+    p = plan(system="polaris", nodes=16, model="llama3-8b", recompute="block",
+             loss_chunk=4096)
+    assert p.fitting
+    assert all(c.layout.recompute == "block" and c.layout.loss_chunk == 4096
+               for c in p.fitting)
+    assert main(["plan", "--system", "polaris", "--nodes", "16", "--model", "llama3-8b",
+                 "--recompute", "block", "--loss-chunk", "4096", "--top", "1"]) == 0
+    assert "bf16, recompute block, loss chunk 4096" in capsys.readouterr().out
+
+
+def test_plan_options_are_checked_and_off_by_default():
+    assert all(c.layout.recompute == "none" and c.layout.loss_chunk == 0
+               for c in plan(system="polaris", nodes=2, model="gpt2").fitting)
+    with pytest.raises(UserError, match="recompute 'all'"):
+        pm.Layout(ranks=1, recompute="all").check(model_shape("gpt2"))
+    with pytest.raises(UserError, match="loss_chunk -1"):
+        pm.Layout(ranks=1, loss_chunk=-1).check(model_shape("gpt2"))
+
+
 def test_plan_refuses_a_model_that_cannot_fit():
     with pytest.raises(UserError, match="does not fit"):
         plan(system="polaris", nodes=1, model="gpt3-13b", dtype="fp32")
@@ -220,9 +353,12 @@ def test_every_preset_plans_on_a_login_node_quickly():
     from hpctrain.scaling.models import presets
 
     t0 = time.perf_counter()
-    for name in presets():
+    for name, fields in presets().items():
+        # the Llama 3 8B recipe recomputes its blocks and chunks its loss: plan it so
+        opts = {"recompute": "block", "loss_chunk": 4096} if fields.get("arch") == "llama" \
+            else {}
         if name != "default":
-            assert plan(system="aurora", nodes=64, model=name).fitting
+            assert plan(system="aurora", nodes=64, model=name, **opts).fitting
     assert time.perf_counter() - t0 < 10.0
 
 

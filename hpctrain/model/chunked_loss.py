@@ -49,8 +49,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, h.size(0), chunk):
             hc, t = h[s:s + chunk], targets[s:s + chunk]
-            # d loss / d logits = (softmax - one_hot(t)) / count, zero for ignored tokens
-            g = torch.exp((hc @ w.t()).float() - lse[s:s + chunk, None])
+            # d loss / d logits = (softmax - one_hot(t)) / count, zero for ignored tokens;
+            # in place, so that a chunk's logits exist once (their fp32 copy in bf16)
+            g = (hc @ w.t()).float().sub_(lse[s:s + chunk, None]).exp_()
             g[torch.arange(t.size(0), device=t.device), t.clamp(min=0)] -= 1.0
             g *= (scale * (t != -1))[:, None]
             g = g.to(h.dtype)

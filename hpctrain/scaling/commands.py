@@ -69,7 +69,8 @@ def _calibrate(args) -> int:
 def cmd_plan(args) -> int:
     result = plan(system=args.system, nodes=args.nodes, model=args.model,
                   global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
-                  ranks_per_node=args.ranks_per_node, calibration=args.calibration)
+                  ranks_per_node=args.ranks_per_node, calibration=args.calibration,
+                  recompute=args.recompute, loss_chunk=args.loss_chunk)
     terms = explain(result, args.explain) if args.explain else None  # bad RANK: no table
     print(table(result, top=args.top))
     if terms:

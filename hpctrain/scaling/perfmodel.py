@@ -13,15 +13,20 @@ step = pipeline compute (m micro-batches of forward + backward on the largest st
      + optimizer                     AdamW over the parameters this rank updates
 
 Compute of one micro-batch is ``layers x overhead + FLOPs / rate`` (the overhead is kernel
-launches and Python per block; FLOPs as ``GPT.flops_per_token``). CPU ranks that share
-cores (more ranks than cores on a node) run slower by the factor calibration measured
-with every rank computing and synchronizing at once (else ``ranks / cores``): compute
-and optimizer are scaled by it; measured collective fits already include it.
+launches and Python per block; FLOPs as ``GPT.flops_per_token``). Recomputation
+(``recompute="block"``) runs each block's forward twice: its blocks cost 8 FLOPs per
+weight and token instead of 6 (forward 2, backward 4, the forward again 2). A chunked head
+(``loss_chunk``) computes its logits again in backward: 8 instead of 6 per head weight.
+MFU still counts the model's 6N (recomputed FLOPs are not useful work). CPU ranks that
+share cores (more ranks than cores on a node) run slower by the factor calibration
+measured with every rank computing and synchronizing at once (else ``ranks / cores``):
+compute and optimizer are scaled by it; measured collective fits already include it.
 
 Memory per rank = model state from the ZeRO formulas (Rajbhandari et al. 2020) on the
-largest stage + activations (Korthikanti et al., arXiv 2205.05198: 34 s b h bytes per
-layer in 16 bits, plus 5 a s^2 b without flash attention; doubled for fp32) for the
-micro-batches a stage holds at once + logits + communication buffers + the rank's base.
+largest stage + activations (``activation_bytes_per_layer``: Korthikanti et al., arXiv
+2205.05198, for GPT-2; for Llama the tensors its block keeps) for the micro-batches a
+stage holds at once, or with recomputation each layer's input and one layer's full set +
+logits (one chunk of them with ``loss_chunk``) + communication buffers + the rank's base.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.systems import SystemPerf
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+RECOMPUTE = ("none", "block")
 MIB = 1 << 20
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One parallel configuration of a training step."""
+    """One parallel configuration of a training step, with the two model options that
+    change its memory and compute but not its result (recompute, loss_chunk)."""
 
     ranks: int
     pp: int = 1
@@ -52,6 +59,11 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     bucket_mb: float = 25.0
+    recompute: str = "none"
+    """'block': each block keeps only its input and runs again in backward
+    (``--model.recompute``)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the head and loss (``--model.loss_chunk``); 0: all at once."""
 
     @property
     def dp(self) -> int:
@@ -77,6 +89,11 @@ class Layout:
             raise UserError(f"schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         if self.dtype not in ("fp32", "bf16"):
             raise UserError(f"dtype {self.dtype!r}: use fp32 or bf16")
+        if self.recompute not in RECOMPUTE:
+            raise UserError(f"recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+        if self.loss_chunk < 0:
+            raise UserError(f"loss_chunk {self.loss_chunk}: use 0 (the whole head at once) "
+                            "or a positive number of tokens")
         per = self.dp * self.micro_batches
         if self.global_batch < per or self.global_batch % per:
             raise UserError(f"global batch {self.global_batch} does not split into dp={self.dp}"
@@ -134,11 +151,66 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
 
 def activation_bytes_per_layer(shape: ModelShape, rows: int, dtype: str,
                                flash_attention: bool) -> float:
-    """Korthikanti et al. 2022, eq. 1: s b h (34 + 5 a s / h) bytes per layer in 16 bits;
-    the attention-score term is absent with flash attention; fp32 doubles it."""
+    """Bytes one transformer layer keeps for backward, for ``rows`` sequences of s tokens.
+
+    GPT-2: Korthikanti et al. 2022, eq. 1: s b h (34 + 5 a s / h) bytes in 16 bits, plus
+    the attention-score term without flash attention; fp32 doubles it.
+
+    Llama: the tensors ``gpt.Block`` keeps, counted one by one (``llama_bytes_per_token``).
+    Korthikanti's idealised accounting of Llama's parts would give 12h + 4 h_kv + 8H in
+    16 bits (41 s b h for Llama 3 8B); the block keeps more, chiefly because its RMSNorm
+    computes in fp32 as Llama's reference code does (51.5 s b h in bf16)."""
     s, h, a = shape.block_size, shape.n_embd, shape.n_head
+    word = 4.0 if dtype == "fp32" else 2.0
+    if shape.arch == "llama":
+        # without flash attention the softmax output, a s^2 words per sequence
+        scores = 0.0 if flash_attention else word * a * s * s * rows
+        return s * rows * llama_bytes_per_token(shape, dtype) + scores
     per = 34.0 + (0.0 if flash_attention else 5.0 * a * s / h)
-    return s * rows * h * per * (2.0 if dtype == "fp32" else 1.0)
+    return s * rows * h * per * word / 2.0
+
+
+def llama_bytes_per_token(shape: ModelShape, dtype: str) -> float:
+    """Bytes a Llama block keeps per token (w bytes a word: 2 in bf16, 4 in fp32; h width,
+    h_kv = n_kv_head x head size, H the SwiGLU's hidden width), with flash attention:
+      each RMSNorm: its input in fp32 (4h), the normalized input and the weighted
+        output in w (the QKV or the MLP projection's input)          2 x (4h + 2wh)
+      the QKV projection's output, kept whole as V's storage; rotated Q and K;
+        the attention output (the output projection's input)         w (3h + 3 h_kv)
+      gate and up (one tensor: the SiLU and the product read it), SiLU(gate), the
+        product (the down projection's input)                        w 4H
+    = 8h + w (7h + 3 h_kv + 4H). Left out (1% in the tests' narrow block, less at real
+    widths): the norms' and the softmax's statistics (a few numbers per token) and the
+    rotary tables (per position, shared by the rows).
+    ``tests/test_scaling_model.py`` counts a real block's saved tensors against it."""
+    h, big = shape.n_embd, shape.ffn_hidden
+    kv = shape.n_kv_head * (h // shape.n_head)
+    word = 4.0 if dtype == "fp32" else 2.0
+    return 8.0 * h + word * (7.0 * h + 3.0 * kv + 4.0 * big)
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, layers: int,
+                     flash_attention: bool) -> float:
+    """Activations on a stage of ``layers`` layers holding the micro-batches in flight.
+    With recomputation each held micro-batch keeps every layer's input (s b h), and the
+    layer running backward holds its full set again, one at a time (Chen et al. 2016)."""
+    held = micro_batches_in_flight(layout.pp, layout.micro_batches, layout.schedule)
+    full = activation_bytes_per_layer(shape, layout.micro_rows, layout.dtype, flash_attention)
+    if layout.recompute == "none":
+        return held * layers * full
+    word = 4.0 if layout.dtype == "fp32" else 2.0
+    inputs = shape.block_size * layout.micro_rows * shape.n_embd * word
+    return held * layers * inputs + full
+
+
+def logits_bytes(shape: ModelShape, layout: Layout) -> float:
+    """The head's logits and their gradient in fp32 for one micro-batch (cross-entropy
+    upcasts); with ``loss_chunk`` one chunk of tokens at a time, and one fp32
+    log-sum-exp per token kept for backward (``model/chunked_loss.py``)."""
+    tokens = layout.micro_rows * shape.block_size
+    if not layout.loss_chunk:
+        return 2 * 4.0 * tokens * shape.vocab_size
+    return 2 * 4.0 * min(tokens, layout.loss_chunk) * shape.vocab_size + 4.0 * tokens
 
 
 def micro_batches_in_flight(p: int, m: int, schedule: str) -> int:
@@ -200,12 +272,15 @@ def predict(system: SystemPerf, shape: ModelShape, layout: Layout) -> Prediction
     f = oversubscription(system, layout, shape)
     rpn = system.ranks_per_node or layout.ranks
 
-    # Compute of one micro-batch on the largest stage.
+    # Compute of one micro-batch on the largest stage; recomputation runs the forward
+    # (2 of the 6 FLOPs per weight and token) once more, 8/6.
     layers = -(-shape.n_layer // p)
-    flops = tokens * layers * shape.layer_flops_per_token
-    flops += tokens * shape.head_flops_per_token  # the head is on the last stage (or all)
+    again = 4.0 / 3.0 if layout.recompute == "block" else 1.0
+    flops = tokens * layers * shape.layer_flops_per_token * again
+    head = 4.0 / 3.0 if layout.loss_chunk else 1.0  # the chunks' logits again in backward
+    flops += tokens * shape.head_flops_per_token * head  # on the last stage (or all)
     rate = system.compute_rate(shape.key, layout.dtype)
-    t_micro = f * (layers * rate.layer_overhead_s + flops / rate.flops_per_s)
+    t_micro = f * (layers * rate.layer_overhead_s * again + flops / rate.flops_per_s)
     compute = m * t_micro
     bubble = compute * bubble_fraction(p, m, layout.schedule, v) / \
         (1.0 - bubble_fraction(p, m, layout.schedule, v)) if p > 1 else 0.0
@@ -272,11 +347,8 @@ def predict_memory(system: SystemPerf, shape: ModelShape, layout: Layout) -> tup
     stage_params = shape.stage_params(p) if p > 1 else shape.params
     state = zero_formula(layout.zero, layout.dtype, dp) * stage_params
     layers = -(-shape.n_layer // p)
-    held = micro_batches_in_flight(p, layout.micro_batches, layout.schedule)
-    acts = held * layers * activation_bytes_per_layer(
-        shape, layout.micro_rows, layout.dtype, system.flash_attention)
-    # Logits and their gradient in fp32 for one micro-batch (cross-entropy upcasts).
-    logits = 2 * 4.0 * layout.micro_rows * shape.block_size * shape.vocab_size
+    acts = activation_bytes(shape, layout, layers, system.flash_attention)
+    logits = logits_bytes(shape, layout)
     if layout.zero == 3:  # the gathered block and the prefetched next one
         buffers = 2 * (4.0 if layout.dtype == "fp32" else 2.0) * stage_params / (layers + 1)
     elif layout.dtype == "bf16" or layout.zero == 2:  # at most two fp32 staging buckets

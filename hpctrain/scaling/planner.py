@@ -43,7 +43,8 @@ class Plan:
 
 
 def layouts(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
-            max_micro_rows: int = 64) -> list[Layout]:
+            max_micro_rows: int = 64, recompute: str = "none",
+            loss_chunk: int = 0) -> list[Layout]:
     out = []
     for pp in range(1, min(ranks, shape.n_layer) + 1):
         if ranks % pp:
@@ -64,7 +65,8 @@ def layouts(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
                         for sched, v in schedules:
                             out.append(Layout(ranks=ranks, pp=pp, zero=zero, micro_batches=m,
                                               global_batch=global_batch, dtype=dtype,
-                                              schedule=sched, virtual_stages=v))
+                                              schedule=sched, virtual_stages=v,
+                                              recompute=recompute, loss_chunk=loss_chunk))
             b *= 2
     return out
 
@@ -74,7 +76,10 @@ DEFAULT_BATCH = 512
 
 
 def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len: int = 0,
-         dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None) -> Plan:
+         dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None,
+         recompute: str = "none", loss_chunk: int = 0) -> Plan:
+    """Every legal layout that fits, fastest first. ``recompute`` and ``loss_chunk`` are
+    the trainer's ``--model.recompute`` and ``--model.loss_chunk`` for every layout."""
     perf = load_perf(system, calibration)
     if nodes < 1:
         raise UserError(f"--nodes {nodes}: use at least 1")
@@ -89,7 +94,8 @@ def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len:
     if global_batch < 1:
         raise UserError(f"--global-batch {global_batch}: use at least 1 sequence")
     cands = []
-    for lay in layouts(shape, ranks, global_batch, dtype):
+    for lay in layouts(shape, ranks, global_batch, dtype, recompute=recompute,
+                       loss_chunk=loss_chunk):
         cands.append(Candidate(lay, predict(perf, shape, lay)))
     if not cands:
         raise UserError(f"no layout splits a global batch of {global_batch} sequences over "
@@ -101,13 +107,24 @@ def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len:
     smallest = min(cands, key=lambda c: c.prediction.memory_bytes)
     if not ok:
         need = smallest.prediction.memory_bytes / GIB
+        chunk = min(4096, max(256, shape.block_size // 2))  # a fraction of one sequence
+        options = [o for o, unset in (("--recompute block", recompute == "none"),
+                                      (f"--loss-chunk {chunk}", not loss_chunk)) if unset]
         raise UserError(f"{shape.label} does not fit {perf.device} memory "
                         f"({perf.device_memory / GIB:.0f} GiB) in any layout on {nodes} "
                         f"node(s): the smallest needs {need:.1f} GiB per rank "
-                        f"({_layout_text(smallest.layout)}); use more nodes, a smaller "
+                        f"({_layout_text(smallest.layout)}); use "
+                        + "".join(f"{o}, " for o in options) + "more nodes, a smaller "
                         "--global-batch or --seq-len, or a smaller model")
     return Plan(perf, shape, nodes, ranks, global_batch, tuple(ok), len(cands) - len(ok),
                 smallest)
+
+
+def _model_options(lay: Layout) -> str:
+    """The model options the plan assumed, as the header says them (nothing by default)."""
+    out = [f"recompute {lay.recompute}"] if lay.recompute != "none" else []
+    out += [f"loss chunk {lay.loss_chunk}"] if lay.loss_chunk else []
+    return "".join(f", {o}" for o in out)
 
 
 def _layout_text(lay: Layout) -> str:
@@ -122,7 +139,7 @@ def table(p: Plan, top: int = 12) -> str:
             f"{s.n_embd}, context {s.block_size}; {p.system.name}: {p.nodes} node(s) x "
             f"{p.ranks // p.nodes} = {p.ranks} ranks, {p.system.device_memory / GIB:.0f} GiB "
             f"per device; global batch {p.global_batch} x {s.block_size} tokens; "
-            f"{p.fitting[0].layout.dtype}")
+            f"{p.fitting[0].layout.dtype}{_model_options(p.fitting[0].layout)}")
     cols = ["#", "dp", "pp", "sched", "zero", "micro", "rows", "step s", "tok/s", "TFLOP/s",
             "MFU", "compute", "comm", "bubble", "mem GiB"]
     rows = []
