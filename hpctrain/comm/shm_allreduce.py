@@ -31,15 +31,7 @@ rank's flag row; peers poll the rows. ``MPI_Win_sync`` is the memory barrier bet
 data and flag (MPI's separate/unified memory model for shared windows): after writing
 data before raising a flag, and after seeing a flag before reading data.
 
-On one node the work is not split by slices but claimed: a bucket is cut into chunks of
-128 KiB and every rank, once all have arrived, takes the next unclaimed chunk (a ticket
-from ``MPI_Fetch_and_op`` on a counter in the window) until none is left, adds every
-rank's copy into local rank 0's and writes the sum into the others, and counts the
-chunk in its DONE column. Gradient hooks only announce full buckets there (no progress
-engine needs them), so a rank whose backward ended first sums what a slower rank would
-otherwise sum after its own backward.
-
-Each slice or chunk is summed by one rank only, so every rank ends with the same bits.
+Each slice is summed by one rank only, so every rank ends with the same bits.
 ``perf/bench_allreduce.py`` on 2 cores, with the allgather still pulled: 1.5x the bus
 bandwidth of one MPICH ``Allreduce`` of the same bytes for 3 MiB of gradients, 2x for
 41 MiB (2 ranks).
@@ -57,13 +49,9 @@ from mpi4py import MPI
 from hpctrain.comm.resources import MPIResources
 from hpctrain.errors import ConfigError
 
-# Columns of a bucket's flag row: the epoch this rank arrived at, how many pieces of the
-# bucket this rank has summed in all epochs together, and (local rank 0's row only, changed
-# only by MPI_Fetch_and_op) the tickets handed out for the bucket's pieces.
-ARRIVED, DONE, TICKETS = 0, 1, 2
+ARRIVED, DONE = 0, 1
 _ALIGN = 64  # bytes: slices and buckets start on their own cache line
 _FLAG_STRIDE = _ALIGN // 8  # int64 flags per bucket row (one cache line)
-CHUNK = 32 * 1024  # fp32 elements (128 KiB): the piece a rank claims at a time on one node
 
 
 def _align(nbytes: int) -> int:
@@ -77,11 +65,6 @@ def slice_bounds(numel: int, parts: int) -> list[int]:
     step = -(-numel // parts)
     step = -(-step // per) * per
     return [min(numel, i * step) for i in range(parts + 1)]
-
-
-def chunk_bounds(numel: int, chunk: int = CHUNK) -> list[int]:
-    """Split ``numel`` elements into pieces of ``chunk`` (a multiple of a cache line)."""
-    return list(range(0, numel, chunk)) + [numel] if numel else [0, 0]
 
 
 def shared_bytes_needed(numels: list[int]) -> int:
@@ -132,14 +115,6 @@ class SharedMemoryAllreduce:
                       else None)
         self.cross_queue: collections.deque = collections.deque()
         self.bounds = [slice_bounds(n, self.local_size) for n in numels]
-        # What a rank sums at a time: on one node any rank claims the next chunk (so a rank
-        # that finished its backward sums what a slower one would otherwise sum after
-        # its own); across nodes rank i sums slice i, which the communicator of ranks
-        # with the same local index then reduces across the nodes.
-        self.pieces = self.bounds if self.cross is not None else [chunk_bounds(n)
-                                                                  for n in numels]
-        self._one = np.ones(1, dtype=np.int64)
-        self._ticket = np.zeros(1, dtype=np.int64)
         nbytes = shared_bytes_needed(numels)
         self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.node)
         self.win.Lock_all(MPI.MODE_NOCHECK)  # passive epoch for Sync (no locking done)
@@ -183,47 +158,22 @@ class SharedMemoryAllreduce:
         self.win.Sync()  # the peers' data is read only after their flags were seen
         return True
 
-    def claim(self, bucket: int, epoch: int) -> int | None:
-        """The next piece of ``bucket`` nobody has claimed in this epoch, or None when all
-        are taken. Every rank claims until it is refused once, so each epoch hands out
-        exactly pieces + local_size tickets and the count needs no reset."""
-        self.win.Fetch_and_op(self._one, self._ticket, 0, bucket * _ALIGN + 8 * TICKETS,
-                              MPI.SUM)
-        self.win.Flush(0)
-        n = len(self.pieces[bucket]) - 1
-        piece = int(self._ticket[0]) - (epoch - 1) * (n + self.local_size)
-        return piece if piece < n else None
+    def reduce_own_slice(self, bucket: int) -> torch.Tensor:
+        lo, hi = self.bounds[bucket][self.local], self.bounds[bucket][self.local + 1]
+        mine = self.flats[self.local][bucket][lo:hi]
+        for r in range(self.local_size):
+            if r != self.local:
+                mine.add_(self.flats[r][bucket][lo:hi])
+        return mine
 
-    def sum_piece(self, bucket: int, piece: int) -> torch.Tensor:
-        """Add every rank's copy of ``piece`` into local rank 0's copy, in rank order (the
-        same bits whichever rank adds)."""
-        lo, hi = self.pieces[bucket][piece], self.pieces[bucket][piece + 1]
-        total = self.flats[0][bucket][lo:hi]
-        for r in range(1, self.local_size):
-            total.add_(self.flats[r][bucket][lo:hi])
-        return total
-
-    def push_piece(self, bucket: int, piece: int) -> None:
-        """Write the summed ``piece`` into the other ranks' copies."""
-        lo, hi = self.pieces[bucket][piece], self.pieces[bucket][piece + 1]
-        total = self.flats[0][bucket][lo:hi]
-        for r in range(1, self.local_size):
-            self.flats[r][bucket][lo:hi].copy_(total)
-
-    def count_done(self, bucket: int) -> None:
-        """One more piece of ``bucket`` is in every rank's copy."""
-        self.win.Sync()  # the sums are visible before the count is
-        self.flags[self.local][bucket, DONE] += 1
-
-    def all_done(self, bucket: int, epoch: int) -> bool:
-        """Every piece of the bucket summed in this epoch, by whichever ranks."""
-        done = 0
-        for row in self.flags:
-            done += int(row[bucket, DONE])
-        if done < epoch * (len(self.pieces[bucket]) - 1):
-            return False
-        self.win.Sync()
-        return True
+    def push_own_slice(self, bucket: int) -> None:
+        """Write this rank's summed slice into every peer's copy of the bucket."""
+        lo, hi = self.bounds[bucket][self.local], self.bounds[bucket][self.local + 1]
+        if hi > lo:
+            mine = self.flats[self.local][bucket][lo:hi]
+            for r in range(self.local_size):
+                if r != self.local:
+                    self.flats[r][bucket][lo:hi].copy_(mine)
 
     def _free_window(self) -> None:
         self.flats, self.flags = [], []  # drop the views into the window first
@@ -236,43 +186,37 @@ class SharedMemoryAllreduce:
 
 
 class ShmReduction:
-    """One bucket's reduction in flight; ``Test()`` does what it can without waiting for
-    a peer and is True once every piece is summed into every rank's copy."""
+    """One bucket's reduction in flight; ``Test()`` does what the peers' flags allow
+    without waiting (so the scheduler can poll it from gradient hooks and from
+    ``wait_all``) and is True once every rank has written its sums everywhere."""
 
     def __init__(self, arena: SharedMemoryAllreduce, bucket: int, epoch: int):
         self.arena, self.bucket, self.epoch = arena, bucket, epoch
-        self.arrived = False  # every local rank has
-        self.claiming = arena.cross is None
         self.cross_req: MPI.Request | None = None
+        self.summed = self.pushed = False
         arena.raise_flag(bucket, ARRIVED, epoch)
 
     def Test(self) -> bool:  # noqa: N802 (the MPI.Request spelling, for wait_all)
         a, b, e = self.arena, self.bucket, self.epoch
-        if not self.arrived:
+        if not self.summed:
             if a.cross is not None and a.cross_queue[0] is not self:
                 return False  # an earlier bucket's inter-node collective starts first
             if not a.all_reached(b, ARRIVED, e):
                 return False
-            self.arrived = True
-            if a.cross is not None:  # our slice, then its sum over the nodes
-                total = a.sum_piece(b, a.local)
-                self.cross_req = a.cross.Iallreduce(MPI.IN_PLACE, total.numpy(), op=MPI.SUM)
+            mine = a.reduce_own_slice(b)
+            if a.cross is not None:  # then sum our slice over the nodes
+                self.cross_req = a.cross.Iallreduce(MPI.IN_PLACE, mine.numpy(), op=MPI.SUM)
                 a.cross_queue.popleft()
+            self.summed = True
         if self.cross_req is not None:
             if not self.cross_req.Test():
                 return False
             self.cross_req = None
-            a.push_piece(b, a.local)
-            a.count_done(b)
-        while self.claiming:
-            piece = a.claim(b, e)
-            if piece is None:
-                self.claiming = False
-            else:
-                a.sum_piece(b, piece)
-                a.push_piece(b, piece)
-                a.count_done(b)
-        return a.all_done(b, e)
+        if not self.pushed:
+            a.push_own_slice(b)
+            a.raise_flag(b, DONE, e)
+            self.pushed = True
+        return a.all_reached(b, DONE, e)
 
 
 def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[int],

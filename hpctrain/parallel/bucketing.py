@@ -72,8 +72,6 @@ class BucketScheduler:
         self.timeout = timeout
         self.stats = CommStats()
         self.syncing = True
-        self.poll_in_hooks = True
-        """Whether gradient hooks test the reductions in flight (see ``grad_ready``)."""
         self._next = 0
         self._inflight: list[tuple[object, MPI.Request]] = []
 
@@ -108,7 +106,7 @@ class BucketScheduler:
         bucket.pending -= 1
         if bucket.pending == 0:
             self.bucket_ready(bucket)
-        if not self._launch_in_order(block=False) and self._inflight and self.poll_in_hooks:
+        if not self._launch_in_order(block=False) and self._inflight:
             self.poll()
         self.stats.hook_s += time.perf_counter() - t0
 

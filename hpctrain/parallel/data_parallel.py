@@ -131,10 +131,6 @@ class DataParallel(BucketScheduler):
                                self.shm.flat(i) if self.shm else None)
                         for i, g in enumerate(groups)]
         super().__init__(self.buckets, timeout=world.timeout)
-        # On one node the shared-memory sums need no progress engine: hooks only announce
-        # full buckets, and the sums wait for finish(), where a rank whose backward ended
-        # first takes them off a slower one (shm_allreduce.py).
-        self.poll_in_hooks = self.shm is None or self.shm.cross is not None
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
