@@ -135,8 +135,12 @@ def test_grid_communicators():
 
 
 @pytest.mark.mpi(min_size=4)
-def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp):
-    cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1)
+@pytest.mark.parametrize("allreduce", ["mpi", "shm"])
+def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp, allreduce):
+    """MPI reductions start from the hooks of the stage's last backward pass; sums in one
+    node's shared memory all wait for finish() (no hooks there)."""
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1,
+                           **{"parallel.allreduce": allreduce})
     trainer = Trainer(cfg, World.create(COMM), verbose=False)
     dp = trainer.engine
     assert len(dp.buckets) >= 2
@@ -145,7 +149,10 @@ def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp):
                               dp.grad_scale / trainer.micro, dp.prepare_for_backward)
     launched_in_backward = dp.stats.reductions
     dp.finish()
-    assert launched_in_backward >= 1  # overlapped with the stage's last backward pass
+    if allreduce == "mpi":
+        assert launched_in_backward >= 1  # overlapped with the stage's last backward pass
+    else:
+        assert launched_in_backward == 0
     assert dp.stats.reductions == len(dp.buckets)
     trainer.close()
 

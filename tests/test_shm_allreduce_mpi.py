@@ -50,24 +50,27 @@ def test_sums_equal_mpi_allreduce_and_are_the_same_bits_on_every_rank(nodes):
     arena.close()  # collective: only on success (a failure aborts all ranks)
 
 
-def test_no_rank_changes_its_bucket_while_a_peer_still_copies_from_it(monkeypatch):
+def test_no_rank_finishes_before_every_peer_has_written_its_sums(monkeypatch):
+    """The last rank writes its sums into the others' buckets late: they wait for them."""
     arena = SharedMemoryAllreduce(COMM, NUMELS)
     last = COMM.rank == COMM.size - 1
     expected = [v.clone() for v in _fill(arena, 0)]
     for e in expected:
         COMM.Allreduce(MPI.IN_PLACE, e.numpy(), op=MPI.SUM)
-    if last:  # copies the other slices late
-        gather = arena.gather_slices
-        monkeypatch.setattr(arena, "gather_slices",
-                            lambda bucket: (time.sleep(0.2), gather(bucket)))
+    if last:
+        push = arena.push_own_slice
+        monkeypatch.setattr(arena, "push_own_slice",
+                            lambda bucket: (time.sleep(0.2), push(bucket)))
     wait_all([arena.start(i) for i in range(len(NUMELS))], timeout=60, what="test")
+    for i, e in enumerate(expected):  # the late rank's slices are in every bucket
+        torch.testing.assert_close(arena.flat(i), e, rtol=1e-6, atol=1e-6)
     if not last:  # done: the next step may write the buckets at once
         for i in range(len(NUMELS)):
             arena.flat(i).fill_(float("nan"))
-    else:
+    COMM.Barrier()
+    if last:  # and nobody writes into a finished rank's bucket any more
         for i, e in enumerate(expected):
             torch.testing.assert_close(arena.flat(i), e, rtol=1e-6, atol=1e-6)
-    COMM.Barrier()
     arena.close()  # collective: only on success (a failure aborts all ranks)
 
 

@@ -7,8 +7,11 @@ import signal
 import pytest
 from mpi4py import MPI
 
+import hpctrain.train.stop as stop_module
 from hpctrain.checkpoint.sharded import read_manifest
+from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.world import World
+from hpctrain.train.stop import SignalFlag, StopAgreement
 from hpctrain.train.trainer import Trainer
 from tests.helpers import tiny_config
 
@@ -48,3 +51,24 @@ def test_one_signalled_rank_during_the_final_evaluation_leaves_the_final_checkpo
     result = trainer.fit()
     assert COMM.allgather(result.final_val_loss) == [None] * COMM.size
     assert result.stopped_at == 10 and read_manifest(shared_tmp).step == 10
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_the_agreement_reads_a_flag_one_agreement_later_on_every_rank(monkeypatch,
+                                                                      persistent):
+    """Persistent (``Allreduce_init``) or started anew (``Iallreduce``), the same answers."""
+    if not persistent:
+        monkeypatch.setattr(stop_module, "persistent_collectives", lambda comm, timeout: False)
+    elif not persistent_collectives(COMM):  # collective: every rank skips
+        pytest.skip("the MPI library has no persistent collectives")
+    flag = SignalFlag()
+    agreement = StopAgreement(COMM, flag, timeout=60)
+    assert (agreement._persistent is not None) == persistent
+    answers = []
+    for step in range(1, 6):
+        if step == 3 and COMM.rank == COMM.size - 1:
+            flag.trip("a test")
+        answers.append(agreement.agreed(step))
+    agreement.close()
+    assert answers == [False, False, False, True, True]
+    assert COMM.allgather(answers) == [answers] * COMM.size

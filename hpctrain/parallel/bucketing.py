@@ -48,11 +48,12 @@ class CommStats:
     gathers: int = 0
     """Parameter allgathers (ZeRO)."""
     wait_s: float = 0.0
-    """Time spent in ``finish()`` waiting for reductions: communication not hidden."""
+    """Time spent in ``finish()`` waiting for reductions: communication not hidden (on one
+    node with shared memory, also the sums themselves)."""
     hook_s: float = 0.0
     """Time gradient hooks spent launching and polling reductions during backward (with
-    the shared-memory allreduce, also its summing): the reductions' cost on the critical
-    path while they overlap."""
+    the shared-memory allreduce across nodes, also its summing): the reductions' cost on
+    the critical path while they overlap."""
 
 
 class BucketScheduler:

@@ -12,7 +12,11 @@ How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
    needs every rank to start collectives in the same order). Every hook also tests the
    outstanding requests, which is what makes MPICH progress them during backward.
    CPU gradients on a node with several ranks live in a shared-memory window and are
-   summed there (``hpctrain/comm/shm_allreduce.py``, ``--parallel.allreduce``). Otherwise
+   summed there (``hpctrain/comm/shm_allreduce.py``, ``--parallel.allreduce``). The
+   rank's own thread does those sums, so during backward they would overlap nothing:
+   on one node there are no hooks, and ``finish()`` sums every bucket after backward
+   (0.6% of a small model's step on 2 cores, where sums between backward's kernels cost
+   more than the same sums after it; docs/design/data-parallelism.md). Otherwise
    (GPU gradients, ``--parallel.allreduce=mpi``) MPI reduces them: a bucket's buffer never
    moves, so with an MPI-4 library the reduction is a persistent collective
    (``Allreduce_init`` once, ``Start`` each step: the schedule is built once); MPI-3
@@ -20,8 +24,9 @@ How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
    goes to MPI as device memory (GPU-aware MPI) or through a host staging copy
    (``comm/buffers.py``); its reduction starts once the event recorded behind its last
    gradient has passed, never after a wait for the whole device.
-4. ``finish()`` launches any bucket still pending (parameters that got no gradient) and
-   waits for all reductions, under the watchdog deadline, before the optimizer step.
+4. ``finish()`` launches any bucket still pending (parameters that got no gradient, or
+   no hooks) and waits for all reductions, under the watchdog deadline, before the
+   optimizer step.
 
 Averaging is folded into the loss: the trainer scales the loss by ``grad_scale`` (1/dp),
 so the summed gradients are already the mean. With gradient accumulation, hooks do
@@ -131,9 +136,15 @@ class DataParallel(BucketScheduler):
                                self.shm.flat(i) if self.shm else None)
                         for i, g in enumerate(groups)]
         super().__init__(self.buckets, timeout=world.timeout)
-        for b in self.buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
+        # Hooks start reductions during backward where something else then advances
+        # them: MPI (GPU gradients, the MPI path) or, across nodes, the inter-node part
+        # of the shared-memory sums. Not with one rank, nor for sums in one node's memory.
+        self.hooked = self.size > 1 and (self.shm is None or self.shm.cross is not None)
+        if self.hooked:
+            for b in self.buckets:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(
+                        functools.partial(self._on_grad_ready, b))
         if persistent is None:
             persistent = (self.size > 1 and self.shm is None
                           and persistent_collectives_supported(self.comm))
@@ -192,8 +203,7 @@ class DataParallel(BucketScheduler):
         super().prepare_for_backward(sync=last_micro)
 
     def _on_grad_ready(self, bucket: Bucket, _param: torch.nn.Parameter) -> None:
-        if self.size > 1:
-            self.grad_ready(bucket)
+        self.grad_ready(bucket)
 
     def bucket_ready(self, b: Bucket) -> None:
         if self.shm is None:

@@ -12,8 +12,13 @@ Ranks may see the signal at different steps, so they agree before acting
 of "a signal arrived here", and the next agreement reads it. Every rank reads the same
 reduction, so all stop after the same step, save the same checkpoint, and exit 0. With
 ``every=1`` (``--train.stop_check_steps``, the default) a signal is acted on within 2
-steps; the allreduce of one integer overlaps a whole step. Outside the loop
-(``now()``), the agreement is a blocking allreduce at fixed points every rank passes.
+steps; the allreduce of one integer overlaps a whole step. Its buffers never change, so
+where the library has MPI-4 persistent collectives it is built once (``Allreduce_init``)
+and only started each time: right after a training step, with MPICH's data cold, an
+agreement through ``Iallreduce`` took 122 us on the 2-core development machine and the
+persistent one 61 us (medians of 15 alternating blocks of 20 steps, 110-126 and 53-67
+us; 0.2% of a 33 ms step of the small Shakespeare model on 2 ranks). Outside the loop (``now()``), the agreement is a blocking allreduce at fixed
+points every rank passes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import numpy as np
 from mpi4py import MPI
 
 from hpctrain.comm.collectives import any_true
+from hpctrain.comm.features import persistent_collectives
+from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.watchdog import wait_all
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -72,7 +79,8 @@ class SignalFlag:
 
 
 class StopAgreement:
-    """Whether any rank of ``comm`` had a signal, the same answer on every rank."""
+    """Whether any rank of ``comm`` had a signal, the same answer on every rank.
+    Collective to build (it probes for persistent collectives)."""
 
     def __init__(self, comm: MPI.Comm, flag: SignalFlag, timeout: float, every: int = 1,
                  deadline=None):
@@ -83,6 +91,11 @@ class StopAgreement:
         self._req: MPI.Request | None = None
         self._send = np.zeros(1, dtype=np.int64)
         self._recv = np.zeros(1, dtype=np.int64)
+        self.resources = MPIResources()
+        self._persistent: MPI.Prequest | None = None
+        if comm.Get_size() > 1 and persistent_collectives(comm, timeout):
+            self._persistent = self.resources.add(
+                comm.Allreduce_init(self._send, self._recv, op=MPI.MAX), self._free)
 
     def agreed(self, step: int) -> bool:
         """Call after every step on every rank: True when some rank had a signal by the
@@ -91,7 +104,11 @@ class StopAgreement:
             return False
         stop = self._finish_pending()
         self._send[0] = int(self._local_stop())
-        self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
+        if self._persistent is not None:
+            self._persistent.Start()
+            self._req = self._persistent
+        else:
+            self._req = self.comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
         return stop
 
     def now(self, what: str) -> bool:
@@ -113,6 +130,13 @@ class StopAgreement:
         self._req = None
         return bool(self._recv[0])
 
+    def _free(self) -> None:
+        # Still active only after an error elsewhere (close() completes it): MPI may not
+        # free an active persistent collective, and finalize releases it anyway.
+        if self._req is None or self._req.Test():
+            self._persistent.Free()
+
     def close(self) -> None:
         if self._req is not None and not MPI.Is_finalized():
             self._finish_pending()
+        self.resources.close()

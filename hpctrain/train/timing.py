@@ -15,9 +15,10 @@ import numpy as np
 
 PHASES = ("data", "forward", "backward", "hooks", "wait", "optimizer", "bubble", "other")
 """Where a step's time goes. ``hooks`` is the part of ``backward`` that gradient hooks
-spend on reductions (launching, polling, shared-memory sums); ``wait`` is ``finish()``
-waiting for them after backward; ``other`` is the rest of the step (loss bookkeeping,
-the stop agreement, zero_grad)."""
+spend on reductions (launching, polling; the shared-memory sums across nodes); ``wait``
+is ``finish()`` completing them after backward (on one node with shared memory, all the
+sums: there are no hooks there); ``other`` is the rest of the step (loss bookkeeping,
+zero_grad)."""
 
 
 def warmup_steps(n_steps: int) -> int:
