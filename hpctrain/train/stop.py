@@ -17,8 +17,8 @@ where the library has MPI-4 persistent collectives it is built once (``Allreduce
 and only started each time: right after a training step, with MPICH's data cold, an
 agreement through ``Iallreduce`` took 122 us on the 2-core development machine and the
 persistent one 61 us (medians of 15 alternating blocks of 20 steps, 110-126 and 53-67
-us; 0.2% of a 33 ms step of the small Shakespeare model on 2 ranks). Outside the loop (``now()``), the agreement is a blocking allreduce at fixed
-points every rank passes.
+us; 0.2% of a 33 ms step of the small Shakespeare model on 2 ranks). Outside the loop
+(``now()``), the agreement is a blocking allreduce at fixed points every rank passes.
 """
 
 from __future__ import annotations
