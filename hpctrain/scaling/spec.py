@@ -46,6 +46,7 @@ from pathlib import Path
 from hpctrain.config import load_config, parse_overrides
 from hpctrain.data.dataset import read_info
 from hpctrain.errors import ConfigError, DataError, UserError
+from hpctrain.model.shape import LATER_KEYS
 from hpctrain.scaling.models import ModelShape, model_shape, presets
 from hpctrain.scaling.perfmodel import SCHEDULES, Layout
 from hpctrain.scaling.systems import SystemPerf, load_perf
@@ -60,8 +61,7 @@ STUDY_KEYS = {"name", "scaling", "ranks", "nodes", "steps", "repeats", "recipe",
               "calibration", "timeout_s", "overrides", "dtype", "description"}
 PARALLEL_KEYS = {"name", "zero", "pp", "micro_batches", "schedule", "virtual_stages"}
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-OPTIONAL_SHAPE_KEYS = ("bias", "vocab_multiple", "arch", "n_kv_head", "ffn_hidden",
-                       "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
+OPTIONAL_SHAPE_KEYS = ("bias", *LATER_KEYS)
 """``ModelShape``'s fields with a default (GPT-2's): a [[models]] table may set them."""
 
 
