@@ -46,6 +46,7 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
     from mpi4py import MPI
 
     from hpctrain.comm.world import World
+    from hpctrain.config import OptimConfig
     from hpctrain.model.gpt import GPT, GPTConfig
     from hpctrain.parallel.data_parallel import DataParallel
 
@@ -55,9 +56,10 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C))
     world = World.create(comm)
-    dp = DataParallel(model, world)  # shared memory within the node (CPU gradients)
-    dp_mpi = DataParallel(model, world, allreduce="mpi")  # persistent collectives
-    dp_nb = DataParallel(model, world, allreduce="mpi", persistent=False)  # Iallreduce
+    opt = OptimConfig()
+    dp = DataParallel(model, world, opt)  # shared memory within the node (CPU gradients)
+    dp_mpi = DataParallel(model, world, opt, allreduce="mpi")  # persistent collectives
+    dp_nb = DataParallel(model, world, opt, allreduce="mpi", persistent=False)  # Iallreduce
     assert dp.shm is not None and dp_mpi.persistent and not dp_nb.persistent
     for b in dp.buckets + dp_mpi.buckets + dp_nb.buckets:
         b.flat.normal_()

@@ -4,6 +4,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.comm.world import World
+from hpctrain.config import OptimConfig
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.data_parallel import MiB, DataParallel, plan_buckets
 
@@ -28,7 +29,8 @@ def _dp(bucket_mb=0.05, first_bucket_mb=0.01):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32))
     world = World.create(MPI.COMM_SELF)
-    return model, DataParallel(model, world, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+    return model, DataParallel(model, world, OptimConfig(), bucket_mb=bucket_mb,
+                               first_bucket_mb=first_bucket_mb)
 
 
 def test_buckets_follow_reverse_parameter_order_with_a_small_first_bucket():

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.world import World
+from hpctrain.config import OptimConfig
 from hpctrain.data.mpiio import library_name
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.data_parallel import DataParallel
@@ -77,7 +78,7 @@ def test_no_communication_on_non_final_micro_batches(allreduce, persistent):
     world = dataclasses.replace(World.create(COMM), comm=spy)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
-    dp = DataParallel(model, world, bucket_mb=0.01, first_bucket_mb=0.004,
+    dp = DataParallel(model, world, OptimConfig(), bucket_mb=0.01, first_bucket_mb=0.004,
                       persistent=persistent, allreduce=allreduce)
     x = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(COMM.rank))
     for micro in range(2):
@@ -107,7 +108,8 @@ def test_no_communication_on_non_final_micro_batches(allreduce, persistent):
 def test_bucket_layout_and_broadcast_agree_across_ranks():
     torch.manual_seed(COMM.rank)  # deliberately different initial weights per rank
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
-    dp = DataParallel(model, World.create(COMM), bucket_mb=0.01, first_bucket_mb=0.004)
+    dp = DataParallel(model, World.create(COMM), OptimConfig(), bucket_mb=0.01,
+                      first_bucket_mb=0.004)
     layout = [(len(b.params), b.flat.numel()) for b in dp.buckets]
     assert COMM.allgather(layout) == [layout] * COMM.size
     dp.broadcast_parameters()

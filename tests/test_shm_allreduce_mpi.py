@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.watchdog import wait_all
+from hpctrain.config import OptimConfig
 from hpctrain.errors import CommTimeout, ConfigError
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -108,7 +109,7 @@ def test_data_parallel_gradients_through_shared_memory_equal_the_mpi_path(nodes)
     for allreduce in ("shm", "mpi"):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
-        dp = DataParallel(model, world, bucket_mb=0.01, first_bucket_mb=0.004,
+        dp = DataParallel(model, world, OptimConfig(), bucket_mb=0.01, first_bucket_mb=0.004,
                           allreduce=allreduce, node_comm=_node_comm(nodes))
         assert (dp.shm is not None) == (allreduce == "shm")
         dp.prepare_for_backward(last_micro=True)

@@ -92,7 +92,7 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     checkpoint also loads at any layout directly; this saves each rank the reshuffle."""
     # Here, not at the top: parallel.zero imports mpi4py, which starts MPI, and the other
     # ckpt commands run on login nodes where that can fail.
-    from hpctrain.parallel.zero import ALIGN, pack_flat, zero_buckets
+    from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
 
     if world < 1 or zero not in (0, 1, 2, 3):
         raise CheckpointError(f"--world {world} --zero {zero}: use a world size >= 1 and a "

@@ -48,6 +48,7 @@ from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
+from hpctrain.config import OptimConfig
 from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
 from hpctrain.parallel.engine import STATE_KEYS, EngineState, finish_norm, nothing_to_gather
 from hpctrain.parallel.memory import MemoryReport, tensor_bytes
@@ -109,14 +110,13 @@ def persistent_collectives_supported(comm: MPI.Comm) -> bool:
 class DataParallel(BucketScheduler):
     """Keeps ``model``'s gradients identical on every rank of ``world``."""
 
-    def __init__(self, model: torch.nn.Module, world: World, optim_cfg=None, *,
+    def __init__(self, model: torch.nn.Module, world: World, optim_cfg: OptimConfig, *,
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  persistent: bool | None = None, allreduce: str = "auto",
                  node_comm: MPI.Comm | None = None, norm_comms: tuple = (),
                  broadcast: bool = True):
-        """``optim_cfg``: an ``OptimConfig`` for ``step()`` (None: gradients only, as the
-        reduction benchmarks use it). ``broadcast``: start every rank from rank 0's
-        parameters. ``norm_comms``: see engine.py."""
+        """``optim_cfg``: the optimizer ``step()`` runs. ``broadcast``: start every rank
+        from rank 0's parameters. ``norm_comms``: see engine.py."""
         self.model = model
         self.norm_comms = list(norm_comms)
         self.resources = MPIResources()  # persistent requests; the arena has its own
@@ -166,8 +166,7 @@ class DataParallel(BucketScheduler):
         self.zero_grad()
         if broadcast:
             self.broadcast_parameters()
-        self.optimizer = (build_optimizer(param_groups(model, optim_cfg.weight_decay), optim_cfg)
-                          if optim_cfg is not None else None)
+        self.optimizer = build_optimizer(param_groups(model, optim_cfg.weight_decay), optim_cfg)
 
     @property
     def grad_scale(self) -> float:
@@ -230,7 +229,7 @@ class DataParallel(BucketScheduler):
                 super().finish()
 
     # --------------------------------------------------------------- optimizer
-    def step(self, lr: float, clip: float):
+    def step(self, lr: float, clip: float) -> float:
         """Global norm of the (reduced) gradients; clip and update unless it is NaN/inf.
         Returns the norm before clipping."""
         norm = global_grad_norm(self.grad_tensors())
@@ -238,14 +237,14 @@ class DataParallel(BucketScheduler):
             norm = torch.tensor(finish_norm(float(norm) ** 2, self.norm_comms,
                                             self.world.timeout))
         if not math.isfinite(float(norm)):
-            return norm
+            return float(norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if clip > 0:
             clip_grads_(self.grad_tensors(), clip, norm)
         with profile_range("optimizer"):
             self.optimizer.step()
-        return norm
+        return float(norm)
 
     def _named_state(self):
         for name, p in self.model.named_parameters():
@@ -276,6 +275,12 @@ class DataParallel(BucketScheduler):
                 for k in STATE_KEYS[1:]:
                     state[k] = full[name][k].to(p.device, p.dtype).clone()
 
+    def load_shards(self, shards: list[dict], step: float) -> None:
+        """A replicated checkpoint holds whole tensors, which ``load_full_state`` takes;
+        only an engine that saves ``"zero"`` shards is handed its own back."""
+        raise TypeError("DataParallel saves a replicated checkpoint; load it with "
+                        "load_full_state")
+
     def gathered(self):
         return nothing_to_gather(self.model)
 
@@ -287,8 +292,7 @@ class DataParallel(BucketScheduler):
         """Bytes this rank holds: replicated parameters, gradient buckets, AdamW state."""
         params = sum(tensor_bytes(p) for p in self.model.parameters())
         grads = sum(tensor_bytes(b.flat) for b in self.buckets)
-        optim = sum(tensor_bytes(v) for state in (self.optimizer.state.values()
-                                                  if self.optimizer else ())
+        optim = sum(tensor_bytes(v) for state in self.optimizer.state.values()
                     for v in state.values() if isinstance(v, torch.Tensor) and v.dim())
         staging = sum(b.buffer.staging_nbytes for b in self.buckets)
         return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=staging)

@@ -1,9 +1,10 @@
 """The gradient-engine interface: what the trainer and checkpoints need from the part that
 turns each rank's gradients into an optimizer step.
 
-Two engines implement it: ``DataParallel`` (fp32, replicated parameters, bucketed
-allreduce, one fused AdamW) and ``Zero`` (stages 0-3, fp32 or bf16, sharded AdamW). A step
-is the same for both::
+Three engines implement it: ``DataParallel`` (fp32, replicated parameters, bucketed
+allreduce, one fused AdamW), ``MixedPrecisionDataParallel`` (bf16 compute, replicated,
+fp32 master weights) and ``Zero`` (stages 1-3, fp32 or bf16, sharded AdamW). A step is
+the same for all::
 
     engine.prepare_for_backward(last_micro)   # before each micro-batch's backward
     ... backward passes (the runner) ...
@@ -19,13 +20,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from mpi4py import MPI
 
 from hpctrain.comm.collectives import allreduce_array
+from hpctrain.parallel.bucketing import CommStats
 from hpctrain.parallel.memory import MemoryReport
+from hpctrain.parallel.shards import ShardLayout
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 """What a checkpoint keeps per parameter: fp32 weight and AdamW's two moments."""
@@ -37,7 +40,7 @@ class BucketShard:
     master weights and moments of this rank's shard (``STATE_KEYS``)."""
     names: list[str]
     shapes: list[list[int]]
-    layout: object  # parallel.shards.ShardLayout
+    layout: ShardLayout
     tensors: dict[str, torch.Tensor]
 
 
@@ -55,9 +58,15 @@ class EngineState:
     buckets: list[BucketShard] = field(default_factory=list)
 
 
+@runtime_checkable
 class GradEngine(Protocol):
+    """What callers use of a gradient engine: the trainer and runners (a step), the
+    checkpoint code (state in and out), the outputs (whole parameters, memory)."""
+
     model: torch.nn.Module
-    stats: object  # bucketing.CommStats: reductions, bytes, wait_s
+    """What this rank holds (the whole GPT, or its pipeline stage)."""
+    stats: CommStats
+    """Reductions, bytes, gathers and the seconds spent waiting and in hooks."""
 
     @property
     def grad_scale(self) -> float:
@@ -74,9 +83,15 @@ class GradEngine(Protocol):
         """Global gradient norm; clip to ``clip`` (0: off) and update unless the norm is
         NaN or inf (the same number on every rank, so every rank skips alike)."""
 
-    def zero_grad(self) -> None: ...
+    def zero_grad(self) -> None:
+        """Clear the gradients for the next step."""
 
-    def state_shards(self) -> EngineState: ...
+    def state_shards(self) -> EngineState:
+        """What this rank saves in a sharded checkpoint."""
+
+    def load_shards(self, shards: list[dict], step: float) -> None:
+        """Take back exactly what ``state_shards`` gave, from a checkpoint of this very
+        layout (``param``, ``exp_avg``, ``exp_avg_sq`` arrays per bucket; collective)."""
 
     def load_full_state(self, full: dict[str, dict[str, torch.Tensor]], step: float) -> None:
         """Take this run's part of whole per-parameter tensors (``STATE_KEYS`` by name)."""
@@ -84,13 +99,17 @@ class GradEngine(Protocol):
     def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Whole fp32 parameters and moments by name, on every rank (collective)."""
 
-    def gathered(self) -> contextlib.AbstractContextManager: ...
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """A context in which every parameter of ``model`` is whole (collective)."""
 
-    def memory(self) -> MemoryReport: ...
+    def memory(self) -> MemoryReport:
+        """Bytes of parameters, gradients, optimizer state and communication buffers."""
 
-    def describe(self) -> str: ...
+    def describe(self) -> str:
+        """One line for the start-up log: buckets, how they are summed, the stage."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release communicators and windows (collective; a second call does nothing)."""
 
 
 def finish_norm(local_squares: float, comms: list[MPI.Comm], timeout: float) -> float:

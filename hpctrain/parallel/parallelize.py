@@ -6,9 +6,9 @@ One fixed order (as torchtitan's ``parallelize``), because each step needs the p
    plus the embedding on the first stage and the head on the last). Every rank built the
    whole model from the same seed, so the stages fit together.
 2. **Device**: what this rank keeps goes to its device.
-3. **Gradient engine** over the data-parallel ranks of this stage: plain data parallelism
-   (``DataParallel``) for fp32 without sharding, ``Zero`` for ZeRO stages 1-3 and for bf16
-   (stage 0 with bf16 is replicated data parallelism with fp32 master weights). The engine
+3. **Gradient engine** over the data-parallel ranks of this stage: ``Zero`` for ZeRO
+   stages 1-3; without sharding, ``DataParallel`` in fp32 and
+   ``MixedPrecisionDataParallel`` (fp32 master weights) in bf16. The engine
    may turn the parameters into bf16 views of its buffers, so it comes before anything
    that reads their dtype. With a pipeline, the gradient norm also sums over the stages.
 4. **Runner**: the pipeline executor, or ``LocalRunner`` when the model is whole.
@@ -29,9 +29,10 @@ from hpctrain.comm.grid import ProcessGrid
 from hpctrain.model.gpt import GPT, compile_blocks
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.engine import GradEngine
+from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.pipeline.stage import PipelineStage
-from hpctrain.parallel.runner import LocalRunner
+from hpctrain.parallel.runner import LocalRunner, Runner
 from hpctrain.parallel.zero import Zero
 
 
@@ -40,7 +41,7 @@ class Parallel:
     model: torch.nn.Module
     """What this rank holds: the whole GPT, or its pipeline stage."""
     engine: GradEngine
-    runner: LocalRunner | PipelineExecutor
+    runner: Runner
 
 
 def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
@@ -54,10 +55,15 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     else:
         model = gpt.to(device)
     norm_comms = (grid.pp_comm,) if pipelined else ()
-    if par.zero > 0 or cfg.train.dtype != "fp32":
+    if par.zero > 0:
         engine = Zero(model, grid.dp_world, cfg.optim, stage=par.zero, dtype=cfg.train.dtype,
                       bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,
                       blocks=None if pipelined else list(model.h), norm_comms=norm_comms)
+    elif cfg.train.dtype != "fp32":
+        engine = MixedPrecisionDataParallel(model, grid.dp_world, cfg.optim,
+                                            dtype=cfg.train.dtype, bucket_mb=par.bucket_mb,
+                                            first_bucket_mb=par.first_bucket_mb,
+                                            norm_comms=norm_comms)
     else:
         engine = DataParallel(model, grid.dp_world, cfg.optim, bucket_mb=par.bucket_mb,
                               first_bucket_mb=par.first_bucket_mb, allreduce=par.allreduce,

@@ -1,4 +1,5 @@
-"""How a step's micro-batches go forward and backward on this rank: the runner interface.
+"""How a step's micro-batches go forward and backward on this rank: the ``Runner``
+interface and ``LocalRunner``.
 
 ``PipelineExecutor`` (``pipeline/executor.py``) runs a stage's share of a pipeline
 schedule; ``LocalRunner`` below is the same interface for a model that is whole on every
@@ -13,11 +14,50 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 from hpctrain.comm.device import Accelerator
 from hpctrain.profiling import profile_range
+
+
+@runtime_checkable
+class RunnerStats(Protocol):
+    bubble_s: float
+    """Seconds blocked waiting for a neighbouring stage."""
+    forward_s: float
+    backward_s: float
+    """Seconds in forward and backward passes (host clock), gradient hooks included."""
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the trainer, the evaluator and the outputs use of a runner."""
+
+    stats: RunnerStats
+
+    def train_step(self, xs: list, ys: list, loss_scale: float,
+                   before_backward: Callable[[bool], None] | None = None) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``xs``/``ys``; returns the summed
+        loss (zero where this rank computes no loss). ``before_backward(last)`` runs
+        before each micro-batch's backward."""
+
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """The loss of one batch (evaluation); None on ranks that compute no loss."""
+
+    def tie_weights(self) -> None:
+        """After the optimizer step: bring copies of a tied weight up to date."""
+
+    def describe(self) -> str | None:
+        """A line for the start-up log, or None when there is nothing to say."""
+
+    def whole_model_state(self, full: dict) -> dict | None:
+        """The whole model's consolidated state from this rank's (``full``), on the rank
+        that writes the outputs (world rank 0); None elsewhere. Collective."""
+
+    def whole_model(self, state: dict) -> torch.nn.Module:
+        """A whole GPT holding ``state`` (what ``whole_model_state`` returned)."""
 
 
 @dataclass
@@ -38,7 +78,7 @@ class LocalRunner:
         self.stats = LocalStats()
 
     def train_step(self, xs: list, ys: list, loss_scale: float,
-                   before_backward=None) -> torch.Tensor:
+                   before_backward: Callable[[bool], None] | None = None) -> torch.Tensor:
         """Forward and backward of each micro-batch; returns the summed loss.
         ``before_backward(last)`` runs before each micro-batch (the gradient engine
         starts its reductions in the last one's backward pass)."""
@@ -66,7 +106,7 @@ class LocalRunner:
     def describe(self) -> str | None:
         return None
 
-    def gather_state(self, full: dict) -> dict:
+    def whole_model_state(self, full: dict) -> dict:
         """The whole model's consolidated state: this rank holds all of it already."""
         return full
 

@@ -37,7 +37,7 @@ class RunOutputs:
         t, engine, runner = self.cfg.train, self.par.engine, self.par.runner
         state = None
         if t.save_checkpoint or t.sample_tokens > 0:
-            state = runner.gather_state(engine.consolidated_state())
+            state = runner.whole_model_state(engine.consolidated_state())
         memory = engine.memory()
         # The largest rank's peak is what has to fit on a node's share of memory.
         peak_rss = int(self._sum([peak_rss_bytes()], "peak memory", MPI.MAX)[0])

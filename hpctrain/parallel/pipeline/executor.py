@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from mpi4py import MPI
@@ -207,11 +208,11 @@ class PipelineExecutor:
         return loss_sum
 
     def train_step(self, xs: list, ys: list, loss_scale: float,
-                   before_backward=None) -> torch.Tensor:
+                   before_backward: Callable[[bool], None] | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch (``xs``/``ys``: one tensor each);
         returns the summed loss (zero on stages without the head). The gradient engine
         syncs from ``before_backward(last=True)``, so its bucket reductions start during
-        this stage's last backward pass (the runner interface, ``parallel/runner.py``)."""
+        this stage's last backward pass (``Runner``, ``parallel/runner.py``)."""
         loss = self.run(self.actions, xs, ys, loss_scale, backward=True,
                         before_backward=before_backward)
         return loss if loss is not None else torch.zeros((), device=self.device)
@@ -275,7 +276,7 @@ class PipelineExecutor:
             mpi.from_mpi()
 
     # ----------------------------------------------------------- the whole model
-    def gather_state(self, full: dict) -> dict | None:
+    def whole_model_state(self, full: dict) -> dict | None:
         """Every stage's fp32 parameters (``full``: this stage's consolidated state) on
         world rank 0, None elsewhere; the moments stay behind (a pipeline's final.h5
         holds parameters only). Collective over replica 0's stages."""
@@ -284,7 +285,7 @@ class PipelineExecutor:
         return None if params is None else {n: {"param": t} for n, t in params.items()}
 
     def whole_model(self, state: dict) -> GPT:
-        """A GPT put together from ``gather_state``'s result (on rank 0), for sampling."""
+        """A GPT put together from ``whole_model_state``'s result (on rank 0), for sampling."""
         model = GPT(self.stage.cfg)
         model.load_parameters({n: s["param"] for n, s in state.items()})
         return model.to(self.device)

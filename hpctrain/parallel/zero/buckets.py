@@ -1,0 +1,211 @@
+"""The storage layer of the ZeRO engine: flat buckets, their shards, staging buffers.
+
+Parameters are grouped into buckets (``zero_buckets``: reverse registration order, as
+data parallelism does; for stage 3 one bucket per transformer block plus one for the
+embeddings and final norm). Each bucket is one flat buffer padded to a multiple of the N
+data-parallel ranks; rank r owns the slice ``[r*s, (r+1)*s)`` (``shards.shard_layout``).
+
+What a ``ZeroBucket`` keeps, per stage (compute dtype c = fp32 or bf16; gradients,
+master weights and Adam moments are fp32 in either dtype, Megatron's "main gradients"):
+
+    stage  parameters          gradients            master + Adam moments
+    0      full (c)            full (fp32)          full        (bf16 only: fp32 uses DataParallel)
+    1      full (c)            full (fp32)          shard
+    2      full (c)            shard (fp32)         shard
+    3      shard (c)           shard (fp32)         shard
+
+Stages 0 and 1 reduce their fp32 gradient buffer in place; stages 2 and 3 up-cast each
+micro-batch's gradients into an fp32 buffer from the ``StagingPool`` and reduce-scatter
+that. Nothing here starts communication: the engine (``engine.py``) does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.world import World
+from hpctrain.parallel.bucketing import plan_buckets
+from hpctrain.parallel.memory import tensor_bytes
+from hpctrain.parallel.shards import shard_layout
+
+MiB = 1 << 20
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ALIGN = 16  # shard length multiple: 64-byte aligned fp32 shards for vector kernels
+
+
+def pack_flat(layout, tensors, device=None) -> torch.Tensor:
+    """``tensors`` laid back to back in one zero-padded fp32 buffer of ``layout.padded``."""
+    flat = torch.zeros(layout.padded, dtype=torch.float32, device=device)
+    for t, off in zip(tensors, layout.offsets):
+        flat[off:off + t.numel()] = t.detach().reshape(-1)
+    return flat
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Give ``t``'s memory back; ``t`` keeps its shape and views (ZeRO-3 frees a gathered
+    bucket between uses)."""
+    try:
+        t.untyped_storage().resize_(0)
+    except RuntimeError as e:  # torch pins storage that a numpy array views
+        raise RuntimeError("cannot free a gathered ZeRO-3 parameter buffer: something holds "
+                           "a numpy view of a parameter (p.numpy()); copy it first "
+                           "(p.detach().clone().numpy())") from e
+
+
+def refill_storage(t: torch.Tensor) -> None:
+    """Allocate ``t``'s memory again (contents undefined) before a gather writes it."""
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def zero_buckets(model, stage: int, blocks, bucket_mb: float, first_bucket_mb: float
+                 ) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each ZeRO bucket, in reduction order (also what ``ckpt reshard``
+    lays a checkpoint out by). Stages 0-2: capped buckets in reverse registration order;
+    stage 3: one per block (the unit it gathers), then everything else."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if stage < 3:
+        order = params[::-1]
+        plan = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
+                            int(first_bucket_mb * MiB))
+        return [[order[j] for j in g] for g in plan]
+    if not blocks:
+        raise ValueError("ZeRO-3 needs the model's blocks (the units it gathers)")
+    # One unit per block, in backward order, then everything else (embeddings, final
+    # LayerNorm), whose last gradient (the tied embedding) arrives at the very end.
+    in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
+    units = [[p for p in blk.parameters() if p.requires_grad] for blk in reversed(blocks)]
+    return units + [[p for p in params if id(p) not in in_blocks]]
+
+
+class StagingPool:
+    """fp32 buffers that stages 2-3 up-cast and reduce-scatter a bucket's gradients in,
+    drawn from a byte budget and reused across buckets and steps.
+
+    A buffer is reused only by a bucket of the same length, so with the default budget
+    (every staged bucket's bytes) each bucket can be in flight at once and a hook never
+    waits for a reduction to free a buffer. A smaller budget bounds the memory: ``take``
+    then says no and the caller completes an old reduction first."""
+
+    def __init__(self, budget: int, device, world: World):
+        self.budget, self.device, self.world = budget, device, world
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.all: list[torch.Tensor] = []
+        self._mpi: dict[int, MPIBuffer] = {}
+        self.refusals = 0
+        """Times a bucket found the budget spent (and a reduction had to finish first)."""
+
+    def take(self, numel: int, force: bool = False) -> tuple[torch.Tensor, MPIBuffer] | None:
+        """A zeroed buffer of ``numel`` and its MPI view; None if the budget is spent
+        (``force``: allocate anyway, when nothing in flight could give one back)."""
+        same = self.free.get(numel)
+        if same:
+            base = same.pop()
+        else:
+            need = numel * 4
+            for n in sorted(self.free):  # idle buffers of other lengths make room
+                while self.free[n] and self.nbytes + need > self.budget:
+                    self._drop(self.free[n].pop())
+            if self.nbytes + need > self.budget and not force:
+                self.refusals += 1
+                return None
+            base = torch.empty(numel, dtype=torch.float32, device=self.device)
+            self.all.append(base)
+            self._mpi[id(base)] = MPIBuffer(base, self.world.accel, self.world.gpu_aware,
+                                            reduction=True)
+        base.zero_()
+        return base, self._mpi[id(base)]
+
+    def _drop(self, base: torch.Tensor) -> None:
+        self.all = [b for b in self.all if b is not base]
+        del self._mpi[id(base)]
+
+    def release(self, base: torch.Tensor) -> None:
+        self.free.setdefault(base.numel(), []).append(base)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor_bytes(b) for b in self.all)
+
+
+class ZeroBucket:
+    """One flat group of parameters and its shard of gradients and optimizer state."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], *, stage: int,
+                 rank: int, world: int, dtype: torch.dtype, comm_world: World):
+        """``world``: data-parallel ranks; at 1 nothing is reduced (gradients are added
+        straight into the fp32 gradient buffer or shard)."""
+        self.index, self.params, self.stage, self.dtype = index, params, stage, dtype
+        self.world = comm_world
+        self.layout = shard_layout([p.numel() for p in params], world if stage else 1, ALIGN)
+        self.rank = rank if stage else 0
+        lo, hi = self.layout.rank_range(self.rank)
+        device = params[0].device
+        lay = self.layout
+        with torch.no_grad():
+            master_full = pack_flat(lay, params, device)
+            # Parameters in the compute dtype: every p.data becomes a view of `full`.
+            self.full = master_full.to(dtype) if dtype != torch.float32 else master_full
+            for p, off in zip(params, lay.offsets):
+                p.data = self.full[off:off + p.numel()].view(p.shape)
+            if dtype == torch.float32 and stage < 3:
+                self.master = self.full[lo:hi]  # updated in place, then allgathered
+            else:
+                self.master = master_full[lo:hi].clone()
+            self.shard = None  # stage 3: this rank's compute-dtype parameter shard
+            if stage == 3:
+                self.shard = self.master if dtype == torch.float32 else self.full[lo:hi].clone()
+                free_storage(self.full)
+        del master_full
+        self.local = world == 1
+        # fp32 gradients in either compute dtype ("main gradients"): micro-batches add up
+        # and reduce in fp32, and the optimizer reads them as they are.
+        if stage <= 1:
+            self.grad_full = torch.zeros(lay.padded, dtype=torch.float32, device=device)
+            self.grad_shard = self.grad_full[:lay.shard]  # in-place reduce-scatter lands here
+        else:
+            self.grad_full = None
+            self.grad_shard = torch.zeros(lay.shard, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(lay.shard, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(lay.shard, dtype=torch.float32, device=device)
+        self.bind_grads()
+        self.slot = {id(p): i for i, p in enumerate(params)}
+        # fp32 ZeRO-3 reduces gradients inside the gathered parameter buffer (see
+        # Zero._stage_grad); `got` marks which parameters' slices hold a gradient.
+        self.grads_in_full = stage == 3 and dtype == torch.float32 and not self.local
+        self.got = [False] * len(params)
+        # Scheduling state for one backward.
+        self.pending = len(params)
+        self.staging: torch.Tensor | None = None
+        self.staging_mpi: MPIBuffer | None = None
+        self.mpi: MPIBuffer | None = None  # what this backward's reduction hands to MPI
+        w = comm_world
+        self.grad_mpi = MPIBuffer(self.grad_full, w.accel, w.gpu_aware, reduction=True) \
+            if self.reduces_in_place() and not self.local else None
+        self.shard_mpi = MPIBuffer(self.shard, w.accel, w.gpu_aware, raw=True) \
+            if stage == 3 else None
+        self._full_mpi: dict[bool, MPIBuffer] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.padded * 4
+
+    def bind_grads(self) -> None:
+        """fp32 stages 0-1: autograd accumulates into views of the gradient buffer; else
+        each gradient is autograd's own tensor until the hook takes it."""
+        bind = self.grad_full is not None and self.dtype == torch.float32
+        for p, off in zip(self.params, self.layout.offsets):
+            p.grad = self.grad_full[off:off + p.numel()].view(p.shape) if bind else None
+
+    def reduces_in_place(self) -> bool:
+        """Stages 0-1 reduce the fp32 gradient buffer itself; 2-3 stage in fp32."""
+        return self.grad_full is not None
+
+    def full_mpi(self, reduction: bool = False) -> MPIBuffer:
+        """MPI view of ``full`` (host memory by address and byte count: stage 3
+        re-allocates it), for gathers or (``reduction``) fp32 ZeRO-3's reductions."""
+        if reduction not in self._full_mpi:
+            self._full_mpi[reduction] = MPIBuffer(self.full, self.world.accel,
+                                                  self.world.gpu_aware, raw=True,
+                                                  reduction=reduction)
+        return self._full_mpi[reduction]

@@ -1,0 +1,336 @@
+"""The ZeRO engine: stages 0-3 over MPI, fp32 or bf16 (Rajbhandari et al., SC'20).
+
+What each rank keeps per stage is in ``buckets.py``; ZeRO-3's parameter gathers are in
+``gather.py``. This module moves gradients and updates the shards.
+
+A step: backward produces gradients (in bf16 autograd's gradient of one parameter is bf16
+and lives only until its hook has added it into the fp32 buffer); when a bucket's last
+gradient arrives its reduction starts (nonblocking, in bucket order on every rank):
+``Iallreduce`` for stage 0, ``Ireduce_scatter_block`` otherwise, always on fp32 data.
+Stages 0 and 1 accumulate micro-batches in their fp32 gradient buffer and reduce it in
+place once; stages 2 and 3 keep no full gradient, so they up-cast each micro-batch's
+gradients into an fp32 staging buffer, reduce-scatter it and add the result to the fp32
+gradient shard. The optimizer reads the fp32 gradient: nothing is rounded back to bf16.
+With one data-parallel rank no reduction is started (nor allgather of stages 1-2). Then
+the global gradient norm is summed over the shards, each rank clips and updates its
+shard with AdamW, and stages 1 and 2 allgather the new parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from mpi4py import MPI
+
+from hpctrain.comm.buffers import MPIBuffer, to_mpi_all
+from hpctrain.comm.resources import MPIResources
+from hpctrain.comm.watchdog import wait_all
+from hpctrain.comm.world import World
+from hpctrain.parallel.bucketing import BucketScheduler
+from hpctrain.parallel.engine import finish_norm, nothing_to_gather
+from hpctrain.parallel.memory import MemoryReport, tensor_bytes
+from hpctrain.parallel.optim import build_optimizer, clip_coefficient
+from hpctrain.parallel.zero.buckets import DTYPES, MiB, StagingPool, ZeroBucket, zero_buckets
+from hpctrain.parallel.zero.gather import ParameterGather
+from hpctrain.parallel.zero.state import ShardedState
+from hpctrain.profiling import profile_range
+
+
+def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> None:
+    if world.size == 1:
+        return
+    bufs = [MPIBuffer(p.data, world.accel, world.gpu_aware) for p in model.parameters()]
+    objs = to_mpi_all(bufs, send=world.rank == root)
+    reqs = [world.comm.Ibcast(obj, root=root) for obj in objs]
+    wait_all(reqs, timeout=world.timeout, what="broadcast of the initial parameters")
+    for buf in bufs:
+        buf.from_mpi()
+
+
+
+class Zero(ShardedState, BucketScheduler):
+    """ZeRO-``stage`` data parallelism with its own sharded AdamW."""
+
+    def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, stage: int,
+                 dtype: str = "fp32", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = (),
+                 staging_mb: float | None = None):
+        """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``:
+        see engine.py; ``staging_mb``: the byte budget of stages 2-3's fp32 reduction
+        buffers (default: every bucket's, so all can be in flight at once)."""
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0-3, not {stage}")
+        self.model, self.world, self.stage = model, world, stage
+        # The norm's squares are summed over the shards' ranks (stages 1-3), then these.
+        self.norm_comms = ([world.comm] if stage else []) + list(norm_comms)
+        self.dtype = DTYPES[dtype]
+        self.optim_cfg = optim_cfg
+        self.comm = world.comm
+        self.resources = MPIResources()
+        self.gather_comm = self.resources.add(world.comm.Dup()) if stage == 3 else None
+        self.size, self.rank = world.size, world.rank
+        _broadcast_module(model, world)  # every rank starts from rank 0's initialization
+        groups = zero_buckets(model, stage, blocks, bucket_mb, first_bucket_mb)
+        self.buckets = [ZeroBucket(i, g, stage=stage, rank=self.rank, world=self.size,
+                                   dtype=self.dtype, comm_world=world)
+                        for i, g in enumerate(groups)]
+        self.local = self.size == 1  # nothing to reduce or share: no MPI reduction
+        device = self.buckets[0].full.device
+        staged = [b.layout.padded * 4 for b in self.buckets
+                  if not (b.local or b.reduces_in_place() or b.grads_in_full)]
+        budget = sum(staged) if staging_mb is None else int(staging_mb * MiB)
+        self.staging = StagingPool(budget, device, world)
+        self.optimizers = [self._optimizer(b) for b in self.buckets]
+        super().__init__(self.buckets, timeout=world.timeout)
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b))
+        self._open = False  # a synced backward whose reductions finish() has not completed
+        self.gather = None
+        if stage == 3:
+            self.gather = ParameterGather(self.buckets, self.gather_comm, world.timeout,
+                                          self.stats)
+            self.gather.install_hooks(model, blocks)
+
+    def _optimizer(self, b: ZeroBucket) -> torch.optim.Optimizer:
+        """The optimizer over this rank's pieces of ``b``; AdamW's state is the bucket's
+        flat shards."""
+        cfg = self.optim_cfg
+        grad_source = b.grad_shard  # fp32 in either compute dtype
+        decay, no_decay, state = [], [], {}
+        for piece in b.layout.pieces(b.rank):
+            a, z = piece.shard_start, piece.shard_start + piece.length
+            view = torch.nn.Parameter(b.master[a:z], requires_grad=False)
+            view.grad = grad_source[a:z]
+            (decay if b.params[piece.index].dim() >= 2 else no_decay).append(view)
+            state[view] = {"step": torch.zeros((), dtype=torch.float32, device=view.device),
+                           "exp_avg": b.exp_avg[a:z], "exp_avg_sq": b.exp_avg_sq[a:z]}
+        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        if not groups:  # this rank owns only padding of this bucket
+            groups = [{"params": [torch.nn.Parameter(b.master[:0], requires_grad=False)]}]
+        opt = build_optimizer(groups, cfg)
+        if isinstance(opt, torch.optim.AdamW):  # SGD keeps no state
+            for view, s in state.items():
+                opt.state[view] = s
+        return opt
+
+    # ------------------------------------------------------------- reductions
+    @property
+    def grad_scale(self) -> float:
+        return 1.0 / self.size
+
+    def prepare_for_backward(self, last_micro: bool) -> None:
+        # Stages 2 and 3 keep no full gradient, so every micro-batch is reduced (and the
+        # previous micro-batch's reductions are completed before the next backward).
+        sync = last_micro
+        if self.stage >= 2:
+            if self._open:
+                self.finish()
+            sync = True
+        self._open = sync
+        super().prepare_for_backward(sync)
+
+    def _on_grad(self, bucket: ZeroBucket, param: torch.nn.Parameter) -> None:
+        if self.stage >= 2:
+            self._stage_grad(bucket, param)
+        elif self.dtype != torch.float32:
+            self._add_to_main_grad(bucket, param)
+        self.grad_ready(bucket)
+        if self.stage == 3 and bucket.pending == 0 and not bucket.grads_in_full:
+            self._release(bucket)  # its backward is done: free the gathered parameters
+
+    def _add_to_main_grad(self, b: ZeroBucket, p: torch.nn.Parameter) -> None:
+        """bf16 stages 0-1: add autograd's bf16 gradient into the fp32 gradient buffer
+        (every micro-batch), drop it."""
+        off = b.layout.offsets[b.slot[id(p)]]
+        b.grad_full[off:off + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+
+    def _stage_grad(self, b: ZeroBucket, p: torch.nn.Parameter) -> None:
+        """Stages 2-3: move a fresh gradient into the bucket's reduction buffer (at one
+        rank: add it to the gradient shard, which is the whole bucket), drop it."""
+        i = b.slot[id(p)]
+        off = b.layout.offsets[i]
+        if b.local:
+            b.grad_shard[off:off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
+            return
+        if b.grads_in_full:
+            # fp32 ZeRO-3: autograd runs a parameter's accumulate-grad node after every
+            # node that reads the parameter, so its slice of the gathered buffer is dead
+            # now and can hold its gradient: the reduction needs no buffer of its own.
+            dest = b.full
+            b.got[i] = True
+        else:
+            if b.staging is None:
+                b.staging, b.staging_mpi = self._acquire_staging(b)
+            dest = b.staging
+        dest[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None
+
+    def _acquire_staging(self, b: ZeroBucket):
+        got = self.staging.take(b.layout.padded)
+        if got is None:  # only under a budget smaller than every bucket's
+            self.poll()  # completed reductions give their buffers back
+            while (got := self.staging.take(b.layout.padded)) is None and self.inflight:
+                self.complete_oldest()  # bound the memory: wait rather than allocate more
+            if got is None:
+                got = self.staging.take(b.layout.padded, force=True)
+        return got
+
+    def bucket_ready(self, b: ZeroBucket) -> None:
+        """Queue the device work that fills ``b``'s fp32 reduction buffer and record the
+        event MPI waits for."""
+        if b.local:
+            b.mpi = None  # one rank: the gradients are already the sum
+            return
+        if b.reduces_in_place():
+            b.mpi = b.grad_mpi
+        elif b.grads_in_full:
+            self.gather.gather(b, wait=True)  # (only if no gradient at all arrived)
+            for i, got in enumerate(b.got):
+                if not got:  # still holds the parameter: contribute a zero gradient
+                    off = b.layout.offsets[i]
+                    b.full[off:off + b.layout.numels[i]].zero_()
+            b.full[b.layout.total:].zero_()
+            b.mpi = b.full_mpi(reduction=True)
+        else:
+            if b.staging is None:
+                b.staging, b.staging_mpi = self._acquire_staging(b)
+            b.mpi = b.staging_mpi
+        b.mpi.prepare()
+
+    def can_launch(self, b: ZeroBucket) -> bool:
+        return b.mpi is None or b.mpi.ready()
+
+    def launch(self, b: ZeroBucket) -> MPI.Request:
+        if b.mpi is None:  # one rank: no reduction
+            return MPI.REQUEST_NULL
+        buf = b.mpi.to_mpi()
+        self.stats.reductions += 1
+        self.stats.bytes_reduced += b.nbytes
+        with profile_range(f"reduce bucket {b.index}"):
+            if self.stage == 0:
+                return self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            # In place: the input is the whole buffer, this rank's reduced shard lands
+            # at its start (MPI standard, MPI_Reduce_scatter_block with MPI_IN_PLACE).
+            return self.comm.Ireduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def complete(self, b: ZeroBucket) -> None:
+        if b.mpi is None:
+            return
+        b.mpi.from_mpi()
+        b.mpi = None
+        if b.grads_in_full:
+            b.grad_shard.add_(b.full[:b.layout.shard])
+            b.got = [False] * len(b.params)
+            self._release(b)
+            return
+        if b.staging is None:  # stages 0-1 reduced their fp32 gradient buffer in place
+            return
+        b.grad_shard.add_(b.staging[:b.layout.shard])
+        self.staging.release(b.staging)
+        b.staging = b.staging_mpi = None
+
+    def finish(self) -> None:
+        self._open = False
+        super().finish()
+        if self.gather is not None:
+            self.gather.release_all()
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            (b.grad_full if b.grad_full is not None else b.grad_shard).zero_()
+            b.bind_grads()
+
+    # --------------------------------------------------------------- optimizer
+    def grad_norm(self) -> float:
+        """L2 norm of the whole (averaged) gradient, summed over every rank's shards (and
+        the ``norm_comms``)."""
+        local = sum(float(torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32)) ** 2
+                    for b in self.buckets)
+        return finish_norm(local, self.norm_comms, self.world.timeout)
+
+    def step(self, lr: float, clip: float) -> float:
+        """Global norm; clip to ``clip`` (0: no clipping), update the shards, share the
+        parameters, unless the norm is NaN or inf. Returns the norm."""
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return norm
+        coef = clip_coefficient(norm, clip) if clip > 0 else 1.0
+        with profile_range("optimizer"), torch.no_grad():
+            for b, opt in zip(self.buckets, self.optimizers):
+                grad = b.grad_shard  # fp32: what the optimizer's views read
+                if coef != 1.0:
+                    grad.mul_(coef)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+                if self.dtype != torch.float32:
+                    self._publish_master(b)
+        if self.stage in (1, 2) and not self.local:
+            self._allgather_parameters()
+        return norm
+
+    def _publish_master(self, b: ZeroBucket) -> None:
+        """bf16: round the updated fp32 master shard into the compute parameters."""
+        lo, hi = b.layout.rank_range(b.rank)
+        if self.stage == 3:
+            b.shard.copy_(b.master)
+        else:
+            b.full[lo:hi].copy_(b.master)
+
+    def _allgather_parameters(self) -> None:
+        with profile_range("allgather parameters"):
+            # In place: each rank's updated slice already sits at its own offset.
+            objs = to_mpi_all([b.full_mpi() for b in self.buckets])
+            reqs = [self.comm.Iallgather(MPI.IN_PLACE, obj) for obj in objs]
+            wait_all(reqs, timeout=self.world.timeout, what="parameter allgather after the "
+                     "optimizer step")
+        for b in self.buckets:
+            b.full_mpi().from_mpi()
+        self.stats.gathers += len(reqs)
+
+    # ---------------------------------------------------------- stage 3 gathers
+    def _release(self, b: ZeroBucket) -> None:
+        if self.gather is not None:
+            self.gather.release(b)
+
+    def gathered(self):
+        """All parameters materialized on every rank (collective), e.g. to save or sample."""
+        return self.gather.all_held(self.model) if self.gather else nothing_to_gather(self.model)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of ZeRO-3 full parameters held now (0 for other stages)."""
+        return self.gather.gathered_bytes if self.gather else 0
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        return self.gather.peak_gathered_bytes if self.gather else 0
+
+    # ---------------------------------------------------------- memory and close
+    def describe(self) -> str:
+        return f"{len(self.buckets)} gradient bucket(s), ZeRO stage {self.stage}"
+
+    def memory(self) -> MemoryReport:
+        """Bytes this rank holds for model state, and its peak communication buffers."""
+        params = grads = optim = 0
+        for b in self.buckets:
+            params += tensor_bytes(b.shard if self.stage == 3 else b.full)
+            grads += tensor_bytes(b.grad_full if b.grad_full is not None else b.grad_shard)
+            optim += tensor_bytes(b.exp_avg) + tensor_bytes(b.exp_avg_sq)
+            if self.dtype != torch.float32:
+                optim += tensor_bytes(b.master)  # bf16: the fp32 master is its own copy
+        comm = self.staging.nbytes + self.peak_gathered_bytes
+        return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=comm)
+
+    def close(self) -> None:
+        """Free the gather communicator (collective; idempotent). ``gathered()`` still
+        works afterwards, on the reduction communicator: nothing reduces any more."""
+        self.resources.close()
+        if self.gather_comm is not None:
+            self.gather_comm = self.comm

@@ -1,0 +1,75 @@
+"""Every gradient engine and runner implements its Protocol (``parallel/engine.py``,
+``parallel/runner.py``) with the same signatures: a caller written against the
+interface works with any of them."""
+
+import inspect
+
+import pytest
+from mpi4py import MPI
+
+from hpctrain.comm.world import World
+from hpctrain.config import OptimConfig
+from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.parallel.data_parallel import DataParallel
+from hpctrain.parallel.engine import GradEngine
+from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
+from hpctrain.parallel.pipeline.executor import PipelineExecutor
+from hpctrain.parallel.runner import LocalRunner, Runner, RunnerStats
+from hpctrain.parallel.zero import Zero
+
+ENGINES = [DataParallel, MixedPrecisionDataParallel, Zero]
+RUNNERS = [LocalRunner, PipelineExecutor]
+
+
+def _members(protocol) -> dict:
+    """The Protocol's methods and properties by name (its own, not object's)."""
+    return {n: v for n, v in vars(protocol).items()
+            if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+
+
+def _parameters(fn) -> list[tuple[str, object]]:
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("protocol,impl", [(GradEngine, e) for e in ENGINES]
+                         + [(Runner, r) for r in RUNNERS])
+def test_each_implementation_has_every_member_with_the_protocols_signature(protocol, impl):
+    members = _members(protocol)
+    assert members, "the Protocol declares nothing"
+    for name, declared in members.items():
+        assert hasattr(impl, name), f"{impl.__name__} lacks {name}"
+        actual = getattr(impl, name)
+        if isinstance(declared, property):
+            assert isinstance(actual, property), f"{impl.__name__}.{name} is not a property"
+            continue
+        assert _parameters(actual) == _parameters(declared), \
+            f"{impl.__name__}.{name}{inspect.signature(actual)} differs from the Protocol's " \
+            f"{inspect.signature(declared)}"
+
+
+def _tiny():
+    return GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16))
+
+
+@pytest.mark.parametrize("build", [
+    lambda m, w: DataParallel(m, w, OptimConfig()),
+    lambda m, w: MixedPrecisionDataParallel(m, w, OptimConfig()),
+    lambda m, w: Zero(m, w, OptimConfig(), stage=3, blocks=list(m.h)),
+], ids=["dp", "bf16-dp", "zero3"])
+def test_built_engines_are_grad_engines_and_step_returns_a_float(build):
+    model = _tiny()
+    engine = build(model, World.create(MPI.COMM_SELF))
+    assert isinstance(engine, GradEngine)  # attributes too (model, stats)
+    engine.prepare_for_backward(True)
+    import torch
+    x = torch.randint(0, 16, (2, 8))
+    model(x, x).backward()
+    engine.finish()
+    norm = engine.step(1e-3, 1.0)
+    assert type(norm) is float and norm > 0
+    engine.close()
+
+
+def test_local_runner_is_a_runner():
+    runner = LocalRunner(_tiny())
+    assert isinstance(runner, Runner) and isinstance(runner.stats, RunnerStats)
