@@ -325,8 +325,9 @@ class TrainConfig:
     progress: bool = opt(True, "show a progress bar on rank 0")
     tf32: bool = opt(True, "let fp32 matrix multiplies use TF32 tensor cores on GPUs "
                            "(no effect on CPUs, or on bf16 compute)")
-    compile: bool = opt(False, "compile each transformer block with torch.compile (minutes "
-                               "of compilation at the first step, then faster steps on GPUs)")
+    compile: bool = opt(False, "compile each transformer block, and the head with its loss, "
+                               "with torch.compile (minutes of compilation at the first "
+                               "step, then faster steps on GPUs)")
 
     def __post_init__(self):
         _check_fields(self)

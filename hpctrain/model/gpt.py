@@ -17,8 +17,8 @@ its parameter count and FLOPs, is ``GPTConfig`` (``shape.py``).
 
 Two options change how a block runs, never what it computes: ``recompute="block"`` keeps
 only each block's input and runs the block again in backward (``torch.utils.checkpoint``;
-Chen et al. 2016, "Training deep nets with sublinear memory cost"), and ``compile_blocks``
-puts each block's body through ``torch.compile``. Both act inside ``Block.forward``, so
+Chen et al. 2016, "Training deep nets with sublinear memory cost"), and ``compile_model``
+puts each block's body, and the head with its loss, through ``torch.compile``. Both act inside ``Block.forward``, so
 the module hooks on a block (ZeRO-3 gathers its parameters before it and frees them
 after) run once per forward, as without them. A checkpoint around the whole module would
 run them again in backward's recomputation, and the freeing hook would take away the
@@ -123,7 +123,7 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.recompute = cfg.recompute == "block"
-        self.compiled_body = None  # torch.compile(self.body), set by compile_blocks
+        self.compiled_body = None  # torch.compile(self.body), set by compile_model
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -136,17 +136,6 @@ class Block(nn.Module):
             # with the same dropout masks (the RNG state is restored).
             return checkpoint(body, x, use_reentrant=False)
         return body(x)
-
-
-def compile_blocks(model: nn.Module) -> int:
-    """Compile the body of every ``Block`` in ``model`` (a GPT or a pipeline stage) with
-    ``torch.compile``; returns how many. Per block, as torchtitan does: the blocks share
-    one code object, so one compilation serves them all, and the hooks around a block
-    stay eager (the compiler never traces an MPI call)."""
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    for blk in blocks:
-        blk.compiled_body = torch.compile(blk.body)
-    return len(blocks)
 
 
 class EmbeddingAndHead:
@@ -174,6 +163,9 @@ class EmbeddingAndHead:
         the padding's are cut off here, so no loss, gradient or sample ever sees them."""
         return F.linear(self.ln_f(h), self.head_weight)[..., :self.cfg.vocab_size]
 
+    compiled_loss = None
+    """``torch.compile(full_cross_entropy)``, set by ``compile_model`` (one per instance)."""
+
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Mean cross-entropy of the residual stream ``h`` against ``targets``; without
         targets, the last position's logits (B, 1, V): generation needs only those."""
@@ -182,9 +174,34 @@ class EmbeddingAndHead:
         if self.cfg.loss_chunk:
             return chunked_cross_entropy(self.ln_f(h), self.head_weight, targets,
                                          self.cfg.vocab_size, self.cfg.loss_chunk)
-        logits = self.logits(h).float()  # the softmax in fp32 even when computing in bf16
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
-                               ignore_index=-1)
+        loss = self.compiled_loss or full_cross_entropy
+        return loss(h, self.ln_f, self.head_weight, targets, self.cfg.vocab_size)
+
+
+def full_cross_entropy(h: torch.Tensor, norm: nn.Module, weight: torch.Tensor,
+                       targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Final norm, head and mean cross-entropy over the first ``vocab`` logits, the
+    softmax in fp32 even when computing in bf16. Eager, it writes the (B, T, Vp) logits,
+    their cut and fp32 copy, and the fp32 log-softmax; compiled (``compile_model``), the
+    cut, the up-cast and the softmax fuse into the kernels that read the matmul's output."""
+    logits = F.linear(norm(h), weight)[..., :vocab].float()  # (B, T, V)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                           ignore_index=-1)
+
+
+def compile_model(model: nn.Module) -> int:
+    """Compile, with ``torch.compile``, the body of every ``Block`` in ``model`` (a GPT or
+    a pipeline stage) and, where ``model`` holds the head, the head with its loss;
+    returns how many blocks. Per block, as torchtitan does: the blocks share one code
+    object, so one compilation serves them all, and the hooks around a block stay eager
+    (the compiler never traces an MPI call). The head and loss are compiled apart from
+    the blocks, so that ZeRO-3's gather hooks on the model still run around them."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for blk in blocks:
+        blk.compiled_body = torch.compile(blk.body)
+    if isinstance(model, EmbeddingAndHead) and getattr(model, "has_head", True):
+        model.compiled_loss = torch.compile(full_cross_entropy)
+    return len(blocks)
 
 
 class GPT(EmbeddingAndHead, nn.Module):

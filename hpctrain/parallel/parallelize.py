@@ -13,9 +13,9 @@ One fixed order (as torchtitan's ``parallelize``), because each step needs the p
    that reads their dtype. With a pipeline, the gradient norm also sums over the stages.
 4. **Runner**: the pipeline executor, or ``LocalRunner`` when the model is whole.
 5. **Compute settings**: TF32 for fp32 matrix multiplies on GPUs (``--train.tf32``), then
-   ``torch.compile`` of each block (``--train.compile``) last, once the parameters have
-   their final dtype and the engine's hooks are in place (they stay outside the compiled
-   code). Activation recomputation (``--model.recompute``) was built into the blocks with
+   ``torch.compile`` of each block and of the head with its loss (``--train.compile``)
+   last, once the parameters have their final dtype and the engine's hooks are in place
+   (they stay outside the compiled code). Activation recomputation (``--model.recompute``) was built into the blocks with
    the model (``gpt.py``).
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from hpctrain.comm.grid import ProcessGrid
-from hpctrain.model.gpt import GPT, compile_blocks
+from hpctrain.model.gpt import GPT, compile_model
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
@@ -76,7 +76,7 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
         runner = LocalRunner(model, world.accel)
     set_matmul_precision(device, cfg.train.tf32)
     if cfg.train.compile:
-        compile_blocks(model)
+        compile_model(model)
     return Parallel(model, engine, runner)
 
 
