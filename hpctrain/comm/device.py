@@ -133,6 +133,12 @@ class Accelerator:
         where = f" ({self.placement})" if self.placement else ""
         return f"{self.torch_device} {self.name}{where}"
 
+    def identity(self) -> str | None:
+        """What tells this device apart from the others of its node: ranks that report
+        the same identity compute on one device (and share its peak). None: the host,
+        where each rank counts as a device of its own."""
+        return None
+
     # ----------------------------------------------------------------- memory
     def holds(self, x) -> bool:
         """Whether ``x`` is this device's memory (MPI needs a device path for it)."""
@@ -225,6 +231,12 @@ class GPUAccelerator(Accelerator):
     @property
     def name(self) -> str:
         return self.module.get_device_name(self.index)
+
+    def identity(self) -> str:
+        """The device's UUID where the runtime has one (a rank that sees one GPU through
+        its own visibility mask calls it device 0 whatever GPU it is), else its index."""
+        uuid = getattr(self.module.get_device_properties(self.index), "uuid", None)
+        return str(uuid) if uuid is not None else f"{self.kind}:{self.index}"
 
     def holds(self, x) -> bool:
         return isinstance(x, torch.Tensor) and x.device.type == self.kind

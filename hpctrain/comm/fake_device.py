@@ -97,6 +97,9 @@ class FakeAccelerator(Accelerator):
     def describe(self):
         return f"fake:{self.index} (CPU posing as a GPU)"
 
+    def identity(self):
+        return f"fake:{self.index}"
+
     def host_empty(self, shape, dtype):
         t = torch.empty(shape, dtype=dtype)
         self._host = _append(self._host, t)

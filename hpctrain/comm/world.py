@@ -44,6 +44,11 @@ class World:
     """Whether MPI takes this rank's device memory directly (``comm/gpu_aware.py``)."""
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds any blocking MPI wait may take before the job is aborted."""
+    ranks_per_device: int = 1
+    """Ranks of this node computing on this rank's device (several: they share it)."""
+    devices: int = 1
+    """Distinct devices the job computes on (ranks sharing a device count once; on the
+    host every rank counts as one)."""
     resources: MPIResources = field(default_factory=MPIResources, compare=False, repr=False)
     """``local_comm``, freed by ``close()`` (views made with ``dataclasses.replace`` share
     it: only the world that ``create`` returned is closed)."""
@@ -76,11 +81,13 @@ class World:
         masks = local_comm.allgather(visible_devices(kind).mask)
         accel = make_accelerator(kind, local_rank, masks)
         check_thread_level(accel, MPI.Query_thread())
+        sharing, devices = count_devices(
+            comm.allgather((node, accel.identity() or f"rank {rank}")), rank)
         return cls(comm=comm, rank=rank, size=size, local_comm=local_comm,
                    local_rank=local_rank, local_size=local_size, node=node,
                    n_nodes=n_nodes, device=str(accel.torch_device), accel=accel,
                    gpu_aware=detect_gpu_aware(gpu_aware, accel.vendor), timeout=timeout,
-                   resources=resources)
+                   resources=resources, ranks_per_device=sharing, devices=devices)
 
     def close(self) -> None:
         """Free the node communicator (collective; idempotent)."""
@@ -94,6 +101,12 @@ class World:
             text += (f", GPU-aware MPI: {self.gpu_aware}, MPI thread level "
                      f"{THREAD_LEVELS.get(MPI.Query_thread(), '?')}")
         return text
+
+
+def count_devices(identities: list, rank: int) -> tuple[int, int]:
+    """(ranks on ``rank``'s device, distinct devices of the job) from every rank's
+    ``(node, device identity)``."""
+    return identities.count(identities[rank]), len(set(identities))
 
 
 THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",

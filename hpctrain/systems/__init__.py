@@ -249,16 +249,22 @@ def device_peaks() -> dict[str, dict[str, float]]:
             for device, table in _device_tables().items()}
 
 
-def peak_for_device(runtime_name: str, dtype: str) -> float | None:
-    """The peak TFLOP/s in ``dtype`` of the device the runtime calls ``runtime_name``
-    (``torch.cuda.get_device_name``): the first table of ``devices.toml`` one of whose
-    ``match`` strings (default: its name) is part of that name; None when no table
-    matches or the table has no figure for ``dtype``."""
+def device_table(runtime_name: str) -> tuple[str, dict] | None:
+    """The first table of ``devices.toml`` one of whose ``match`` strings (default: its
+    name) is part of ``runtime_name`` (``torch.cuda.get_device_name``), with its name;
+    None when none matches."""
     for device, table in _device_tables().items():
         if any(m in runtime_name for m in table.get("match", [device])):
-            value = table.get(dtype)
-            return float(value) if value is not None else None
+            return device, table
     return None
+
+
+def peak_for_device(runtime_name: str, dtype: str) -> float | None:
+    """The peak TFLOP/s in ``dtype`` of the device the runtime calls ``runtime_name``
+    (``device_table``); None when no table matches or it has no figure for ``dtype``."""
+    found = device_table(runtime_name)
+    value = found[1].get(dtype) if found else None
+    return float(value) if value is not None else None
 
 
 # ------------------------------------------------------------------------- reading

@@ -4,17 +4,73 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.systems import device_peaks, peak_for_device
+from hpctrain.systems import device_peaks, device_table, peak_for_device
 
 # Dense peak TFLOP/s per device and compute dtype: hpctrain/systems/devices.toml.
 PEAK_TFLOPS = device_peaks()
 
 
+@dataclass(frozen=True)
+class Peak:
+    """The rate a run's model FLOP utilization is measured against, and why that one."""
+    tflops: float | None
+    """Dense TFLOP/s of one device (None: unknown, no MFU is reported)."""
+    basis: str
+    """Which rate of the device: ``bf16``, ``tf32``, ``fp32_matrix`` or ``fp32`` (a key
+    of ``devices.toml``), or ``override`` (``--train.peak_tflops``)."""
+    why: str
+    devices: int = 1
+    """Distinct devices the job's ranks compute on (ranks sharing a GPU count once)."""
+
+    def mfu(self, flops_per_s: float) -> float | None:
+        """The job's ``flops_per_s`` over the peak of all its devices."""
+        return flops_per_s / (self.tflops * 1e12 * self.devices) if self.tflops else None
+
+    def to_dict(self) -> dict:
+        return {"tflops": self.tflops, "basis": self.basis, "why": self.why,
+                "devices": self.devices}
+
+
+def matmul_rate_key(dtype: str, *, tf32: bool, accelerator: bool,
+                    table: dict | None) -> tuple[str, str]:
+    """Which ``devices.toml`` rate a run's matrix multiplies reach, and why: bf16 runs on
+    the matrix units; fp32 on a GPU with ``--train.tf32`` on TF32's matrix rate where the
+    device has one, else its fp32 matrix rate (``fp32_matrix``, CDNA2) or vector rate."""
+    table = table or {}
+    if dtype == "bf16":
+        return "bf16", "bf16 compute on the matrix units"
+    if accelerator and tf32 and "tf32" in table:
+        return "tf32", "fp32 compute with --train.tf32: matrix multiplies in TF32"
+    if accelerator and "fp32_matrix" in table:
+        return "fp32_matrix", "fp32 compute on the matrix units (this device has no TF32)"
+    return "fp32", ("fp32 compute with --train.tf32=false" if accelerator and not tf32
+                    else "fp32 compute")
+
+
+def device_peak(device_name: str, dtype: str, *, tf32: bool, accelerator: bool,
+                override: float = 0.0, devices: int = 1) -> Peak:
+    """The ``Peak`` of a run on ``devices`` devices the runtime calls ``device_name``
+    (``Accelerator.name``). ``override`` (``--train.peak_tflops``) wins; otherwise the
+    device's table in ``devices.toml`` and ``matmul_rate_key``."""
+    if override > 0:
+        return Peak(override, "override", "--train.peak_tflops", devices)
+    found = device_table(device_name)
+    if found is None:
+        return Peak(None, "", f"{device_name!r} is not in devices.toml: pass "
+                    "--train.peak_tflops for an MFU", devices)
+    name, table = found
+    key, why = matmul_rate_key(dtype, tf32=tf32, accelerator=accelerator, table=table)
+    value = table.get(key)
+    return Peak(float(value) if value is not None else None, key,
+                f"{why}; {name} in devices.toml", devices)
+
+
 def peak_tflops(device_name: str, dtype: str, override: float = 0.0) -> float | None:
-    """Peak TFLOP/s of one device (``device_name``: the runtime's name of it, as
-    ``Accelerator.name`` gives), or None when unknown (MFU is then not reported)."""
+    """Peak TFLOP/s of one device in ``dtype`` (a ``devices.toml`` key), or None when
+    unknown; ``override`` wins."""
     if override > 0:
         return override
     return peak_for_device(device_name, dtype)

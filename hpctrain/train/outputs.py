@@ -21,8 +21,8 @@ from hpctrain.train.timing import PHASES, peak_rss_bytes, phase_medians, summari
 
 class RunOutputs:
     def __init__(self, cfg, grid, par, tokenizer, facts: dict, log):
-        """``facts``: ``params``, ``flops_per_token``, ``peak_tflops`` for the summary;
-        ``log(line)`` prints on rank 0."""
+        """``facts``: ``params``, ``flops_per_token``, ``peak`` (``metrics.Peak``) for the
+        summary; ``log(line)`` prints on rank 0."""
         self.cfg, self.grid, self.par, self.tokenizer = cfg, grid, par, tokenizer
         self.world = grid.world
         self.facts, self.log = facts, log
@@ -94,7 +94,7 @@ class RunOutputs:
             "timing": timing,
             "peak_rss_bytes_max_rank": peak_rss,
             "flops_per_token": self.facts["flops_per_token"],
-            "peak_tflops": self.facts["peak_tflops"],
+            "peak_tflops": self.facts["peak"].tflops, "peak": self.facts["peak"].to_dict(),
             "params": self.facts["params"], "memory_per_rank": memory.to_dict(),
             "grid": {"dp": self.grid.dp, "pp": self.grid.pp},
             "skipped_steps": skipped,

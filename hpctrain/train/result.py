@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hpctrain.comm.collectives import allreduce_array
+from hpctrain.train.metrics import Peak
 
 
 @dataclass
@@ -36,12 +37,14 @@ class TrainResult:
 
 def step_record(step: int, loss: float, lr: float, tok_s: float, step_s: float, norm: float,
                 data_s: float, wait_s: float, bubble_s: float, *, flops_per_token: float,
-                world_size: int, peak: float | None, skipped: int) -> dict:
-    """One ``metrics.jsonl`` line (times in ms, throughput per device)."""
-    tflops = flops_per_token * tok_s / world_size / 1e12
+                peak: Peak, skipped: int) -> dict:
+    """One ``metrics.jsonl`` line (times in ms, throughput per device: ranks sharing a
+    device count as one)."""
+    flops_per_s = flops_per_token * tok_s
     return {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tok_s,
-            "step_ms": step_s * 1e3, "grad_norm": norm, "tflops_per_device": tflops,
-            "mfu": tflops / peak if peak else None, "data_ms": data_s * 1e3,
+            "step_ms": step_s * 1e3, "grad_norm": norm,
+            "tflops_per_device": flops_per_s / peak.devices / 1e12,
+            "mfu": peak.mfu(flops_per_s), "data_ms": data_s * 1e3,
             "comm_wait_ms": wait_s * 1e3, "bubble_ms": bubble_s * 1e3,
             "skipped_steps": skipped}
 

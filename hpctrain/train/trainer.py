@@ -28,7 +28,7 @@ from hpctrain.parallel.parallelize import parallelize
 from hpctrain.progress import Progress
 from hpctrain.train.deadline import Deadline
 from hpctrain.train.evaluate import Evaluator
-from hpctrain.train.metrics import MetricsLog, peak_tflops
+from hpctrain.train.metrics import MetricsLog, device_peak
 from hpctrain.train.nonfinite import NonFiniteGuard
 from hpctrain.train.outputs import RunOutputs
 from hpctrain.train.result import LogWindow, TrainResult, add_step, bar_text, step_record
@@ -76,7 +76,9 @@ class Trainer:
         self.clock = PhaseClock(self.runner, self.engine)
         self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t.eval_iters)
         self.tokens_per_step = t.batch_size * cfg.model.block_size
-        self.peak = peak_tflops(world.accel.name, t.dtype, t.peak_tflops)
+        self.peak = device_peak(world.accel.name, t.dtype, tf32=t.tf32,
+                                accelerator=world.accel.is_accelerator,
+                                override=t.peak_tflops, devices=world.devices)
         self.out_dir = Path(t.out_dir)
         self.guard = NonFiniteGuard(t.on_nonfinite, t.max_skipped_steps,
                                     self.out_dir / "checkpoints")
@@ -164,6 +166,9 @@ class Trainer:
                   f"{cfg.model.block_size} tokens = {rows} row(s) per rank in {self.micro} "
                   "micro-batch(es)")
         self._log(f"data: {describe_reader(self.batches.data.reader)}")
+        peak = self.peak
+        self._log(f"MFU against {peak.tflops:g} TFLOP/s per device x {peak.devices} device(s): "
+                  f"{peak.why}" if peak.tflops else f"MFU: not reported ({peak.why})")
         if self.start_step:
             self._log(f"resumed from the checkpoint of step {self.start_step}")
         elif self.initialized_from:
@@ -215,7 +220,7 @@ class Trainer:
                 return self._stopped_after_training(result, "final.h5 and the sample")
         facts = {"params": self.gpt_cfg.num_params(),
                  "flops_per_token": self.gpt_cfg.flops_per_token(),
-                 "peak_tflops": self.peak}
+                 "peak": self.peak}
         RunOutputs(self.cfg, self.grid, self.par, self.tokenizer, facts,
                    self._log).write(result, self.guard.skipped)
         return result
@@ -262,7 +267,7 @@ class Trainer:
             record = step_record(done, last, learning_rate(done - 1, self.cfg.optim, t.max_iters),
                                  self.tokens_per_step * n / elapsed, elapsed / n, float(norm),
                                  *means, flops_per_token=self.gpt_cfg.flops_per_token(),
-                                 world_size=w.size, peak=self.peak, skipped=self.guard.skipped)
+                                 peak=self.peak, skipped=self.guard.skipped)
             if is_eval:
                 record["val_loss"] = result.val_losses[done] = self.evaluator.estimate()
                 self._log(f"step {done}: val loss {record['val_loss']:.4f}", bar)
