@@ -346,6 +346,11 @@ class CommConfig:
                                  "buffers (no); auto asks the MPI library about this "
                                  "device's vendor (CUDA, ROCm, Level Zero)",
                          ("auto", "yes", "no"))
+    collectives: str = opt("auto", "how gradient buckets, ZeRO shards and parameters move: "
+                                   "mpi, or xccl (the device's collective library through "
+                                   "torch.distributed: NCCL, RCCL, oneCCL; gloo on CPUs); "
+                                   "auto takes xccl on GPUs whose library torch has, mpi "
+                                   "otherwise", ("auto", "mpi", "xccl"))
 
     def __post_init__(self):
         _check_fields(self)

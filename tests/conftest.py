@@ -1,13 +1,25 @@
 """Shared fixtures. Under ``mpiexec ... pytest --only-mpi`` a failing test on any rank
-aborts every rank: a failure must never turn into a hang."""
+aborts every rank: a failure must never turn into a hang.
+
+The suite's results never depend on the node: ``--train.device=auto`` takes the CPU here
+(``HPCTRAIN_AUTO_DEVICE``, inherited by every rank and subprocess the tests start), even
+where a GPU is visible, unless the leg names another kind. Tests that compare against
+the single-process CPU reference also build their worlds with ``device="cpu"`` (the
+comparison helpers refuse a world built with ``auto``); the 4-rank leg of ``make test``
+runs with ``HPCTRAIN_AUTO_DEVICE=fake``, the fake accelerator standing in for a node's
+GPU, which proves that no comparison depends on what ``auto`` finds.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
 from tests.helpers import make_dataset
+
+os.environ.setdefault("HPCTRAIN_AUTO_DEVICE", "cpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,10 +3,10 @@
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.world import World
 from hpctrain.config import OptimConfig
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.data_parallel import MiB, DataParallel, plan_buckets
+from tests.helpers import cpu_world
 
 
 def test_plan_respects_caps_and_keeps_order():
@@ -28,7 +28,7 @@ def test_single_bucket_when_everything_fits():
 def _dp(bucket_mb=0.05, first_bucket_mb=0.01):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32))
-    world = World.create(MPI.COMM_SELF)
+    world = cpu_world(MPI.COMM_SELF)
     return model, DataParallel(model, world, OptimConfig(), bucket_mb=bucket_mb,
                                first_bucket_mb=first_bucket_mb)
 

@@ -12,10 +12,9 @@ from mpi4py import MPI
 
 import hpctrain.checkpoint.collective as collective
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest, shard_name
-from hpctrain.comm.world import World
 from hpctrain.errors import NonFiniteError
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 
 
 def _cfg(data, out, **overrides):
@@ -25,7 +24,7 @@ def _cfg(data, out, **overrides):
 
 
 def _fit(cfg):
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     return trainer, trainer.fit()
 
 
@@ -148,13 +147,13 @@ def _poison_step(trainer, bad_step: int):
 def test_non_finite_steps_are_skipped_or_abort(dataset_path, tmp_path):
     trainer = Trainer(tiny_config(dataset_path, tmp_path / "s",
                                   **{"train.on_nonfinite": "skip"}),
-                      World.create(MPI.COMM_SELF), verbose=False)
+                      cpu_world(MPI.COMM_SELF), verbose=False)
     _poison_step(trainer, 3)
     result = trainer.fit()
     assert trainer.guard.skipped == 1 and np.isnan(result.losses[3])
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert result.losses[-1] < result.losses[0] - 0.3  # training went on
-    trainer = Trainer(tiny_config(dataset_path, tmp_path / "a"), World.create(MPI.COMM_SELF),
+    trainer = Trainer(tiny_config(dataset_path, tmp_path / "a"), cpu_world(MPI.COMM_SELF),
                       verbose=False)
     _poison_step(trainer, 3)
     with pytest.raises(NonFiniteError, match="on_nonfinite=skip"):

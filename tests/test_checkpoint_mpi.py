@@ -8,9 +8,8 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.checkpoint.sharded import read_manifest
-from hpctrain.comm.world import World
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -23,7 +22,7 @@ def _cfg(data, out, **overrides):
 
 
 def _fit(cfg, comm=COMM):
-    trainer = Trainer(cfg, World.create(comm), verbose=False)
+    trainer = Trainer(cfg, cpu_world(comm), verbose=False)
     return trainer.fit()
 
 
@@ -73,7 +72,7 @@ def test_a_save_failing_on_one_rank_is_one_clean_error_on_every_rank(mpi_dataset
     out = Path(shared_tmp) / "run"
     trainer = Trainer(_cfg(mpi_dataset, out, **{"parallel.zero": zero,
                                                 "train.max_iters": 10}),
-                      World.create(COMM), verbose=False)
+                      cpu_world(COMM), verbose=False)
     trainer.fit()
     real = collective.write_shard
 

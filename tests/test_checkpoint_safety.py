@@ -17,10 +17,9 @@ import hpctrain.checkpoint.sharded as sharded
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest, shard_name
 from hpctrain.checkpoint.single_file import load_checkpoint
 from hpctrain.checkpoint.tools import inspect
-from hpctrain.comm.world import World
 from hpctrain.errors import DataError, UserError
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 
 
 def _cfg(data, out, **overrides):
@@ -29,7 +28,7 @@ def _cfg(data, out, **overrides):
 
 
 def _trainer(cfg):
-    return Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    return Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
 
 
 def _fit(cfg):

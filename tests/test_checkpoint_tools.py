@@ -9,10 +9,9 @@ from mpi4py import MPI
 
 from hpctrain.checkpoint import tools
 from hpctrain.checkpoint.single_file import load_checkpoint
-from hpctrain.comm.world import World
 from hpctrain.model.gpt import GPT
 from hpctrain.train.trainer import Trainer
-from tests.helpers import hpctrain_cmd, run, tiny_config
+from tests.helpers import cpu_world, hpctrain_cmd, run, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +20,7 @@ def trained(dataset_path, tmp_path_factory):
     cfg = tiny_config(dataset_path, out, **{"parallel.zero": 3, "train.ckpt_interval": 10,
                                             "train.save_checkpoint": True, "model.bias": True,
                                             "train.max_iters": 20})
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     trainer.fit()
     with trainer.engine.gathered():
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -175,7 +174,7 @@ def test_resharded_checkpoint_resumes_with_its_own_layout(dataset_path, trained,
     cfg = tiny_config(dataset_path, tmp_path / "run", **{
         "parallel.zero": 1, "parallel.bucket_mb": 0.02, "parallel.first_bucket_mb": 0.005,
         "train.resume": str(new), "model.bias": True, "train.max_iters": 20})
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     assert trainer.start_step == 10 and len(trainer.fit().losses) == 10
 
 

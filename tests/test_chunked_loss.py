@@ -8,12 +8,11 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.world import World
 from hpctrain.model.chunked_loss import chunked_cross_entropy
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.train.trainer import Trainer
-from tests.helpers import fit_against_reference, tiny_config
+from tests.helpers import cpu_world, fit_against_reference, tiny_config
 from tests.reference import plain_model_config
 
 V, VP = 97, 100  # vocab_multiple=50 pads 3 rows, whose logits must stay out; no other
@@ -167,7 +166,7 @@ def test_the_chunked_head_keeps_no_tokens_by_vocabulary_tensor(arch, tied):
 
 
 def _train(cfg):
-    return Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    return Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])

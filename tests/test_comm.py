@@ -13,6 +13,7 @@ from hpctrain.comm.gpu_aware import detect_gpu_aware
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World, threads_per_rank
 from hpctrain.errors import CommTimeout
+from tests.helpers import cpu_world
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -29,7 +30,7 @@ def test_watchdog_raises_instead_of_hanging():
 
 
 def test_world_on_one_process():
-    w = World.create(MPI.COMM_SELF, device="cpu")
+    w = cpu_world(MPI.COMM_SELF)
     assert (w.rank, w.size, w.local_rank, w.local_size, w.node, w.n_nodes) == (0, 1, 0, 1, 0, 1)
     assert w.device == "cpu" and "1 rank(s) on 1 node(s)" in w.describe()
 
@@ -51,7 +52,7 @@ def test_cuda_tensor_round_trip(aware):
     buf = MPIBuffer(t, w.accel, w.gpu_aware)
     assert buf.staged is (aware == "no")
     MPI.COMM_SELF.Allreduce(MPI.IN_PLACE, buf.to_mpi(), op=MPI.SUM)
-    buf.from_mpi()
+    buf.complete()
     w.accel.synchronize()
     assert torch.equal(t.cpu(), torch.arange(8, dtype=torch.float32))
     assert w.accel.stats.event_records >= 1

@@ -33,24 +33,34 @@ def fake():
 # ------------------------------------------------------------------- choosing a device
 
 def test_auto_takes_the_visible_accelerator_else_the_cpu():
-    assert choose_kind("auto", visible=NONE) == "cpu"
-    assert choose_kind("auto", visible={**NONE, "xpu": Visible(12)}) == "xpu"
-    assert choose_kind("auto", visible={"cuda": Visible(4), "xpu": Visible(0)}) == "cuda"
-    assert choose_kind("fake", visible=NONE) == "fake"
+    assert choose_kind("auto", visible=NONE, env={}) == "cpu"
+    assert choose_kind("auto", visible={**NONE, "xpu": Visible(12)}, env={}) == "xpu"
+    assert choose_kind("auto", visible={"cuda": Visible(4), "xpu": Visible(0)},
+                       env={}) == "cuda"
+    assert choose_kind("fake", visible=NONE, env={}) == "fake"
+
+
+def test_hpctrain_auto_device_names_what_auto_takes():
+    four = {"cuda": Visible(4), "xpu": Visible(0)}
+    assert choose_kind("auto", visible=four, env={"HPCTRAIN_AUTO_DEVICE": "cpu"}) == "cpu"
+    assert choose_kind("auto", visible=NONE, env={"HPCTRAIN_AUTO_DEVICE": "fake"}) == "fake"
+    assert choose_kind("cuda", visible=four, env={"HPCTRAIN_AUTO_DEVICE": "cpu"}) == "cuda"
+    with pytest.raises(UserError, match="HPCTRAIN_AUTO_DEVICE='gpu' is not one of"):
+        choose_kind("auto", visible=four, env={"HPCTRAIN_AUTO_DEVICE": "gpu"})
 
 
 def test_a_system_that_promises_gpus_never_trains_on_cpus_silently():
     with pytest.raises(UserError) as e:
-        choose_kind("auto", system="polaris",
+        choose_kind("auto", system="polaris", env={},
                     visible={"cuda": Visible(0, "CUDA_VISIBLE_DEVICES=3"), "xpu": Visible(0)})
     text = str(e.value)
     assert "\n" not in text and "HPCTRAIN_SYSTEM=polaris promises 4 GPU(s)" in text
     assert "CUDA_VISIBLE_DEVICES=3" in text and "--train.device=cpu" in text
     for system in ("aurora", "perlmutter", "frontier"):
         with pytest.raises(UserError, match=f"HPCTRAIN_SYSTEM={system} promises"):
-            choose_kind("auto", system=system, visible=NONE)
+            choose_kind("auto", system=system, visible=NONE, env={})
     assert choose_kind("cpu", system="polaris", visible=NONE) == "cpu"  # on purpose
-    assert choose_kind("auto", system="local", visible=NONE) == "cpu"  # no GPUs promised
+    assert choose_kind("auto", system="local", visible=NONE, env={}) == "cpu"  # no GPUs promised
 
 
 def test_asking_for_a_device_that_is_not_there_is_one_line():
@@ -204,7 +214,7 @@ def test_device_buffers_reach_mpi_after_their_event(fake, aware):
     out = torch.zeros(8)
     src, dst = MPIBuffer(t, fake, aware), MPIBuffer(out, fake, aware)
     MPI.COMM_SELF.Sendrecv(src.to_mpi(), 0, 0, dst.to_mpi(send=False), 0, 0)
-    dst.from_mpi()
+    dst.complete()
     assert torch.equal(out, t)
     s = fake.stats
     assert s.unready_handoffs == 0 and s.device_syncs == 0
@@ -236,7 +246,7 @@ def test_bf16_travels_as_its_bit_pattern(fake):
         dst = torch.zeros(2, dtype=torch.bfloat16)
         a, b = MPIBuffer(t, accel, aware), MPIBuffer(dst, accel, aware)
         MPI.COMM_SELF.Sendrecv(a.to_mpi(), 0, 0, b.to_mpi(send=False), 0, 0)
-        b.from_mpi()
+        b.complete()
         assert torch.equal(dst, t)
 
 

@@ -11,13 +11,12 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.comm.features import persistent_collectives
-from hpctrain.comm.world import World
 from hpctrain.config import OptimConfig
 from hpctrain.data.mpiio import library_name
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.train.trainer import Trainer
-from tests.helpers import SGD, fit_against_reference, same_on_all_ranks, tiny_config
+from tests.helpers import cpu_world, fit_against_reference, same_on_all_ranks, SGD, tiny_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -35,7 +34,7 @@ def test_dp_matches_single_process(mpi_dataset, shared_tmp, micro_batches, allre
                                                   "parallel.allreduce": allreduce,
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
-    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     assert len(trainer.engine.buckets) >= 3  # several buckets in flight, not one
     assert (trainer.engine.shm is not None) == (allreduce == "shm")
     fit_against_reference(trainer, cfg, COMM)
@@ -47,7 +46,7 @@ def test_dp_with_plain_sgd_matches_single_process(mpi_dataset, shared_tmp, allre
     changes the loss from the second step on (AdamW would hide it)."""
     cfg = tiny_config(mpi_dataset, shared_tmp, **SGD, **{"parallel.micro_batches": 2,
                                                          "parallel.allreduce": allreduce})
-    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     fit_against_reference(trainer, cfg, COMM)
 
 
@@ -75,7 +74,7 @@ def test_no_communication_on_non_final_micro_batches(allreduce, persistent):
     if persistent and not persistent_collectives(COMM):  # collective: every rank skips
         pytest.skip(f"{library_name()} has no MPI_Allreduce_init")
     spy = CountingComm(COMM)
-    world = dataclasses.replace(World.create(COMM), comm=spy)
+    world = dataclasses.replace(cpu_world(COMM), comm=spy)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
     dp = DataParallel(model, world, OptimConfig(), bucket_mb=0.01, first_bucket_mb=0.004,
@@ -108,7 +107,7 @@ def test_no_communication_on_non_final_micro_batches(allreduce, persistent):
 def test_bucket_layout_and_broadcast_agree_across_ranks():
     torch.manual_seed(COMM.rank)  # deliberately different initial weights per rank
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
-    dp = DataParallel(model, World.create(COMM), OptimConfig(), bucket_mb=0.01,
+    dp = DataParallel(model, cpu_world(COMM), OptimConfig(), bucket_mb=0.01,
                       first_bucket_mb=0.004)
     layout = [(len(b.params), b.flat.numel()) for b in dp.buckets]
     assert COMM.allgather(layout) == [layout] * COMM.size
@@ -119,7 +118,7 @@ def test_bucket_layout_and_broadcast_agree_across_ranks():
 
 
 def test_world_describes_this_single_node_job():
-    w = World.create(COMM)
+    w = cpu_world(COMM)
     assert (w.rank, w.size) == (COMM.rank, COMM.size)
     assert w.n_nodes == 1 and w.node == 0 and w.local_size == COMM.size
     assert sorted(COMM.allgather(w.local_rank)) == list(range(COMM.size))
@@ -137,7 +136,7 @@ def test_summary_times_the_reductions_of_each_step(mpi_dataset, shared_tmp, allr
                                                   "parallel.allreduce": allreduce,
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
-    Trainer(cfg, World.create(COMM), verbose=False).fit()
+    Trainer(cfg, cpu_world(COMM), verbose=False).fit()
     if COMM.rank == 0:
         phases = json.loads((Path(shared_tmp) / "summary.json").read_text())["timing"][
             "phases_ms"]

@@ -13,15 +13,12 @@ What the fake device cannot prove (real device memory, a GPU-aware library, stre
 running concurrently): docs/design/devices.md.
 """
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 
 from hpctrain.comm.world import World
 from hpctrain.train.trainer import Trainer
-from tests.helpers import (assert_gradients_match, capture_first_step,
-                           fit_against_reference, same_on_all_ranks, tiny_config)
-from tests.reference import reference_run
+from tests.helpers import fit_against_reference, fit_bf16_against_reference, tiny_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -100,27 +97,11 @@ def test_zero_fp32_on_the_fake_device(mpi_dataset, shared_tmp, stage, aware):
     _check_counts(trainer, counts, aware)
 
 
-def _bf16_matches_reference(trainer, cfg):
-    """As test_zero_mpi's bf16 test: against the bf16 single-process run, its bounds."""
-    from tests.test_zero_mpi import BF16_GRAD_RTOL, BF16_LOSS_ATOL, BF16_PARAM_ATOL
-
-    first = capture_first_step(trainer)
-    result = trainer.fit(close=False)
-    ref = reference_run(cfg)
-    assert_gradients_match(first, ref, rtol=BF16_GRAD_RTOL)
-    np.testing.assert_allclose(result.losses, ref.losses, atol=BF16_LOSS_ATOL, rtol=0)
-    master = trainer.engine.consolidated_state()
-    for name, want in ref.params.items():
-        assert same_on_all_ranks(COMM, master[name]["param"])
-        assert (master[name]["param"] - want).abs().max() < BF16_PARAM_ATOL, name
-    trainer.close()
-
-
 @pytest.mark.parametrize("stage,aware", [(0, "yes"), (1, "no"), (3, "no")])
 def test_zero_bf16_on_the_fake_device(mpi_dataset, shared_tmp, stage, aware):
     cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": stage, "train.dtype": "bf16",
                                               "parallel.micro_batches": 2})
-    trainer, counts = _fit_on_fake(cfg, aware, check=_bf16_matches_reference)
+    trainer, counts = _fit_on_fake(cfg, aware, check=fit_bf16_against_reference)
     _check_counts(trainer, counts, aware)
 
 

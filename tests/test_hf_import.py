@@ -20,8 +20,8 @@ from hpctrain.checkpoint.hf_import import import_hf
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest
 from hpctrain.checkpoint.weights import load_weights, model_options
 from hpctrain.model.gpt import GPT, GPTConfig
-from tests.helpers import (TEXTS, hpctrain_cmd, random_weights, run, save_tokenizer,
-                           weights_checkpoint)
+from tests.helpers import (TEXTS, cpu_world, hpctrain_cmd, random_weights, run,
+                           save_tokenizer, weights_checkpoint)
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
@@ -345,7 +345,6 @@ def test_import_prepare_and_fine_tune_start_from_the_published_model(tmp_path):
     decodes with the imported tokenizer."""
     from mpi4py import MPI
 
-    from hpctrain.comm.world import World
     from hpctrain.data.dataset import TokenDataset
     from hpctrain.data.prepare import prepare
     from hpctrain.data.sampler import make_sampler
@@ -367,7 +366,7 @@ def test_import_prepare_and_fine_tune_start_from_the_published_model(tmp_path):
     opts["model.block_size"] = "16"  # train on shorter windows than the model's 64
     cfg = tiny_config(data, tmp_path / "run", **opts, **{
         "train.init_from": str(tmp_path / "ckpt"), "train.max_iters": 2})
-    result = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False).fit()
+    result = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False).fit()
     ds = TokenDataset(data)
     sampler = make_sampler(cfg.data.sampler, ds.splits["train"].n_tokens, 16,
                            cfg.train.batch_size, cfg.train.seed)

@@ -16,7 +16,7 @@ from hpctrain.data.tokenizers import (MAX_TOKENIZER_JSON_BYTES, HFTokenizer,
                                       check_tokenizer_name, make_tokenizer,
                                       tokenizer_from_meta, tokenizer_identity)
 from hpctrain.errors import DataError
-from tests.helpers import TEXTS, save_tokenizer
+from tests.helpers import cpu_world, save_tokenizer, TEXTS
 
 
 @pytest.fixture
@@ -52,7 +52,6 @@ def test_prepare_with_a_hugging_face_tokenizer_records_it_whole(tmp_path, corpus
 @pytest.mark.hf
 def test_a_run_on_it_samples_and_keeps_it_in_final_h5(tmp_path, corpus):
     from hpctrain.checkpoint.single_file import load_checkpoint
-    from hpctrain.comm.world import World
     from hpctrain.train.trainer import Trainer
     from tests.helpers import tiny_config
 
@@ -61,7 +60,7 @@ def test_a_run_on_it_samples_and_keeps_it_in_final_h5(tmp_path, corpus):
     cfg = tiny_config(tmp_path / "d.h5", tmp_path / "run", **{
         "train.max_iters": 2, "train.sample_tokens": 5, "train.save_checkpoint": True,
         "train.sample_prompt": "def "})
-    Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False).fit()
+    Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False).fit()
     assert (tmp_path / "run" / "sample.txt").read_text().startswith("def ")
     meta = load_checkpoint(tmp_path / "run").tokenizer
     assert meta["name"] == "hf" and tokenizer_from_meta(meta).vocab_size == vocab

@@ -8,18 +8,17 @@ from mpi4py import MPI
 
 from hpctrain.checkpoint.sharded import CheckpointError
 from hpctrain.checkpoint.weights import load_weights
-from hpctrain.comm.world import World
 from hpctrain.config import ConfigError
 from hpctrain.data.dataset import TokenDataset
 from hpctrain.train.trainer import Trainer
-from tests.helpers import LLAMA, random_weights, tiny_config, weights_checkpoint
+from tests.helpers import cpu_world, LLAMA, random_weights, tiny_config, weights_checkpoint
 from tests.reference import plain_torch_run
 
 ARCHS = {"gpt": {"model.bias": True}, "llama": LLAMA}
 
 
 def _trainer(cfg):
-    return Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    return Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
 
 
 def _data(path):

@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain.comm.world import World
 from hpctrain.data.dataset import TokenDataset
 from hpctrain.train.trainer import Trainer
-from tests.helpers import LLAMA, random_weights, tiny_config, weights_checkpoint
+from tests.helpers import cpu_world, LLAMA, random_weights, tiny_config, weights_checkpoint
 from tests.reference import plain_torch_run
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -39,5 +38,5 @@ def test_init_from_at_any_layout_is_the_plain_loop_from_the_weights(mpi_dataset,
         made = (str(ckpt), plain_torch_run(cfg, init=weights).losses)
     ckpt, ref_losses = COMM.bcast(made, root=0)
     run = tiny_config(mpi_dataset, f"{shared_tmp}/run", **opts, **{"train.init_from": ckpt})
-    result = Trainer(run, World.create(COMM), verbose=False).fit()
+    result = Trainer(run, cpu_world(COMM), verbose=False).fit()
     np.testing.assert_allclose(result.losses, ref_losses, atol=1e-5, rtol=0)

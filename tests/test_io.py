@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain.comm.world import World
 from hpctrain.config import ConfigError, DataConfig, load_config, parse_hints
 from hpctrain.data.dataset import TokenDataset, read_info
 from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, block_crcs, checksum_from_blocks,
@@ -31,7 +30,7 @@ from hpctrain.data.stage import copy_files, staged_paths
 from hpctrain.data.tokenizers import GPT2Tokenizer, _GPT2_URLS, _cache_file
 from hpctrain.errors import CommTimeout, DataError
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 
 # ------------------------------------------------------------- helpers (also for MPI tests)
 
@@ -87,7 +86,7 @@ def read_all_bounded(path, windows, comm) -> float:
     verify the file's checksums; return this rank's peak memory growth in MB."""
     info = read_info(path)
     with rss_growth_mb() as growth:
-        data = open_dataset(DataConfig(path=str(path), reader="mpiio"), World.create(comm))
+        data = open_dataset(DataConfig(path=str(path), reader="mpiio"), cpu_world(comm))
         assert data.verify(comm.rank, comm.size) == []
         for k in range(0, len(windows), 16):
             got = data.read("train", windows[k:k + 16], 1025, uniform=True)
@@ -295,7 +294,7 @@ def test_romio_hints_are_parsed_and_checked():
 @pytest.mark.parametrize("reader", ["mpiio", "mmap"])
 def test_open_dataset_picks_the_reader_and_prefetches(dataset_path, reader):
     data = open_dataset(DataConfig(path=str(dataset_path), reader=reader),
-                        World.create(MPI.COMM_SELF))
+                        cpu_world(MPI.COMM_SELF))
     try:
         assert type(data.reader).__name__ == {"mpiio": "MPIIODataset", "mmap": "TokenDataset"}[reader]
         assert data.threaded
@@ -311,7 +310,7 @@ def test_h5mpio_reader_where_h5py_has_mpi_and_a_clear_error_elsewhere(dataset_pa
     from hpctrain.data.mpiio import h5py_has_mpi
 
     cfg = DataConfig(path=str(dataset_path), reader="h5mpio")
-    world = World.create(MPI.COMM_SELF)
+    world = cpu_world(MPI.COMM_SELF)
     if not h5py_has_mpi():
         assert resolve_reader("auto") == "mpiio"
         with pytest.raises(DataError, match="needs h5py built with MPI.*--data.reader=mpiio"):
@@ -419,7 +418,7 @@ def test_staging_copies_once_and_reuses_the_copy(dataset_path, tmp_path):
     time.sleep(0.01)
     assert copy_files(info, stage) == dests and dests[0].stat().st_mtime_ns == mtime
     data = open_dataset(DataConfig(path=str(dataset_path), stage_dir=str(stage)),
-                        World.create(MPI.COMM_SELF))
+                        cpu_world(MPI.COMM_SELF))
     try:
         assert data.reader.info.files == tuple(dests)
         assert np.array_equal(data.read("val", [7], 9), TokenDataset(dataset_path).read("val", [7], 9))
@@ -472,18 +471,18 @@ def test_corrupt_files_stop_training_with_one_message(dataset_path, tmp_path, ki
     bad = _corrupt(kind, dataset_path, tmp_path / "bad.h5")
     cfg = tiny_config(bad, tmp_path / "out")
     with pytest.raises(DataError, match=message):
-        Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+        Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
 
 
 def test_data_that_does_not_fit_the_model_stops_training(dataset_path, tmp_path):
     vocab = read_info(dataset_path).vocab_size
     with pytest.raises(DataError, match=f"--model.vocab_size={vocab}"):
         Trainer(tiny_config(dataset_path, tmp_path, **{"model.vocab_size": vocab - 1}),
-                World.create(MPI.COMM_SELF), verbose=False)
+                cpu_world(MPI.COMM_SELF), verbose=False)
     n_val = read_info(dataset_path).splits["val"].n_tokens
     with pytest.raises(DataError, match="lower the block size"):
         Trainer(tiny_config(dataset_path, tmp_path, **{"model.block_size": n_val}),
-                World.create(MPI.COMM_SELF), verbose=False)
+                cpu_world(MPI.COMM_SELF), verbose=False)
 
 
 # --------------------------------------------------------------- a 2 GB file, 1 rank

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain.comm.world import World
 from hpctrain.config import DataConfig
 from hpctrain.data.corpus import stdlib_files
 from hpctrain.data.dataset import TokenDataset, read_info
@@ -19,7 +18,7 @@ from hpctrain.data.mpiio import MPIIODataset
 from hpctrain.data.prepare import assign_files, combine, prepare
 from hpctrain.errors import DataError
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 from tests.test_io import _corrupt, make_big_sparse_file, numpy_windows, read_all_bounded
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -74,9 +73,9 @@ def test_sampler_batches_are_world_size_invariant_and_resumable(mpi_dataset, sha
         return tiny_config(mpi_dataset, f"{shared_tmp}/{sub}",
                            **{"train.batch_size": 8, "train.max_iters": 10})
     cfg = cfg_in("walked")
-    walked = Trainer(cfg, World.create(COMM), verbose=False)
+    walked = Trainer(cfg, cpu_world(COMM), verbose=False)
     batches = [walked.batches.train(s) for s in range(10)]
-    resumed = Trainer(cfg_in("resumed"), World.create(COMM), verbose=False)
+    resumed = Trainer(cfg_in("resumed"), cpu_world(COMM), verbose=False)
     for step in (7, 8, 9):
         x, y = resumed.batches.train(step)
         assert torch_equal(x, batches[step][0]) and torch_equal(y, batches[step][1])
@@ -95,11 +94,11 @@ def torch_equal(a, b) -> bool:
 def test_training_is_the_same_with_every_reader(mpi_dataset, shared_tmp, reader):
     cfg = tiny_config(mpi_dataset, shared_tmp, **{"data.reader": reader, "train.max_iters": 8,
                                                   "data.prefetch": reader == "mpiio"})
-    losses = Trainer(cfg, World.create(COMM), verbose=False).fit().losses
+    losses = Trainer(cfg, cpu_world(COMM), verbose=False).fit().losses
     ref = Trainer(tiny_config(mpi_dataset, f"{shared_tmp}/ref", **{"data.reader": "mmap",
                                                            "data.prefetch": False,
                                                            "train.max_iters": 8}),
-                  World.create(COMM), verbose=False).fit().losses
+                  cpu_world(COMM), verbose=False).fit().losses
     assert losses == ref
 
 
@@ -143,7 +142,7 @@ def test_a_bad_file_on_one_rank_fails_every_rank_and_writes_nothing(shared_tmp):
 
 def test_staging_copies_once_per_node_and_reads_the_copy(mpi_dataset, shared_tmp):
     stage = f"{shared_tmp}/local-scratch"
-    world = World.create(COMM)
+    world = cpu_world(COMM)
     data = open_dataset(DataConfig(path=mpi_dataset, stage_dir=stage), world)
     try:
         assert str(data.reader.info.files[0]).startswith(stage)
@@ -176,18 +175,18 @@ def test_corrupt_files_fail_every_rank_the_same_way(mpi_dataset, shared_tmp, kin
 
     bad = _on_root(lambda: str(_corrupt(kind, Path(mpi_dataset), Path(shared_tmp) / "bad.h5")))
     with pytest.raises(DataError, match=message):
-        Trainer(tiny_config(bad, shared_tmp), World.create(COMM), verbose=False)
+        Trainer(tiny_config(bad, shared_tmp), cpu_world(COMM), verbose=False)
 
 
 def test_data_that_does_not_fit_the_model_fails_every_rank(mpi_dataset, shared_tmp):
     info = read_info(mpi_dataset)
     with pytest.raises(DataError, match=f"--model.vocab_size={info.vocab_size}"):
         Trainer(tiny_config(mpi_dataset, shared_tmp, **{"model.vocab_size": info.vocab_size - 1}),
-                World.create(COMM), verbose=False)
+                cpu_world(COMM), verbose=False)
     with pytest.raises(DataError, match="lower the block size"):
         Trainer(tiny_config(mpi_dataset, shared_tmp,
                             **{"model.block_size": info.splits["val"].n_tokens}),
-                World.create(COMM), verbose=False)
+                cpu_world(COMM), verbose=False)
 
 
 @pytest.mark.slow

@@ -10,11 +10,10 @@ from mpi4py import MPI
 from hpctrain.checkpoint import tools
 from hpctrain.checkpoint.sharded import CheckpointError, read_full_state, read_manifest
 from hpctrain.checkpoint.single_file import load_checkpoint
-from hpctrain.comm.world import World
 from hpctrain.model.gpt import GPT
 from hpctrain.model.shape import GPTConfig
 from hpctrain.train.trainer import Trainer
-from tests.helpers import hpctrain_cmd, run, tiny_config
+from tests.helpers import cpu_world, hpctrain_cmd, run, tiny_config
 
 LLAMA = {"model.arch": "llama", "model.n_head": 4, "model.n_kv_head": 2,
          "model.ffn_hidden": 48, "model.tie_embeddings": False,
@@ -28,7 +27,7 @@ def trained(dataset_path, tmp_path_factory):
                                             "train.ckpt_interval": 10,
                                             "train.save_checkpoint": True,
                                             "train.max_iters": 20})
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     result = trainer.fit()
     with trainer.engine.gathered():
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -62,11 +61,11 @@ def test_a_llama_checkpoint_resumes_and_refuses_a_gpt_run(dataset_path, trained,
     step10 = str(out / "checkpoints" / "step_000010")
     resumed = Trainer(tiny_config(dataset_path, tmp_path / "again", **{
         **LLAMA, "parallel.zero": 1, "train.max_iters": 20, "train.resume": step10}),
-        World.create(MPI.COMM_SELF), verbose=False).fit()
+        cpu_world(MPI.COMM_SELF), verbose=False).fit()
     np.testing.assert_allclose(resumed.losses, full.losses[10:], atol=1e-5, rtol=0)
     with pytest.raises(CheckpointError, match=r"arch=llama \(yours gpt\)"):
         Trainer(tiny_config(dataset_path, tmp_path / "gpt", **{"train.resume": step10}),
-                World.create(MPI.COMM_SELF), verbose=False)
+                cpu_world(MPI.COMM_SELF), verbose=False)
 
 
 def test_sample_from_a_llama_checkpoint(trained):

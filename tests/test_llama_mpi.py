@@ -17,12 +17,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.world import World
 from hpctrain.train.trainer import Trainer
-from tests.helpers import (assert_gradients_match, capture_first_step, fit_against_reference,
-                           same_on_all_ranks, tiny_config)
-from tests.reference import reference_run
-from tests.test_zero_mpi import BF16_GRAD_RTOL, BF16_LOSS_ATOL, BF16_PARAM_ATOL
+from tests.helpers import (cpu_world, fit_against_reference, fit_bf16_against_reference,
+                           tiny_config)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -45,7 +42,7 @@ def _pipeline(data, out, pp, schedule="1f1b", virtual=1, **overrides):
 
 
 def _fit(cfg):
-    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     assert trainer.gpt_cfg.arch == "llama" and trainer.gpt_cfg.n_kv_head == 2
     grid = trainer.grid
     replicas = grid.dp_world.comm if grid.pp > 1 else COMM
@@ -112,17 +109,8 @@ def test_llama_bf16_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp,
     extra = {"train.dtype": "bf16", "parallel.zero": stage, "parallel.micro_batches": 2}
     cfg = (_pipeline(mpi_dataset, shared_tmp, pp, **extra) if pp > 1
            else _config(mpi_dataset, shared_tmp, **extra))
-    trainer = Trainer(cfg, World.create(COMM), verbose=False)
-    first = capture_first_step(trainer)
-    result = trainer.fit(close=False)
-    ref = reference_run(cfg)
-    assert_gradients_match(first, ref, trainer.grid.pp_comm if pp > 1 else None,
-                           rtol=BF16_GRAD_RTOL)
-    np.testing.assert_allclose(result.losses, ref.losses, atol=BF16_LOSS_ATOL, rtol=0)
-    for name, state in trainer.engine.consolidated_state().items():
-        assert same_on_all_ranks(trainer.grid.dp_world.comm, state["param"])
-        assert (state["param"] - ref.params[name]).abs().max() < BF16_PARAM_ATOL, name
-    trainer.close()
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
+    fit_bf16_against_reference(trainer, cfg)
 
 
 def test_llama_checkpoint_moves_between_pipeline_and_zero3(mpi_dataset, shared_tmp):
@@ -133,11 +121,11 @@ def test_llama_checkpoint_moves_between_pipeline_and_zero3(mpi_dataset, shared_t
     out = Path(shared_tmp)
     save = {"train.max_iters": 10, "train.ckpt_interval": 5, "train.save_checkpoint": True,
             "parallel.micro_batches": 2}
-    full = Trainer(_pipeline(mpi_dataset, out / "pp", 2, **save), World.create(COMM),
+    full = Trainer(_pipeline(mpi_dataset, out / "pp", 2, **save), cpu_world(COMM),
                    verbose=False).fit()
     flat = Trainer(_config(mpi_dataset, out / "flat", **{
         **save, "model.n_layer": 8, "parallel.zero": 3,
         "parallel.micro_batches": 2 if COMM.size == 2 else 1,
         "train.resume": str(out / "pp" / "checkpoints" / "step_000005")}),
-        World.create(COMM), verbose=False).fit()
+        cpu_world(COMM), verbose=False).fit()
     np.testing.assert_allclose(flat.losses, full.losses[5:], atol=1e-5, rtol=0)

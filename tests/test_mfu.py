@@ -7,11 +7,11 @@ import json
 import pytest
 from mpi4py import MPI
 
-from hpctrain.comm.world import World, count_devices
+from hpctrain.comm.world import count_devices
 from hpctrain.train.metrics import Peak, device_peak
 from hpctrain.train.result import step_record
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 
 
 @pytest.mark.parametrize("device,dtype,tf32,accelerator,basis,tflops", [
@@ -53,14 +53,14 @@ def test_ranks_sharing_a_device_share_its_peak():
 
 
 def test_a_world_on_the_host_counts_one_device_per_rank():
-    world = World.create(MPI.COMM_SELF, device="cpu")
+    world = cpu_world(MPI.COMM_SELF)
     assert (world.ranks_per_device, world.devices) == (1, 1)
 
 
 def test_the_summary_records_which_peak_and_why(dataset_path, tmp_path):
     cfg = tiny_config(dataset_path, tmp_path, **{"train.peak_tflops": 0.5,
                                                  "train.max_iters": 2})
-    Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False).fit()
+    Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False).fit()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["peak"] == {"tflops": 0.5, "basis": "override",
                                "why": "--train.peak_tflops", "devices": 1}

@@ -8,7 +8,7 @@ from hpctrain.config import check_layout
 from hpctrain.errors import ConfigError
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.pipeline.stage import PipelineStage, layer_split
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 
 
 def test_layer_split_is_contiguous_and_even():
@@ -97,8 +97,7 @@ def test_grid_on_one_rank_and_a_bad_size():
     from mpi4py import MPI
 
     from hpctrain.comm.grid import GridError, ProcessGrid
-    from hpctrain.comm.world import World
-    world = World.create(MPI.COMM_SELF)
+    world = cpu_world(MPI.COMM_SELF)
     grid = ProcessGrid.create(world)
     assert (grid.dp, grid.pp, grid.stage, grid.is_first, grid.is_last) == (1, 1, 0, True, True)
     with pytest.raises(GridError, match="--parallel.pp must divide"):

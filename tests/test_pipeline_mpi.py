@@ -12,10 +12,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.world import World
 from hpctrain.train.trainer import Trainer
-from tests.helpers import (SGD, assert_gradients_match, capture_first_step,
-                           fit_against_reference, same_on_all_ranks, tiny_config)
+from tests.helpers import (SGD, cpu_world, fit_against_reference,
+                           fit_bf16_against_reference, same_on_all_ranks, tiny_config)
 from tests.reference import plain_model_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -52,7 +51,7 @@ def test_pipeline_matches_single_process(mpi_dataset, shared_tmp, pp, schedule, 
     if pp * virtual > 8:
         pytest.skip("more chunks than layers")
     cfg = _pipeline_config(mpi_dataset, shared_tmp, pp, schedule, virtual)
-    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     assert (trainer.grid.dp, trainer.grid.pp) == (COMM.size // pp, pp)
     _check(trainer, cfg)
 
@@ -62,7 +61,7 @@ def test_pipeline_matches_single_process(mpi_dataset, shared_tmp, pp, schedule, 
 def test_zero1_along_dp_with_pipeline(mpi_dataset, shared_tmp, schedule, virtual):
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, schedule, virtual,
                            **{"parallel.zero": 1, "parallel.micro_batches": 2})
-    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     assert (trainer.grid.dp, trainer.grid.pp) == (2, 2)
     _check(trainer, cfg)
 
@@ -75,7 +74,7 @@ def test_pipeline_with_plain_sgd_matches_single_process(mpi_dataset, shared_tmp,
     if COMM.size % 2:
         pytest.skip("needs an even number of ranks")
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, schedule, virtual, **SGD)
-    _check(Trainer(cfg, World.create(COMM), verbose=False), cfg)
+    _check(Trainer(cfg, cpu_world(COMM), verbose=False), cfg)
 
 
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2)])
@@ -87,7 +86,7 @@ def test_recompute_in_pipeline_stages_matches_the_plain_model(mpi_dataset, share
         pytest.skip("needs an even number of ranks")
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, schedule, virtual,
                            **{"model.recompute": "block"})
-    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     assert all(block.recompute for block in trainer.model.h.values())
     _check(trainer, plain_model_config(cfg))
 
@@ -101,13 +100,13 @@ def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):
               "train.save_checkpoint": True, "train.max_iters": 10}
     out = Path(shared_tmp)
     cfg = _pipeline_config(mpi_dataset, out / "pp", 2, "1f1b", 1, **common)
-    result = Trainer(cfg, World.create(COMM), verbose=False).fit()
+    result = Trainer(cfg, cpu_world(COMM), verbose=False).fit()
     assert result.val_losses.keys() == {5, 10}
     assert same_on_all_ranks(COMM, torch.tensor([result.final_val_loss, *result.val_losses.values()]))
     if COMM.rank == 0:  # the single-process run, on one rank
         ref_cfg = tiny_config(mpi_dataset, out / "ref", **{
             "model.n_layer": 8, "parallel.micro_batches": 4, **common})
-        ref = Trainer(ref_cfg, World.create(MPI.COMM_SELF), verbose=False).fit()
+        ref = Trainer(ref_cfg, cpu_world(MPI.COMM_SELF), verbose=False).fit()
         for k in ref.val_losses:
             assert abs(result.val_losses[k] - ref.val_losses[k]) <= 1e-5
         assert abs(result.final_val_loss - ref.final_val_loss) <= 1e-5
@@ -123,7 +122,7 @@ def test_grid_communicators():
     from hpctrain.comm.grid import ProcessGrid
     if COMM.size % 2:
         pytest.skip("needs an even number of ranks")
-    world = World.create(COMM)
+    world = cpu_world(COMM)
     grid = ProcessGrid.create(world, 2)
     assert grid.pp_comm.size == 2 and grid.dp_world.size == COMM.size // 2
     # Stage s of replica d is world rank 2 d + s: the pipeline's ranks are neighbours.
@@ -141,7 +140,7 @@ def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp, a
     node's shared memory all wait for finish() (no hooks there)."""
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1,
                            **{"parallel.allreduce": allreduce})
-    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     dp = trainer.engine
     assert len(dp.buckets) >= 2
     x, y = trainer.batches.train(0)
@@ -169,14 +168,14 @@ def test_pipeline_checkpoint_resumes_bit_for_bit(mpi_dataset, shared_tmp, zero):
     if COMM.size % 2:
         pytest.skip("needs an even number of ranks")
     out = Path(shared_tmp)
-    full = Trainer(_ckpt_config(mpi_dataset, out / "a", 2, zero), World.create(COMM),
+    full = Trainer(_ckpt_config(mpi_dataset, out / "a", 2, zero), cpu_world(COMM),
                    verbose=False).fit()
     step5 = out / "a" / "checkpoints" / "step_000005"
     manifest = read_manifest(step5)
     assert manifest.world_size == COMM.size
     trainer = Trainer(_ckpt_config(mpi_dataset, out / "b", 2, zero,
                                    **{"train.resume": str(step5)}),
-                      World.create(COMM), verbose=False)
+                      cpu_world(COMM), verbose=False)
     assert trainer.start_step == 5
     resumed = trainer.fit()
     assert resumed.losses == full.losses[5:]
@@ -190,42 +189,30 @@ def test_pipeline_checkpoint_reshards_to_plain_data_parallelism_and_back(mpi_dat
     if COMM.size % 2:
         pytest.skip("needs an even number of ranks")
     out = Path(shared_tmp)
-    full = Trainer(_ckpt_config(mpi_dataset, out / "pp", 2, zero), World.create(COMM),
+    full = Trainer(_ckpt_config(mpi_dataset, out / "pp", 2, zero), cpu_world(COMM),
                    verbose=False).fit()
     flat_cfg = tiny_config(mpi_dataset, out / "flat", **{
         "model.n_layer": 8, "parallel.micro_batches": 2 if COMM.size == 2 else 1,
         "parallel.zero": 1 - zero, "train.max_iters": 10, "train.ckpt_interval": 2,
         "train.save_checkpoint": True,
         "train.resume": str(out / "pp" / "checkpoints" / "step_000005")})
-    flat = Trainer(flat_cfg, World.create(COMM), verbose=False).fit()
+    flat = Trainer(flat_cfg, cpu_world(COMM), verbose=False).fit()
     np.testing.assert_allclose(flat.losses, full.losses[5:], atol=1e-5, rtol=0)
     back = Trainer(_ckpt_config(mpi_dataset, out / "back", 2, zero, **{
         "train.resume": str(out / "flat" / "checkpoints" / "step_000008")}),
-        World.create(COMM), verbose=False).fit()
+        cpu_world(COMM), verbose=False).fit()
     np.testing.assert_allclose(back.losses, full.losses[8:], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_bf16_pipeline_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, zero):
     """bf16 compute, fp32 master weights and moments, activations sent in bf16."""
-    from tests.reference import reference_run
-    from tests.test_zero_mpi import BF16_GRAD_RTOL, BF16_LOSS_ATOL, BF16_PARAM_ATOL
     if COMM.size % 2:
         pytest.skip("needs an even number of ranks")
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1, **{
         "train.dtype": "bf16", "parallel.zero": zero, "parallel.micro_batches": 2})
-    trainer = Trainer(cfg, World.create(COMM), verbose=False)
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     assert trainer.runner.dtype == torch.bfloat16
-    first = capture_first_step(trainer)
-    result = trainer.fit(close=False)
-    ref = reference_run(cfg)
-    assert_gradients_match(first, ref, trainer.grid.pp_comm, rtol=BF16_GRAD_RTOL)
-    np.testing.assert_allclose(result.losses, ref.losses, atol=BF16_LOSS_ATOL, rtol=0)
-    master = trainer.engine.consolidated_state()
-    assert set(master) == {n for n, _ in trainer.model.named_parameters()}
-    for name, state in master.items():
-        assert same_on_all_ranks(trainer.grid.dp_world.comm, state["param"])
-        assert (state["param"] - ref.params[name]).abs().max() < BF16_PARAM_ATOL, name
+    fit_bf16_against_reference(trainer, cfg)
     if trainer.model.has_head:  # the head computes with the embedding's bf16 values
         assert trainer.model.head_weight.dtype == torch.bfloat16
-    trainer.close()

@@ -7,7 +7,6 @@ import inspect
 import pytest
 from mpi4py import MPI
 
-from hpctrain.comm.world import World
 from hpctrain.config import OptimConfig
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.data_parallel import DataParallel
@@ -16,6 +15,7 @@ from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.runner import LocalRunner, Runner, RunnerStats
 from hpctrain.parallel.zero import Zero
+from tests.helpers import cpu_world
 
 ENGINES = [DataParallel, MixedPrecisionDataParallel, Zero]
 RUNNERS = [LocalRunner, PipelineExecutor]
@@ -58,7 +58,7 @@ def _tiny():
 ], ids=["dp", "bf16-dp", "zero3"])
 def test_built_engines_are_grad_engines_and_step_returns_a_float(build):
     model = _tiny()
-    engine = build(model, World.create(MPI.COMM_SELF))
+    engine = build(model, cpu_world(MPI.COMM_SELF))
     assert isinstance(engine, GradEngine)  # attributes too (model, stats)
     engine.prepare_for_backward(True)
     import torch

@@ -7,9 +7,8 @@ from mpi4py import MPI
 
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.resources import MPIResources
-from hpctrain.comm.world import World
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -37,7 +36,7 @@ def recorded(monkeypatch):
 
 
 def test_a_hundred_trainers_leave_nothing_behind(mpi_dataset, shared_tmp, recorded):
-    world = World.create(COMM)
+    world = cpu_world(COMM)
     for i in range(100):
         layout = LAYOUTS[i % len(LAYOUTS)]
         if layout.get("parallel.pp", 1) > COMM.size:
@@ -55,7 +54,7 @@ def test_a_hundred_trainers_leave_nothing_behind(mpi_dataset, shared_tmp, record
 def test_grids_do_not_use_up_communicators():
     """MPICH has room for about 2,000 communicators per process: 3,000 grids of two
     split communicators each fail with 'too many communicators' if close() leaks."""
-    world = World.create(COMM)
+    world = cpu_world(COMM)
     for _ in range(3000):
         ProcessGrid.create(world, 2 if COMM.size % 2 == 0 else 1).close()
     world.close()

@@ -12,15 +12,14 @@ from mpi4py import MPI
 
 from hpctrain.checkpoint.sharded import read_manifest
 from hpctrain.comm.launch_env import LaunchMismatch, check_world_size
-from hpctrain.comm.world import World
 from hpctrain.train.rundir import LOCK_NAME, RunDirError
 from hpctrain.train.trainer import Trainer
-from tests.helpers import hpctrain_cmd, run, tiny_config
+from tests.helpers import cpu_world, hpctrain_cmd, run, tiny_config
 
 
 def _fit(dataset_path, out, **over):
     cfg = tiny_config(dataset_path, out, **{"train.save_checkpoint": True, **over})
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     return trainer, trainer.fit()
 
 

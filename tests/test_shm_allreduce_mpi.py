@@ -13,6 +13,7 @@ from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.config import OptimConfig
 from hpctrain.errors import CommTimeout, ConfigError
+from tests.helpers import cpu_world
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -99,11 +100,10 @@ def test_the_choice_is_collective_and_refuses_what_cannot_work():
 
 @pytest.mark.parametrize("nodes", ["one", "two"])
 def test_data_parallel_gradients_through_shared_memory_equal_the_mpi_path(nodes):
-    from hpctrain.comm.world import World
     from hpctrain.model.gpt import GPT, GPTConfig
     from hpctrain.parallel.data_parallel import DataParallel
 
-    world = World.create(COMM)
+    world = cpu_world(COMM)
     x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(COMM.rank))
     grads = {}
     for allreduce in ("shm", "mpi"):

@@ -15,15 +15,14 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.checkpoint.sharded import read_manifest
-from hpctrain.comm.world import World
 from hpctrain.errors import NonFiniteError
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 
 
 def _trainer(dataset_path, out, **over):
     cfg = tiny_config(dataset_path, out, **{"train.save_checkpoint": True, **over})
-    return Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    return Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
 
 
 def _signal_before(obj, method: str, sig=signal.SIGTERM, when=lambda *a: True):

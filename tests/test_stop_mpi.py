@@ -10,10 +10,9 @@ from mpi4py import MPI
 import hpctrain.train.stop as stop_module
 from hpctrain.checkpoint.sharded import read_manifest
 from hpctrain.comm.features import persistent_collectives
-from hpctrain.comm.world import World
 from hpctrain.train.stop import SignalFlag, StopAgreement
 from hpctrain.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import cpu_world, tiny_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -21,7 +20,7 @@ COMM = MPI.COMM_WORLD
 
 def _trainer(mpi_dataset, out, **over):
     cfg = tiny_config(mpi_dataset, out, **{"train.save_checkpoint": True, **over})
-    return Trainer(cfg, World.create(COMM), verbose=False)
+    return Trainer(cfg, cpu_world(COMM), verbose=False)
 
 
 def _signal_last_rank_before(obj, method, when=lambda *a: True):

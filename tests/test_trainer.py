@@ -8,22 +8,21 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.checkpoint.single_file import load_checkpoint
-from hpctrain.comm.world import World
 from hpctrain.errors import ConfigError
 from hpctrain.train.timing import PHASES
 from hpctrain.train.trainer import Trainer
-from tests.helpers import SGD, fit_against_reference, tiny_config
+from tests.helpers import cpu_world, fit_against_reference, SGD, tiny_config
 from tests.reference import plain_model_config
 
 
 def _train(cfg):
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     return trainer, trainer.fit()
 
 
 def test_trainer_matches_the_plain_pytorch_loop(dataset_path, tmp_path):
     cfg = tiny_config(dataset_path, tmp_path)
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     result, _ = fit_against_reference(trainer, cfg)
     assert result.losses[-1] < result.losses[0] - 0.3  # it learns
 
@@ -32,7 +31,7 @@ def test_trainer_matches_the_plain_pytorch_loop(dataset_path, tmp_path):
 def test_trainer_with_plain_sgd_matches_the_plain_loop(dataset_path, tmp_path, micro_batches):
     """SGD, no clipping: forgetting to divide by the micro-batch count doubles the step."""
     cfg = tiny_config(dataset_path, tmp_path, **SGD, **{"parallel.micro_batches": micro_batches})
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     fit_against_reference(trainer, cfg)
 
 
@@ -90,7 +89,7 @@ def test_batch_that_does_not_split_is_refused(dataset_path, tmp_path):
 def test_recompute_matches_the_plain_model(dataset_path, tmp_path):
     cfg = tiny_config(dataset_path, tmp_path, **{"model.recompute": "block",
                                                  "parallel.micro_batches": 2})
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     assert all(block.recompute for block in trainer.model.h)
     fit_against_reference(trainer, plain_model_config(cfg))
 
@@ -128,7 +127,7 @@ def test_compiled_blocks_match_the_plain_model(dataset_path, tmp_path):
     the same losses, gradients and parameters as the eager plain model, to round-off."""
     cfg = tiny_config(dataset_path, tmp_path, **{"train.compile": True,
                                                  "model.recompute": "block"})
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     assert all(block.compiled_body is not None for block in trainer.model.h)
     fit_against_reference(trainer, plain_model_config(cfg))
 
@@ -140,7 +139,7 @@ def test_the_validation_estimate_is_the_same_in_smaller_passes(dataset_path, tmp
     import hpctrain.train.evaluate as evaluate
 
     trainer = Trainer(tiny_config(dataset_path, tmp_path, **{"train.eval_iters": 2}),
-                      World.create(MPI.COMM_SELF), verbose=False)
+                      cpu_world(MPI.COMM_SELF), verbose=False)
     whole = trainer.evaluator.estimate()
     rows = []
     forward_loss = trainer.runner.forward_loss

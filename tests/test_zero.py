@@ -8,14 +8,13 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.world import World
 from hpctrain.config import OptimConfig
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.shards import Piece, shard_layout
 from hpctrain.parallel.zero import Zero
 from hpctrain.train.trainer import Trainer
-from tests.helpers import bf16_accumulation_check, fit_against_reference, tiny_config
+from tests.helpers import bf16_accumulation_check, cpu_world, fit_against_reference, tiny_config
 
 
 def _scatter_gather_roundtrip(numels, world, align=1):
@@ -87,7 +86,7 @@ def test_zero_formulas_match_the_paper_at_large_n():
 def _zero(stage, dtype, n_layer=3):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=64))
-    return model, Zero(model, World.create(MPI.COMM_SELF), OptimConfig(), stage=stage,
+    return model, Zero(model, cpu_world(MPI.COMM_SELF), OptimConfig(), stage=stage,
                        dtype=dtype, bucket_mb=0.05, first_bucket_mb=0.01,
                        blocks=list(model.h))
 
@@ -127,7 +126,7 @@ def test_each_stage_matches_the_plain_loop_in_one_process(dataset_path, tmp_path
                                                   "parallel.micro_batches": 2,
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
-    trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     fit_against_reference(trainer, cfg)
 
 
@@ -157,7 +156,7 @@ class _NoReductions:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_one_rank_starts_no_reduction(stage, dtype):
     model, zero = _zero(stage, dtype)
-    zero.comm = _NoReductions(zero.comm)
+    zero.transport.comm = _NoReductions(zero.transport.comm)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     for step in range(2):
         for m in range(2):

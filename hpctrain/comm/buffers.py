@@ -12,7 +12,7 @@ have written a buffer before MPI reads it, and finished reading a staging buffer
 MPI overwrites it. ``prepare()`` queues what is needed (the copy to the staging buffer)
 and records an event behind it; ``ready()`` says, without blocking, whether the event
 has passed; ``to_mpi()`` waits for that event only (never for the whole device) and
-returns what to hand to mpi4py; ``from_mpi()`` copies a staged result back (queued on
+returns what to hand to mpi4py; ``complete()`` copies a staged result back (queued on
 the stream; nothing waits).
 """
 
@@ -136,7 +136,7 @@ class MPIBuffer:
         self.accel.note_handoff(not self.staged, self._ready)
         return self.obj if self.staged else self.accel.for_mpi(self.source, self._ready)
 
-    def from_mpi(self) -> None:
+    def complete(self) -> None:
         """After MPI wrote a staged buffer: queue the copy back to the device (the host
         buffer stays busy until its event passes)."""
         if not self.staged:
@@ -187,7 +187,7 @@ def persistent_allreduce_works(comm, accel: Accelerator, aware: GPUAwareness,
         buf.to_mpi()
         req.Start()
         wait_all([req], timeout=timeout, what="persistent allreduce probe on device memory")
-        buf.from_mpi()
+        buf.complete()
         ok = float(buf.source.cpu()[0]) == comm.Get_size()
     finally:
         req.Free()

@@ -12,11 +12,13 @@ Built once (collective over the world) and passed to whatever needs it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
 from hpctrain.comm.resources import MPIResources
+from hpctrain.comm.transport import make_transport
 from hpctrain.comm.world import World
 from hpctrain.errors import UserError, factor_hint
 
@@ -65,10 +67,18 @@ class ProcessGrid:
         else:
             dp_comm = resources.add(world.comm.Split(color=stage, key=dp_index))
             pp_comm = resources.add(world.comm.Split(color=dp_index, key=stage))
+            if world.collectives == "xccl":
+                _device_groups(world, dp, pp, pipeline_inner)
         dp_world = dataclasses.replace(world, comm=dp_comm, rank=dp_index, size=dp)
         return cls(world=world, dp=dp, pp=pp, dp_index=dp_index, stage=stage,
                    dp_world=dp_world, pp_comm=pp_comm, pipeline_inner=pipeline_inner,
                    resources=resources)
+
+    @functools.cached_property
+    def pp_transport(self):
+        """How activations move between this replica's stages (``comm/transport.py``)."""
+        return make_transport(self.world.collectives, self.pp_comm, self.world.accel,
+                              self.world.gpu_aware)
 
     @property
     def is_first(self) -> bool:
@@ -90,3 +100,17 @@ class ProcessGrid:
     def close(self) -> None:
         """Free the grid's communicators (collective; idempotent)."""
         self.resources.close()
+
+
+def _device_groups(world: World, dp: int, pp: int, pipeline_inner: bool) -> None:
+    """The device library's groups for every replica's pipeline and every stage's
+    data-parallel set (with a second set for ZeRO-3's gathers), made by every rank in
+    the same order (``device_collectives.make_groups``)."""
+    from hpctrain.comm import device_collectives
+
+    ranks = device_collectives.world_ranks(world.comm)
+    at = [[ranks[grid_rank(d, s, dp, pp, pipeline_inner)] for s in range(pp)] for d in range(dp)]
+    stage_sets = [[at[d][s] for d in range(dp)] for s in range(pp)] if dp > 1 else []
+    device_collectives.make_groups(stage_sets, "reduce")
+    device_collectives.make_groups(stage_sets, "gather")
+    device_collectives.make_groups(at, "reduce")

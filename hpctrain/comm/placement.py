@@ -16,6 +16,9 @@ from hpctrain.errors import UserError
 from hpctrain.profiling import use_profiler
 
 KINDS = ("auto", "cpu", "cuda", "xpu", "fake")
+AUTO_ENV = "HPCTRAIN_AUTO_DEVICE"
+"""Names the kind ``--train.device=auto`` takes on this node, instead of the GPU it finds
+(the test suite sets it to ``cpu``, so that its results never depend on the node)."""
 
 # The variables a launcher narrows a rank's GPUs with, per kind (ROCm reads all three).
 VISIBILITY_ENV = {
@@ -84,11 +87,18 @@ def _torch_build() -> str:
 
 
 def choose_kind(setting: str, *, system: str | None = None,
-                visible: dict[str, Visible] | None = None) -> str:
+                visible: dict[str, Visible] | None = None, env=None) -> str:
     """The device kind for ``--train.device=setting``; a one-line ``UserError`` naming
-    the fix when the setting cannot be met."""
+    the fix when the setting cannot be met. ``auto`` takes ``HPCTRAIN_AUTO_DEVICE`` when
+    it is set."""
     if setting not in KINDS:
         raise UserError(f"--train.device={setting!r} is not one of {', '.join(KINDS)}")
+    env = os.environ if env is None else env
+    if setting == "auto" and env.get(AUTO_ENV):
+        setting = env[AUTO_ENV]
+        if setting not in KINDS[1:]:
+            raise UserError(f"{AUTO_ENV}={setting!r} is not one of {', '.join(KINDS[1:])}; "
+                            f"unset it to let --train.device=auto find the node's GPU")
     if setting in ("cpu", "fake"):
         return setting
     visible = visible if visible is not None else {k: visible_devices(k) for k in ("cuda", "xpu")}

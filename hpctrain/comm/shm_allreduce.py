@@ -220,7 +220,7 @@ class ShmReduction:
 
 
 def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[int],
-                      ranks_on_node: int | None = None) -> bool:
+                      ranks_on_node: int | None = None, collectives: str = "mpi") -> bool:
     """Decide, the same on every rank, whether gradients are summed through the node's
     shared memory. Collective over ``comm``.
 
@@ -229,8 +229,15 @@ def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[in
     error when impossible) or ``auto``: for CPU gradients when nodes hold several ranks each, the same number on
     every node, and ``/dev/shm`` has room for the node's buckets. ``ranks_on_node``: all
     the job's ranks on this node (each allocates a segment, whatever group it reduces
-    in: pipeline stages on one node each have a window); default, ``comm``'s."""
+    in: pipeline stages on one node each have a window); default, ``comm``'s.
+    ``collectives``: ``--comm.collectives``; with ``xccl`` the device library sums."""
     if setting == "mpi" or comm.size == 1:
+        return False
+    if collectives != "mpi":
+        if setting == "shm":
+            raise ConfigError("--parallel.allreduce=shm sums through MPI's shared memory; "
+                              "with --comm.collectives=xccl the device library sums: use "
+                              "--parallel.allreduce=auto")
         return False
     if str(device).split(":")[0] != "cpu":
         if setting == "shm":

@@ -16,6 +16,7 @@ from hpctrain.comm.device import Accelerator
 from hpctrain.comm.gpu_aware import GPUAwareness, detect_gpu_aware
 from hpctrain.comm.placement import choose_kind, make_accelerator, visible_devices
 from hpctrain.comm.resources import MPIResources
+from hpctrain.comm.transport import Transport, make_transport, resolve_collectives
 from hpctrain.errors import UserError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -44,11 +45,22 @@ class World:
     """Whether MPI takes this rank's device memory directly (``comm/gpu_aware.py``)."""
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds any blocking MPI wait may take before the job is aborted."""
+    device_setting: str = "auto"
+    """What ``--train.device`` asked for (``device`` is what it resolved to)."""
     ranks_per_device: int = 1
     """Ranks of this node computing on this rank's device (several: they share it)."""
     devices: int = 1
     """Distinct devices the job computes on (ranks sharing a device count once; on the
     host every rank counts as one)."""
+    collectives: str = "mpi"
+    """How bulk data (gradient buckets, shards, parameters) moves: ``mpi``, or ``xccl``,
+    the device's collective library (``comm/transport.py``)."""
+    transport: Transport = field(init=False, compare=False, repr=False)
+    """That transport over ``comm`` (made anew for a view with another ``comm``)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "transport", make_transport(
+            self.collectives, self.comm, self.accel, self.gpu_aware))
     resources: MPIResources = field(default_factory=MPIResources, compare=False, repr=False)
     """``local_comm``, freed by ``close()`` (views made with ``dataclasses.replace`` share
     it: only the world that ``create`` returned is closed)."""
@@ -59,13 +71,14 @@ class World:
 
     @classmethod
     def create(cls, comm: MPI.Comm | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
-               device: str = "auto", gpu_aware: str = "auto",
+               device: str = "auto", gpu_aware: str = "auto", collectives: str = "mpi",
                system: str | None = None) -> "World":
         """Build the world on ``comm`` (default ``COMM_WORLD``). Collective over ``comm``.
 
         ``device``: ``--train.device`` (auto, cpu, cuda, xpu, fake); ``gpu_aware``:
-        ``--comm.gpu_aware``; ``system``: the system profile the job runs under
-        (``HPCTRAIN_SYSTEM``), whose GPUs ``auto`` must find."""
+        ``--comm.gpu_aware``; ``collectives``: ``--comm.collectives`` (mpi, xccl, auto);
+        ``system``: the system profile the job runs under (``HPCTRAIN_SYSTEM``), whose
+        GPUs ``auto`` must find."""
         comm = MPI.COMM_WORLD if comm is None else comm
         rank, size = comm.Get_rank(), comm.Get_size()
         resources = MPIResources()
@@ -83,11 +96,13 @@ class World:
         check_thread_level(accel, MPI.Query_thread())
         sharing, devices = count_devices(
             comm.allgather((node, accel.identity() or f"rank {rank}")), rank)
+        collectives = resolve_collectives(collectives, comm, accel, timeout)
         return cls(comm=comm, rank=rank, size=size, local_comm=local_comm,
                    local_rank=local_rank, local_size=local_size, node=node,
                    n_nodes=n_nodes, device=str(accel.torch_device), accel=accel,
                    gpu_aware=detect_gpu_aware(gpu_aware, accel.vendor), timeout=timeout,
-                   resources=resources, ranks_per_device=sharing, devices=devices)
+                   resources=resources, device_setting=device,
+                   ranks_per_device=sharing, devices=devices, collectives=collectives)
 
     def close(self) -> None:
         """Free the node communicator (collective; idempotent)."""
@@ -97,6 +112,8 @@ class World:
     def describe(self) -> str:
         text = (f"{self.size} rank(s) on {self.n_nodes} node(s), device "
                 f"{self.accel.describe()}")
+        if self.collectives != "mpi":
+            text += f", collectives {self.transport.name}"
         if self.accel.is_accelerator:
             text += (f", GPU-aware MPI: {self.gpu_aware}, MPI thread level "
                      f"{THREAD_LEVELS.get(MPI.Query_thread(), '?')}")

@@ -42,10 +42,11 @@ import math
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.buffers import MPIBuffer, persistent_allreduce_works
+from hpctrain.comm.buffers import persistent_allreduce_works
 from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
+from hpctrain.comm.transport import Request
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.config import OptimConfig
@@ -84,14 +85,14 @@ class Bucket:
         for p in self.params:
             self.views.append(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.buffer = MPIBuffer(flat, self.world.accel, self.world.gpu_aware, reduction=True)
+        self.buffer = self.world.transport.buffer(flat, reduction=True)
 
-    def start_allreduce(self, comm: MPI.Comm) -> MPI.Request:
-        obj = self.buffer.to_mpi()
+    def start_allreduce(self) -> Request:
         if self.persistent is not None:
+            self.buffer.to_mpi()  # waits for the event behind the last gradient
             self.persistent.Start()
             return self.persistent
-        return comm.Iallreduce(MPI.IN_PLACE, obj, op=MPI.SUM)
+        return self.world.transport.allreduce(self.buffer)
 
     @property
     def nbytes(self) -> int:
@@ -131,7 +132,8 @@ class DataParallel(BucketScheduler):
         # node_comm: the ranks sharing a window (default: the node; tests pass less)
         self.shm = SharedMemoryAllreduce(self.comm, numels, node_comm=node_comm) \
             if use_shared_memory(allreduce, self.comm, world.accel.kind, numels,
-                                 ranks_on_node=world.local_size) else None
+                                 ranks_on_node=world.local_size,
+                                 collectives=world.collectives) else None
         self.buckets = [Bucket(i, [order[j] for j in g], world,
                                self.shm.flat(i) if self.shm else None)
                         for i, g in enumerate(groups)]
@@ -146,7 +148,7 @@ class DataParallel(BucketScheduler):
                     p.register_post_accumulate_grad_hook(
                         functools.partial(self._on_grad_ready, b))
         if persistent is None:
-            persistent = (self.size > 1 and self.shm is None
+            persistent = (self.size > 1 and self.shm is None and world.transport.name == "mpi"
                           and persistent_collectives_supported(self.comm))
             first = self.buckets[0].buffer
             if persistent and first.on_device and not first.staged:
@@ -156,6 +158,8 @@ class DataParallel(BucketScheduler):
         self.persistent = persistent
         if self.shm is not None:
             self.transport = "shared memory" + (" + MPI between nodes" if self.shm.cross else "")
+        elif world.transport.name != "mpi":
+            self.transport = f"{world.transport.name} allreduce"
         else:
             self.transport = "MPI persistent Allreduce" if persistent else "MPI Iallreduce"
         """How gradients are summed (kept after ``close()``, for reports)."""
@@ -189,11 +193,10 @@ class DataParallel(BucketScheduler):
         with torch.no_grad():
             for b in self.buckets:
                 torch.cat([p.detach().reshape(-1) for p in b.params], out=b.flat)
-                req = self.comm.Ibcast(b.buffer.to_mpi(send=self.world.rank == root),
-                                       root=root)
+                req = self.world.transport.broadcast(b.buffer, root)
                 wait_all([req], timeout=self.world.timeout,
                          what=f"broadcast of parameters (bucket {b.index})")
-                b.buffer.from_mpi()
+                b.buffer.complete()
                 for p, view in zip(b.params, b.views):
                     p.copy_(view)
                 b.flat.zero_()
@@ -211,16 +214,16 @@ class DataParallel(BucketScheduler):
     def can_launch(self, b: Bucket) -> bool:
         return self.shm is not None or b.buffer.ready()
 
-    def launch(self, b: Bucket) -> MPI.Request:
+    def launch(self, b: Bucket) -> Request:
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes
         with profile_range(f"allreduce bucket {b.index}"):
             if self.shm is not None:
                 return self.shm.start(b.index)
-            return b.start_allreduce(self.comm)
+            return b.start_allreduce()
 
     def complete(self, b: Bucket) -> None:
-        b.buffer.from_mpi()
+        b.buffer.complete()
 
     def finish(self) -> None:
         """Complete every bucket's reduction; gradients are then the global mean."""

@@ -153,7 +153,7 @@ def _allreduce_row(world: World, nbytes: int, on_device: bool) -> dict:
     def once() -> None:
         req = world.comm.Iallreduce(MPI.IN_PLACE, buf.to_mpi(), op=MPI.SUM)
         wait_all([req], timeout=world.timeout, what=f"doctor: allreduce of {nbytes} bytes")
-        buf.from_mpi()
+        buf.complete()
 
     x.fill_(world.rank + 1)
     once()  # warm-up, and the checked result
@@ -218,7 +218,7 @@ def check_p2p(world: World, report: Report, nbytes: int) -> None:
             if not sending:
                 req = world.comm.Irecv(buf.to_mpi(send=False), source=peer, tag=17)
                 wait_all([req], timeout=world.timeout, what="doctor: bf16 receive")
-                buf.from_mpi()
+                buf.complete()
                 if rank % 2 == 1 and _fault("p2p"):
                     x[0] += 1  # planted: the echo differs
             else:

@@ -155,7 +155,7 @@ class PipelineExecutor:
                 recv_index += 1
                 buf, mpi, req = posted.pop(i)
                 self._wait([req], f"{a} from stage {a.peer}")
-                mpi.from_mpi()
+                mpi.complete()
                 received[(a.op, *key)] = buf
             elif a.op == S.FORWARD:
                 if self.stage.is_first_chunk(a.chunk):
@@ -246,7 +246,7 @@ class PipelineExecutor:
 
     def _add_tied_gradient(self, buf, mpi, req) -> None:
         self._wait([req], "receiving the tied-embedding gradient", bubble=False)
-        mpi.from_mpi()
+        mpi.complete()
         wte = self.stage.wte.weight
         if wte.grad is None:
             wte.grad = buf
@@ -273,7 +273,7 @@ class PipelineExecutor:
             mpi = MPIBuffer(st.head_copy.data, self.accel, self.aware)
             req = self.comm.Irecv(mpi.to_mpi(send=False), source=0, tag=self.tie_tag + 1)
             self._wait([req], "receiving the tied embedding", bubble=False)
-            mpi.from_mpi()
+            mpi.complete()
 
     # ----------------------------------------------------------- the whole model
     def whole_model_state(self, full: dict) -> dict | None:

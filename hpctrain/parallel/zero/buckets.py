@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.transport import CommBuffer
 from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import plan_buckets
 from hpctrain.parallel.memory import tensor_bytes
@@ -91,12 +91,12 @@ class StagingPool:
         self.budget, self.device, self.world = budget, device, world
         self.free: dict[int, list[torch.Tensor]] = {}
         self.all: list[torch.Tensor] = []
-        self._mpi: dict[int, MPIBuffer] = {}
+        self._views: dict[int, CommBuffer] = {}
         self.refusals = 0
         """Times a bucket found the budget spent (and a reduction had to finish first)."""
 
-    def take(self, numel: int, force: bool = False) -> tuple[torch.Tensor, MPIBuffer] | None:
-        """A zeroed buffer of ``numel`` and its MPI view; None if the budget is spent
+    def take(self, numel: int, force: bool = False) -> tuple[torch.Tensor, CommBuffer] | None:
+        """A zeroed buffer of ``numel`` and its transport view; None if the budget is spent
         (``force``: allocate anyway, when nothing in flight could give one back)."""
         same = self.free.get(numel)
         if same:
@@ -111,14 +111,13 @@ class StagingPool:
                 return None
             base = torch.empty(numel, dtype=torch.float32, device=self.device)
             self.all.append(base)
-            self._mpi[id(base)] = MPIBuffer(base, self.world.accel, self.world.gpu_aware,
-                                            reduction=True)
+            self._views[id(base)] = self.world.transport.buffer(base, reduction=True)
         base.zero_()
-        return base, self._mpi[id(base)]
+        return base, self._views[id(base)]
 
     def _drop(self, base: torch.Tensor) -> None:
         self.all = [b for b in self.all if b is not base]
-        del self._mpi[id(base)]
+        del self._views[id(base)]
 
     def release(self, base: torch.Tensor) -> None:
         self.free.setdefault(base.numel(), []).append(base)
@@ -177,14 +176,13 @@ class ZeroBucket:
         # Scheduling state for one backward.
         self.pending = len(params)
         self.staging: torch.Tensor | None = None
-        self.staging_mpi: MPIBuffer | None = None
-        self.mpi: MPIBuffer | None = None  # what this backward's reduction hands to MPI
+        self.staging_mpi: CommBuffer | None = None
+        self.mpi: CommBuffer | None = None  # what this backward's reduction hands over
         w = comm_world
-        self.grad_mpi = MPIBuffer(self.grad_full, w.accel, w.gpu_aware, reduction=True) \
+        self.grad_mpi = w.transport.buffer(self.grad_full, reduction=True) \
             if self.reduces_in_place() and not self.local else None
-        self.shard_mpi = MPIBuffer(self.shard, w.accel, w.gpu_aware, raw=True) \
-            if stage == 3 else None
-        self._full_mpi: dict[bool, MPIBuffer] = {}
+        self.shard_mpi = w.transport.buffer(self.shard, raw=True) if stage == 3 else None
+        self._full_mpi: dict[bool, CommBuffer] = {}
 
     @property
     def nbytes(self) -> int:
@@ -201,11 +199,10 @@ class ZeroBucket:
         """Stages 0-1 reduce the fp32 gradient buffer itself; 2-3 stage in fp32."""
         return self.grad_full is not None
 
-    def full_mpi(self, reduction: bool = False) -> MPIBuffer:
-        """MPI view of ``full`` (host memory by address and byte count: stage 3
-        re-allocates it), for gathers or (``reduction``) fp32 ZeRO-3's reductions."""
+    def full_mpi(self, reduction: bool = False) -> CommBuffer:
+        """The transport's view of ``full`` (``raw``: stage 3 frees and re-allocates it),
+        for gathers or (``reduction``) fp32 ZeRO-3's reductions."""
         if reduction not in self._full_mpi:
-            self._full_mpi[reduction] = MPIBuffer(self.full, self.world.accel,
-                                                  self.world.gpu_aware, raw=True,
-                                                  reduction=reduction)
+            self._full_mpi[reduction] = self.world.transport.buffer(
+                self.full, raw=True, reduction=reduction)
         return self._full_mpi[reduction]

@@ -24,8 +24,7 @@ import math
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.buffers import MPIBuffer, to_mpi_all
-from hpctrain.comm.resources import MPIResources
+from hpctrain.comm.transport import Request
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import BucketScheduler
@@ -41,12 +40,11 @@ from hpctrain.profiling import profile_range
 def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> None:
     if world.size == 1:
         return
-    bufs = [MPIBuffer(p.data, world.accel, world.gpu_aware) for p in model.parameters()]
-    objs = to_mpi_all(bufs, send=world.rank == root)
-    reqs = [world.comm.Ibcast(obj, root=root) for obj in objs]
+    bufs = [world.transport.buffer(p.data) for p in model.parameters()]
+    reqs = world.transport.broadcast_each(bufs, root)
     wait_all(reqs, timeout=world.timeout, what="broadcast of the initial parameters")
     for buf in bufs:
-        buf.from_mpi()
+        buf.complete()
 
 
 
@@ -67,9 +65,8 @@ class Zero(ShardedState, BucketScheduler):
         self.norm_comms = ([world.comm] if stage else []) + list(norm_comms)
         self.dtype = DTYPES[dtype]
         self.optim_cfg = optim_cfg
-        self.comm = world.comm
-        self.resources = MPIResources()
-        self.gather_comm = self.resources.add(world.comm.Dup()) if stage == 3 else None
+        self.transport = world.transport
+        self.gather_transport = world.transport.sibling() if stage == 3 else None
         self.size, self.rank = world.size, world.rank
         _broadcast_module(model, world)  # every rank starts from rank 0's initialization
         groups = zero_buckets(model, stage, blocks, bucket_mb, first_bucket_mb)
@@ -90,7 +87,7 @@ class Zero(ShardedState, BucketScheduler):
         self._open = False  # a synced backward whose reductions finish() has not completed
         self.gather = None
         if stage == 3:
-            self.gather = ParameterGather(self.buckets, self.gather_comm, world.timeout,
+            self.gather = ParameterGather(self.buckets, self.gather_transport, world.timeout,
                                           self.stats)
             self.gather.install_hooks(model, blocks)
 
@@ -206,23 +203,22 @@ class Zero(ShardedState, BucketScheduler):
     def can_launch(self, b: ZeroBucket) -> bool:
         return b.mpi is None or b.mpi.ready()
 
-    def launch(self, b: ZeroBucket) -> MPI.Request:
+    def launch(self, b: ZeroBucket) -> Request:
         if b.mpi is None:  # one rank: no reduction
             return MPI.REQUEST_NULL
-        buf = b.mpi.to_mpi()
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes
         with profile_range(f"reduce bucket {b.index}"):
             if self.stage == 0:
-                return self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                return self.transport.allreduce(b.mpi)
             # In place: the input is the whole buffer, this rank's reduced shard lands
             # at its start (MPI standard, MPI_Reduce_scatter_block with MPI_IN_PLACE).
-            return self.comm.Ireduce_scatter_block(MPI.IN_PLACE, buf, op=MPI.SUM)
+            return self.transport.reduce_scatter(b.mpi)
 
     def complete(self, b: ZeroBucket) -> None:
         if b.mpi is None:
             return
-        b.mpi.from_mpi()
+        b.mpi.complete()
         b.mpi = None
         if b.grads_in_full:
             b.grad_shard.add_(b.full[:b.layout.shard])
@@ -286,12 +282,11 @@ class Zero(ShardedState, BucketScheduler):
     def _allgather_parameters(self) -> None:
         with profile_range("allgather parameters"):
             # In place: each rank's updated slice already sits at its own offset.
-            objs = to_mpi_all([b.full_mpi() for b in self.buckets])
-            reqs = [self.comm.Iallgather(MPI.IN_PLACE, obj) for obj in objs]
+            reqs = self.transport.allgather_each([b.full_mpi() for b in self.buckets])
             wait_all(reqs, timeout=self.world.timeout, what="parameter allgather after the "
                      "optimizer step")
         for b in self.buckets:
-            b.full_mpi().from_mpi()
+            b.full_mpi().complete()
         self.stats.gathers += len(reqs)
 
     # ---------------------------------------------------------- stage 3 gathers
@@ -329,8 +324,8 @@ class Zero(ShardedState, BucketScheduler):
         return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=comm)
 
     def close(self) -> None:
-        """Free the gather communicator (collective; idempotent). ``gathered()`` still
-        works afterwards, on the reduction communicator: nothing reduces any more."""
-        self.resources.close()
-        if self.gather_comm is not None:
-            self.gather_comm = self.comm
+        """Free the gather channel (collective; idempotent). ``gathered()`` still works
+        afterwards, on the reduction channel: nothing reduces any more."""
+        if self.gather is not None and self.gather.transport is not self.transport:
+            self.gather.transport.close()
+            self.gather.transport = self.gather_transport = self.transport

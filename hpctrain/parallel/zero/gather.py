@@ -20,9 +20,8 @@ import enum
 import functools
 
 import torch
-from mpi4py import MPI
 
-from hpctrain.comm.buffers import to_mpi_all
+from hpctrain.comm.transport import Request, Transport
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.parallel.bucketing import CommStats
 from hpctrain.parallel.memory import tensor_bytes
@@ -39,11 +38,13 @@ class ParameterGather:
     """The gathers of one ZeRO-3 engine: which buckets hold their full parameters, the
     requests in flight, and the bytes held (``gathered_bytes``, ``peak_gathered_bytes``)."""
 
-    def __init__(self, buckets: list[ZeroBucket], comm: MPI.Comm, timeout: float,
+    def __init__(self, buckets: list[ZeroBucket], transport: Transport, timeout: float,
                  stats: CommStats):
-        self.buckets, self.comm, self.timeout, self.stats = buckets, comm, timeout, stats
+        """``transport``: a channel of its own (the reductions' ``sibling()``)."""
+        self.buckets, self.transport, self.timeout = buckets, transport, timeout
+        self.stats = stats
         self.residency = {b.index: Residency.FREE for b in buckets}
-        self.requests: dict[int, MPI.Request] = {}
+        self.requests: dict[int, Request] = {}
         self.pinned = False
         self.gathered_bytes = self.peak_gathered_bytes = 0
 
@@ -95,14 +96,13 @@ class ParameterGather:
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
             b.shard_mpi.prepare()
             b.full_mpi().prepare(send=False)  # only written: nothing to stage
-            send, recv = to_mpi_all([b.shard_mpi, b.full_mpi()])
-            self.requests[b.index] = self.comm.Iallgather(send, recv)
+            self.requests[b.index] = self.transport.allgather(b.full_mpi(), b.shard_mpi)
             self.residency[b.index] = Residency.IN_FLIGHT
             self.stats.gathers += 1
         if wait and self.residency[b.index] is Residency.IN_FLIGHT:
             wait_all([self.requests.pop(b.index)], timeout=self.timeout,
                      what=f"ZeRO-3 parameter gather (bucket {b.index})")
-            b.full_mpi().from_mpi()
+            b.full_mpi().complete()
             self.residency[b.index] = Residency.HELD
 
     def release(self, b: ZeroBucket) -> None:

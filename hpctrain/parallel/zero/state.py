@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from hpctrain.comm.buffers import MPIBuffer, to_mpi_all
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.parallel.engine import STATE_KEYS, BucketShard, EngineState
 from hpctrain.parallel.zero.buckets import pack_flat
@@ -19,7 +18,7 @@ from hpctrain.parallel.zero.buckets import pack_flat
 
 class ShardedState:
     """Checkpoint state of ``Zero`` (a mixin: it reads the engine's ``model``,
-    ``buckets``, ``optimizers``, ``world``, ``comm``, ``stage``, ``size`` and ``dtype``,
+    ``buckets``, ``optimizers``, ``world``, ``stage``, ``size`` and ``dtype``,
     and calls its ``_publish_master`` and ``_allgather_parameters``)."""
 
     def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -38,13 +37,13 @@ class ShardedState:
                     flat.copy_(shard)
                 else:
                     w = self.world
-                    src = MPIBuffer(shard.contiguous(), w.accel, w.gpu_aware)
-                    dst = MPIBuffer(flat, w.accel, w.gpu_aware)
+                    src = w.transport.buffer(shard.contiguous())
+                    dst = w.transport.buffer(flat)
                     src.prepare()
                     dst.prepare(send=False)
-                    wait_all([self.comm.Iallgather(*to_mpi_all([src, dst]))],
+                    wait_all([w.transport.allgather(dst, src)],
                              timeout=self.world.timeout, what="consolidating ZeRO state")
-                    dst.from_mpi()
+                    dst.complete()
                 full[key] = flat
             step = max((float(s["step"]) for s in opt.state.values()), default=0.0)
             for p, off in zip(b.params, b.layout.offsets):
