@@ -26,7 +26,7 @@ DATA := datasets/stdlib-char.h5
 # Several ranks share the cores of one machine: one thread each.
 RUN_ENV := OMP_NUM_THREADS=1
 
-.PHONY: run test test-fast install bench jobscripts clean
+.PHONY: run test test-fast install bench jobscripts clean gpu-check
 
 install: $(STAMP)
 
@@ -207,3 +207,38 @@ test-openmpi: openmpi-install
 	  --train.out_dir=runs/openmpi --train.overwrite=true --train.max_iters=60 \
 	  --train.eval_interval=30 --train.sample_tokens=32 --train.progress=false && \
 	echo "Open MPI legs passed in $$(( $$(date +%s) - start )) s"
+
+# ---- the GPU check ------------------------------------------------------------------
+#   make gpu-check        on a GPU node: a virtual environment with a GPU build of torch
+#                         ($(GPU_VENV); TORCH_GPU says which, never a +cpu wheel), GPT-2's
+#                         BPE file, then perf/gpu_check.py: doctor, equivalence at 1 and 2
+#                         ranks (MPI and xccl), a gpt2-124m run; writes
+#                         perf/results/gpu-<device>.json
+#   make gpu-check DRY=1  the same steps on the fake device with tiny shapes (any machine)
+GPU_VENV ?= .venv-gpu
+TORCH_GPU ?= torch --index-url https://download.pytorch.org/whl/cu128
+GPU_PY := $(GPU_VENV)/bin/python
+TIKTOKEN_CACHE := $(abspath $(GPU_VENV))/share/tiktoken
+# tiktoken's cache names a file by the sha1 of the URL it comes from (r50k_base).
+R50K_CACHED := $(TIKTOKEN_CACHE)/0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4
+DRY ?=
+
+$(GPU_VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(GPU_PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(GPU_VENV)
+	$(if $(strip $(TORCH_GPU)),$(GPU_PY) -m pip install -q $(TORCH_GPU))
+	@$(GPU_PY) -c "import torch, sys; sys.exit('a CPU-only torch (' + torch.__version__ + '): set TORCH_GPU to a GPU build') if '+cpu' in torch.__version__ or not (torch.version.cuda or torch.version.hip or hasattr(torch, 'xpu')) else None"
+	$(GPU_PY) -m pip install -q $(MPI_PACKAGES)
+	$(GPU_PY) -m pip install -q -e '.[dev,gpu]'
+	touch $@
+
+$(R50K_CACHED): | $(GPU_VENV)/.installed
+	$(GPU_PY) tests/fetch_gpt2_bpe.py $@
+
+gpu-check:
+ifneq ($(strip $(DRY)),)
+	@$(MAKE) --no-print-directory install
+	$(RUN_ENV) timeout 900 $(PY) perf/gpu_check.py --dry-run
+else
+	@$(MAKE) --no-print-directory $(GPU_VENV)/.installed $(R50K_CACHED)
+	TIKTOKEN_CACHE_DIR=$(TIKTOKEN_CACHE) timeout 900 $(GPU_PY) perf/gpu_check.py
+endif

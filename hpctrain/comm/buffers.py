@@ -101,9 +101,10 @@ class MPIBuffer:
         self._prepared = True
         if not self.on_device or (self.staged and not send):
             return
-        if self.staged:
-            self._host.copy_(self.source, non_blocking=True)
+        if self.staged:  # on the copy stream: the event is the copy's
+            self._ready = self.accel.staging_copy(self._host, self.source)
             self.accel.stats.staged_bytes += self.staging_nbytes
+            return
         self._ready = self._event.record()
 
     @property
@@ -141,9 +142,9 @@ class MPIBuffer:
         buffer stays busy until its event passes)."""
         if not self.staged:
             return
-        self.source.copy_(self._host, non_blocking=True)
+        self._ready = self.accel.staging_copy(self.source, self._host)
+        self.accel.copy_done(self._ready)  # the compute stream reads it after the copy
         self.accel.stats.staged_bytes += self.staging_nbytes
-        self._ready = self._event.record()
 
 
 def to_mpi_all(buffers: list[MPIBuffer], send: bool = True) -> list:

@@ -46,6 +46,10 @@ class DeviceStats:
     """Whole-device synchronizations made during a backward pass."""
     staged_bytes: int = 0
     """Bytes copied between device memory and host staging buffers for MPI."""
+    staging_copies: int = 0
+    """Staging copies queued on the device's copy stream (beside the compute stream)."""
+    pinned_batches_reused: int = 0
+    """Batches copied to the device from a page-locked buffer made at an earlier step."""
     direct_handoffs: int = 0
     """Device buffers handed to MPI as device memory (GPU-aware MPI)."""
     handoffs_off_main_thread: int = 0
@@ -153,6 +157,18 @@ class Accelerator:
         """A host tensor (a batch) on this device, copied without blocking the host."""
         return t
 
+    def staging_copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """Queue ``dst.copy_(src)`` between device memory and a host staging buffer, after
+        the work queued so far, without blocking the host; returns the event behind it.
+        A GPU runs it on a copy stream of its own, so the copy overlaps compute;
+        ``copy_done`` makes the compute stream wait for it (copies back to the device)."""
+        dst.copy_(src, non_blocking=True)
+        self.stats.staging_copies += 1
+        return self.event().record()
+
+    def copy_done(self, event: Event) -> None:
+        """The compute stream waits (on the device, not the host) for ``event``."""
+
     def for_mpi(self, t: torch.Tensor, ready: Event | None = None):
         """What mpi4py is given for device tensor ``t`` once ``ready`` has passed: the
         tensor itself (mpi4py reads its DLPack capsule, whatever the device type)."""
@@ -227,6 +243,8 @@ class GPUAccelerator(Accelerator):
         else:
             self.vendor = "hip" if torch.version.hip else "cuda"
         super().__init__(index, placement=placement)
+        self._pinned: dict[tuple, list] = {}
+        self._copy_stream = None
 
     @property
     def name(self) -> str:
@@ -244,8 +262,41 @@ class GPUAccelerator(Accelerator):
     def host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
+    PINNED_RING = 4
+    """Page-locked buffers kept per batch shape: a buffer is refilled only once the copy
+    from it that was queued ``PINNED_RING`` batches earlier has finished."""
+
     def to_device(self, t):
-        return t.pin_memory().to(self.torch_device, non_blocking=True)
+        key = (tuple(t.shape), t.dtype)
+        ring = self._pinned.setdefault(key, [])
+        if len(ring) < self.PINNED_RING:
+            slot = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True), self.event())
+            ring.append(slot)
+        else:
+            slot = ring.pop(0)
+            ring.append(slot)
+            self.stats.pinned_batches_reused += 1
+        host, done = slot
+        done.wait()  # the copy out of it, queued PINNED_RING batches ago
+        host.copy_(t)
+        out = host.to(self.torch_device, non_blocking=True)
+        done.record()
+        return out
+
+    def staging_copy(self, dst, src):
+        if self._copy_stream is None:
+            self._copy_stream = self.module.Stream(self.index)
+        queued = self.module.Event()
+        queued.record()  # behind the work that writes src (current stream)
+        self._copy_stream.wait_event(queued)
+        with self.module.stream(self._copy_stream):
+            dst.copy_(src, non_blocking=True)
+            done = self.event().record()
+        self.stats.staging_copies += 1
+        return done
+
+    def copy_done(self, event):
+        self.module.current_stream(self.index).wait_event(event.raw)
 
     def memory_stats(self):
         m = self.module

@@ -246,8 +246,9 @@ class Zero(ShardedState, BucketScheduler):
     def grad_norm(self) -> float:
         """L2 norm of the whole (averaged) gradient, summed over every rank's shards (and
         the ``norm_comms``)."""
-        local = sum(float(torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32)) ** 2
-                    for b in self.buckets)
+        norms = torch._foreach_norm([b.grad_shard for b in self.buckets])
+        # Summed on the device: the step's one wait for it is this float.
+        local = float(torch.stack(norms).double().square().sum())
         return finish_norm(local, self.norm_comms, self.world.timeout)
 
     def step(self, lr: float, clip: float) -> float:
