@@ -187,19 +187,12 @@ def shakespeare_dataset(text: str | Path | None = None) -> Path:
 
 
 def init_gloo(comm) -> None:
-    """torch.distributed (gloo) on the ranks of an MPI job: rank 0 picks a free port."""
-    import socket
+    """torch.distributed (gloo) on the ranks of an MPI job, started as
+    ``--comm.collectives=xccl`` starts it (``device_collectives.start``)."""
+    from hpctrain.comm import device_collectives
+    from hpctrain.comm.device import Accelerator
 
-    import torch.distributed as dist
-
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.rank, world_size=comm.size)
+    device_collectives.start(comm, Accelerator(), timeout=300.0)
 
 
 class TorchDDP:
@@ -241,9 +234,9 @@ class TorchDDP:
         self.opt.zero_grad(set_to_none=True)
 
     def close(self) -> None:
-        import torch.distributed as dist
+        from hpctrain.comm import device_collectives
 
-        dist.destroy_process_group()
+        device_collectives.stop()
 
 
 def torch_ddp_step_times(args: list[str], make_optimizer) -> list[float]:

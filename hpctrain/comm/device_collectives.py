@@ -72,6 +72,7 @@ def start(comm: MPI.Comm, accel: Accelerator, timeout: float) -> str:
             raise UserError(f"a {dist.get_backend()} process group of "
                             f"{dist.get_world_size()} rank(s) exists already; this world "
                             f"needs {backend} over {comm.Get_size()}")
+        register(list(range(comm.Get_size())), "reduce", dist.group.WORLD)
         return backend
     wait = datetime.timedelta(seconds=timeout)
     host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
@@ -88,6 +89,13 @@ def start(comm: MPI.Comm, accel: Accelerator, timeout: float) -> str:
                             world_size=comm.Get_size(), timeout=wait, **extra)
     register(list(range(comm.Get_size())), "reduce", dist.group.WORLD)
     return backend
+
+
+def stop() -> None:
+    """Leave the default process group and forget the groups made in it (collective)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _groups.clear()
 
 
 def world_ranks(comm: MPI.Comm) -> tuple[int, ...]:
