@@ -42,9 +42,9 @@ from hpctrain.profiling import profile_range
 LOOKAHEAD = 2  # receives posted ahead of the action that consumes them
 TIE_TAG_OFFSET = 1  # tied-embedding messages use tags above every schedule tag
 # With more ranks than cores, a stage waiting for its neighbour sleeps between polls
-# instead of yielding: the neighbour it waits for may share its core. Measured with
-# 4 ranks on 2 cores (perf/bench_pipeline.py, p=4, m=8): 517 ms per step with 50 us
-# sleeps against 569 ms yielding; with a core per rank yielding wakes up sooner.
+# instead of yielding: the neighbour it waits for may share its core, and sleeping leaves
+# the core to it. With a core per rank, yielding wakes up sooner.
+# docs/design/pipeline.md ("The executor") has the measurements.
 OVERSUBSCRIBED_POLL_SLEEP_S = 5e-5
 
 
