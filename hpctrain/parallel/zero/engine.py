@@ -333,4 +333,4 @@ class Zero(ShardedState, BucketScheduler):
         works afterwards, on the reduction communicator: nothing reduces any more."""
         self.resources.close()
         if self.gather_comm is not None:
-            self.gather_comm = self.comm
+            self.gather_comm = self.gather.comm = self.comm  # the gathers' comm was freed
