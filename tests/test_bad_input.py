@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.config import _SECTION_TYPES, Config, build_config, check_out_dir
+from hpctrain.config import SECTION_TYPES, Config, build_config, check_out_dir
 from hpctrain.errors import ConfigError, DataError
 from tests.helpers import REPO, hpctrain_cmd, run
 
@@ -27,7 +27,7 @@ from tests.helpers import REPO, hpctrain_cmd, run
 
 def _number_fields():
     """(section.key, type, metadata) of every int and float field of every section."""
-    for section, cls in _SECTION_TYPES.items():
+    for section, cls in SECTION_TYPES.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if hints[f.name] in (int, float):
@@ -47,7 +47,7 @@ def test_every_number_field_declares_its_valid_range():
     # A new int or float option without bounds (or choices) would accept anything.
     missing = [key for key, _, meta in NUMBER_FIELDS
                if meta.get("bounds") is None and not meta.get("choices")]
-    assert not missing, f"give these fields bounds=... in config.py: {missing}"
+    assert not missing, f"give these fields bounds=... in config/sections.py: {missing}"
 
 
 @pytest.mark.parametrize("key", FLOAT_FIELDS)

@@ -63,13 +63,13 @@ def test_auto_resume_continues_the_run_and_appends_metrics(dataset_path, tmp_pat
     _fit(_cfg(dataset_path, tmp_path, **{"train.max_iters": 10}))
     trainer, result = _fit(_cfg(dataset_path, tmp_path, **{"train.max_iters": 20,
                                                            "train.resume": "auto"}))
-    assert trainer.start_step == 10 and len(result.losses) == 10
+    assert trainer.start.step == 10 and len(result.losses) == 10
     steps = [json.loads(x).get("step") for x in (tmp_path / "metrics.jsonl").read_text()
              .splitlines()]
     assert steps[:2] == [5, 10] and 20 in steps
     # auto with nothing to resume starts fresh
     trainer, _ = _fit(_cfg(dataset_path, tmp_path / "fresh", **{"train.resume": "auto"}))
-    assert trainer.start_step == 0
+    assert trainer.start.step == 0
 
 
 def test_keeps_the_last_k_and_latest_names_the_newest(dataset_path, tmp_path):

@@ -175,7 +175,7 @@ def test_resharded_checkpoint_resumes_with_its_own_layout(dataset_path, trained,
         "parallel.zero": 1, "parallel.bucket_mb": 0.02, "parallel.first_bucket_mb": 0.005,
         "train.resume": str(new), "model.bias": True, "train.max_iters": 20})
     trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
-    assert trainer.start_step == 10 and len(trainer.fit().losses) == 10
+    assert trainer.start.step == 10 and len(trainer.fit().losses) == 10
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ def test_a_run_from_imported_weights_is_the_plain_loop_from_those_weights(datase
     run = tiny_config(dataset_path, tmp_path / "run", **ARCHS[arch],
                       **{"train.max_iters": 4, "train.init_from": str(ckpt)})
     trainer = _trainer(run)
-    assert trainer.start_step == 0
+    assert trainer.start.step == 0
     result = trainer.fit()
     ref = plain_torch_run(cfg, init=weights)
     np.testing.assert_allclose(result.losses, ref.losses, atol=1e-5, rtol=0)
@@ -71,7 +71,7 @@ def test_init_from_a_trained_run_takes_its_weights_and_nothing_else(dataset_path
     cfg = tiny_config(dataset_path, tmp_path / "run", **{
         "train.init_from": str(trained / source), "train.max_iters": 2})
     trainer = _trainer(cfg)
-    assert trainer.start_step == 0
+    assert trainer.start.step == 0
     for name, p in trainer.model.named_parameters():
         torch.testing.assert_close(p.detach(), params[name], atol=0, rtol=0)
     state = trainer.engine.state_shards()
@@ -119,10 +119,10 @@ def test_with_resume_auto_a_requeued_run_continues(dataset_path, trained, tmp_pa
     opts = {"train.init_from": str(trained), "train.resume": "auto",
             "train.save_checkpoint": True}
     first = _trainer(tiny_config(dataset_path, tmp_path, **opts, **{"train.max_iters": 3}))
-    assert first.start_step == 0 and first.initialized_from
+    assert first.start.step == 0 and first.start.weights_from
     first.fit()
     again = _trainer(tiny_config(dataset_path, tmp_path, **opts, **{"train.max_iters": 5}))
-    assert again.start_step == 3 and not again.initialized_from
+    assert again.start.step == 3 and not again.start.weights_from
     assert len(again.fit().losses) == 2
 
 

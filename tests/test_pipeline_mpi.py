@@ -176,7 +176,7 @@ def test_pipeline_checkpoint_resumes_bit_for_bit(mpi_dataset, shared_tmp, zero):
     trainer = Trainer(_ckpt_config(mpi_dataset, out / "b", 2, zero,
                                    **{"train.resume": str(step5)}),
                       cpu_world(COMM), verbose=False)
-    assert trainer.start_step == 5
+    assert trainer.start.step == 5
     resumed = trainer.fit()
     assert resumed.losses == full.losses[5:]
 

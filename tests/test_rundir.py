@@ -49,7 +49,7 @@ def test_overwrite_moves_the_earlier_run_aside_and_deletes_nothing(dataset_path,
 def test_resume_auto_continues_the_run_in_place(dataset_path, tmp_path):
     _fit(dataset_path, tmp_path, **{"train.max_iters": 5})
     trainer, _ = _fit(dataset_path, tmp_path, **{"train.resume": "auto"})
-    assert trainer.start_step == 5 and read_manifest(tmp_path).step == 10
+    assert trainer.start.step == 5 and read_manifest(tmp_path).step == 10
 
 
 def _lock(out, host, pid):

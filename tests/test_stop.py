@@ -87,7 +87,7 @@ def test_a_signal_during_the_final_evaluation_ends_with_the_final_checkpoint(dat
     _loadable_at(tmp_path, 10)
     resumed = _trainer(dataset_path, tmp_path, **{"train.resume": "auto",
                                                   "train.final_eval": True})
-    assert resumed.start_step == 10
+    assert resumed.start.step == 10
     assert resumed.fit().final_val_loss is not None  # the skipped work, done on resume
 
 

@@ -9,9 +9,8 @@ spellings of the rotary settings are read; the export writes the first, which bo
 
 GPT-2's published checkpoints use ``gelu_new``, the tanh approximation of GELU, where
 hpctrain computes the exact (erf) GELU: such a model imports with a note, its logits
-differ slightly from the original's (1e-4 to 3e-4 of the largest logit, measured on small
-random GPT-2s; far less than fine-tuning moves them), and the export writes ``gelu``,
-which is exact.
+differ slightly from the original's (far less than fine-tuning moves them;
+docs/design/hf-interop.md has the size), and the export writes ``gelu``, which is exact.
 """
 
 from __future__ import annotations

@@ -19,22 +19,19 @@ the messages):
             writes another rank's bucket until the next reduction.
 
 Rank i *writes* its sums into the peers' buckets rather than each peer *reading* them
-(the allgather of a ring): on the 2-core development machine a core read lines another
-core had just written, and still held in its 1 MiB L2, at 2.5 GB/s (500 us for a 1.2 MiB
-slice, against 40 us for lines it had read before), while rank i writes lines it has
-just read. The step also waits for one phase fewer (there was a REDUCED phase between
-the two). Training the small Shakespeare model on 2 ranks, a step got 0.8 ms (2.6%) faster
-(docs/design/data-parallelism.md).
+(the allgather of a ring): a core reads lines that another core has just written, and
+still holds in its cache, far more slowly than lines it has read before, while rank i
+writes lines it has just read. Pushing also saves the step a phase to wait for.
+docs/design/shm-allreduce.md has the measurements.
 
 Each phase is announced by writing the bucket's reduction count (its epoch) into the
 rank's flag row; peers poll the rows. ``MPI_Win_sync`` is the memory barrier between
 data and flag (MPI's separate/unified memory model for shared windows): after writing
 data before raising a flag, and after seeing a flag before reading data.
 
-Each slice is summed by one rank only, so every rank ends with the same bits.
-``perf/bench_allreduce.py`` on 2 cores, with the allgather still pulled: 1.5x the bus
-bandwidth of one MPICH ``Allreduce`` of the same bytes for 3 MiB of gradients, 2x for
-41 MiB (2 ranks).
+Each slice is summed by one rank only, so every rank ends with the same bits. How this
+path compares with MPICH's ``Allreduce`` (``perf/bench_allreduce.py``) is in
+docs/design/shm-allreduce.md.
 """
 
 from __future__ import annotations

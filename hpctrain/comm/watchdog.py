@@ -7,9 +7,8 @@ polls with ``Testall`` (which also drives MPICH's progress engine) and raises
 
 How it polls matters for speed. A collective on shared memory advances only while every
 rank is inside MPI, so sleeping between polls stalls the peer at each stage of the
-algorithm (measured here: 6 ms instead of 0.9 ms to finish a 3 MiB gradient allreduce),
-and spinning without yielding starves a peer that shares our core when ranks
-oversubscribe cores (4 ranks on 2 cores: 0.2x the bandwidth of a blocking Allreduce).
+algorithm, and spinning without yielding starves a peer that shares our core when ranks
+oversubscribe cores (docs/design/failure-handling.md has the measurements of both).
 So every failed poll yields the core (``sched_yield`` returns at once when nothing else
 is runnable), and only waits longer than a second sleep between polls, to stop burning
 a core while, say, rank 0 writes a file.

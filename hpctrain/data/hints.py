@@ -11,5 +11,5 @@ MPI-IO creates a file, ``cb_nodes`` (aggregator count) and ``romio_cb_read`` /
 from __future__ import annotations
 
 READ_DEFAULTS = {"romio_cb_read": "disable", "romio_ds_read": "disable"}
-"""For windows at random offsets (``mpiio.py`` explains the measurements behind them);
-``--data.romio_hints`` overrides them key by key."""
+"""For windows at random offsets (``mpiio.py`` says why, docs/design/data-path.md has the
+measurements); ``--data.romio_hints`` overrides them key by key."""

@@ -5,20 +5,20 @@ offset in a known file. Every rank opens the dataset's files once, collectively,
 reads each of its windows with ``MPI_File_read_at_all`` straight into the batch buffer:
 nothing else is read, nothing is cached, and memory does not grow with the file.
 
-Two choices here were measured (``perf/bench_io.py``, 1024-token windows at random
-offsets, 16 per rank):
+Two choices here were measured with ``perf/bench_io.py`` (docs/design/data-path.md has
+the numbers):
 
 - One ``Read_at_all`` per window, not one call with an indexed file view over all of a
   rank's windows: ``MPI_File_set_view`` is collective and ends in a barrier, so every
-  read synchronizes the ranks. Per-window reads were 0.89x the view's bandwidth at 1
-  rank, 1.15x at 2 and 2.8x at 4 ranks sharing 2 cores (warm page cache; equal cold),
-  and they never make one rank wait for another. A call costs under 1 us.
+  read would synchronize the ranks. Per-window reads come close to the view on one rank,
+  pull ahead as ranks share cores, cost little per call, and never make one rank wait
+  for another.
 - ROMIO's two-phase collective buffering and data sieving are off by default
   (``romio_cb_read=disable``, ``romio_ds_read=disable``). Windows at random offsets are
   small and sparse: two-phase reads the whole extent between the ranks' windows through
   aggregators, data sieving the whole extent between one rank's windows; both read
-  hundreds of MB for a few hundred KB (measured: 0.3-4 MB/s against 300-900 MB/s). The
-  calls stay collective, so ``--data.romio_hints=romio_cb_read=enable`` turns
+  hundreds of MB for a few hundred KB, and their bandwidth falls by orders of magnitude.
+  The calls stay collective, so ``--data.romio_hints=romio_cb_read=enable`` turns
   aggregation back on where a file system rewards it.
 
 Collective calls must match across ranks: a rank reading fewer windows than another
@@ -32,8 +32,8 @@ Which MPI-IO implementation runs the reads (``mpiio_component``): MPICH, Cray MP
 Intel MPI and MVAPICH use ROMIO, which reads the hints above. Open MPI picks its own
 OMPIO unless its ``io`` MCA parameter selects ROMIO (``OMPI_MCA_io=romio321`` in Open MPI
 4, ``romio341`` in 5); OMPIO ignores ROMIO's hints and aggregates collective reads, which
-for small windows at random offsets is slow: 2 KiB windows at 4 ranks read 52-62 MB/s
-with OMPIO against 413-435 MB/s with ROMIO (``perf/bench_io.py`` has the per-library rows).
+for small windows at random offsets is several times slower than ROMIO (docs/systems/mpi.md
+has the numbers; ``perf/bench_io.py`` writes a row per library).
 Open MPI's ``MPI_File_get_info`` returns the hints it was given whichever component
 reads, so the choice is read from the parameter, as Open MPI itself does.
 """

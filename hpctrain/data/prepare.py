@@ -41,19 +41,18 @@ from __future__ import annotations
 import glob
 import math
 import os
-import time
-import uuid
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_blocks,
-                                  create_token_file, crc32_combine, temp_name, token_dtype,
-                                  write_all, write_manifest)
+                                  create_token_file, crc32_combine, token_dtype, write_manifest)
+from hpctrain.data.prepare_group import Group, Solo, attempt
 from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
 from hpctrain.data.tokenizers import CharTokenizer, check_tokenizer_name, make_tokenizer
-from hpctrain.errors import DataError, UserError
+from hpctrain.errors import DataError
 from hpctrain.files import chmod_as_created
 from hpctrain.progress import Progress
 
@@ -111,151 +110,8 @@ def join_crc_pieces(pieces: list, nbytes: int, block_bytes: int = CHECKSUM_BLOCK
     return np.array(crcs, dtype=np.uint32)
 
 
-# --------------------------------------------------------------- who does what, where
-
 DEFAULT_TIMEOUT_S = 300.0  # as training's --comm.timeout
 
-# Test-only: the rank named here sleeps before a collective (the first one whose name
-# contains HPCTRAIN_TEST_STALL_PREPARE_AT, or any), so that tests can check a stalled rank
-# ends the job through the watchdog instead of hanging it. Never set it in a real job.
-STALL_RANK_ENV = "HPCTRAIN_TEST_STALL_PREPARE_RANK"
-STALL_AT_ENV = "HPCTRAIN_TEST_STALL_PREPARE_AT"
-
-
-class _Solo:
-    """One process, no MPI: the same algorithm as ``_Group`` on a world of one."""
-    rank, size = 0, 1
-
-    def allgather(self, obj, what: str):
-        return [obj]
-
-    def bcast(self, obj, what: str):
-        return obj
-
-    def check(self, error: str | None, what: str) -> None:
-        if error:
-            raise DataError(error)
-
-    def create(self, path: Path, hints: dict) -> Path:
-        def make():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return temp_name(path)
-        return _attempt(self, make, "temporary file")
-
-    def write(self, tmp: Path, hints: dict, writes: list[list[tuple[int, memoryview]]]) -> None:
-        fd = os.open(tmp, os.O_WRONLY)
-        try:
-            for round_writes in writes:
-                for offset, data in round_writes:
-                    write_all(fd, data, offset)
-        finally:
-            os.close(fd)
-
-    def barrier(self, what: str) -> None:
-        pass
-
-
-class _Group(_Solo):
-    """Every rank of an MPI communicator. Every collective waits with a deadline
-    (``timeout``, the watchdog): a rank that stalls or dies ends the job with a message
-    naming the operation, instead of leaving the others spinning in it forever."""
-
-    def __init__(self, comm, timeout: float):
-        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
-        self.timeout = timeout
-        stall = os.environ.get(STALL_RANK_ENV, "")
-        self._stall = stall.isdigit() and int(stall) == self.rank
-
-    def _deadline(self, what: str) -> dict:
-        """Keyword arguments of the watchdog helpers for the operation ``what``."""
-        if self._stall and os.environ.get(STALL_AT_ENV, "") in what:  # test-only, see above
-            self._stall = False
-            time.sleep(3600)
-        return {"timeout": self.timeout, "what": f"prepare: {what}", "option": "--timeout"}
-
-    def allgather(self, obj, what: str):
-        from hpctrain.comm.collectives import allgather_json
-
-        return allgather_json(self.comm, obj, **self._deadline(what))
-
-    def bcast(self, obj, what: str):
-        from hpctrain.comm.collectives import bcast_json
-
-        return bcast_json(self.comm, obj, **self._deadline(what))
-
-    def check(self, error: str | None, what: str) -> None:
-        """Raise the first rank's error on every rank (nobody is left in a collective)."""
-        errors = [e for e in self.allgather(error, f"{what} (error check)") if e]
-        if errors:
-            raise DataError(errors[0])
-
-    def create(self, path: Path, hints: dict) -> Path:
-        from mpi4py import MPI
-
-        from hpctrain.data.mpiio import make_info
-
-        # MPI-IO creates the file so that striping hints (striping_factor, striping_unit)
-        # take effect on Lustre; h5py later truncates it, which keeps the striping.
-        def name():
-            if self.rank != 0:
-                return None
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return str(path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-        tmp = Path(self.bcast(_attempt(self, name, "temporary file"), "temporary file name"))
-        info = make_info(hints)
-        try:
-            # MPI_File_open is collective and blocking: every rank meets first, with a
-            # deadline, so that the open never waits for a rank that is not coming.
-            self.barrier("barrier before creating the file with MPI-IO")
-            MPI.File.Open(self.comm, str(tmp), MPI.MODE_CREATE | MPI.MODE_WRONLY, info).Close()
-        finally:
-            info.Free()
-        return tmp
-
-    def write(self, tmp: Path, hints: dict, writes) -> None:
-        from mpi4py import MPI
-
-        from hpctrain.comm.watchdog import wait_all
-        from hpctrain.data.mpiio import make_info
-
-        info = make_info(hints)
-        self.barrier("barrier before opening the file with MPI-IO")  # File.Open blocks
-        fh = MPI.File.Open(self.comm, str(tmp), MPI.MODE_WRONLY, info)
-        info.Free()
-        empty, error = np.empty(0, np.uint8), None
-        # One collective call per round on every rank, even after a failure here, so that
-        # no rank is left waiting in a collective; nonblocking, so that the wait has a
-        # deadline. A missed deadline (CommTimeout) propagates at once and aborts the job.
-        for k, round_writes in enumerate(writes):
-            for offset, data in (round_writes if error is None else []) or [(0, empty)]:
-                deadline = self._deadline(f"write round {k + 1} of {len(writes)} "
-                                          "(Iwrite_at_all)")
-                try:
-                    wait_all([fh.Iwrite_at_all(offset, [data, MPI.BYTE])], **deadline)
-                except MPI.Exception as exc:
-                    error = error or str(exc)
-        self.barrier("barrier before closing the file")  # File.Close blocks too
-        fh.Close()
-        if error:
-            raise DataError(f"writing {tmp} failed: {error}; check the free space and quota")
-
-    def barrier(self, what: str) -> None:
-        from hpctrain.comm.collectives import barrier
-
-        barrier(self.comm, **self._deadline(what))
-
-
-def _attempt(group, fn, what: str):
-    """Run ``fn`` on every rank; a user-fixable failure anywhere fails every rank."""
-    result, error = None, None
-    try:
-        result = fn()
-    except UserError as exc:
-        error = str(exc)
-    except OSError as exc:
-        error = f"{exc}; check the path and permissions"
-    group.check(error, what)
-    return result
 
 
 def check_output(output: Path, overwrite: bool, example: str = "data.h5") -> None:
@@ -299,45 +155,85 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
     With ``comm`` (an MPI communicator) every rank of it must call this with the same
     arguments; the work is shared and the file is the one a single process writes. Every
     collective waits at most ``timeout`` seconds. An existing ``output`` is replaced only
-    with ``overwrite``.
+    with ``overwrite``. The numbered steps are those of the module docstring.
     """
     if not (math.isfinite(timeout) and timeout > 0):
         raise DataError(f"--timeout must be a finite number of seconds > 0, not {timeout}")
-    group = _Solo() if comm is None else _Group(comm, timeout)
+    group = Solo() if comm is None else Group(comm, timeout)
     output, hints = Path(output), romio_hints or {}
     check_tokenizer_name(tokenizer)
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction must be between 0 and 1, not {val_fraction}")
+    names, first, mine = _my_files(group, inputs, output, overwrite)  # 1-2
+    tok, dtype, encoded = _tokenize(group, mine, first, len(names), tokenizer,  # 3
+                                    show_progress and group.rank == 0)
+    split = _split(group, encoded, first, val_fraction, dtype)  # 4
+    del encoded
+    gathered = group.allgather(split.pieces, "checksums")  # 5 (rank 0 joins them), 6
+    _write_token_file(group, output, hints, split, lambda tmp: _create_header(
+        tmp, split, gathered, tok.meta(), names, val_fraction))
+    group.barrier("barrier after publishing the file")
+    n_train, n_val = split.n_tokens["train"], split.n_tokens["val"]
+    return {"output": str(output), "files": len(names), "tokens": n_train + n_val,
+            "train_tokens": n_train, "val_tokens": n_val, "vocab_size": tok.vocab_size,
+            "tokenizer": tok.name, "ranks": group.size}
 
-    # 1-2. the file list (read once, on rank 0) and this rank's run of files
+
+def _my_files(group, inputs, output: Path,
+              overwrite: bool) -> tuple[list[str], int, list[Path]]:
+    """Steps 1-2: every input file's name (listed once, on rank 0, after the output
+    check), the index of this rank's first file, and this rank's run of files."""
     def listing():
         if group.rank != 0:
             return None
         check_output(output, overwrite)
         files = expand_inputs([str(p) for p in inputs])
         return [str(f) for f in files], [f.stat().st_size for f in files]
-    names, sizes = group.bcast(_attempt(group, listing, "file list"), "file list")
+    names, sizes = group.bcast(attempt(group, listing, "file list"), "file list")
     lo, hi = assign_files(sizes, group.size)[group.rank]
-    mine = [Path(n) for n in names[lo:hi]]
+    return names, lo, [Path(n) for n in names[lo:hi]]
 
-    # 3. read, build the vocabulary, tokenize
-    tok = None if tokenizer == "char" else _attempt(group, lambda: make_tokenizer(tokenizer),
+
+def _tokenize(group, mine: list[Path], first: int, n_files: int, tokenizer: str,
+              show: bool) -> tuple:
+    """Step 3: read this rank's files and tokenize them; a character vocabulary is every
+    rank's characters, sorted. Returns the tokenizer, the token dtype (little-endian) and
+    one token array per file."""
+    tok = None if tokenizer == "char" else attempt(group, lambda: make_tokenizer(tokenizer),
                                                     "tokenizer")
-    show = show_progress and group.rank == 0
     progress = Progress(len(mine), "tokenize" + (f" (rank 0 of {group.size})"
                                                  if group.size > 1 else ""), enabled=show)
-    texts = _attempt(group, lambda: _read_files(mine, lo, len(names), tokenizer != "byte",
+    texts = attempt(group, lambda: _read_files(mine, first, n_files, tokenizer != "byte",
                                                 progress), "reading the inputs")
     if tok is None:  # the character vocabulary: every rank's characters, sorted
         chars = set().union(*map(set, texts))
         union = set().union(*group.allgather("".join(sorted(chars)), "vocabulary"))
-        tok = _attempt(group, lambda: CharTokenizer("".join(sorted(union))), "vocabulary")
+        tok = attempt(group, lambda: CharTokenizer("".join(sorted(union))), "vocabulary")
     dtype = token_dtype(tok.vocab_size).newbyteorder("<")
     encoded = [np.asarray(tok.encode(t), dtype=dtype) for t in texts]
     del texts
     progress.close()
+    return tok, dtype, encoded
 
-    # 4. the split (from every file's token count) and where this rank's tokens go
+
+@dataclass
+class _Split:
+    """Step 4's answer: the split (the same on every rank) and this rank's part of it."""
+    dtype: np.dtype
+    n_tokens: dict[str, int]
+    """Tokens of each split in the whole file."""
+    source_tokens: list[tuple[int, int]]
+    """(train, val) tokens of every input file."""
+    local: dict[str, tuple[int, memoryview]]
+    """Split -> (index of this rank's first token in it, this rank's tokens as bytes)."""
+    pieces: dict[str, list]
+    """Split -> this rank's pieces of the checksum blocks (``crc_pieces``)."""
+
+
+def _split(group, encoded: list[np.ndarray], first: int, val_fraction: float,
+           dtype: np.dtype) -> _Split:
+    """Step 4: the split, from every file's token count, and this rank's piece of each
+    split (its files are ``first``, ``first + 1``, ...) with its checksums."""
     counts = [c for run in group.allgather([int(e.size) for e in encoded], "token counts")
               for c in run]
     n = sum(counts)
@@ -346,49 +242,47 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
         raise DataError(f"the input has only {n} tokens: too few for a train and a validation "
                         "split; give more text or change --val-fraction")
     val = val_tokens_per_file(counts, n - n_train)
-    n_tokens = {"train": n_train, "val": n - n_train}
     # Files keep their input order inside a split, so this rank's parts of its run of
     # files are one piece of each split, after the parts of the files before the run.
-    heads = [e.size - v for e, v in zip(encoded, val[lo:hi])]  # each file's train part
+    heads = [e.size - v for e, v in zip(encoded, val[first:])]  # each file's train part
     mine = {"train": [e[:h] for e, h in zip(encoded, heads)],
             "val": [e[h:] for e, h in zip(encoded, heads)]}
-    before = {"train": sum(counts[:lo]) - sum(val[:lo]), "val": sum(val[:lo])}
+    before = {"train": sum(counts[:first]) - sum(val[:first]), "val": sum(val[:first])}
     local, pieces = {}, {}
     for name in SPLITS:
         chunk = np.concatenate(mine[name]) if mine[name] else np.zeros(0, dtype)
         local[name] = (before[name], memoryview(np.ascontiguousarray(chunk)).cast("B"))
         pieces[name] = crc_pieces(local[name][1], before[name] * dtype.itemsize)
-    del encoded, mine
+    return _Split(dtype, {"train": n_train, "val": n - n_train},
+                  [(c - v, v) for c, v in zip(counts, val)], local, pieces)
 
-    # 5. checksums joined on rank 0, which writes the HDF5 part
-    gathered = group.allgather(pieces, "checksums")
+
+def _create_header(tmp: Path, split: _Split, gathered: list, tokenizer_meta: dict,
+                   names: list[str], val_fraction: float) -> dict:
+    """Step 5, on rank 0: join every rank's checksum pieces and write the HDF5 part (the
+    metadata, the checksums, the space for the tokens); returns the arrays' offsets."""
+    crcs = {name: join_crc_pieces([p for g in gathered for p in g[name]],
+                                  count * split.dtype.itemsize)
+            for name, count in split.n_tokens.items()}
+    rule = {"rule": SPLIT_RULE, "seed": SPLIT_SEED, "val_fraction": val_fraction}
+    return create_token_file(tmp, n_tokens=split.n_tokens, dtype=split.dtype,
+                             tokenizer_meta=tokenizer_meta, crcs=crcs, sources=names,
+                             split=rule, source_tokens=split.source_tokens)
+
+
+def _write_token_file(group, output: Path, hints: dict, split: _Split, create_header) -> None:
+    """Steps 5-6 under a temporary name: rank 0 writes the header (``create_header(tmp)``
+    returns the arrays' byte offsets), then every rank its tokens; the file takes its
+    name only once complete, and a failure removes it."""
     tmp = None
     try:
         tmp = group.create(output, hints)
 
-        def metadata():
-            if group.rank != 0:
-                return None
-            crcs = {name: join_crc_pieces([p for g in gathered for p in g[name]],
-                                          count * dtype.itemsize)
-                    for name, count in n_tokens.items()}
-            split = {"rule": SPLIT_RULE, "seed": SPLIT_SEED, "val_fraction": val_fraction}
-            return create_token_file(tmp, n_tokens=n_tokens, dtype=dtype,
-                                     tokenizer_meta=tok.meta(), crcs=crcs, sources=names,
-                                     split=split,
-                                     source_tokens=[(c - v, v) for c, v in zip(counts, val)])
-        offsets = group.bcast(_attempt(group, metadata, "HDF5 metadata"), "array offsets")
-
-        # 6. tokens at their offsets, in rounds of at most WRITE_CHUNK_BYTES per rank
-        writes = []
-        for name in SPLITS:
-            first, data = local[name]
-            base = offsets[name] + first * dtype.itemsize
-            writes += [(base + k, data[k:k + WRITE_CHUNK_BYTES])
-                       for k in range(0, len(data), WRITE_CHUNK_BYTES)]
-        rounds = max(group.allgather(len(writes), "write rounds"))
-        per_round = [[w] for w in writes] + [[] for _ in range(rounds - len(writes))]
-        _attempt(group, lambda: group.write(tmp, hints, per_round), "writing the tokens")
+        def header():
+            return create_header(tmp) if group.rank == 0 else None
+        offsets = group.bcast(attempt(group, header, "HDF5 metadata"), "array offsets")
+        per_round = _write_rounds(group, split, offsets)
+        attempt(group, lambda: group.write(tmp, hints, per_round), "writing the tokens")
         group.barrier("barrier before publishing the file")
         if group.rank == 0:
             _publish(tmp, output)
@@ -396,10 +290,19 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
     finally:
         if tmp is not None and group.rank == 0:
             Path(tmp).unlink(missing_ok=True)
-    group.barrier("barrier after publishing the file")
-    return {"output": str(output), "files": len(names), "tokens": n, "train_tokens": n_train,
-            "val_tokens": n - n_train, "vocab_size": tok.vocab_size, "tokenizer": tok.name,
-            "ranks": group.size}
+
+
+def _write_rounds(group, split: _Split, offsets: dict) -> list[list[tuple[int, memoryview]]]:
+    """Step 6's writes, (byte offset, bytes) of at most WRITE_CHUNK_BYTES each, one per
+    collective round; every rank makes the same number of rounds (empty ones at the end)."""
+    writes = []
+    for name in SPLITS:
+        first, data = split.local[name]
+        base = offsets[name] + first * split.dtype.itemsize
+        writes += [(base + k, data[k:k + WRITE_CHUNK_BYTES])
+                   for k in range(0, len(data), WRITE_CHUNK_BYTES)]
+    rounds = max(group.allgather(len(writes), "write rounds"))
+    return [[w] for w in writes] + [[] for _ in range(rounds - len(writes))]
 
 
 def _publish(tmp: Path, output: Path) -> None:

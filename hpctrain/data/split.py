@@ -2,19 +2,20 @@
 
 The last ``val_fraction`` of a corpus read in sorted order is not a sample of it: for the
 default corpus (the standard library's sources, sorted by path) it is almost all
-``encodings/cp*.py`` codec tables, and the validation loss came out far below the training
-loss. So the validation split is drawn from the whole corpus, by file:
+``encodings/cp*.py`` codec tables, whose loss says little about the rest (io/FORMAT.md,
+"How prepare splits train and validation"). So the validation split is drawn from the
+whole corpus, by file:
 
 1. the files are put in a seeded random order: by the BLAKE2b hash of ``"<seed>:<index>"``
    (index = the file's place in the input list), which any language can reproduce and no
    library upgrade changes (unlike a numpy or ``random`` shuffle);
 2. in that order, whole files go to validation until the next file would pass the target
-   (``n_tokens - int(n_tokens * (1 - val_fraction))``, the count the old rule gave); that
+   (``n_tokens - int(n_tokens * (1 - val_fraction))``, the size of a tail split); that
    file gives its *last* tokens to make up the difference, its head stays in training.
 
-Every file but at most one lies wholly in one split, and the split sizes are exactly the
-old rule's. A single file is the special case "its last tokens", i.e. nanoGPT's tail split,
-unchanged. The choice depends only on the per-file token counts, never on how many ranks
+Every file but at most one lies wholly in one split, and the split sizes are exactly a
+tail split's. A single file is the special case "its last tokens", i.e. nanoGPT's tail
+split. The choice depends only on the per-file token counts, never on how many ranks
 tokenized them. Inside each split the files keep their input order, so a rank's contiguous
 run of files is one contiguous piece of each split (see ``prepare.py``).
 """

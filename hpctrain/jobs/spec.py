@@ -104,12 +104,51 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                setup_file: str | None = None, run_root: str | None = None,
                check_queue: bool = True, srun_mpi: str | None = None,
                launch: tuple | None = None) -> JobSpec:
+    """The job ``hpctrain jobscript`` describes, every option checked in turn against
+    the system; the first problem is one ``JobError`` naming the fix."""
     if not system:
         raise JobError("name the system: --system polaris (or aurora, perlmutter, frontier, "
                        "pbs, slurm, local, or a .toml file); see --list-systems")
     sys_ = job_system(system)
-    name, batch, la = sys_.name, sys_.batch, sys_.launch
     n_nodes = validate.nodes(1 if nodes is None else nodes)
+    _check_batch_options(sys_, n_nodes, walltime=walltime, queue=queue, account=account,
+                         array=array, filesystems=filesystems)
+    walltime_s, name_, fs = _batch_request(sys_, n_nodes, walltime=walltime, queue=queue,
+                                           account=account, job_name=job_name,
+                                           filesystems=filesystems, array=array,
+                                           check_queue=check_queue)
+    _check_launch_options(sys_, profiler=profiler, ranks_per_node=ranks_per_node,
+                          srun_mpi=srun_mpi)
+    env_pairs = tuple(validate.env_pair(e) for e in env or ())
+    venv = active_venv() if venv is None else (None if venv == "none" else venv)
+    for what, value in (("--venv", venv), ("--run-root", run_root), ("--system", system)):
+        if value:
+            validate.no_nul(value, what)
+    setup = _read_setup(setup_file) if setup_file else None
+    if launch is not None:
+        launch = tuple(launch)
+        for part in (p for w in launch for p in w if isinstance(p, str)):
+            validate.no_nul(part, "the launch line")
+    command = _with_time_limit(command, walltime_s)
+    per_node = ranks_per_node or sys_.launch.ranks_per_node  # 0: one per core, not known here
+    check_command(command, array=bool(array), forbid={"train.out_dir": OUT_DIR_REASON},
+                  ranks=n_nodes * per_node if per_node else None)
+    spec = JobSpec(system=sys_, nodes=n_nodes,
+                   walltime=validate.format_walltime(walltime_s) if walltime_s else None,
+                   queue=queue, account=account, job_name=name_, filesystems=tuple(fs),
+                   env=env_pairs, array=array, profiler=profiler, ranks_per_node=ranks_per_node,
+                   venv=venv, setup_file=setup_file, setup=setup,
+                   run_root=run_root or DEFAULT_RUN_ROOT, command=tuple(command),
+                   check_queue=check_queue, srun_mpi=srun_mpi, launch=launch)
+    placement(sys_, ranks_per_node)  # ranks per node vs. cores and sockets
+    return spec
+
+
+def _check_batch_options(sys_: System, n_nodes: int, *, walltime, queue, account, array,
+                         filesystems) -> None:
+    """Options a machine without a batch system cannot take, and the ones the system's
+    scheduler requires (``[batch] requires``: an account, a queue, a walltime)."""
+    name, batch = sys_.name, sys_.batch
     if batch.scheduler == "none":
         given = [f for f, v in (("--walltime", walltime), ("--queue", queue),
                                 ("--account", account), ("--array", array),
@@ -129,6 +168,13 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
         if not values.get(field):
             raise JobError(f"{name} needs {hints.get(field, '--' + field)}")
 
+
+def _batch_request(sys_: System, n_nodes: int, *, walltime, queue, account, job_name,
+                   filesystems, array, check_queue: bool) -> tuple:
+    """Checks the batch directives' values (against the queue's limits unless
+    ``check_queue`` is off); returns the walltime in seconds (None: not given), the job
+    name and the file systems the job needs."""
+    name, batch = sys_.name, sys_.batch
     walltime_s = validate.parse_walltime(walltime) if walltime else None
     if queue:
         validate.queue_name(queue)
@@ -143,6 +189,13 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
     if array:
         limit = known_queue.array_throttle if known_queue and check_queue else None
         validate.array(batch.scheduler, array, limit, f"{name} queue {queue}")
+    return walltime_s, name_, fs
+
+
+def _check_launch_options(sys_: System, *, profiler, ranks_per_node, srun_mpi) -> None:
+    """Options of the launch line: a profiler the system offers, a rank count, an
+    ``srun --mpi=`` plugin where the launcher takes one."""
+    name, la = sys_.name, sys_.launch
     if profiler and profiler not in la.profilers:
         raise JobError(f"--profile {profiler} is not available on {name}; available: "
                        f"{', '.join(la.profilers) or 'none'}")
@@ -154,37 +207,23 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
             raise JobError(f"--srun-mpi: the launcher of {name} ({la.launcher[0]}) has no "
                            "--mpi= plugin to choose; drop --srun-mpi (or add --mpi={srun_mpi} "
                            "to the launcher of your own system file)")
-    env_pairs = tuple(validate.env_pair(e) for e in env or ())
-    venv = active_venv() if venv is None else (None if venv == "none" else venv)
-    for what, value in (("--venv", venv), ("--run-root", run_root), ("--system", system)):
-        if value:
-            validate.no_nul(value, what)
-    setup = None
-    if setup_file:
-        try:
-            text = Path(setup_file).read_text()
-        except OSError as e:
-            raise JobError(f"--setup {setup_file}: cannot read it ({e.strerror})") from None
-        setup = tuple(line.strip() for line in text.splitlines()
-                      if line.strip() and not line.strip().startswith("#"))
-    if launch is not None:
-        launch = tuple(launch)
-        for part in (p for w in launch for p in w if isinstance(p, str)):
-            validate.no_nul(part, "the launch line")
+
+
+def _read_setup(setup_file: str) -> tuple:
+    """``--setup FILE``: its commands, without blank lines and comments."""
+    try:
+        text = Path(setup_file).read_text()
+    except OSError as e:
+        raise JobError(f"--setup {setup_file}: cannot read it ({e.strerror})") from None
+    return tuple(line.strip() for line in text.splitlines()
+                 if line.strip() and not line.strip().startswith("#"))
+
+
+def _with_time_limit(command: list[str], walltime_s: int | None) -> list[str]:
+    """A training command with a walltime saves and stops before it
+    (``--train.time_limit``, unless given): the launcher may not pass the scheduler's
+    signal on in time (Open MPI's mpirun kills a second later)."""
     if walltime_s and command and command[0] == "train" and not any(
             str(w).startswith("--train.time_limit") for w in command):
-        # The trainer saves and stops before the walltime itself: the launcher may not
-        # pass the scheduler's signal on in time (Open MPI's mpirun kills a second later).
-        command = [*command, f"--train.time_limit={walltime_s}"]
-    per_node = ranks_per_node or la.ranks_per_node  # 0: one per core, not known here
-    check_command(command, array=bool(array), forbid={"train.out_dir": OUT_DIR_REASON},
-                  ranks=n_nodes * per_node if per_node else None)
-    spec = JobSpec(system=sys_, nodes=n_nodes,
-                   walltime=validate.format_walltime(walltime_s) if walltime_s else None,
-                   queue=queue, account=account, job_name=name_, filesystems=tuple(fs),
-                   env=env_pairs, array=array, profiler=profiler, ranks_per_node=ranks_per_node,
-                   venv=venv, setup_file=setup_file, setup=setup,
-                   run_root=run_root or DEFAULT_RUN_ROOT, command=tuple(command),
-                   check_queue=check_queue, srun_mpi=srun_mpi, launch=launch)
-    placement(sys_, ranks_per_node)  # ranks per node vs. cores and sockets
-    return spec
+        return [*command, f"--train.time_limit={walltime_s}"]
+    return command

@@ -15,8 +15,8 @@ How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
    summed there (``hpctrain/comm/shm_allreduce.py``, ``--parallel.allreduce``). The
    rank's own thread does those sums, so during backward they would overlap nothing:
    on one node there are no hooks, and ``finish()`` sums every bucket after backward
-   (1.6% of a small model's step on 2 cores, where sums between backward's kernels cost
-   more than the same sums after it; docs/design/data-parallelism.md). Otherwise
+   (sums between backward's kernels cost more than the same sums after it;
+   docs/design/data-parallelism.md has the measurement). Otherwise
    (GPU gradients, ``--parallel.allreduce=mpi``) MPI reduces them: a bucket's buffer never
    moves, so with an MPI-4 library the reduction is a persistent collective
    (``Allreduce_init`` once, ``Start`` each step: the schedule is built once); MPI-3

@@ -25,7 +25,7 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
         # exactly lr x (gradient + decay x weight), which the tests use to see scale errors.
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.0)
     # The fused kernel updates all tensors in one pass per group (CPU and CUDA); it
-    # keeps the per-step Python overhead out of a step that may take only 50 ms.
+    # keeps per-tensor Python overhead out of the short steps of small models.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=True)
 

@@ -37,6 +37,7 @@ out with the reason, never run.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -141,19 +142,36 @@ def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
     without ``vocab_size`` takes the vocabulary of the data file the study trains on
     unless ``vocab_size`` is given."""
     path = Path(path)
-    d = read_spec(path)
-    s = d.get("study")
+    spec = read_spec(path)
+    settings, ranks_per_node = _study_settings(path, _study_table(path, spec), ranks_per_node)
+    per_rank, global_batch = _batch(path, spec, settings["scaling"])
+    study = Study(path=path, **settings, batch_per_rank=per_rank, global_batch=global_batch,
+                  points=())
+    models = _models(path, spec, study, vocab_size)
+    parallels = [_parallel(path, p) for p in _tables(path, spec, "parallel")]
+    points, skipped = _points(study, models, parallels, ranks_per_node)
+    return dataclasses.replace(study, points=points, skipped=skipped)
+
+
+def _study_table(path, spec: dict) -> dict:
+    """The [study] table, once the spec holds no unknown key or table."""
+    s = spec.get("study")
     if not isinstance(s, dict):
         raise _err(path, "needs a [study] table with name, scaling, ranks, steps")
     unknown = set(s) - STUDY_KEYS
     if unknown:
         raise _err(path, f"unknown key(s) in [study]: {', '.join(sorted(unknown))}; "
                          f"known: {', '.join(sorted(STUDY_KEYS))}")
-    unknown_tables = set(d) - {"study", "batch", "models", "parallel"}
+    unknown_tables = set(spec) - {"study", "batch", "models", "parallel"}
     if unknown_tables:
         raise _err(path, f"unknown table(s) {', '.join(sorted(unknown_tables))}; use "
                          "[study], [batch], [[models]], [[parallel]]")
-    name = s.get("name") or path.stem
+    return s
+
+
+def _study_settings(path, s: dict, ranks_per_node: int | None) -> tuple[dict, int | None]:
+    """The [study] table's values, checked in turn, as ``Study`` fields; and the ranks per
+    node that ``nodes = [...]`` was multiplied by."""
     scaling = s.get("scaling")
     if scaling not in ("weak", "strong"):
         raise _err(path, f"scaling = {scaling!r}: use \"weak\" (fixed batch per data-parallel "
@@ -167,17 +185,7 @@ def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
     recipe = s.get("recipe", "default")
     if not isinstance(recipe, str):
         raise _err(path, f"recipe = {recipe!r}: name a recipe, e.g. recipe = \"default\"")
-    nodes = None
-    if "nodes" in s:
-        nodes = tuple(_int_list(path, "nodes", s["nodes"]))
-        if ranks_per_node is None:
-            ranks_per_node = _system_ranks_per_node(path, system)
-        if not ranks_per_node:
-            raise _err(path, "nodes = [...] needs a system with ranks per node (polaris, "
-                             "aurora); on this machine use ranks = [...]")
-        ranks = tuple(n * ranks_per_node for n in nodes)
-    else:
-        ranks = tuple(_int_list(path, "ranks", s["ranks"]))
+    ranks, nodes, ranks_per_node = _rank_counts(path, s, system, ranks_per_node)
     steps = _int_list(path, "steps", s.get("steps", 30), minimum=3)[0]
     repeats = _int_list(path, "repeats", s.get("repeats", 1))[0]
     timeout = s.get("timeout_s", 600)
@@ -191,9 +199,32 @@ def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
     if dtype not in ("fp32", "bf16"):
         raise _err(path, f"dtype {dtype!r}: use fp32 or bf16")
     calibration = s.get("calibration")
-    calib_path = (path.parent / calibration) if calibration else None
+    return dict(name=s.get("name") or path.stem, scaling=scaling, ranks=ranks, nodes=nodes,
+                steps=steps, repeats=repeats, recipe=recipe, system=system,
+                calibration=(path.parent / calibration) if calibration else None,
+                timeout_s=float(timeout), overrides=tuple(overrides), dtype=dtype,
+                description=s.get("description", "")), ranks_per_node
 
-    batch = d.get("batch", {})
+
+def _rank_counts(path, s: dict, system: str,
+                 ranks_per_node: int | None) -> tuple[tuple, tuple | None, int | None]:
+    """(ranks, nodes, ranks per node): ``ranks = [...]`` as given, or ``nodes = [...]``
+    times the system's ranks per node (unless the caller gave them)."""
+    if "nodes" not in s:
+        return tuple(_int_list(path, "ranks", s["ranks"])), None, ranks_per_node
+    nodes = tuple(_int_list(path, "nodes", s["nodes"]))
+    if ranks_per_node is None:
+        ranks_per_node = _system_ranks_per_node(path, system)
+    if not ranks_per_node:
+        raise _err(path, "nodes = [...] needs a system with ranks per node (polaris, "
+                         "aurora); on this machine use ranks = [...]")
+    return tuple(n * ranks_per_node for n in nodes), nodes, ranks_per_node
+
+
+def _batch(path, spec: dict, scaling: str) -> tuple[int | None, int | None]:
+    """(sequences per data-parallel rank, global batch) from [batch]: weak scaling fixes
+    the first, strong scaling the second; the other is None."""
+    batch = spec.get("batch", {})
     per_rank, global_batch = batch.get("per_rank"), batch.get("global")
     if scaling == "weak" and (per_rank is None or global_batch is not None):
         raise _err(path, "weak scaling fixes the batch per data-parallel rank: give "
@@ -202,17 +233,26 @@ def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
         raise _err(path, "strong scaling fixes the global batch: give [batch] global = N "
                          "(and no per_rank)")
     _int_list(path, "[batch]", per_rank if scaling == "weak" else global_batch)
+    return per_rank, global_batch
 
-    model_tables = _tables(path, d, "models")
+
+def _models(path, spec: dict, study: Study, vocab_size: int | None) -> list[ModelShape]:
+    """The [[models]] shapes; those without a vocabulary take the data file's."""
+    model_tables = _tables(path, spec, "models")
     if vocab_size is None and any("vocab_size" not in m and "preset" not in m
                                   for m in model_tables):
-        vocab_size = data_vocab(path, recipe, overrides)
-    models = [_model(path, m, vocab_size) for m in model_tables]
-    parallels = [_parallel(path, p) for p in _tables(path, d, "parallel")]
-    points, skipped = [], []
+        vocab_size = data_vocab(path, study.recipe, study.overrides)
+    return [_model(path, m, vocab_size) for m in model_tables]
+
+
+def _points(study: Study, models: list[ModelShape], parallels: list,
+            ranks_per_node: int | None) -> tuple[tuple, tuple]:
+    """(points, skipped): models x parallel configurations x rank counts, in that order;
+    a combination the trainer cannot run is skipped with the reason."""
+    path, points, skipped = study.path, [], []
     for model, (pname, combos) in itertools.product(models, parallels):
         seen = set()
-        for (zero, pp, micro, sched, v), n in itertools.product(combos, ranks):
+        for (zero, pp, micro, sched, v), n in itertools.product(combos, study.ranks):
             if pp == 1:  # schedules only differ with stages: one point, not one per schedule
                 sched, v = "1f1b", 1
                 if (zero, micro, n) in seen:
@@ -223,9 +263,9 @@ def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
                 skipped.append((label, f"pp={pp} does not divide {n} rank(s)"))
                 continue
             dp = n // pp
-            g = per_rank * dp if scaling == "weak" else global_batch
+            g = study.batch_per_rank * dp if study.scaling == "weak" else study.global_batch
             layout = Layout(ranks=n, pp=pp, zero=zero, micro_batches=micro, global_batch=g,
-                            dtype=dtype, schedule=sched, virtual_stages=v)
+                            dtype=study.dtype, schedule=sched, virtual_stages=v)
             try:
                 layout.check(model)
             except UserError as e:
@@ -234,18 +274,14 @@ def load_study(path: str | os.PathLike, *, ranks_per_node: int | None = None,
             pipe = "" if pp == 1 else f"-{sched}" + (f"{v}" if sched == "interleaved" else "")
             pid = f"{_slug(model.label)}-{_slug(pname)}-z{zero}-pp{pp}{pipe}-m{micro}-n{n}"
             points.append(Point(pid, model, layout, pname,
-                                n // ranks_per_node if nodes else 1))
+                                n // ranks_per_node if study.nodes else 1))
     if not points:
         raise _err(path, "no point can run: " + "; ".join(f"{a}: {b}" for a, b in skipped[:3]))
     ids = [p.id for p in points]
     if len(set(ids)) != len(ids):
         raise _err(path, "two points have the same id; give each [[models]] and [[parallel]] "
                          "entry its own name")
-    return Study(name=name, path=path, scaling=scaling, ranks=ranks, nodes=nodes, steps=steps,
-                 repeats=repeats, recipe=recipe, system=system, calibration=calib_path,
-                 timeout_s=float(timeout), overrides=tuple(overrides), dtype=dtype,
-                 batch_per_rank=per_rank, global_batch=global_batch, points=tuple(points),
-                 skipped=tuple(skipped), description=s.get("description", ""))
+    return tuple(points), tuple(skipped)
 
 
 def study_system(study: Study) -> SystemPerf:

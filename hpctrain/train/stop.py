@@ -14,10 +14,9 @@ reduction, so all stop after the same step, save the same checkpoint, and exit 0
 ``every=1`` (``--train.stop_check_steps``, the default) a signal is acted on within 2
 steps; the allreduce of one integer overlaps a whole step. Its buffers never change, so
 where the library has MPI-4 persistent collectives it is built once (``Allreduce_init``)
-and only started each time: right after a training step, with MPICH's data cold, an
-agreement through ``Iallreduce`` took 122 us on the 2-core development machine and the
-persistent one 61 us (medians of 15 alternating blocks of 20 steps, 110-126 and 53-67
-us; 0.2% of a 33 ms step of the small Shakespeare model on 2 ranks). Outside the loop
+and only started each time, which costs less than a new ``Iallreduce`` right after a
+training step, when MPICH's data is out of cache (docs/design/data-parallelism.md has
+the measurement). Outside the loop
 (``now()``), the agreement is a blocking allreduce at fixed points every rank passes.
 """
 

@@ -15,11 +15,9 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint.collective import find_resume, load_checkpoint
-from hpctrain.checkpoint.init_from import load_initial_weights
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World, threads_per_rank
-from hpctrain.config import Config, ConfigError, check_layout
+from hpctrain.config import Config, check_layout
 from hpctrain.data.loader import BatchLoader
 from hpctrain.data.mpiio import describe_reader
 from hpctrain.errors import CommTimeout
@@ -35,6 +33,7 @@ from hpctrain.train.result import LogWindow, TrainResult, add_step, bar_text, st
 from hpctrain.train.rundir import claim_run_dir
 from hpctrain.train.saving import CheckpointSaver
 from hpctrain.train.schedule import learning_rate
+from hpctrain.train.start import load_starting_point
 from hpctrain.train.stop import SignalFlag, StopAgreement
 from hpctrain.train.timing import PhaseClock
 
@@ -88,23 +87,10 @@ class Trainer:
             {"config": cfg.to_dict(), "model": self.gpt_cfg.shape(),
              "tokenizer": self.tokenizer.meta()}, t.ckpt_keep, self._log,
             on_saved=self.deadline.record_save)
-        self.start_step = 0
-        self.initialized_from = ""
-        resume_from = find_resume(t.resume, self.out_dir)
-        if resume_from is not None:
-            self.start_step = load_checkpoint(resume_from, self.engine, self.grid,
-                                              model_shape=self.gpt_cfg.shape())
-            self.runner.tie_weights()  # a pipeline's head copy of the embedding
-            if self.start_step > t.max_iters:
-                raise ConfigError(f"the checkpoint is at step {self.start_step}, past "
-                                  f"--train.max_iters={t.max_iters}; raise max_iters to go on")
-        elif t.init_from:  # resume=auto found nothing to resume: a new run from weights
-            load_initial_weights(t.init_from, self.engine, model_shape=self.gpt_cfg.shape(),
-                                 tokenizer=self.tokenizer.meta())
-            self.runner.tie_weights()
-            self.initialized_from = t.init_from
+        self.start = load_starting_point(t, self.out_dir, self.engine, self.grid, self.runner,
+                                         self.gpt_cfg.shape(), self.tokenizer.meta())
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
-                                  append=self.start_step > 0)
+                                  append=self.start.step > 0)
 
     def _log(self, line: str, bar: Progress | None = None) -> None:
         if not self.log_enabled:
@@ -169,11 +155,8 @@ class Trainer:
         peak = self.peak
         self._log(f"MFU against {peak.tflops:g} TFLOP/s per device x {peak.devices} device(s): "
                   f"{peak.why}" if peak.tflops else f"MFU: not reported ({peak.why})")
-        if self.start_step:
-            self._log(f"resumed from the checkpoint of step {self.start_step}")
-        elif self.initialized_from:
-            self._log(f"weights from {self.initialized_from}; the optimizer and the "
-                      "learning-rate schedule start fresh")
+        if self.start.describe():
+            self._log(self.start.describe())
 
     def _fit(self) -> TrainResult:
         t = self.cfg.train
@@ -183,12 +166,12 @@ class Trainer:
         stop = self._stop = StopAgreement(w.comm, self.signals, w.timeout, t.stop_check_steps,
                                           self.deadline)
         if stop.now("start-up"):  # a signal while the job was setting up
-            result.stopped_at = self.start_step
-            kept = (f"the checkpoint of step {self.start_step} is unchanged"
-                    if self.start_step else "nothing was trained")
+            result.stopped_at = self.start.step
+            kept = (f"the checkpoint of step {self.start.step} is unchanged"
+                    if self.start.step else "nothing was trained")
             self._log(f"stopped by {self.signals.name} during start-up; {kept}")
             return result
-        bar = Progress(t.max_iters - self.start_step, "train",
+        bar = Progress(t.max_iters - self.start.step, "train",
                        enabled=self.log_enabled and t.progress)
         start = time.perf_counter()
         self._loop(result, bar, stop)
@@ -240,7 +223,7 @@ class Trainer:
     def _loop(self, result: TrainResult, bar: Progress, stop: StopAgreement) -> None:
         t, w = self.cfg.train, self.world
         window = LogWindow(w, self.grid.dp)
-        for step in range(self.start_step, t.max_iters):
+        for step in range(self.start.step, t.max_iters):
             self.clock.start()
             try:
                 loss, norm = self.train_step(step)
@@ -248,7 +231,7 @@ class Trainer:
                 raise CommTimeout(f"step {step + 1}: {e}") from None
             add_step(result, self.clock.stop())
             self.deadline.record_step(result.step_times[-1])
-            if step == self.start_step:
+            if step == self.start.step:
                 device = w.accel.describe_memory()
                 self._log(f"memory per rank: {self.memory().describe()}"
                           f"{'; ' + device if device else ''}", bar)

@@ -23,11 +23,10 @@ receive.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
 from hpctrain.comm.grid import ProcessGrid
@@ -42,9 +41,9 @@ from hpctrain.profiling import profile_range
 LOOKAHEAD = 2  # receives posted ahead of the action that consumes them
 TIE_TAG_OFFSET = 1  # tied-embedding messages use tags above every schedule tag
 # With more ranks than cores, a stage waiting for its neighbour sleeps between polls
-# instead of yielding: the neighbour it waits for may share its core. Measured with
-# 4 ranks on 2 cores (perf/bench_pipeline.py, p=4, m=8): 517 ms per step with 50 us
-# sleeps against 569 ms yielding; with a core per rank yielding wakes up sooner.
+# instead of yielding: the neighbour it waits for may share its core, and sleeping leaves
+# the core to it. With a core per rank, yielding wakes up sooner.
+# docs/design/pipeline.md ("The executor") has the measurements.
 OVERSUBSCRIBED_POLL_SLEEP_S = 5e-5
 
 
@@ -65,6 +64,40 @@ class PipelineStats:
     def compute_s(self) -> float:
         """Seconds in forward and backward passes together."""
         return self.forward_s + self.backward_s
+
+
+@dataclass
+class _Walk:
+    """One walk of ``PipelineExecutor.run`` over an action list: what it was given, and
+    what it keeps from one action to the next."""
+    actions: list
+    xs: list
+    ys: list
+    loss_scale: float
+    backward: bool
+    before_backward: Callable[[bool], None] | None
+    last_backward: int
+    """Index of this stage's last backward action (-1: none)."""
+    tie_recv: tuple | None
+    """The posted receive of the tied embedding's gradient (first stage, with backward)."""
+    recv_at: list[int]
+    """Indices of the receive actions, in order."""
+    posted: dict[int, tuple] = field(default_factory=dict)
+    """Action index -> (buffer, MPI buffer, request) of a receive posted ahead."""
+    next_post: int = 0
+    """Index into ``recv_at`` of the next receive to post."""
+    recv_index: int = 0
+    """Index into ``recv_at`` of the next receive to wait for."""
+    inputs: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    """(micro-batch, chunk) -> a forward's input and output, kept for its backward."""
+    received: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    """(receive op, micro-batch, chunk) -> a received activation or gradient."""
+    sends: list = field(default_factory=list)
+    """(tensor, MPI buffer, request) of sends not known to be complete."""
+    loss_sum: torch.Tensor | None = None
+    in_flight: int = 0
+    """Micro-batch chunks between their forward and their backward."""
 
 
 class PipelineExecutor:
@@ -126,86 +159,89 @@ class PipelineExecutor:
         (None elsewhere). ``before_backward(last)`` is called right before each backward
         pass, ``last`` true for this stage's last one (with the tied embedding's whole
         gradient in place)."""
-        last_backward = max((i for i, a in enumerate(actions) if a.op == S.BACKWARD),
-                            default=-1)
-        tie_recv = self._post_tie_recv() if backward else None
-        recv_at = [i for i, a in enumerate(actions) if a.op in S.RECVS]
-        posted: dict[int, tuple] = {}
-        next_post = 0
-
-        def post_ahead(upto: int) -> None:
-            nonlocal next_post
-            while next_post < len(recv_at) and recv_at[next_post] <= upto:
-                i = recv_at[next_post]
-                posted[i] = self._post_recv(actions[i], xs[actions[i].micro].size(0))
-                next_post += 1
-
-        inputs: dict[tuple, torch.Tensor] = {}
-        outputs: dict[tuple, torch.Tensor] = {}
-        received: dict[tuple, torch.Tensor] = {}
-        sends: list = []
-        loss_sum = None
-        in_flight = 0
-        recv_index = 0
+        walk = _Walk(actions, xs, ys, loss_scale, backward, before_backward,
+                     last_backward=max((i for i, a in enumerate(actions)
+                                        if a.op == S.BACKWARD), default=-1),
+                     tie_recv=self._post_tie_recv() if backward else None,
+                     recv_at=[i for i, a in enumerate(actions) if a.op in S.RECVS])
+        do = {S.RECV_ACT: self._receive, S.RECV_GRAD: self._receive,
+              S.FORWARD: self._forward, S.SEND_ACT: self._send_activation,
+              S.BACKWARD: self._backward, S.SEND_GRAD: self._send_input_gradient}
         for i, a in enumerate(actions):
-            key = (a.micro, a.chunk)
-            if a.op in S.RECVS:
-                # Keep LOOKAHEAD receives posted beyond this one.
-                post_ahead(recv_at[min(recv_index + LOOKAHEAD, len(recv_at) - 1)])
-                recv_index += 1
-                buf, mpi, req = posted.pop(i)
-                self._wait([req], f"{a} from stage {a.peer}")
-                mpi.complete()
-                received[(a.op, *key)] = buf
-            elif a.op == S.FORWARD:
-                if self.stage.is_first_chunk(a.chunk):
-                    x = xs[a.micro]
-                else:
-                    x = received.pop((S.RECV_ACT, *key))
-                    x.requires_grad_(backward)
-                last = self.stage.is_last_chunk(a.chunk)
-                t0 = time.perf_counter()
-                with profile_range(f"forward m{a.micro} c{a.chunk}"):
-                    out = self.stage.chunk_forward(a.chunk, x, ys[a.micro] if last else None)
-                self.stats.forward_s += time.perf_counter() - t0
-                if last:
-                    loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
-                if backward:
-                    inputs[key], outputs[key] = x, out
-                    in_flight += 1
-                    self.stats.peak_in_flight = max(self.stats.peak_in_flight, in_flight)
-                else:
-                    outputs[key] = out
-                if self.memory_probe is not None:
-                    self.memory_probe()
-            elif a.op == S.SEND_ACT:
-                out = outputs[key] if backward else outputs.pop(key)
-                self._send(out, a.peer, self._tag(a), sends)
-            elif a.op == S.BACKWARD:
-                x, out = inputs.pop(key), outputs.pop(key)
-                if i == last_backward and tie_recv is not None:
-                    self._add_tied_gradient(*tie_recv)
-                if before_backward is not None:
-                    before_backward(i == last_backward)
-                t0 = time.perf_counter()
-                with profile_range(f"backward m{a.micro} c{a.chunk}"):
-                    if self.stage.is_last_chunk(a.chunk):
-                        self.accel.backward(out * loss_scale)
-                    else:
-                        self.accel.backward(out, received.pop((S.RECV_GRAD, *key)))
-                self.stats.backward_s += time.perf_counter() - t0
-                in_flight -= 1
-                if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
-                    self._send_tied_gradient(sends)
-                if not self.stage.is_first_chunk(a.chunk):
-                    inputs[key] = x  # its .grad goes back at the next send_grad
-                del out
-            elif a.op == S.SEND_GRAD:
-                x = inputs.pop(key)
-                self._send(x.grad, a.peer, self._tag(a), sends)
-            self._drop_finished(sends)
-        self._wait([r for _, _, r in sends], "completing sends")
-        return loss_sum
+            do[a.op](walk, i, a)
+            self._drop_finished(walk.sends)
+        self._wait([r for _, _, r in walk.sends], "completing sends")
+        return walk.loss_sum
+
+    def _post_ahead(self, walk: _Walk, upto: int) -> None:
+        """Post every receive up to action ``upto`` not posted yet."""
+        while walk.next_post < len(walk.recv_at) and walk.recv_at[walk.next_post] <= upto:
+            i = walk.recv_at[walk.next_post]
+            a = walk.actions[i]
+            walk.posted[i] = self._post_recv(a, walk.xs[a.micro].size(0))
+            walk.next_post += 1
+
+    def _receive(self, walk: _Walk, i: int, a: S.Action) -> None:
+        # Keep LOOKAHEAD receives posted beyond this one.
+        self._post_ahead(walk, walk.recv_at[min(walk.recv_index + LOOKAHEAD,
+                                                len(walk.recv_at) - 1)])
+        walk.recv_index += 1
+        buf, mpi, req = walk.posted.pop(i)
+        self._wait([req], f"{a} from stage {a.peer}")
+        mpi.complete()
+        walk.received[(a.op, a.micro, a.chunk)] = buf
+
+    def _forward(self, walk: _Walk, i: int, a: S.Action) -> None:
+        key = (a.micro, a.chunk)
+        if self.stage.is_first_chunk(a.chunk):
+            x = walk.xs[a.micro]
+        else:
+            x = walk.received.pop((S.RECV_ACT, *key))
+            x.requires_grad_(walk.backward)
+        last = self.stage.is_last_chunk(a.chunk)
+        t0 = time.perf_counter()
+        with profile_range(f"forward m{a.micro} c{a.chunk}"):
+            out = self.stage.chunk_forward(a.chunk, x, walk.ys[a.micro] if last else None)
+        self.stats.forward_s += time.perf_counter() - t0
+        if last:
+            walk.loss_sum = out.detach() if walk.loss_sum is None else walk.loss_sum + out.detach()
+        if walk.backward:
+            walk.inputs[key], walk.outputs[key] = x, out
+            walk.in_flight += 1
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, walk.in_flight)
+        else:
+            walk.outputs[key] = out
+        if self.memory_probe is not None:
+            self.memory_probe()
+
+    def _send_activation(self, walk: _Walk, i: int, a: S.Action) -> None:
+        key = (a.micro, a.chunk)
+        out = walk.outputs[key] if walk.backward else walk.outputs.pop(key)
+        self._send(out, a.peer, self._tag(a), walk.sends)
+
+    def _backward(self, walk: _Walk, i: int, a: S.Action) -> None:
+        key = (a.micro, a.chunk)
+        x, out = walk.inputs.pop(key), walk.outputs.pop(key)
+        if i == walk.last_backward and walk.tie_recv is not None:
+            self._add_tied_gradient(*walk.tie_recv)
+        if walk.before_backward is not None:
+            walk.before_backward(i == walk.last_backward)
+        t0 = time.perf_counter()
+        with profile_range(f"backward m{a.micro} c{a.chunk}"):
+            if self.stage.is_last_chunk(a.chunk):
+                self.accel.backward(out * walk.loss_scale)
+            else:
+                self.accel.backward(out, walk.received.pop((S.RECV_GRAD, *key)))
+        self.stats.backward_s += time.perf_counter() - t0
+        walk.in_flight -= 1
+        if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
+            self._send_tied_gradient(walk.sends)
+        if not self.stage.is_first_chunk(a.chunk):
+            walk.inputs[key] = x  # its .grad goes back at the next send_grad
+
+    def _send_input_gradient(self, walk: _Walk, i: int, a: S.Action) -> None:
+        x = walk.inputs.pop((a.micro, a.chunk))
+        self._send(x.grad, a.peer, self._tag(a), walk.sends)
 
     def train_step(self, xs: list, ys: list, loss_scale: float,
                    before_backward: Callable[[bool], None] | None = None) -> torch.Tensor:

@@ -1,91 +1,23 @@
-"""Configuration: one dataclass per section, TOML recipes, ``--section.key=value`` overrides.
+"""What can be configured: one dataclass per section of a recipe, and ``Config``, which
+holds them all.
 
-Every field carries its help text (``opt(default, help)``), so ``hpctrain train RECIPE
---help`` can list them all. Each section checks itself in ``__post_init__``; checks that
-need the number of ranks live in ``check_layout``. Every message names the fix.
+Every field carries its help text (``opt(default, help)``, ``options.py``), so
+``hpctrain train RECIPE --help`` can list them all. Each section checks itself in
+``__post_init__``; every message names the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
-import math
-import os
 import re
-import sys
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 
-from hpctrain.errors import ConfigError, factor_hint
+from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Bounds,
+                                     check_fields, opt, require)
+from hpctrain.errors import ConfigError
 from hpctrain.model.shape import ARCHS, GPTConfig
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The valid range of a number field. Float fields must also be finite: a NaN slips
-    through every comparison (``nan > 0`` and ``nan <= 0`` are both false), and an
-    infinite value means something else than the user meant (``--comm.timeout=inf``
-    would turn the watchdog off, ``--optim.lr=inf`` ruins the model at the first step)."""
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # low itself is not allowed
-    high_open: bool = False
-
-    def __contains__(self, value) -> bool:
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-    def describe(self, typ: type) -> str:
-        """``at least 1``, ``a finite number > 0``, ``a finite number in [0, 1)``."""
-        num = (lambda v: f"{v:g}") if typ is float else str
-        finite = "a finite number " if typ is float else ""
-        if self.high is None:
-            if typ is int and not self.low_open:
-                return f"at least {self.low}"
-            return f"{finite}{'>' if self.low_open else '>='} {num(self.low)}"
-        return (f"{finite}in {'(' if self.low_open else '['}{num(self.low)}, "
-                f"{num(self.high)}{')' if self.high_open else ']'}")
-
-
-AT_LEAST_0, AT_LEAST_1 = Bounds(0), Bounds(1)
-POSITIVE = Bounds(0, low_open=True)
-FRACTION = Bounds(0, 1, high_open=True)  # [0, 1)
-
-
-def opt(default, help: str, choices: tuple | None = None, bounds: Bounds | None = None):
-    """A config field with its help text and, optionally, its allowed values (``choices``)
-    or range (``bounds``; every int and float field without choices has one)."""
-    return field(default=default, metadata={"help": help, "choices": choices,
-                                            "bounds": bounds})
-
-
-def _check_fields(section) -> None:
-    """Each field against its choices or bounds; the message names the option and the
-    valid values, so ``--optim.eps=-1`` or ``--comm.timeout=nan`` never reaches training."""
-    hints = typing.get_type_hints(type(section))
-    for f in dataclasses.fields(section):
-        key, value = f"{_SECTION_NAMES[type(section)]}.{f.name}", getattr(section, f.name)
-        choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
-        if choices and value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
-        if bounds is not None and value not in bounds:
-            raise ConfigError(f"{key} must be {bounds.describe(hints[f.name])}, not {value!r}")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass
@@ -128,7 +60,7 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_fields(self)
-        _require(self.n_embd % self.n_head == 0,
+        require(self.n_embd % self.n_head == 0,
                  f"model.n_embd={self.n_embd} must be a multiple of model.n_head="
                  f"{self.n_head}; change one of them")
         try:  # the shape's own checks (heads, rope_scaling), on a placeholder vocabulary
@@ -141,7 +73,7 @@ class ModelConfig:
         ``GPTConfig`` (same field names). ``vocab_size`` is the dataset's; it fills in
         ``model.vocab_size=0``."""
         vocab = self.vocab_size or vocab_size
-        _require(vocab >= 1, "model.vocab_size=0 takes the vocabulary from the dataset, "
+        require(vocab >= 1, "model.vocab_size=0 takes the vocabulary from the dataset, "
                              "and there is none here; set --model.vocab_size")
         return GPTConfig(**{**dataclasses.asdict(self), "vocab_size": vocab})
 
@@ -220,10 +152,10 @@ class ParallelConfig:
 
     def __post_init__(self):
         _check_fields(self)
-        _require(self.schedule == "interleaved" or self.virtual_stages == 1,
+        require(self.schedule == "interleaved" or self.virtual_stages == 1,
                  f"--parallel.virtual_stages={self.virtual_stages} needs "
                  "--parallel.schedule=interleaved")
-        _require(self.schedule != "interleaved" or self.micro_batches % self.pp == 0,
+        require(self.schedule != "interleaved" or self.micro_batches % self.pp == 0,
                  f"the interleaved schedule takes micro-batches in groups of the {self.pp} "
                  f"stages; make --parallel.micro_batches (now {self.micro_batches}) a "
                  f"multiple of --parallel.pp={self.pp}")
@@ -252,7 +184,7 @@ class OptimConfig:
 
     def __post_init__(self):
         _check_fields(self)
-        _require(self.min_lr <= self.lr, "optim.min_lr must be in [0, optim.lr]")
+        require(self.min_lr <= self.lr, "optim.min_lr must be in [0, optim.lr]")
 
 
 @dataclass
@@ -331,8 +263,8 @@ class TrainConfig:
 
     def __post_init__(self):
         _check_fields(self)
-        _require(self.out_dir != "", "train.out_dir must name a directory")
-        _require(not self.init_from or self.resume in ("", "auto"),
+        require(self.out_dir != "", "train.out_dir must name a directory")
+        require(not self.init_from or self.resume in ("", "auto"),
                  f"--train.resume={self.resume} continues a run and --train.init_from="
                  f"{self.init_from} starts a new one from weights; give one of them (or "
                  "--train.resume=auto with init_from: resume when out_dir has a checkpoint)")
@@ -367,17 +299,17 @@ class Config:
 
     def __post_init__(self):
         p, t = self.parallel, self.train
-        _require(p.allreduce != "shm" or (p.zero == 0 and t.dtype == "fp32"),
+        require(p.allreduce != "shm" or (p.zero == 0 and t.dtype == "fp32"),
                  "--parallel.allreduce=shm is the plain data-parallel path (fp32, ZeRO stage "
                  "0); ZeRO stages and bf16 reduce with MPI collectives: drop "
                  "--parallel.allreduce=shm")
         if p.pp == 1:
             return
         # What the pipeline path does not do (yet); each message names the way out.
-        _require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO stage 0 or 1 along "
+        require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO stage 0 or 1 along "
                  "the data-parallel axis; use --parallel.zero=0 or 1 (stages 2-3 shard "
                  "gradients per micro-batch, which the pipeline does not support)")
-        _require(self.model.n_layer >= p.pp * p.virtual_stages,
+        require(self.model.n_layer >= p.pp * p.virtual_stages,
                  f"model.n_layer={self.model.n_layer} cannot fill {p.pp} stage(s) x "
                  f"{p.virtual_stages} virtual stage(s); lower --parallel.pp or "
                  "--parallel.virtual_stages, or use more layers")
@@ -389,185 +321,11 @@ class Config:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-_SECTION_TYPES = typing.get_type_hints(Config)
-_SECTION_NAMES = {cls: name for name, cls in _SECTION_TYPES.items()}
+
+SECTION_TYPES = typing.get_type_hints(Config)
+"""Section name -> its dataclass, in recipe order."""
+_SECTION_NAMES = {cls: name for name, cls in SECTION_TYPES.items()}
 
 
-def check_layout(cfg: Config, world_size: int) -> None:
-    """Checks that need the number of ranks."""
-    pp = cfg.parallel.pp
-    if world_size % pp:
-        raise ConfigError(f"{world_size} rank(s) cannot form pipelines of "
-                          f"--parallel.pp={pp} stages: {factor_hint(world_size, pp)}")
-    dp = world_size // pp
-    per_step = dp * cfg.parallel.micro_batches
-    if cfg.train.batch_size % per_step:
-        lower = max(per_step, cfg.train.batch_size // per_step * per_step)
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} cannot be split evenly over {dp} "
-            f"data-parallel replica(s) x {cfg.parallel.micro_batches} micro-batch(es); use a "
-            f"multiple of {per_step} (e.g. --train.batch_size={lower} or "
-            f"{lower + per_step}), or change the number of ranks")
-
-
-def check_out_dir(out_dir: str, option: str = "--train.out_dir") -> None:
-    """Fail at once when ``out_dir`` cannot become a directory this process writes in.
-
-    Checked where the command starts, before MPI: otherwise every rank loads the data and
-    builds the model, and rank 0 fails at its first write (or a later checkpoint), which
-    the other ranks see only as an abort. Nothing is created here.
-    """
-    path = Path(out_dir)
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{option}={out_dir} is a file, not a directory; name a directory "
-                          "(it is created if missing)")
-    existing = path
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent  # the nearest part of the path that exists
-    if not os.path.isdir(existing):
-        raise ConfigError(f"{option}={out_dir}: {existing} is a file, so no directory can "
-                          "be made under it; choose another path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option}={out_dir}: cannot create or write files in {existing} "
-                          "(no permission, or a read-only file system); choose a directory "
-                          "you can write to")
-
-
-# ---------------------------------------------------------------------------- loading
-
-def recipe_names() -> list[str]:
-    root = resources.files("hpctrain.recipes")
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
-
-
-def read_recipe(name_or_path: str) -> dict:
-    """A built-in recipe by name, or a TOML file by path."""
-    path = Path(name_or_path)
-    if path.suffix == ".toml" or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"recipe file {path} does not exist")
-        text = path.read_text()
-    else:
-        resource = resources.files("hpctrain.recipes") / f"{name_or_path}.toml"
-        if not resource.is_file():
-            raise ConfigError(f"unknown recipe {name_or_path!r}; built-in recipes: "
-                              f"{', '.join(recipe_names())} (or give a path to a .toml file)")
-        text = resource.read_text()
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"recipe {name_or_path} is not valid TOML: {e}") from None
-
-
-def _all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
-
-
-# Options that were renamed: the old name gets a message naming the new one.
-RENAMED = {"comm.cuda_aware": "comm.gpu_aware", "comm.device": "train.device"}
-
-
-def _unknown(key: str) -> ConfigError:
-    if key in RENAMED:
-        return ConfigError(f"--{key} is now --{RENAMED[key]} (same values); rename it in "
-                           "your recipe or command line")
-    close = difflib.get_close_matches(key, _all_keys(), n=1)
-    hint = f"; did you mean --{close[0]}?" if close else "; see `hpctrain train RECIPE --help`"
-    return ConfigError(f"unknown option --{key}{hint}")
-
-
-def _coerce(key: str, value, typ):
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-            return False
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif typ is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"--{key} expects {typ.__name__}, got {value!r}")
-
-
-def parse_overrides(args: list[str]) -> dict[str, str]:
-    """``['--train.max_iters=5', '--model.bias', 'true']`` -> ``{'train.max_iters': '5', ...}``."""
-    out, i = {}, 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {arg!r}; options look like "
-                              "--section.key=value (e.g. --train.max_iters=100)")
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"{arg} needs a value, e.g. {arg}=VALUE")
-            key, value = arg[2:], args[i + 1]
-            i += 2
-        out[key] = value
-    return out
-
-
-def build_config(recipe: dict, overrides: dict[str, str] | None = None) -> Config:
-    """Merge a recipe dict and dotted overrides into a validated ``Config``."""
-    values: dict[str, dict] = {name: {} for name in _SECTION_TYPES}
-    flat = {}
-    for section, entries in recipe.items():
-        if section not in _SECTION_TYPES or not isinstance(entries, dict):
-            raise ConfigError(f"recipe has unknown section [{section}]; sections are "
-                              f"{', '.join(_SECTION_TYPES)}")
-        for key, value in entries.items():
-            flat[f"{section}.{key}"] = value
-    flat.update(overrides or {})
-    for dotted, value in flat.items():
-        section, _, key = dotted.partition(".")
-        cls = _SECTION_TYPES.get(section)
-        hints = typing.get_type_hints(cls) if cls else {}
-        if key not in hints:
-            raise _unknown(dotted)
-        values[section][key] = _coerce(dotted, value, hints[key])
-    sections = {name: cls(**values[name]) for name, cls in _SECTION_TYPES.items()}
-    return Config(**sections)
-
-
-def load_config(recipe: str, overrides: list[str] | dict | None = None) -> Config:
-    if isinstance(overrides, list):
-        overrides = parse_overrides(overrides)
-    return build_config(read_recipe(recipe), overrides)
-
-
-def config_from_dict(d: dict) -> Config:
-    """Rebuild a config saved with ``Config.to_dict`` (checkpoints, records)."""
-    return build_config({k: v for k, v in d.items() if isinstance(v, dict)})
-
-
-def describe_options() -> str:
-    """Every option with its default and help, for ``--help``."""
-    lines = []
-    for section, cls in _SECTION_TYPES.items():
-        lines.append(f"[{section}]")
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
-            extra = f" ({'|'.join(map(str, choices))})" if choices else ""
-            extra += f" ({bounds.describe(hints[f.name])})" if bounds else ""
-            lines.append(f"  --{section}.{f.name}={f.default!r}{extra}\n      {f.metadata['help']}")
-    return "\n".join(lines)
+def _check_fields(section) -> None:
+    check_fields(section, _SECTION_NAMES[type(section)])

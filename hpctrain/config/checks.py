@@ -1,0 +1,50 @@
+"""Checks a configuration cannot make on itself: those that need the number of ranks, or
+the file system where the run writes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hpctrain.config.sections import Config
+from hpctrain.errors import ConfigError, factor_hint
+
+
+def check_layout(cfg: Config, world_size: int) -> None:
+    """Checks that need the number of ranks."""
+    pp = cfg.parallel.pp
+    if world_size % pp:
+        raise ConfigError(f"{world_size} rank(s) cannot form pipelines of "
+                          f"--parallel.pp={pp} stages: {factor_hint(world_size, pp)}")
+    dp = world_size // pp
+    per_step = dp * cfg.parallel.micro_batches
+    if cfg.train.batch_size % per_step:
+        lower = max(per_step, cfg.train.batch_size // per_step * per_step)
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} cannot be split evenly over {dp} "
+            f"data-parallel replica(s) x {cfg.parallel.micro_batches} micro-batch(es); use a "
+            f"multiple of {per_step} (e.g. --train.batch_size={lower} or "
+            f"{lower + per_step}), or change the number of ranks")
+
+
+def check_out_dir(out_dir: str, option: str = "--train.out_dir") -> None:
+    """Fail at once when ``out_dir`` cannot become a directory this process writes in.
+
+    Checked where the command starts, before MPI: otherwise every rank loads the data and
+    builds the model, and rank 0 fails at its first write (or a later checkpoint), which
+    the other ranks see only as an abort. Nothing is created here.
+    """
+    path = Path(out_dir)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{option}={out_dir} is a file, not a directory; name a directory "
+                          "(it is created if missing)")
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent  # the nearest part of the path that exists
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{option}={out_dir}: {existing} is a file, so no directory can "
+                          "be made under it; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option}={out_dir}: cannot create or write files in {existing} "
+                          "(no permission, or a read-only file system); choose a directory "
+                          "you can write to")

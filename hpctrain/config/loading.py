@@ -1,0 +1,128 @@
+"""From a recipe (built-in or a TOML file) and ``--section.key=value`` overrides to a
+validated ``Config``; and every option with its help, for ``--help``."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from importlib import resources
+from pathlib import Path
+
+from hpctrain.config.options import coerce
+from hpctrain.config.sections import SECTION_TYPES, Config
+from hpctrain.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def recipe_names() -> list[str]:
+    root = resources.files("hpctrain.recipes")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def read_recipe(name_or_path: str) -> dict:
+    """A built-in recipe by name, or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"recipe file {path} does not exist")
+        text = path.read_text()
+    else:
+        resource = resources.files("hpctrain.recipes") / f"{name_or_path}.toml"
+        if not resource.is_file():
+            raise ConfigError(f"unknown recipe {name_or_path!r}; built-in recipes: "
+                              f"{', '.join(recipe_names())} (or give a path to a .toml file)")
+        text = resource.read_text()
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"recipe {name_or_path} is not valid TOML: {e}") from None
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTION_TYPES.items() for f in dataclasses.fields(cls)]
+
+
+# Options that were renamed: the old name gets a message naming the new one.
+RENAMED = {"comm.cuda_aware": "comm.gpu_aware", "comm.device": "train.device"}
+
+
+def _unknown(key: str) -> ConfigError:
+    if key in RENAMED:
+        return ConfigError(f"--{key} is now --{RENAMED[key]} (same values); rename it in "
+                           "your recipe or command line")
+    close = difflib.get_close_matches(key, _all_keys(), n=1)
+    hint = f"; did you mean --{close[0]}?" if close else "; see `hpctrain train RECIPE --help`"
+    return ConfigError(f"unknown option --{key}{hint}")
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """``['--train.max_iters=5', '--model.bias', 'true']`` -> ``{'train.max_iters': '5', ...}``."""
+    out, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {arg!r}; options look like "
+                              "--section.key=value (e.g. --train.max_iters=100)")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value, e.g. {arg}=VALUE")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        out[key] = value
+    return out
+
+
+def build_config(recipe: dict, overrides: dict[str, str] | None = None) -> Config:
+    """Merge a recipe dict and dotted overrides into a validated ``Config``."""
+    values: dict[str, dict] = {name: {} for name in SECTION_TYPES}
+    flat = {}
+    for section, entries in recipe.items():
+        if section not in SECTION_TYPES or not isinstance(entries, dict):
+            raise ConfigError(f"recipe has unknown section [{section}]; sections are "
+                              f"{', '.join(SECTION_TYPES)}")
+        for key, value in entries.items():
+            flat[f"{section}.{key}"] = value
+    flat.update(overrides or {})
+    for dotted, value in flat.items():
+        section, _, key = dotted.partition(".")
+        cls = SECTION_TYPES.get(section)
+        hints = typing.get_type_hints(cls) if cls else {}
+        if key not in hints:
+            raise _unknown(dotted)
+        values[section][key] = coerce(dotted, value, hints[key])
+    sections = {name: cls(**values[name]) for name, cls in SECTION_TYPES.items()}
+    return Config(**sections)
+
+
+def load_config(recipe: str, overrides: list[str] | dict | None = None) -> Config:
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    return build_config(read_recipe(recipe), overrides)
+
+
+def config_from_dict(d: dict) -> Config:
+    """Rebuild a config saved with ``Config.to_dict`` (checkpoints, records)."""
+    return build_config({k: v for k, v in d.items() if isinstance(v, dict)})
+
+
+def describe_options() -> str:
+    """Every option with its default and help, for ``--help``."""
+    lines = []
+    for section, cls in SECTION_TYPES.items():
+        lines.append(f"[{section}]")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
+            extra = f" ({'|'.join(map(str, choices))})" if choices else ""
+            extra += f" ({bounds.describe(hints[f.name])})" if bounds else ""
+            lines.append(f"  --{section}.{f.name}={f.default!r}{extra}\n      {f.metadata['help']}")
+    return "\n".join(lines)

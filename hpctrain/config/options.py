@@ -1,0 +1,101 @@
+"""How a config section declares an option and how a value becomes one.
+
+``opt(default, help, choices=..., bounds=...)`` declares a field with its help text and
+its allowed values or range; ``check_fields`` holds a section to them in its
+``__post_init__``; ``coerce`` turns a recipe's value or the command line's text into the
+field's type. Nothing here knows the sections themselves (``sections.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+
+from hpctrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid range of a number field. Float fields must also be finite: a NaN slips
+    through every comparison (``nan > 0`` and ``nan <= 0`` are both false), and an
+    infinite value means something else than the user meant (``--comm.timeout=inf``
+    would turn the watchdog off, ``--optim.lr=inf`` ruins the model at the first step)."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is not allowed
+    high_open: bool = False
+
+    def __contains__(self, value) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self, typ: type) -> str:
+        """``at least 1``, ``a finite number > 0``, ``a finite number in [0, 1)``."""
+        num = (lambda v: f"{v:g}") if typ is float else str
+        finite = "a finite number " if typ is float else ""
+        if self.high is None:
+            if typ is int and not self.low_open:
+                return f"at least {self.low}"
+            return f"{finite}{'>' if self.low_open else '>='} {num(self.low)}"
+        return (f"{finite}in {'(' if self.low_open else '['}{num(self.low)}, "
+                f"{num(self.high)}{')' if self.high_open else ']'}")
+
+
+AT_LEAST_0, AT_LEAST_1 = Bounds(0), Bounds(1)
+POSITIVE = Bounds(0, low_open=True)
+FRACTION = Bounds(0, 1, high_open=True)  # [0, 1)
+
+
+def opt(default, help: str, choices: tuple | None = None, bounds: Bounds | None = None):
+    """A config field with its help text and, optionally, its allowed values (``choices``)
+    or range (``bounds``; every int and float field without choices has one)."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "bounds": bounds})
+
+
+def check_fields(section, name: str) -> None:
+    """Each field of ``section`` (the section called ``name``) against its choices or
+    bounds; the message names the option and the valid values, so ``--optim.eps=-1`` or
+    ``--comm.timeout=nan`` never reaches training."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        key, value = f"{name}.{f.name}", getattr(section, f.name)
+        choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
+        if choices and value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+        if bounds is not None and value not in bounds:
+            raise ConfigError(f"{key} must be {bounds.describe(hints[f.name])}, not {value!r}")
+
+
+def require(ok: bool, message: str) -> None:
+    """A section's own check: ``message`` (naming the fix) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def coerce(key: str, value, typ):
+    """``value`` (from a recipe, or text from the command line) as the option's type
+    ``typ``; ``key`` names the option in the message when it is not one."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+    elif typ in (int, float):
+        numbers = int if typ is int else (int, float)  # an int is a float's value too
+        if (isinstance(value, numbers) and not isinstance(value, bool)) or isinstance(value, str):
+            try:
+                return typ(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"--{key} expects {typ.__name__}, got {value!r}")
