@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from hpctrain.comm.buffers import MPIBuffer
 from hpctrain.comm.grid import ProcessGrid
+from hpctrain.comm.transport import MPITransport
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import node_oversubscribed
 from hpctrain.model.gpt import GPT
@@ -57,6 +57,9 @@ class PipelineStats:
     counts kernel launches, not kernels still running)."""
     messages: int = 0
     bytes_sent: int = 0
+    sends_deferred: int = 0
+    """Sends queued because the device had not yet written their tensor (posted later,
+    while the host went on queuing work)."""
     peak_in_flight: int = 0
     """Most micro-batch chunks held between their forward and backward."""
 
@@ -94,10 +97,22 @@ class _Walk:
     received: dict[tuple, torch.Tensor] = field(default_factory=dict)
     """(receive op, micro-batch, chunk) -> a received activation or gradient."""
     sends: list = field(default_factory=list)
-    """(tensor, MPI buffer, request) of sends not known to be complete."""
+    """``_Send``s not known to be complete, oldest first."""
     loss_sum: torch.Tensor | None = None
     in_flight: int = 0
     """Micro-batch chunks between their forward and their backward."""
+
+
+@dataclass
+class _Send:
+    """A message queued by this stage: posted once the device has written its tensor."""
+    tensor: torch.Tensor
+    """Kept alive until the send completes."""
+    buf: object
+    peer: int
+    tag: int
+    request: object = None
+    """None until posted."""
 
 
 class PipelineExecutor:
@@ -110,6 +125,10 @@ class PipelineExecutor:
         self.timeout = timeout
         self.comm = grid.pp_comm
         self.accel, self.aware = grid.world.accel, grid.world.gpu_aware
+        # Activations keep to MPI whatever --comm.collectives says (docs/design/pipeline.md).
+        self.p2p = MPITransport(self.comm, self.accel, self.aware)
+        self._sends: list[_Send] = []
+        """The sends of the schedule being run (posted before any blocking wait)."""
         self.device = next(stage.parameters()).device
         self.dtype = next(stage.parameters()).dtype  # activations travel in it (bf16)
         self.poll_sleep = OVERSUBSCRIBED_POLL_SLEEP_S if node_oversubscribed(
@@ -127,25 +146,45 @@ class PipelineExecutor:
     def _post_recv(self, a: S.Action, rows: int):
         buf = torch.empty(self.stage.activation_shape(rows, self.seq), dtype=self.dtype,
                           device=self.device)
-        mpi = MPIBuffer(buf, self.accel, self.aware)
-        req = self.comm.Irecv(mpi.to_mpi(send=False), source=a.peer, tag=self._tag(a))
-        return buf, mpi, req
+        mpi = self.p2p.buffer(buf)
+        return buf, mpi, self.p2p.recv(mpi, a.peer, self._tag(a))
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int, pending: list) -> None:
+        """Queue a send without blocking the host: it is posted as soon as the device has
+        written ``tensor`` (its event, or its staging copy's, has passed), at a later
+        action or before any blocking wait."""
         tensor = tensor.detach().contiguous()
-        mpi = MPIBuffer(tensor, self.accel, self.aware)
-        obj = mpi.to_mpi()  # waits for the event behind the tensor (or its staging copy)
-        pending.append((tensor, mpi, self.comm.Isend(obj, dest=peer, tag=tag)))
+        buf = self.p2p.buffer(tensor)
+        buf.prepare()
+        send = _Send(tensor, buf, peer, tag)
+        pending.append(send)
+        if buf.ready():
+            self._post(send)
+        else:
+            self.stats.sends_deferred += 1
         self.stats.messages += 1
         self.stats.bytes_sent += tensor.numel() * tensor.element_size()
 
-    @staticmethod
-    def _drop_finished(pending: list) -> None:
-        # Free the memory of sends that completed (activations of finished micro-batches).
-        while pending and pending[0][2].Test():
+    def _post(self, send: _Send) -> None:
+        send.request = self.p2p.send(send.buf, send.peer, send.tag)  # waits if not ready
+
+    def _post_ready(self, pending: list, block: bool = False) -> None:
+        """Post the queued sends whose tensors are written (``block``: all of them)."""
+        for send in pending:
+            if send.request is None and (block or send.buf.ready()):
+                self._post(send)
+
+    def _drop_finished(self, pending: list) -> None:
+        # Post what became ready; free the memory of sends that completed (activations
+        # of finished micro-batches).
+        self._post_ready(pending)
+        while pending and pending[0].request is not None and pending[0].request.Test():
             pending.pop(0)
 
     def _wait(self, requests: list, what: str, bubble: bool = True) -> None:
+        # A peer may be waiting for one of our queued sends before it can answer: post
+        # them all first (the host would block here anyway).
+        self._post_ready(self._sends, block=True)
         t0 = time.perf_counter()
         wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}",
                  poll_sleep=self.poll_sleep)
@@ -167,10 +206,13 @@ class PipelineExecutor:
         do = {S.RECV_ACT: self._receive, S.RECV_GRAD: self._receive,
               S.FORWARD: self._forward, S.SEND_ACT: self._send_activation,
               S.BACKWARD: self._backward, S.SEND_GRAD: self._send_input_gradient}
+        self._sends = walk.sends
         for i, a in enumerate(actions):
             do[a.op](walk, i, a)
             self._drop_finished(walk.sends)
-        self._wait([r for _, _, r in walk.sends], "completing sends")
+        self._post_ready(walk.sends, block=True)
+        self._wait([send.request for send in walk.sends], "completing sends")
+        self._sends = []
         return walk.loss_sum
 
     def _post_ahead(self, walk: _Walk, upto: int) -> None:
@@ -276,9 +318,8 @@ class PipelineExecutor:
         if not self.stage.has_embedding or not self.tied:
             return None
         buf = torch.empty_like(self.stage.wte.weight)
-        mpi = MPIBuffer(buf, self.accel, self.aware)
-        return buf, mpi, self.comm.Irecv(mpi.to_mpi(send=False), source=self.p - 1,
-                                         tag=self.tie_tag)
+        mpi = self.p2p.buffer(buf)
+        return buf, mpi, self.p2p.recv(mpi, self.p - 1, self.tie_tag)
 
     def _add_tied_gradient(self, buf, mpi, req) -> None:
         self._wait([req], "receiving the tied-embedding gradient", bubble=False)
@@ -304,10 +345,12 @@ class PipelineExecutor:
         if st.has_embedding:
             sends: list = []
             self._send(st.wte.weight, last, self.tie_tag + 1, sends)
-            self._wait([r for _, _, r in sends], "sending the tied embedding", bubble=False)
+            self._post_ready(sends, block=True)
+            self._wait([send.request for send in sends], "sending the tied embedding",
+                       bubble=False)
         elif st.has_head:
-            mpi = MPIBuffer(st.head_copy.data, self.accel, self.aware)
-            req = self.comm.Irecv(mpi.to_mpi(send=False), source=0, tag=self.tie_tag + 1)
+            mpi = self.p2p.buffer(st.head_copy.data)
+            req = self.p2p.recv(mpi, 0, self.tie_tag + 1)
             self._wait([req], "receiving the tied embedding", bubble=False)
             mpi.complete()
 
