@@ -495,7 +495,7 @@ def cmd_sample(args) -> int:
 def cmd_jobscript(args, command: list[str]) -> int:
     from hpctrain.jobs.render import SUBMIT, render, write_script
     from hpctrain.jobs.spec import build_spec
-    from hpctrain.jobs.systems import describe_systems
+    from hpctrain.jobs.job_system import describe_systems
 
     if args.list_systems:
         print(describe_systems())
@@ -533,7 +533,7 @@ def cmd_launch(args, command: list[str]) -> int:
 
     from hpctrain.jobs.command import check_command
     from hpctrain.jobs.launch import detect_allocation, plan_launch, run_launch
-    from hpctrain.jobs.systems import job_system, srun_mpi
+    from hpctrain.jobs.job_system import job_system, srun_mpi
 
     check_command(command)
     if args.srun_mpi is not None:

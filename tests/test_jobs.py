@@ -16,8 +16,8 @@ from hpctrain.jobs import bind, launch
 from hpctrain.jobs.render import render, write_script
 from hpctrain.jobs.shell import Var, literal, quote, render_word, resolve_word, word
 from hpctrain.jobs.spec import build_spec
-from hpctrain.jobs.systems import job_system
-from hpctrain.systems import load_system, system_names
+from hpctrain.jobs.job_system import job_system
+from hpctrain.systems.registry import load_system, system_names
 
 REPO = Path(__file__).resolve().parents[1]
 # A global batch that splits over every job size below (8 to 1600 ranks): the job

@@ -16,7 +16,7 @@ from hpctrain.scaling import collectives as coll
 from hpctrain.scaling import perfmodel as pm
 from hpctrain.scaling.models import ModelShape, model_shape
 from hpctrain.scaling.planner import plan
-from hpctrain.scaling.systems import ShapeRate, load_perf
+from hpctrain.scaling.system_perf import ShapeRate, load_perf
 
 LINK = coll.Link(alpha_s=1e-5, bandwidth=1e10)
 

@@ -5,7 +5,7 @@
         --account PROJECT --output job.sh -- train default
     hpctrain launch --dry-run -- train default          # inside a job (or on this machine)
 
-- ``systems.py``   a system's ``[batch]`` and ``[launch]`` checked for jobs; ``--list-systems``
+- ``job_system.py`` a system's ``[batch]`` and ``[launch]`` checked for jobs; ``--list-systems``
 - ``validate.py``  pure checks with messages that name the fix
 - ``command.py``   the hpctrain command after ``--``, validated like ``hpctrain train``
 - ``spec.py``      a whole request, validated before anything is written

@@ -37,7 +37,7 @@ from hpctrain.errors import UserError
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.scaling import collectives as coll
 from hpctrain.scaling.models import ModelShape
-from hpctrain.scaling.systems import SystemPerf
+from hpctrain.scaling.system_perf import SystemPerf
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE = ("none", "block")

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from hpctrain.errors import UserError
 from hpctrain.jobs.launch import detect_allocation, plan_launch
-from hpctrain.jobs.systems import job_system
+from hpctrain.jobs.job_system import job_system
 from hpctrain.scaling import records
 from hpctrain.scaling.perfmodel import predict
 from hpctrain.scaling.spec import Point, Study
-from hpctrain.scaling.systems import SystemPerf
+from hpctrain.scaling.system_perf import SystemPerf
 
 # Study runs measure step time: no evaluation, sampling or checkpoint at the end.
 QUIET = ("--train.eval_interval=0", "--train.final_eval=false", "--train.sample_tokens=0",

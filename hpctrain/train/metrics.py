@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from hpctrain.systems import device_peaks, peak_for_device
+from hpctrain.systems.registry import device_peaks, peak_for_device
 
 # Dense peak TFLOP/s per device and compute dtype: hpctrain/systems/devices.toml.
 PEAK_TFLOPS = device_peaks()

@@ -14,7 +14,7 @@ import re
 from hpctrain.errors import JobError
 from hpctrain.jobs import validate
 from hpctrain.jobs.shell import placeholders
-from hpctrain.systems import System, load_system, system_names
+from hpctrain.systems.registry import System, load_system, system_names
 
 DIRECTIVE_PLACEHOLDERS = {"job_name", "account", "queue", "nodes", "walltime", "filesystems",
                           "ranks_per_node", "gpus_per_node", "cpus_per_rank"}

@@ -10,7 +10,7 @@ A file has a ``description`` and three tables (``polaris.toml`` is a commented e
 
 ``[batch]``, the batch system; every limit keeps its source in a comment.
     ``scheduler``: ``pbs``, ``slurm`` or ``none``. ``directives``: templates with
-    ``{placeholders}`` (``hpctrain.jobs.systems`` lists them). ``requires``: what a job
+    ``{placeholders}`` (``hpctrain.jobs.job_system`` lists them). ``requires``: what a job
     must name (``account``, ``queue``, ``walltime``). ``filesystems``,
     ``default_filesystems``. ``[batch.queues.NAME]``: ``nodes = [min, max]``,
     ``walltime``, optional ``min_walltime``, ``walltime_by_nodes``
@@ -42,8 +42,8 @@ A file has a ``description`` and three tables (``polaris.toml`` is a commented e
 
 The loader checks structure and types and names the fix. What the values mean to a job
 script (placeholders, queue names, environment keys) is checked in
-``hpctrain.jobs.systems``; the performance model adds calibrations in
-``hpctrain.scaling.systems``. This package imports nothing from hpctrain but ``errors``:
+``hpctrain.jobs.job_system``; the performance model adds calibrations in
+``hpctrain.scaling.system_perf``. This module imports nothing from hpctrain but ``errors``:
 it is tier 0 (docs/design/layers.md).
 """
 
