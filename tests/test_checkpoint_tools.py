@@ -22,9 +22,10 @@ def trained(dataset_path, tmp_path_factory):
                                             "train.save_checkpoint": True, "model.bias": True,
                                             "train.max_iters": 20})
     trainer = Trainer(cfg, World.create(MPI.COMM_SELF), verbose=False)
-    trainer.fit()
+    trainer.fit(close=False)  # ZeRO-3's gather below needs the engine's communicator
     with trainer.engine.gathered():
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.close()
     return out, trainer.gpt_cfg, params
 
 
