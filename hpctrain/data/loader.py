@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.collectives import allreduce_array, any_true
+from hpctrain.comm.small_collectives import allreduce_array, any_true
 from hpctrain.comm.device import Accelerator
 from hpctrain.config import parse_hints
 from hpctrain.data.dataset import DatasetInfo, TokenDataset, read_info

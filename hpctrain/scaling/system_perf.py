@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.scaling.collectives import KINDS, Fit, Link
+from hpctrain.scaling.comm_cost import KINDS, Fit, Link
 from hpctrain.systems.registry import load_system, system_names
 
 GIB = 1 << 30

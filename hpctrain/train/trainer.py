@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint.collective import find_resume, load_checkpoint
+from hpctrain.checkpoint.distributed import find_resume, load_sharded
 from hpctrain.checkpoint.init_from import load_initial_weights
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World, threads_per_rank
@@ -90,8 +90,8 @@ class Trainer:
         self.initialized_from = ""
         resume_from = find_resume(t.resume, self.out_dir)
         if resume_from is not None:
-            self.start_step = load_checkpoint(resume_from, self.engine, self.grid,
-                                              model_shape=self.gpt_cfg.shape())
+            self.start_step = load_sharded(resume_from, self.engine, self.grid,
+                                           model_shape=self.gpt_cfg.shape())
             self.runner.tie_weights()  # a pipeline's head copy of the embedding
             if self.start_step > t.max_iters:
                 raise ConfigError(f"the checkpoint is at step {self.start_step}, past "

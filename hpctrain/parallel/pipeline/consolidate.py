@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hpctrain.comm.collectives import gather_json
+from hpctrain.comm.small_collectives import gather_json
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.watchdog import wait_all
 
