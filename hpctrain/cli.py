@@ -23,7 +23,7 @@ import os
 import json
 import sys
 
-from hpctrain.comm.launch_env import LaunchMismatch
+from hpctrain.comm.world_check import LaunchMismatch
 from hpctrain.errors import EXIT_USER_ERROR, UserError
 
 
@@ -399,7 +399,7 @@ def cmd_prepare(args) -> int:
 
         comm = MPI.COMM_WORLD
         install_abort_handler(comm)
-    from hpctrain.comm.launch_env import check_world_size
+    from hpctrain.comm.world_check import check_world_size
 
     check_world_size(1 if comm is None else comm.Get_size())  # srun copies: one message
     root = comm is None or comm.Get_rank() == 0
@@ -457,7 +457,7 @@ def _train(args, overrides: list[str], signals) -> int:
     from mpi4py import MPI
 
     from hpctrain.comm.abort import install_abort_handler
-    from hpctrain.comm.launch_env import check_world_size
+    from hpctrain.comm.world_check import check_world_size
     from hpctrain.comm.world import World
     from hpctrain.train.trainer import Trainer
 
@@ -532,7 +532,7 @@ def cmd_jobscript(args, command: list[str]) -> int:
 def cmd_launch(args, command: list[str]) -> int:
 
     from hpctrain.jobs.command import check_command
-    from hpctrain.jobs.launch import detect_allocation, plan_launch, run_launch
+    from hpctrain.jobs.launch_line import detect_allocation, plan_launch, run_launch
     from hpctrain.jobs.job_system import job_system, srun_mpi
 
     check_command(command)

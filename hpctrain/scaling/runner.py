@@ -1,7 +1,7 @@
 """Run a study's points one after another on this machine or inside a job's allocation.
 
 Each run is ``hpctrain train`` under the system's launcher (``mpiexec -n N`` here; the
-same line a job script would use on Polaris or Aurora, from ``hpctrain.jobs.launch``),
+same line a job script would use on Polaris or Aurora, from ``hpctrain.jobs.launch_line``),
 wrapped in ``timeout`` so a stuck run cannot hold the study. The model's prediction is
 made before the run and stored in its record next to what was measured. A run that fails
 or times out is recorded with its error and the study goes on.
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.jobs.launch import detect_allocation, plan_launch
+from hpctrain.jobs.launch_line import detect_allocation, plan_launch
 from hpctrain.jobs.job_system import job_system
 from hpctrain.scaling import records
 from hpctrain.scaling.perfmodel import predict
