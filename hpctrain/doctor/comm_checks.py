@@ -33,7 +33,7 @@ from hpctrain.comm.gpu_aware import HOST_MEMORY, QUERIES, VENDOR_NAMES, detect_g
 from hpctrain.comm.placement import VISIBILITY_ENV
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import THREAD_LEVELS, World
-from hpctrain.train.metrics import peak_tflops
+from hpctrain.systems.registry import peak_for_device
 
 MiB = 2**20
 DEFAULT_SIZES_MIB = (1.0, 25.0, 150.0)
@@ -284,7 +284,7 @@ def check_train(world: World, report: Report, model: str) -> None:
     ok = _agree(world, all(math.isfinite(v) for v in losses) and math.isfinite(norm),
                 "the training step")
     tokens_per_s = per_rank * world.size * T / seconds
-    peak = peak_tflops(accel.name, dtype)
+    peak = peak_for_device(accel.name, dtype)
     mfu = (gpt_cfg.flops_per_token() * tokens_per_s / (peak * 1e12 * world.size)
            if peak else None)
     report.sections["train"] = {
