@@ -307,7 +307,7 @@ def cmd_doctor(args) -> int:
 
     from hpctrain.comm.abort import install_abort_handler
     from hpctrain.comm.world import World
-    from hpctrain.doctor.comm_checks import run_doctor
+    from hpctrain.doctor.run import run_doctor
 
     install_abort_handler(MPI.COMM_WORLD)
     world = World.create(MPI.COMM_WORLD, timeout=args.timeout, device=args.device,

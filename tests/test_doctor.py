@@ -14,7 +14,9 @@ from hpctrain.errors import JobError
 from hpctrain.jobs.command import check_command
 from hpctrain.jobs.render import render
 from hpctrain.jobs.spec import build_spec
-from hpctrain.doctor.comm_checks import FAULT_ENV, SECTIONS, run_doctor
+from hpctrain.doctor.comm_checks import FAULT_ENV
+from hpctrain.doctor.report import SECTIONS
+from hpctrain.doctor.run import run_doctor
 
 SIZES = (0.25, 0.5)
 
