@@ -13,10 +13,10 @@ import pytest
 from hpctrain.cli import main
 from hpctrain.errors import EXIT_USER_ERROR, JobError
 from hpctrain.jobs import bind, launch_line
+from hpctrain.jobs.job_system import job_system
 from hpctrain.jobs.render import render, write_script
 from hpctrain.jobs.shell import Var, literal, quote, render_word, resolve_word, word
 from hpctrain.jobs.spec import build_spec
-from hpctrain.jobs.job_system import job_system
 from hpctrain.systems.registry import load_system, system_names
 
 REPO = Path(__file__).resolve().parents[1]

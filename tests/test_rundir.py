@@ -11,8 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.checkpoint.sharded import read_manifest
-from hpctrain.comm.world_check import LaunchMismatch, check_world_size
 from hpctrain.comm.world import World
+from hpctrain.comm.world_check import LaunchMismatch, check_world_size
 from hpctrain.train.rundir import LOCK_NAME, RunDirError
 from hpctrain.train.trainer import Trainer
 from tests.helpers import hpctrain_cmd, run, tiny_config

@@ -21,8 +21,8 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, MODEL_KEYS, VERSION, Chec
                                          read_manifest, read_own_shards, read_rng, shard_name,
                                          write_shard,
                                          write_synced)
-from hpctrain.comm.small_collectives import bcast_json, gather_json
 from hpctrain.comm.grid import ProcessGrid
+from hpctrain.comm.small_collectives import bcast_json, gather_json
 from hpctrain.comm.world import World
 from hpctrain.parallel.engine import GradEngine
 

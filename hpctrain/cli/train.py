@@ -63,8 +63,8 @@ def _train(args, overrides: list[str], signals) -> int:
     from mpi4py import MPI
 
     from hpctrain.comm.abort import install_abort_handler
-    from hpctrain.comm.world_check import check_world_size
     from hpctrain.comm.world import World
+    from hpctrain.comm.world_check import check_world_size
     from hpctrain.train.trainer import Trainer
 
     install_abort_handler(MPI.COMM_WORLD)

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.jobs.launch_line import detect_allocation, plan_launch
 from hpctrain.jobs.job_system import job_system
+from hpctrain.jobs.launch_line import detect_allocation, plan_launch
 from hpctrain.scaling import records
 from hpctrain.scaling.perfmodel import predict
 from hpctrain.scaling.spec import Point, Study
