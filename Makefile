@@ -68,8 +68,8 @@ run: $(STAMP) $(DATA)
 # (tests/reference.py); SELECT narrows every leg (test-fast leaves out `slow` tests:
 # subprocess trainings, signals, job scripts, scaling studies). The MPI legs collect only
 # tests/*_mpi.py, the files that hold the `mpi` tests (tests/conftest.py enforces it).
-# Every launch, the legs' and the tests' own, goes through hpctrain/comm/launcher.py with
-# MPIEXEC: it adds what the launcher's MPI needs (e.g. `make test MPIEXEC=mpirun`).
+# Every launch, the legs' and the tests' own, goes through hpctrain/comm/local_mpiexec.py
+# with MPIEXEC: it adds what the launcher's MPI needs (e.g. `make test MPIEXEC=mpirun`).
 # The single-process leg runs beside the 2-rank leg (it keeps one core busy, they share
 # the rest); its report is printed when both are done. The 4-rank leg presents the fake
 # device as the node's accelerator (HPCTRAIN_AUTO_DEVICE=fake: what --train.device=auto
@@ -77,7 +77,7 @@ run: $(STAMP) $(DATA)
 # (tests/conftest.py).
 SELECT ?=
 MPI_TESTS := $(sort $(wildcard tests/*_mpi.py))
-LAUNCH = env MPIEXEC="$(MPIEXEC)" $(PY) -m hpctrain.comm.launcher
+LAUNCH = env MPIEXEC="$(MPIEXEC)" $(PY) -m hpctrain.comm.local_mpiexec
 test: $(STAMP)
 	@ref=$$(mktemp -d); trap 'rm -rf "$$ref"' EXIT; export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV) \
 	  MPIEXEC="$(MPIEXEC)"; \
@@ -164,14 +164,14 @@ results: $(STAMP)
 #                      at 2 and 4 ranks, the single-process tests that launch ranks
 #                      (command line, failures and signals, job scripts, prepare, scaling),
 #                      and a short `hpctrain train default`.
-# Every launch goes through hpctrain/comm/launcher.py (MPIEXEC names the binary): it adds
-# --oversubscribe, and the root permission variables when run as root (CI).
+# Every launch goes through hpctrain/comm/local_mpiexec.py (MPIEXEC names the binary): it
+# adds --oversubscribe, and the root permission variables when run as root (CI).
 OMPI_VENV ?= .venv-openmpi
 OMPI_PY := $(OMPI_VENV)/bin/python
 OMPI_DEBS ?= openmpi-bin libopenmpi-dev
 OMPI_MPIEXEC ?= mpirun.openmpi
 OMPI_MPICC ?= mpicc.openmpi
-OMPI_LAUNCH := $(OMPI_PY) -m hpctrain.comm.launcher
+OMPI_LAUNCH := $(OMPI_PY) -m hpctrain.comm.local_mpiexec
 # The single-process tests that start ranks (the rest do not depend on the MPI).
 OMPI_UNIT_TESTS ?= tests/test_stop.py tests/test_failures.py tests/test_cli.py \
 	tests/test_jobs_e2e.py tests/test_scaling_e2e.py tests/test_bad_input.py \

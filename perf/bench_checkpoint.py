@@ -41,7 +41,7 @@ def worker(out: Path, mode: str, repeats: int) -> None:
     import torch
     from mpi4py import MPI
 
-    from hpctrain.checkpoint.collective import load_checkpoint, model_shape, save_checkpoint
+    from hpctrain.checkpoint.distributed import load_sharded, model_shape, save_sharded
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.comm.world import World
     from hpctrain.config import OptimConfig
@@ -87,13 +87,13 @@ def worker(out: Path, mode: str, repeats: int) -> None:
         for rep in range(repeats):
             comm.Barrier()
             t0 = MPI.Wtime()
-            path = save_checkpoint(Path(tmp) / "checkpoints", rep + 1, zero, grid,
-                                   run={"config": _config(), "model": model_shape(cfg)},
-                                   keep=1)
+            path = save_sharded(Path(tmp) / "checkpoints", rep + 1, zero, grid,
+                                run={"config": _config(), "model": model_shape(cfg)},
+                                keep=1)
             comm.Barrier()
             times["save"].append(MPI.Wtime() - t0)
             t0 = MPI.Wtime()
-            load_checkpoint(path, zero, grid, model_shape=model_shape(cfg))
+            load_sharded(path, zero, grid, model_shape=model_shape(cfg))
             comm.Barrier()
             times["load"].append(MPI.Wtime() - t0)
     comm.Barrier()

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpctrain.comm.launcher import find_launcher
+from hpctrain.comm.local_mpiexec import find_launcher
 from hpctrain.scaling.records import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def shakespeare_text(path: str | Path | None) -> Path:
 
 def mpiexec(n: int, *cmd: str) -> list[str]:
     """``cmd`` on ``n`` ranks under this machine's launcher (``MPIEXEC``, else the
-    venv's mpiexec; ``hpctrain/comm/launcher.py`` adds what its MPI needs)."""
+    venv's mpiexec; ``hpctrain/comm/local_mpiexec.py`` adds what its MPI needs)."""
     return find_launcher().command(n, *cmd)
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpctrain.comm.launcher import Launcher, find_launcher
+from hpctrain.comm.local_mpiexec import Launcher, find_launcher
 from hpctrain.config import build_config
 from hpctrain.data.corpus import stdlib_files
 from hpctrain.data.prepare import prepare

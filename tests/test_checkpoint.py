@@ -10,7 +10,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-import hpctrain.checkpoint.collective as collective
+import hpctrain.checkpoint.distributed as distributed
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest, shard_name
 from hpctrain.errors import NonFiniteError
 from hpctrain.train.trainer import Trainer
@@ -86,7 +86,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(dataset_path, tmp_pa
     def crash(*args, **kwargs):
         raise RuntimeError("node lost power")
 
-    monkeypatch.setattr(collective, "publish", crash)
+    monkeypatch.setattr(distributed, "publish", crash)
     with pytest.raises(CheckpointError, match="node lost power"):
         trainer.saver.save(15)
     root = tmp_path / "checkpoints"

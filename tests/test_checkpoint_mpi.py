@@ -66,7 +66,7 @@ def test_a_save_failing_on_one_rank_is_one_clean_error_on_every_rank(mpi_dataset
     """Rank 1's shard write fails (h5py reports a full disk as RuntimeError): every rank
     raises the same CheckpointError, none is left waiting, and the previous checkpoint,
     ``latest`` and no temporary remain."""
-    import hpctrain.checkpoint.collective as collective
+    import hpctrain.checkpoint.distributed as distributed
     from hpctrain.checkpoint.sharded import CheckpointError
 
     out = Path(shared_tmp) / "run"
@@ -74,14 +74,14 @@ def test_a_save_failing_on_one_rank_is_one_clean_error_on_every_rank(mpi_dataset
                                                 "train.max_iters": 10}),
                       cpu_world(COMM), verbose=False)
     trainer.fit()
-    real = collective.write_shard
+    real = distributed.write_shard
 
     def full_disk_on_rank_1(*args, **kwargs):
         if COMM.rank == 1:
             raise RuntimeError("Can't write data (file write failed: No space left)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(collective, "write_shard", full_disk_on_rank_1)
+    monkeypatch.setattr(distributed, "write_shard", full_disk_on_rank_1)
     with pytest.raises(CheckpointError, match="step 15 failed: rank 1: RuntimeError: Can't "
                                               "write data") as e:
         trainer.saver.save(15)

@@ -12,10 +12,10 @@ import h5py
 import pytest
 from mpi4py import MPI
 
-import hpctrain.checkpoint.collective as collective
+import hpctrain.checkpoint.distributed as distributed
 import hpctrain.checkpoint.sharded as sharded
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest, shard_name
-from hpctrain.checkpoint.single_file import load_checkpoint
+from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.checkpoint.tools import inspect
 from hpctrain.errors import DataError, UserError
 from hpctrain.train.trainer import Trainer
@@ -109,7 +109,7 @@ def test_shard_write_failure_is_one_clean_error(dataset_path, tmp_path, monkeypa
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(collective, "write_shard", fail)
+    monkeypatch.setattr(distributed, "write_shard", fail)
     with pytest.raises(CheckpointError, match="saving checkpoint step 15 failed: rank 0") as e:
         trainer.saver.save(15, background=background)
         trainer.saver.finish_pending()
@@ -129,9 +129,9 @@ def test_manifest_or_publish_failure_is_one_clean_error(dataset_path, tmp_path, 
         raise OSError(errno.EDQUOT, "Disk quota exceeded")
 
     if target == "write_synced":
-        monkeypatch.setattr(collective, "write_synced", fail)
+        monkeypatch.setattr(distributed, "write_synced", fail)
     elif target == "publish":
-        monkeypatch.setattr(collective, "publish", fail)
+        monkeypatch.setattr(distributed, "publish", fail)
     elif target == "chmod_as_created":
         monkeypatch.setattr(sharded, "chmod_as_created", fail)
     else:  # the manifest is written, the directory renamed, then latest fails
@@ -152,7 +152,7 @@ def test_unwritable_checkpoint_root_is_one_clean_error(dataset_path, tmp_path, m
     def fail(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path))
 
-    monkeypatch.setattr(collective.tempfile, "mkdtemp", fail)
+    monkeypatch.setattr(distributed.tempfile, "mkdtemp", fail)
     with pytest.raises(CheckpointError, match="step 15 failed: rank 0: .*Permission denied"):
         trainer.saver.save(15)
     _assert_previous_intact(tmp_path)
@@ -359,13 +359,13 @@ def test_shard_dataset_declared_other_than_the_manifest_is_not_read(runs, tmp_pa
 def test_final_h5_declaring_more_than_the_file_holds_is_not_read(runs, tmp_path, monkeypatch):
     final = tmp_path / "final.h5"
     shutil.copy(runs / "replicated" / "final.h5", final)
-    assert load_checkpoint(final).model["wte.weight"].shape == (128, 32)  # 95 rows, padded
+    assert load_single_file(final).model["wte.weight"].shape == (128, 32)  # 95 rows, padded
     with h5py.File(final, "r+") as f:
         del f["model/wte.weight"]
         f.create_dataset("model/wte.weight", shape=(950_000, 32), dtype="f4")
     spy = _ReadSpy(monkeypatch)
     with pytest.raises(UserError, match="declare more bytes than the file holds"):
-        load_checkpoint(final)
+        load_single_file(final)
     assert "/model/wte.weight" not in spy.names
 
 

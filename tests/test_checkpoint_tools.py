@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.checkpoint import tools
-from hpctrain.checkpoint.single_file import load_checkpoint
+from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.model.gpt import GPT
 from hpctrain.train.trainer import Trainer
 from tests.helpers import cpu_world, hpctrain_cmd, run, tiny_config
@@ -24,6 +24,7 @@ def trained(dataset_path, tmp_path_factory):
     trainer.fit()
     with trainer.engine.gathered():
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.close()
     return out, trainer.gpt_cfg, params
 
 
@@ -43,7 +44,7 @@ def test_inspect_names_step_layout_and_verifies(trained):
 
 def test_merge_writes_the_single_file_format(trained, tmp_path):
     out, _, params = trained
-    merged = load_checkpoint(tools.merge(out, tmp_path / "m.h5"))
+    merged = load_single_file(tools.merge(out, tmp_path / "m.h5"))
     assert merged.step == 20 and merged.tokenizer["name"] == "char"
     for name, p in params.items():
         np.testing.assert_array_equal(merged.model[name], p.numpy())
@@ -165,12 +166,12 @@ def test_resharded_checkpoint_resumes_with_its_own_layout(dataset_path, trained,
     out, _, _ = trained
     new = tools.reshard(out / "checkpoints" / "step_000010", tmp_path / "z1", world=1, zero=1,
                         bucket_mb=0.02, first_bucket_mb=0.005)
-    import hpctrain.checkpoint.collective as collective
+    import hpctrain.checkpoint.distributed as distributed
 
     def no_reshuffle(*args, **kwargs):
         raise AssertionError("the resharded checkpoint should load shard by shard")
 
-    monkeypatch.setattr(collective, "_load_resharded", no_reshuffle)
+    monkeypatch.setattr(distributed, "_load_resharded", no_reshuffle)
     cfg = tiny_config(dataset_path, tmp_path / "run", **{
         "parallel.zero": 1, "parallel.bucket_mb": 0.02, "parallel.first_bucket_mb": 0.005,
         "train.resume": str(new), "model.bias": True, "train.max_iters": 20})

@@ -92,3 +92,16 @@ def test_prepare_train_sample_end_to_end(tmp_path):
 def test_version_and_module_entry_point():
     p = run(hpctrain_cmd("--version"))
     assert p.returncode == 0 and p.stdout.startswith("hpctrain ")
+
+
+@pytest.mark.parametrize("command", [["jobscript", "--help"], ["plan", "--help"], ["--help"]])
+def test_help_starts_without_torch_or_mpi4py(command):
+    # Login nodes run jobscript and plan: their start must not pay for torch or mpi4py
+    # (each handler imports what it needs). -X importtime names every module imported.
+    p = run([sys.executable, "-X", "importtime", "-m", "hpctrain", *command])
+    assert p.returncode == 0 and p.stdout.startswith("usage: hpctrain"), p.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "hpctrain.cli.dispatch" in imported  # the trace is there to read
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "mpi4py"))
+    assert heavy == [], f"hpctrain {' '.join(command)} imported {heavy[:5]}"

@@ -22,12 +22,7 @@ DOCSTRING_MARKER = re.compile(r"(?m)^\s*long:\s*\S")
 line above its ``def`` (above its decorators, if any), or a docstring line
 ``long: <reason>``."""
 
-LONG_MODULES = {
-    # Both are being split and renamed in another branch (cli-renames); the exemptions go
-    # when that lands (test_every_long_module_exemption_is_still_needed says so).
-    "cli.py": "being split in the cli-renames branch",
-    "systems/__init__.py": "being split in the cli-renames branch",
-}
+LONG_MODULES: dict[str, str] = {}
 """Modules allowed past MAX_MODULE_LINES for now (path under hpctrain/ -> why)."""
 
 

@@ -10,11 +10,13 @@ from mpi4py import MPI
 
 from hpctrain.cli import main
 from hpctrain.comm.world import World
+from hpctrain.doctor.comm_checks import FAULT_ENV
+from hpctrain.doctor.report import SECTIONS
+from hpctrain.doctor.run import run_doctor
 from hpctrain.errors import JobError
 from hpctrain.jobs.command import check_command
 from hpctrain.jobs.render import render
 from hpctrain.jobs.spec import build_spec
-from hpctrain.train.doctor import FAULT_ENV, SECTIONS, run_doctor
 
 SIZES = (0.25, 0.5)
 

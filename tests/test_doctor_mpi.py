@@ -9,7 +9,8 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.comm.world import World
-from hpctrain.train.doctor import FAULT_ENV, run_doctor
+from hpctrain.doctor.comm_checks import FAULT_ENV
+from hpctrain.doctor.run import run_doctor
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD

@@ -115,7 +115,7 @@ def test_a_time_limit_ends_with_a_checkpoint_before_the_walltime(dataset_path, t
     """``--train.time_limit=20`` with every save 2 s slower (a test-only switch): the run
     measures its saves, stops early enough, saves and exits 0 before a 'scheduler' kills
     the whole job 20 s after its start (whatever the launcher does with signals)."""
-    from hpctrain.checkpoint.collective import SLOW_SAVE_ENV
+    from hpctrain.checkpoint.distributed import SLOW_SAVE_ENV
     from hpctrain.checkpoint.tools import inspect
     from hpctrain.train.deadline import JOB_START_ENV
 

@@ -51,7 +51,7 @@ def test_prepare_with_a_hugging_face_tokenizer_records_it_whole(tmp_path, corpus
 
 @pytest.mark.hf
 def test_a_run_on_it_samples_and_keeps_it_in_final_h5(tmp_path, corpus):
-    from hpctrain.checkpoint.single_file import load_checkpoint
+    from hpctrain.checkpoint.single_file import load_single_file
     from hpctrain.train.trainer import Trainer
     from tests.helpers import tiny_config
 
@@ -62,7 +62,7 @@ def test_a_run_on_it_samples_and_keeps_it_in_final_h5(tmp_path, corpus):
         "train.sample_prompt": "def "})
     Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False).fit()
     assert (tmp_path / "run" / "sample.txt").read_text().startswith("def ")
-    meta = load_checkpoint(tmp_path / "run").tokenizer
+    meta = load_single_file(tmp_path / "run").tokenizer
     assert meta["name"] == "hf" and tokenizer_from_meta(meta).vocab_size == vocab
 
 

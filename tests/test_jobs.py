@@ -12,12 +12,12 @@ import pytest
 
 from hpctrain.cli import main
 from hpctrain.errors import EXIT_USER_ERROR, JobError
-from hpctrain.jobs import bind, launch
+from hpctrain.jobs import bind, launch_line
+from hpctrain.jobs.job_system import job_system
 from hpctrain.jobs.render import render, write_script
 from hpctrain.jobs.shell import Var, literal, quote, render_word, resolve_word, word
 from hpctrain.jobs.spec import build_spec
-from hpctrain.jobs.systems import job_system
-from hpctrain.systems import load_system, system_names
+from hpctrain.systems.registry import load_system, system_names
 
 REPO = Path(__file__).resolve().parents[1]
 # A global batch that splits over every job size below (8 to 1600 ranks): the job
@@ -344,10 +344,10 @@ def test_user_values_are_quoted_into_single_words_and_never_break_lines():
 def test_launch_plan_matches_the_script_for_the_same_allocation(tmp_path):
     nodefile = tmp_path / "nodes"
     nodefile.write_text("x1\nx1\nx2\nx2\nx3\n")  # one line per rank slot: 3 unique hosts
-    alloc = launch.detect_allocation({"PBS_JOBID": "9.pbs", "PBS_NODEFILE": str(nodefile)})
+    alloc = launch_line.detect_allocation({"PBS_JOBID": "9.pbs", "PBS_NODEFILE": str(nodefile)})
     assert (alloc.scheduler, alloc.nodes) == ("pbs", 3)
     command = CMD + ["--train.time_limit=1800", "--train.out_dir=/r"]
-    argv = launch.plan_launch(job_system("polaris"), alloc, command, python="/py")
+    argv = launch_line.plan_launch(job_system("polaris"), alloc, command, python="/py")
     assert argv[:3] == ["mpiexec", "-n", "12"]
     # The script's LAUNCH array, with its variables given the same values, is this argv.
     words = launch_block(script("polaris"))
@@ -357,30 +357,31 @@ def test_launch_plan_matches_the_script_for_the_same_allocation(tmp_path):
 
 
 def test_detect_allocation_for_slurm_and_none():
-    a = launch.detect_allocation({"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "4"})
+    a = launch_line.detect_allocation({"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "4"})
     assert (a.scheduler, a.nodes, a.job_id) == ("slurm", 4, "5")
-    assert launch.detect_allocation({"SLURM_JOBID": "5", "SLURM_NNODES": "2"}).nodes == 2
-    assert launch.detect_allocation({}).scheduler == "none"
+    assert launch_line.detect_allocation({"SLURM_JOBID": "5", "SLURM_NNODES": "2"}).nodes == 2
+    assert launch_line.detect_allocation({}).scheduler == "none"
     with pytest.raises(JobError, match="PBS_NODEFILE"):
-        launch.detect_allocation({"PBS_JOBID": "1", "PBS_NODEFILE": "/nonexistent"})
+        launch_line.detect_allocation({"PBS_JOBID": "1", "PBS_NODEFILE": "/nonexistent"})
     with pytest.raises(JobError, match="node count"):
-        launch.detect_allocation({"SLURM_JOB_ID": "5"})
+        launch_line.detect_allocation({"SLURM_JOB_ID": "5"})
 
 
 def test_plan_launch_local_and_guards():
     local = job_system("local")
-    argv = launch.plan_launch(local, launch.Allocation("none", 1, None, None), CMD,
-                              ranks=3, python=sys.executable)
+    argv = launch_line.plan_launch(local, launch_line.Allocation("none", 1, None, None), CMD,
+                                   ranks=3, python=sys.executable)
     assert argv[1:3] == ["-n", "3"] and argv[3:] == [sys.executable, "-m", "hpctrain", *CMD]
-    default = launch.plan_launch(local, launch.Allocation("none", 1, None, None), CMD)
-    assert default[2] == str(launch.local_ranks())
+    default = launch_line.plan_launch(local, launch_line.Allocation("none", 1, None, None), CMD)
+    assert default[2] == str(launch_line.local_ranks())
     with pytest.raises(JobError, match="not in a PBS job"):
-        launch.plan_launch(job_system("polaris"), launch.Allocation("none", 1, None, None), CMD)
+        launch_line.plan_launch(job_system("polaris"),
+                                launch_line.Allocation("none", 1, None, None), CMD)
     with pytest.raises(JobError, match="--ranks is for the local system"):
-        launch.plan_launch(job_system("slurm"), launch.Allocation("slurm", 2, "1", None), CMD,
-                           ranks=4)
-    srun = launch.plan_launch(job_system("frontier"), launch.Allocation("slurm", 3, "1", None),
-                              CMD, python="py")
+        launch_line.plan_launch(job_system("slurm"),
+                                launch_line.Allocation("slurm", 2, "1", None), CMD, ranks=4)
+    srun = launch_line.plan_launch(job_system("frontier"),
+                                   launch_line.Allocation("slurm", 3, "1", None), CMD, python="py")
     assert srun[:4] == ["srun", "-N3", "-n24", "-c7"]
 
 
@@ -584,36 +585,36 @@ def test_srun_mpi_module_prints_the_choice(tmp_path):
     ({"SLURM_JOB_NUM_NODES": "2"}, ["-n", "2", "--ntasks-per-node=1"]),  # no tasks asked
 ])
 def test_launch_takes_the_rank_count_of_a_slurm_allocation(env, expect):
-    alloc = launch.detect_allocation({"SLURM_JOB_ID": "9", **env})
-    argv = launch.plan_launch(job_system("slurm"), alloc, CMD, python="py", srun_mpi="pmi2")
+    alloc = launch_line.detect_allocation({"SLURM_JOB_ID": "9", **env})
+    argv = launch_line.plan_launch(job_system("slurm"), alloc, CMD, python="py", srun_mpi="pmi2")
     assert argv[:5] == ["srun", "--mpi=pmi2", *expect]
 
 
 def test_an_allocation_with_more_tasks_than_gpus_names_the_allocation_not_a_flag():
-    alloc = launch.detect_allocation({"SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "1",
-                                      "SLURM_NTASKS": "16"})
+    alloc = launch_line.detect_allocation({"SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "1",
+                                           "SLURM_NTASKS": "16"})
     with pytest.raises(JobError, match=r"the allocation's 16 tasks per node \(16 on 1 node"
                                        r"\(s\)\): a frontier node takes at most 8 ranks.*ask "
                                        r"the allocation for 8 tasks per node or fewer"):
-        launch.plan_launch(job_system("frontier"), alloc, CMD, python="py")
+        launch_line.plan_launch(job_system("frontier"), alloc, CMD, python="py")
     with pytest.raises(JobError, match=r"^--ranks-per-node 9: .*use --ranks-per-node 8"):
-        launch.plan_launch(job_system("frontier"), alloc, CMD, python="py", ranks_per_node=9)
+        launch_line.plan_launch(job_system("frontier"), alloc, CMD, python="py", ranks_per_node=9)
 
 
 def test_launch_takes_the_rank_slots_of_a_pbs_nodefile(tmp_path):
     nodefile = tmp_path / "nodes"
     nodefile.write_text("h1\nh1\nh1\nh2\nh2\nh2\n")  # select=2:mpiprocs=3
-    alloc = launch.detect_allocation({"PBS_JOBID": "1.s", "PBS_NODEFILE": str(nodefile)})
+    alloc = launch_line.detect_allocation({"PBS_JOBID": "1.s", "PBS_NODEFILE": str(nodefile)})
     assert (alloc.nodes, alloc.ranks, alloc.ranks_per_node) == (2, 6, 3)
-    assert launch.plan_launch(job_system("pbs"), alloc, CMD, python="py")[:5] == \
+    assert launch_line.plan_launch(job_system("pbs"), alloc, CMD, python="py")[:5] == \
         ["mpiexec", "-n", "6", "-ppn", "3"]
     # --ranks-per-node and --nodes are explicit: they win over the allocation.
-    assert launch.plan_launch(job_system("pbs"), alloc, CMD, python="py",
-                              ranks_per_node=2)[:5] == ["mpiexec", "-n", "4", "-ppn", "2"]
+    assert launch_line.plan_launch(job_system("pbs"), alloc, CMD, python="py",
+                                   ranks_per_node=2)[:5] == ["mpiexec", "-n", "4", "-ppn", "2"]
     nodefile.write_text("h1\nh2\n")  # one line per host: the profile decides
-    alloc = launch.detect_allocation({"PBS_JOBID": "1.s", "PBS_NODEFILE": str(nodefile)})
+    alloc = launch_line.detect_allocation({"PBS_JOBID": "1.s", "PBS_NODEFILE": str(nodefile)})
     assert alloc.ranks is None
-    assert launch.plan_launch(job_system("polaris"), alloc, CMD, python="py")[:3] == \
+    assert launch_line.plan_launch(job_system("polaris"), alloc, CMD, python="py")[:3] == \
         ["mpiexec", "-n", "8"]
 
 

@@ -83,7 +83,7 @@ fi
 # would try to use it): drop those variables, launch on this host (the launcher helper
 # adds what the MPI needs: `-launcher fork` for Hydra, `--oversubscribe` for Open MPI).
 for v in $(compgen -e | grep -E '^(PBS_|SLURM_)'); do unset "$v"; done
-MPIEXEC=$REAL_MPIEXEC exec "$FAKE_PYTHON" -m hpctrain.comm.launcher -n "$n" "$@"
+MPIEXEC=$REAL_MPIEXEC exec "$FAKE_PYTHON" -m hpctrain.comm.local_mpiexec -n "$n" "$@"
 """
 
 BASH_PROFILE = r"""

@@ -19,7 +19,7 @@ TIERS = {
     "config": 2,
     "data": 3,
     "parallel": 4,
-    "checkpoint": 5, "jobs": 5,
+    "checkpoint": 5, "jobs": 5, "doctor": 5,
     "train": 6,
     "scaling": 7,
     "cli": 8, "__main__": 9,

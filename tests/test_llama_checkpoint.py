@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from hpctrain.checkpoint import tools
 from hpctrain.checkpoint.sharded import CheckpointError, read_full_state, read_manifest
-from hpctrain.checkpoint.single_file import load_checkpoint
+from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.model.gpt import GPT
 from hpctrain.model.shape import GPTConfig
 from hpctrain.train.trainer import Trainer
@@ -50,7 +50,7 @@ def test_reshard_and_merge_keep_every_parameter(trained, tmp_path, world, zero):
     new = tools.reshard(out, tmp_path / "new", world=world, zero=zero)
     for name, s in read_full_state(read_manifest(new)).items():
         torch.testing.assert_close(s["param"], params[name], atol=0, rtol=0)
-    merged = load_checkpoint(tools.merge(new, tmp_path / "m.h5"))
+    merged = load_single_file(tools.merge(new, tmp_path / "m.h5"))
     assert set(merged.model) == set(params) and "lm_head.weight" in merged.model
     for name, p in params.items():
         np.testing.assert_array_equal(merged.model[name], p.numpy())

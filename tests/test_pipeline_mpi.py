@@ -95,7 +95,7 @@ def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):
     """Validation losses averaged over replicas, and final.h5 put together from the stages."""
     if COMM.size % 2:
         pytest.skip("needs an even number of ranks")
-    from hpctrain.checkpoint.single_file import load_checkpoint
+    from hpctrain.checkpoint.single_file import load_single_file
     common = {"train.eval_interval": 5, "train.eval_iters": 2, "train.final_eval": True,
               "train.save_checkpoint": True, "train.max_iters": 10}
     out = Path(shared_tmp)
@@ -110,8 +110,8 @@ def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):
         for k in ref.val_losses:
             assert abs(result.val_losses[k] - ref.val_losses[k]) <= 1e-5
         assert abs(result.final_val_loss - ref.final_val_loss) <= 1e-5
-        ckpt = load_checkpoint(out / "pp" / "final.h5")
-        mine = load_checkpoint(out / "ref" / "final.h5")
+        ckpt = load_single_file(out / "pp" / "final.h5")
+        mine = load_single_file(out / "ref" / "final.h5")
         assert sorted(ckpt.model) == sorted(mine.model)
         for name, t in mine.model.items():
             np.testing.assert_allclose(ckpt.model[name], t, atol=1e-5, rtol=0)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from hpctrain.comm.collectives import allgather_json
+from hpctrain.comm.small_collectives import allgather_json
 from hpctrain.data.prepare import prepare
 from hpctrain.errors import DataError
 

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.checkpoint.sharded import read_manifest
-from hpctrain.comm.launch_env import LaunchMismatch, check_world_size
+from hpctrain.comm.world_check import LaunchMismatch, check_world_size
 from hpctrain.train.rundir import LOCK_NAME, RunDirError
 from hpctrain.train.trainer import Trainer
 from tests.helpers import cpu_world, hpctrain_cmd, run, tiny_config

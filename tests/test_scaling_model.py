@@ -12,13 +12,13 @@ from hpctrain.errors import UserError
 from hpctrain.model.gpt import GPT
 from hpctrain.model.shape import SHAPE_KEYS
 from hpctrain.parallel.memory import zero_formula
-from hpctrain.scaling import collectives as coll
+from hpctrain.scaling import comm_cost
 from hpctrain.scaling import perfmodel as pm
 from hpctrain.scaling.models import ModelShape, model_shape
 from hpctrain.scaling.planner import plan
-from hpctrain.scaling.systems import ShapeRate, load_perf
+from hpctrain.scaling.system_perf import ShapeRate, load_perf
 
-LINK = coll.Link(alpha_s=1e-5, bandwidth=1e10)
+LINK = comm_cost.Link(alpha_s=1e-5, bandwidth=1e10)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -82,28 +82,29 @@ def test_shape_rejects_bad_dimensions():
 
 def test_ring_costs_are_the_textbook_formulas():
     n = 8e6
-    assert coll.ring_allreduce(4, n, LINK) == pytest.approx(6 * 1e-5 + 1.5 * n / 1e10)
-    assert coll.reduce_scatter(4, n, LINK) == pytest.approx(3 * 1e-5 + 0.75 * n / 1e10)
-    assert coll.allgather(4, n, LINK) == coll.reduce_scatter(4, n, LINK)
-    assert coll.p2p(n, LINK) == pytest.approx(1e-5 + n / 1e10)
-    assert coll.ring_allreduce(1, n, LINK) == 0.0
+    assert comm_cost.ring_allreduce(4, n, LINK) == pytest.approx(6 * 1e-5 + 1.5 * n / 1e10)
+    assert comm_cost.reduce_scatter(4, n, LINK) == pytest.approx(3 * 1e-5 + 0.75 * n / 1e10)
+    assert comm_cost.allgather(4, n, LINK) == comm_cost.reduce_scatter(4, n, LINK)
+    assert comm_cost.p2p(n, LINK) == pytest.approx(1e-5 + n / 1e10)
+    assert comm_cost.ring_allreduce(1, n, LINK) == 0.0
 
 
 def test_large_groups_use_the_log_latency_algorithm():
     small = 1e4  # latency-bound: 2 log2(p) alpha beats 2 (p - 1) alpha
-    cost = coll.FORMULAS["allreduce"](1024, small, LINK)
-    assert cost == pytest.approx(coll.halving_doubling("allreduce", 1024, small, LINK))
-    assert cost < coll.ring_allreduce(1024, small, LINK) / 50
+    cost = comm_cost.FORMULAS["allreduce"](1024, small, LINK)
+    assert cost == pytest.approx(comm_cost.halving_doubling("allreduce", 1024, small, LINK))
+    assert cost < comm_cost.ring_allreduce(1024, small, LINK) / 50
 
 
 def test_group_link_inside_a_node_and_shared_nics():
-    intra, inter = coll.Link(1e-5, 1e11), coll.Link(2e-5, 4e10)
-    assert coll.group_link(intra, inter, group_size=4, members_per_node=4,
+    intra, inter = comm_cost.Link(1e-5, 1e11), comm_cost.Link(2e-5, 4e10)
+    assert comm_cost.group_link(intra, inter, group_size=4, members_per_node=4,
                            ranks_per_node=4) is intra
-    one_ring = coll.group_link(intra, inter, group_size=8, members_per_node=4, ranks_per_node=4)
+    one_ring = comm_cost.group_link(intra, inter, group_size=8, members_per_node=4,
+                                    ranks_per_node=4)
     assert one_ring.bandwidth == 4e10 and one_ring.alpha_s == 2e-5
     # pp=4: each data-parallel group has one member per node; 4 groups share the NICs.
-    shared = coll.group_link(intra, inter, group_size=8, members_per_node=1, ranks_per_node=4)
+    shared = comm_cost.group_link(intra, inter, group_size=8, members_per_node=1, ranks_per_node=4)
     assert shared.bandwidth == pytest.approx(1e10)
 
 
@@ -246,7 +247,7 @@ def test_measured_fits_and_shape_rates_win():
     shape = ModelShape(2, 2, 64, 32, 50)
     sys_ = _cpu_system()
     fitted = dataclasses.replace(
-        sys_, fits={2: {"allreduce": coll.Fit(1e-3, 0.0)}},
+        sys_, fits={2: {"allreduce": comm_cost.Fit(1e-3, 0.0)}},
         shapes={shape.key: {"fp32": ShapeRate(1e9, 0.0)}})
     lay = pm.Layout(ranks=2, global_batch=4)
     pred = pm.predict(fitted, shape, lay)
@@ -258,7 +259,7 @@ def test_measured_fits_and_shape_rates_win():
 
 def test_cpu_data_parallelism_uses_the_shared_memory_fit_where_calibrated():
     shape = ModelShape(2, 2, 64, 32, 50)
-    fits = {"allreduce": coll.Fit(1e-3, 0.0), "shm_allreduce": coll.Fit(2e-4, 0.0)}
+    fits = {"allreduce": comm_cost.Fit(1e-3, 0.0), "shm_allreduce": comm_cost.Fit(2e-4, 0.0)}
     sys_ = dataclasses.replace(_cpu_system(), fits={2: fits})
     n_buckets = len(pm.bucket_sizes(4.0 * shape.params, 25.0))
     plain = pm.predict(sys_, shape, pm.Layout(ranks=2, global_batch=4))

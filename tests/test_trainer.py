@@ -7,7 +7,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpctrain.checkpoint.single_file import load_checkpoint
+from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.errors import ConfigError
 from hpctrain.train.timing import PHASES
 from hpctrain.train.trainer import Trainer
@@ -56,7 +56,7 @@ def test_outputs_metrics_checkpoint_and_sample(dataset_path, tmp_path):
     assert records[-1]["final_val_loss"] == pytest.approx(result.final_val_loss)
     assert 0 < result.final_val_loss < 6
     assert len((tmp_path / "sample.txt").read_text()) >= 20
-    ckpt = load_checkpoint(tmp_path)
+    ckpt = load_single_file(tmp_path)
     assert ckpt.step == 20 and ckpt.config == cfg.to_dict()
     for name, p in trainer.model.named_parameters():
         np.testing.assert_array_equal(ckpt.model[name], p.detach().numpy())

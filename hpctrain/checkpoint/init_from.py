@@ -6,7 +6,7 @@ what fine-tuning wants and a resume must not do. The checkpoint may be anything
 ``weights.load_weights`` reads (``ckpt import``'s, a run's out_dir or ``final.h5``, a
 sharded ``step_N`` of any layout); it reaches this run's layout (data parallel, ZeRO
 1-3, pipeline stages) through the engine's ``load_full_state``, the same path as a resume
-across layouts, with the moments and the step zero (collective.py ``_load_resharded``).
+across layouts, with the moments and the step zero (distributed.py ``_load_resharded``).
 
 The run's ``--model.*`` options must describe the checkpoint's model, with two
 exceptions. The vocabulary's padding (``vocab_multiple``) is cut off and made again for

@@ -22,9 +22,9 @@ FORMAT = "hpctrain-checkpoint"
 VERSION = 1
 
 
-def save_checkpoint(path: str | Path, params: dict[str, torch.Tensor],
-                    optim: dict[str, dict[str, torch.Tensor]] | None, *, step: int,
-                    config: dict, tokenizer: dict) -> Path:
+def save_single_file(path: str | Path, params: dict[str, torch.Tensor],
+                     optim: dict[str, dict[str, torch.Tensor]] | None, *, step: int,
+                     config: dict, tokenizer: dict) -> Path:
     """Write parameters (fp32) and per-parameter optimizer state to one HDF5 file."""
     import h5py
 
@@ -61,7 +61,7 @@ class Checkpoint:
     optim: dict[str, dict[str, np.ndarray]]
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
+def load_single_file(path: str | Path) -> Checkpoint:
     import h5py
 
     path = Path(path)
@@ -100,7 +100,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 def _datasets(f, path: Path) -> dict:
     """Every dataset under ``model/`` and ``optim/`` by its path in the file, after
-    checking, before anything is read, that each is what ``save_checkpoint`` writes:
+    checking, before anything is read, that each is what ``save_single_file`` writes:
     contiguous float32 (no filters, whose output size nobody bounds) and together no
     larger than the file. So a damaged or crafted declared size is refused instead of
     becoming an allocation. The file has no index to hold the shapes against: the model

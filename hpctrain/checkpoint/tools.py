@@ -16,7 +16,7 @@ from hpctrain.checkpoint.export import export_hf, unpadded, write_safetensors
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError, bucket_entry,
                                          read_full_state, read_manifest, read_rng,
                                          shard_name, write_shard, write_synced)
-from hpctrain.checkpoint.single_file import save_checkpoint
+from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.shards import shard_layout
 
@@ -68,8 +68,8 @@ def merge(path: str | Path, output: str | Path) -> Path:
     optim = {n: {k: s[k] for k in KEYS[1:]} for n, s in full.items()}
     for s in optim.values():
         s["step"] = torch.tensor(float(m.data["optimizer_step"]))
-    return save_checkpoint(output, params, optim, step=m.step, config=m.data["config"],
-                           tokenizer=m.data.get("tokenizer") or {})
+    return save_single_file(output, params, optim, step=m.step, config=m.data["config"],
+                            tokenizer=m.data.get("tokenizer") or {})
 
 
 def export(path: str | Path, fmt: str, output: str | Path) -> Path:

@@ -25,7 +25,7 @@ import torch
 from hpctrain.checkpoint.format import FORMAT, VERSION, shard_name
 from hpctrain.checkpoint.sharded import (KEYS, CheckpointError, Zeros, read_full_state,
                                          read_manifest, write_shard, write_synced)
-from hpctrain.checkpoint.single_file import load_checkpoint
+from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.config import Config, ModelConfig
 from hpctrain.files import chmod_as_created
 from hpctrain.model.shape import SHAPE_KEYS
@@ -36,7 +36,7 @@ def load_weights(path: str | Path, keys: tuple[str, ...] = ("param",)):
     or a sharded checkpoint: ``(params by name, model dict, tokenizer meta)``."""
     p = Path(path)
     if p.is_file() or (p / "final.h5").is_file():
-        ckpt = load_checkpoint(p)
+        ckpt = load_single_file(p)
         params = {k: torch.from_numpy(v) for k, v in ckpt.model.items()}
         model = ckpt.config.get("model") if isinstance(ckpt.config, dict) else None
         if not isinstance(model, dict) or "wte.weight" not in params:

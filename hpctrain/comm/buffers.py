@@ -168,7 +168,7 @@ def persistent_allreduce_works(comm, accel: Accelerator, aware: GPUAwareness,
     memory there). Collective over ``comm``."""
     from mpi4py import MPI
 
-    from hpctrain.comm.collectives import allreduce_array
+    from hpctrain.comm.small_collectives import allreduce_array
     from hpctrain.comm.watchdog import wait_all
 
     def agree(ok: bool) -> bool:

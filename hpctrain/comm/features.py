@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from hpctrain.comm.collectives import allreduce_array
+from hpctrain.comm.small_collectives import allreduce_array
 
 
 def persistent_collectives(comm: MPI.Comm, timeout: float = 300.0) -> bool:

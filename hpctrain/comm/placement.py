@@ -68,7 +68,7 @@ def gpus_promised(system: str | None) -> int:
     when it names none or cannot be read (the job script's own check reports that)."""
     if not system:
         return 0
-    from hpctrain.systems import load_system
+    from hpctrain.systems.registry import load_system
 
     try:
         return load_system(system).launch.gpus_per_node

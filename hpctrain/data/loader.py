@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.collectives import allreduce_array, any_true
 from hpctrain.comm.device import Accelerator
+from hpctrain.comm.small_collectives import allreduce_array, any_true
 from hpctrain.config import parse_hints
 from hpctrain.data.dataset import DatasetInfo, TokenDataset, read_info
 from hpctrain.data.mpiio import H5MPIODataset, MPIIODataset, h5py_has_mpi

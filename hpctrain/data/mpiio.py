@@ -46,8 +46,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from hpctrain.comm.collectives import allreduce_array
 from hpctrain.comm.resources import MPIResources
+from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.data.dataset import BaseReader, DatasetInfo, check_windows, window_pieces
 from hpctrain.data.hints import READ_DEFAULTS
 from hpctrain.errors import DataError

@@ -76,12 +76,12 @@ class Group(Solo):
         return {"timeout": self.timeout, "what": f"prepare: {what}", "option": "--timeout"}
 
     def allgather(self, obj, what: str):
-        from hpctrain.comm.collectives import allgather_json
+        from hpctrain.comm.small_collectives import allgather_json
 
         return allgather_json(self.comm, obj, **self._deadline(what))
 
     def bcast(self, obj, what: str):
-        from hpctrain.comm.collectives import bcast_json
+        from hpctrain.comm.small_collectives import bcast_json
 
         return bcast_json(self.comm, obj, **self._deadline(what))
 
@@ -142,7 +142,7 @@ class Group(Solo):
             raise DataError(f"writing {tmp} failed: {error}; check the free space and quota")
 
     def barrier(self, what: str) -> None:
-        from hpctrain.comm.collectives import barrier
+        from hpctrain.comm.small_collectives import barrier
 
         barrier(self.comm, **self._deadline(what))
 

@@ -22,7 +22,7 @@ from hpctrain.errors import JobError
 from hpctrain.files import umask
 from hpctrain.jobs import validate
 from hpctrain.jobs.command import ARRAY_INDEX
-from hpctrain.jobs.launch import launch_line, placement
+from hpctrain.jobs.launch_line import launch_line, placement
 from hpctrain.jobs.shell import (Shell, Var, expand, literal, quote, render_word, render_words,
                                  resolve_word, with_home, word)
 from hpctrain.jobs.spec import JobSpec

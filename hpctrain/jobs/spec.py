@@ -14,9 +14,9 @@ from pathlib import Path
 from hpctrain.errors import JobError
 from hpctrain.jobs import validate
 from hpctrain.jobs.command import check_command
-from hpctrain.jobs.launch import placement
-from hpctrain.jobs.systems import job_system, srun_mpi as check_srun_mpi
-from hpctrain.systems import System
+from hpctrain.jobs.launch_line import placement
+from hpctrain.jobs.job_system import job_system, srun_mpi as check_srun_mpi
+from hpctrain.systems.registry import System
 
 DEFAULT_JOB_NAME = "hpctrain"
 DEFAULT_RUN_ROOT = "runs"

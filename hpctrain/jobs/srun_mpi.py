@@ -4,7 +4,7 @@
 
 ``srun`` starts tasks; they form one MPI job only if srun's MPI plugin speaks the
 process-management interface of the MPI library. With the wrong one (or ``none``, the
-usual ``MpiDefault``) every task is a 1-rank job (``comm/launch_env.py`` stops those).
+usual ``MpiDefault``) every task is a 1-rank job (``comm/world_check.py`` stops those).
 
 - Open MPI (>= 5) speaks only PMIx: ``pmix``.
 - HPE Cray MPICH: ``cray_shasta`` where the site offers it (Perlmutter, Frontier).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from hpctrain.errors import JobError
-from hpctrain.systems import format_walltime, walltime_seconds
+from hpctrain.systems.registry import format_walltime, walltime_seconds
 
 _JOB_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
 _ACCOUNT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

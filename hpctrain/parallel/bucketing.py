@@ -1,5 +1,5 @@
 """Buckets of gradients and the order their reductions start in; shared by data
-parallelism (``data_parallel.py``) and ZeRO (``zero.py``).
+parallelism (``data_parallel.py``) and ZeRO (``zero/``).
 
 MPI requires every rank to start collectives on a communicator in the same order, but
 autograd may finish a later bucket's gradients before an earlier one's. So a bucket is

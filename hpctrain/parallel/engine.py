@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from mpi4py import MPI
 
-from hpctrain.comm.collectives import allreduce_array
+from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.parallel.bucketing import CommStats
 from hpctrain.parallel.memory import MemoryReport
 from hpctrain.parallel.shards import ShardLayout

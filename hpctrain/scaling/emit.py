@@ -9,7 +9,7 @@ finished runs' ``summary.json`` files into records.
 One job (``--one-job``): the generator's script for the largest point's node count, whose
 ``JobSpec.launch`` is ``python -m hpctrain scale run STUDY --launch-system SYSTEM``
 (rendered and quoted like every launch line): inside the allocation the study runner
-starts each point with the system's own launch line (``hpctrain.jobs.launch.plan_launch``)
+starts each point with the system's own launch line (``hpctrain.jobs.launch_line.plan_launch``)
 on as many nodes as the point needs.
 """
 

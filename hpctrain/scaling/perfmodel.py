@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass
 
 from hpctrain.errors import UserError
 from hpctrain.parallel.memory import zero_formula
-from hpctrain.scaling import collectives as coll
+from hpctrain.scaling import comm_cost
 from hpctrain.scaling.models import ModelShape
-from hpctrain.scaling.systems import SystemPerf
+from hpctrain.scaling.system_perf import SystemPerf
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE = ("none", "block")
@@ -230,11 +230,11 @@ def collective(system: SystemPerf, kind: str, group: int, n_bytes: float,
     if fit is not None:
         return fit.time(n_bytes)
     rpn = system.ranks_per_node or group
-    link = coll.group_link(system.intra, system.inter, group_size=group,
+    link = comm_cost.group_link(system.intra, system.inter, group_size=group,
                            members_per_node=members_per_node, ranks_per_node=rpn)
     if kind == "p2p":
-        return coll.p2p(n_bytes, link)
-    return coll.FORMULAS[kind](group, n_bytes, link)
+        return comm_cost.p2p(n_bytes, link)
+    return comm_cost.FORMULAS[kind](group, n_bytes, link)
 
 
 def bucket_sizes(n_bytes: float, bucket_mb: float, first_mb: float = 1.0) -> list[float]:

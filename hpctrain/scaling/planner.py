@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from hpctrain.errors import UserError
 from hpctrain.scaling.models import ModelShape, model_shape
 from hpctrain.scaling.perfmodel import Layout, Prediction, describe, fits, predict
-from hpctrain.scaling.systems import SystemPerf, load_perf
+from hpctrain.scaling.system_perf import SystemPerf, load_perf
 
 GIB = 1 << 30
 

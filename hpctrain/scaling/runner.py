@@ -1,7 +1,7 @@
 """Run a study's points one after another on this machine or inside a job's allocation.
 
 Each run is ``hpctrain train`` under the system's launcher (``mpiexec -n N`` here; the
-same line a job script would use on Polaris or Aurora, from ``hpctrain.jobs.launch``),
+same line a job script would use on Polaris or Aurora, from ``hpctrain.jobs.launch_line``),
 wrapped in ``timeout`` so a stuck run cannot hold the study. The model's prediction is
 made before the run and stored in its record next to what was measured. A run that fails
 or times out is recorded with its error and the study goes on.
@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.jobs.launch import detect_allocation, plan_launch
-from hpctrain.jobs.systems import job_system
+from hpctrain.jobs.job_system import job_system
+from hpctrain.jobs.launch_line import detect_allocation, plan_launch
 from hpctrain.scaling import records
 from hpctrain.scaling.perfmodel import predict
 from hpctrain.scaling.spec import Point, Study
-from hpctrain.scaling.systems import SystemPerf
+from hpctrain.scaling.system_perf import SystemPerf
 
 # Study runs measure step time: no evaluation, sampling or checkpoint at the end.
 QUIET = ("--train.eval_interval=0", "--train.final_eval=false", "--train.sample_tokens=0",

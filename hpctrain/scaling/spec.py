@@ -50,8 +50,8 @@ from hpctrain.errors import ConfigError, DataError, UserError
 from hpctrain.model.shape import LATER_KEYS
 from hpctrain.scaling.models import ModelShape, model_shape, presets
 from hpctrain.scaling.perfmodel import SCHEDULES, Layout
-from hpctrain.scaling.systems import SystemPerf, load_perf
-from hpctrain.systems import load_system
+from hpctrain.scaling.system_perf import SystemPerf, load_perf
+from hpctrain.systems.registry import load_system
 
 if sys.version_info >= (3, 11):
     import tomllib

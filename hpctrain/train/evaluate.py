@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hpctrain.comm.collectives import allreduce_array
+from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.data.loader import BatchLoader
 
 FULL_EVAL_ROWS = 64

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.systems import device_peaks, device_table, peak_for_device
+from hpctrain.systems.devices import device_peaks, device_table, peak_for_device
 
 # Dense peak TFLOP/s per device and compute dtype: hpctrain/systems/devices.toml.
 PEAK_TFLOPS = device_peaks()

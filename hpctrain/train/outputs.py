@@ -12,8 +12,8 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from hpctrain.checkpoint.single_file import save_checkpoint
-from hpctrain.comm.collectives import allreduce_array
+from hpctrain.checkpoint.single_file import save_single_file
+from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.train.metrics import finite_record
 from hpctrain.train.result import TrainResult
 from hpctrain.train.timing import PHASES, peak_rss_bytes, phase_medians, summarize
@@ -57,9 +57,9 @@ class RunOutputs:
     def _final_checkpoint(self, state: dict) -> None:
         params = {n: s["param"] for n, s in state.items()}
         moments = {n: {k: v for k, v in s.items() if k != "param"} for n, s in state.items()}
-        path = save_checkpoint(self.out_dir / "final.h5", params, moments,
-                               step=self.cfg.train.max_iters, config=self.cfg.to_dict(),
-                               tokenizer=self.tokenizer.meta())
+        path = save_single_file(self.out_dir / "final.h5", params, moments,
+                                step=self.cfg.train.max_iters, config=self.cfg.to_dict(),
+                                tokenizer=self.tokenizer.meta())
         self.log(f"checkpoint: {path}")
 
     def _timing(self, result: TrainResult) -> dict:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpctrain.comm.collectives import allreduce_array
+from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.train.metrics import Peak
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from hpctrain.checkpoint.sharded import remove_stale_temporaries
-from hpctrain.comm.collectives import bcast_json
+from hpctrain.comm.small_collectives import bcast_json
 from hpctrain.comm.world import World
 from hpctrain.errors import UserError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from hpctrain.checkpoint.collective import PendingSave, begin_save
+from hpctrain.checkpoint.distributed import PendingSave, begin_save
 
 
 class CheckpointSaver:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.checkpoint.collective import find_resume, load_checkpoint
+from hpctrain.checkpoint.distributed import find_resume, load_sharded
 from hpctrain.checkpoint.init_from import load_initial_weights
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.config import ConfigError, TrainConfig
@@ -38,7 +38,7 @@ def load_starting_point(t: TrainConfig, out_dir: Path, engine, grid: ProcessGrid
     """Load what the run starts from into ``engine`` (collective: every rank calls it)."""
     resume_from = find_resume(t.resume, out_dir)
     if resume_from is not None:
-        step = load_checkpoint(resume_from, engine, grid, model_shape=model_shape)
+        step = load_sharded(resume_from, engine, grid, model_shape=model_shape)
         runner.tie_weights()  # a pipeline's head copy of the embedding
         if step > t.max_iters:
             raise ConfigError(f"the checkpoint is at step {step}, past "

@@ -28,7 +28,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from hpctrain.comm.collectives import any_true
+from hpctrain.comm.small_collectives import any_true
 from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.watchdog import wait_all

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hpctrain.comm.collectives import gather_json
 from hpctrain.comm.grid import ProcessGrid
+from hpctrain.comm.small_collectives import gather_json
 from hpctrain.comm.watchdog import wait_all
 
 TAG = 7

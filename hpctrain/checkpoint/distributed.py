@@ -21,8 +21,8 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, MODEL_KEYS, VERSION, Chec
                                          read_manifest, read_own_shards, read_rng, shard_name,
                                          write_shard,
                                          write_synced)
-from hpctrain.comm.collectives import bcast_json, gather_json
 from hpctrain.comm.grid import ProcessGrid
+from hpctrain.comm.small_collectives import bcast_json, gather_json
 from hpctrain.comm.world import World
 from hpctrain.parallel.engine import GradEngine
 
@@ -197,8 +197,8 @@ def _make_temporary(root: Path, step: int) -> list[str]:
         return ["error", save_failed(step, f"rank 0: {_what(e)}")]
 
 
-def save_checkpoint(root: Path, step: int, engine: GradEngine, grid: ProcessGrid,
-                    **kwargs) -> Path:
+def save_sharded(root: Path, step: int, engine: GradEngine, grid: ProcessGrid,
+                 **kwargs) -> Path:
     """Write ``root/step_<step>`` from every rank's shard; returns its path (collective)."""
     return begin_save(root, step, engine, grid, **kwargs).finish()
 
@@ -207,8 +207,8 @@ def model_shape(gpt_cfg) -> dict:
     return {k: getattr(gpt_cfg, k) for k in MODEL_KEYS}
 
 
-def load_checkpoint(path: str | Path, engine: GradEngine, grid: ProcessGrid, *,
-                    model_shape: dict) -> int:
+def load_sharded(path: str | Path, engine: GradEngine, grid: ProcessGrid, *,
+                 model_shape: dict) -> int:
     """Load the checkpoint at ``path`` into this run's layout; returns its step. With a
     pipeline, each stage takes its own parameters (the caller re-ties the embedding)."""
     world = grid.world

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from hpctrain.errors import JobError
 from hpctrain.jobs.shell import Word, expand, literal, resolve_word
-from hpctrain.systems import System
+from hpctrain.systems.registry import System
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The launcher helper (hpctrain/comm/launcher.py) in one process: what each MPI
+"""The launcher helper (hpctrain/comm/local_mpiexec.py) in one process: what each MPI
 family's ``--version`` looks like and what each gets added. The real launches are every
 test that starts ranks, under MPICH (``make test``) and Open MPI (``make test-openmpi``)."""
 
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from hpctrain.comm.launcher import ROOT_PERMISSION, Launcher, family_of, find_launcher, main
+from hpctrain.comm.local_mpiexec import (ROOT_PERMISSION, Launcher, family_of, find_launcher,
+                                         main)
 
 # What `LAUNCHER --version` prints (first lines), as the launchers print it.
 VERSIONS = {

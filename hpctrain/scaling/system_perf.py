@@ -1,7 +1,7 @@
 """A system as the performance model sees it: what it needs to predict a step.
 
 The figures are the ``[perf]`` table of the system's file (``hpctrain/systems/<name>.toml``,
-read by ``hpctrain.systems``; ``--system`` also takes the path of your own), in SI units,
+read by ``hpctrain.systems.registry``; ``--system`` also takes the path of your own), in SI units,
 with the ranks per node of its ``[launch]`` table. A calibration file written by
 ``hpctrain scale calibrate`` (JSON) replaces the numbers it measured: the compute rate per
 model shape, the AdamW cost, a fitted line per collective and group size, the base memory
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.scaling.collectives import KINDS, Fit, Link
-from hpctrain.systems import load_system, system_names
+from hpctrain.scaling.comm_cost import KINDS, Fit, Link
+from hpctrain.systems.registry import load_system, system_names
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -1,10 +1,10 @@
 """A system as a batch job sees it: the checks of its ``[batch]`` and ``[launch]`` tables.
 
-Systems are read by ``hpctrain.systems.load_system`` (``hpctrain/systems/<name>.toml``, or
-the path of your own file; the fields are described there). ``job_system`` adds what needs
-the job generator's vocabulary: the ``{placeholders}`` a directive or launcher template
-may use, queue and partition names a directive can carry, environment keys, and the
-``srun --mpi=`` plugin name.
+Systems are read by ``hpctrain.systems.registry.load_system``
+(``hpctrain/systems/<name>.toml``, or the path of your own file; the fields are described
+there). ``job_system`` adds what needs the job generator's vocabulary: the
+``{placeholders}`` a directive or launcher template may use, queue and partition names a
+directive can carry, environment keys, and the ``srun --mpi=`` plugin name.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 from hpctrain.errors import JobError
 from hpctrain.jobs import validate
 from hpctrain.jobs.shell import placeholders
-from hpctrain.systems import System, load_system, system_names
+from hpctrain.systems.registry import System, load_system, system_names
 
 DIRECTIVE_PLACEHOLDERS = {"job_name", "account", "queue", "nodes", "walltime", "filesystems",
                           "ranks_per_node", "gpus_per_node", "cpus_per_rank"}

@@ -4,7 +4,8 @@
     subprocess.run(launcher.command(2, sys.executable, "-m", "hpctrain", "train", "default"),
                    env=launcher.environ())
 
-or from a shell (the Makefile's test legs): ``python -m hpctrain.comm.launcher -n 2 CMD...``.
+or from a shell (the Makefile's test legs):
+``python -m hpctrain.comm.local_mpiexec -n 2 CMD...``.
 
 Which binary: ``MPIEXEC`` from the environment (it may carry flags:
 ``MPIEXEC="mpirun --bind-to none"``), else the ``mpiexec`` next to the running Python
@@ -140,8 +141,8 @@ def find_launcher(env=None, python: str | None = None) -> Launcher:
 
 
 def main(args: list[str]) -> int:
-    """``python -m hpctrain.comm.launcher -n N [--] CMD...``: run CMD on N ranks of this
-    machine (``--print``: only show the line); ``--describe``: name the launcher."""
+    """``python -m hpctrain.comm.local_mpiexec -n N [--] CMD...``: run CMD on N ranks of
+    this machine (``--print``: only show the line); ``--describe``: name the launcher."""
     launcher = find_launcher()
     if args[:1] == ["--describe"]:
         print(launcher.describe())
@@ -149,7 +150,7 @@ def main(args: list[str]) -> int:
     show = args[:1] == ["--print"]
     args = args[1:] if show else args
     if len(args) < 3 or args[0] != "-n" or not args[1].isdigit():
-        print("usage: python -m hpctrain.comm.launcher [--print] -n N [--] CMD...  |  "
+        print("usage: python -m hpctrain.comm.local_mpiexec [--print] -n N [--] CMD...  |  "
               "--describe", file=sys.stderr)
         return 2
     cmd = args[3:] if args[2] == "--" else args[2:]

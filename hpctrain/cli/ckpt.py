@@ -1,0 +1,85 @@
+"""``hpctrain ckpt inspect | merge | reshard | export | import``: a sharded checkpoint on
+one process (``hpctrain/checkpoint/tools.py`` and ``hf_import.py`` do the work)."""
+
+from __future__ import annotations
+
+
+def add_ckpt(sub) -> None:
+    p = sub.add_parser("ckpt", help="inspect, merge, reshard, export or import a sharded "
+                                    "checkpoint",
+                       description="Work with a sharded checkpoint (a run's out_dir, its "
+                                   "checkpoints/ folder, or one checkpoints/step_N) on one "
+                                   "process. Any checkpoint loads at any world size and ZeRO "
+                                   "stage with `hpctrain train ... --train.resume=PATH`, or "
+                                   "starts a new run from its weights with "
+                                   "--train.init_from=PATH.")
+    acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    a = acts.add_parser("inspect", help="step, layout, model, shards")
+    a.add_argument("path")
+    a.add_argument("--verify", action="store_true", help="read every shard, check CRC-32s")
+    a = acts.add_parser("merge", help="all shards into one HDF5 file (the final.h5 format)")
+    a.add_argument("path")
+    a.add_argument("--output", required=True, metavar="FILE.h5")
+    a = acts.add_parser("reshard", help="rewrite for another world size / ZeRO stage, so "
+                                        "that each rank reads only its own shard")
+    a.add_argument("path")
+    a.add_argument("--world", type=int, required=True, metavar="N")
+    a.add_argument("--zero", type=int, required=True, choices=[0, 1, 2, 3])
+    a.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="as --parallel.bucket_mb of the run that will resume (default 25)")
+    a.add_argument("--first-bucket-mb", type=float, default=1.0)
+    a.add_argument("--output", required=True, metavar="DIR")
+    a = acts.add_parser("export", help="weights as safetensors, or a Hugging Face GPT-2 "
+                                       "or Llama directory (config.json + model.safetensors)")
+    a.add_argument("path")
+    a.add_argument("--format", choices=["safetensors", "hf"], default="hf")
+    a.add_argument("--output", required=True, metavar="FILE_OR_DIR")
+    a = acts.add_parser("import", help="a Hugging Face GPT-2 or Llama directory as a "
+                                       "checkpoint to fine-tune (--train.init_from)",
+                        description="Read DIR's config.json, its safetensors weights (one "
+                                    "file or an index with shards; pickle files are refused) "
+                                    "and its tokenizer.json, and write a sharded checkpoint: "
+                                    "step 0, weights only, fp32.")
+    a.add_argument("source", metavar="DIR")
+    a.add_argument("--from", dest="source_format", choices=["hf"], required=True,
+                   help="the source's format: hf (a Hugging Face model directory)")
+    a.add_argument("--output", required=True, metavar="DIR")
+    a.add_argument("--vocab-multiple", type=int, default=1, metavar="N",
+                   help="pad the vocabulary rows to a multiple of N (default 1, none; "
+                        "--train.init_from pads to the run's --model.vocab_multiple anyway)")
+
+
+def cmd_ckpt(args) -> int:
+    from hpctrain.checkpoint import tools
+
+    if args.action == "inspect":
+        print(tools.inspect(args.path, verify=args.verify))
+    elif args.action == "merge":
+        print(f"wrote {tools.merge(args.path, args.output)}")
+    elif args.action == "reshard":
+        out = tools.reshard(args.path, args.output, world=args.world, zero=args.zero,
+                            bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+        print(f"wrote {out}: resume with mpiexec -n {args.world} hpctrain train ... "
+              f"--parallel.zero={args.zero} --train.resume={out}")
+    elif args.action == "import":
+        _import(args)
+    else:
+        print(f"wrote {tools.export(args.path, args.format, args.output)}")
+    return 0
+
+
+def _import(args) -> None:
+    import shlex
+
+    from hpctrain.checkpoint.hf_import import import_hf
+    from hpctrain.checkpoint.weights import model_options
+
+    done = import_hf(args.source, args.output, vocab_multiple=args.vocab_multiple)
+    for note in done.notes:
+        print(f"note: {note}")
+    m = done.model
+    print(f"wrote {done.path}: {m['arch']}, {m['n_layer']} layers, {done.n_params:,} "
+          "parameters (fp32, step 0, weights only)")
+    print(f"fine-tune it: hpctrain train RECIPE --data.path=DATA.h5 "
+          f"{shlex.quote(f'--train.init_from={done.path}')} {' '.join(model_options(m))} "
+          "(a shorter --model.block_size is fine)")

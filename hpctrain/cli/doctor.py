@@ -1,0 +1,44 @@
+"""``hpctrain doctor``: the node check of ``hpctrain/doctor/``, on every rank of an
+``mpiexec``."""
+
+from __future__ import annotations
+
+import os
+
+
+def add_doctor(sub) -> None:
+    p = sub.add_parser(
+        "doctor", help="check this node: devices, MPI, allreduce, bf16 p2p, a training step",
+        description="An acceptance check to run with mpiexec in a one-node job before "
+                    "training: each rank's device and CPU affinity, the MPI library and "
+                    "thread level, GPU-aware MPI per vendor, allreduce of host and device "
+                    "buffers (checked and timed), a bf16 round trip between rank pairs and "
+                    "one GPT training step (tokens/s, MFU). Exits 1 naming any failed check.")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu", "fake"],
+                   help="as --train.device (fake: the CPU posing as a GPU)")
+    p.add_argument("--gpu-aware", default="auto", choices=["auto", "yes", "no"],
+                   help="as --comm.gpu_aware")
+    p.add_argument("--sizes", type=float, nargs="+", default=[1.0, 25.0, 150.0],
+                   metavar="MIB", help="allreduce sizes in MiB (default 1 25 150)")
+    p.add_argument("--model", default="auto", choices=["auto", "small", "gpt2-124m"],
+                   help="the training step's model (auto: gpt2-124m on a GPU, else small)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON here")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long any wait may take before the job aborts (default 300)")
+
+
+def cmd_doctor(args) -> int:
+    from mpi4py import MPI
+
+    from hpctrain.comm.abort import install_abort_handler
+    from hpctrain.comm.world import World
+    from hpctrain.doctor.run import run_doctor
+
+    install_abort_handler(MPI.COMM_WORLD)
+    world = World.create(MPI.COMM_WORLD, timeout=args.timeout, device=args.device,
+                         gpu_aware=args.gpu_aware, system=os.environ.get("HPCTRAIN_SYSTEM"))
+    try:
+        return run_doctor(world, sizes_mib=args.sizes, model=args.model, json_path=args.json,
+                          out=lambda line: print(line, flush=True))
+    finally:
+        world.close()

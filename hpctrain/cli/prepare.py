@@ -1,0 +1,91 @@
+"""``hpctrain prepare``: text -> one HDF5 token file, on one process or on every rank of an
+``mpiexec`` (``hpctrain/data/prepare.py`` does the work)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def add_prepare(sub) -> None:
+    p = sub.add_parser(
+        "prepare", help="tokenize text files into an HDF5 token file (in parallel under mpiexec)",
+        description="Tokenize text into the HDF5 token format (io/FORMAT.md). Under "
+                    "`mpiexec -n N` the files are shared out among the ranks, tokenized in "
+                    "parallel and written into one file with MPI-IO; the file is the same "
+                    "for any N.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", nargs="+", metavar="PATH",
+                     help="text files, directories (all files, sorted) or globs")
+    src.add_argument("--corpus", choices=["stdlib"],
+                     help="built-in corpus: 'stdlib' = this Python's standard library sources")
+    src.add_argument("--combine", nargs="+", metavar="FILE.h5",
+                     help="prepared token files (same tokenizer) to list in a manifest "
+                          "(--output NAME.json): one dataset, each split the files' splits "
+                          "in order")
+    p.add_argument("--output", required=True, metavar="FILE.h5")
+    p.add_argument("--tokenizer", default="char", metavar="NAME",
+                   help="char (vocabulary from the text), byte (256), gpt2 (GPT-2 BPE via "
+                        "tiktoken, from its local cache), or hf:DIR (the Hugging Face "
+                        "tokenizer.json in DIR, e.g. the model directory you import)")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="fraction of the tokens used for validation (default 0.1): "
+                        "whole files in a fixed random order; of one file, its last tokens")
+    p.add_argument("--max-bytes", type=int, default=None,
+                   help="size budget of the built-in corpus (default 4 MB)")
+    p.add_argument("--romio-hints", default="", metavar="K=V,...",
+                   help="ROMIO hints for writing the file under mpiexec, e.g. "
+                        "striping_factor=8,striping_unit=16777216 (Lustre)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output if it exists (by default an existing file is "
+                        "left alone and the command fails)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="under mpiexec: how long any rank may wait for the others in one "
+                        "step before the job aborts, naming the step (default 300, as "
+                        "training's --comm.timeout)")
+
+
+def cmd_prepare(args) -> int:
+    from hpctrain.config import parse_hints
+    from hpctrain.data.corpus import DEFAULT_BYTES, stdlib_files
+    from hpctrain.data.prepare import combine, prepare
+
+    hints = parse_hints(args.romio_hints)
+    if args.combine:  # a few metadata reads: one process does it
+        from hpctrain.comm.abort import env_rank
+
+        if env_rank() == 0:
+            s = combine(args.combine, args.output, overwrite=args.overwrite)
+            print(f"wrote manifest {s['output']}: {s['shards']} shard(s), "
+                  f"{s['train_tokens']:,} train / {s['val_tokens']:,} val tokens")
+        return 0
+    comm = None
+    if _launched_by_mpi():  # every rank takes part; one rank's failure ends the job
+        from mpi4py import MPI
+
+        from hpctrain.comm.abort import install_abort_handler
+
+        comm = MPI.COMM_WORLD
+        install_abort_handler(comm)
+    from hpctrain.comm.world_check import check_world_size
+
+    check_world_size(1 if comm is None else comm.Get_size())  # srun copies: one message
+    root = comm is None or comm.Get_rank() == 0
+    inputs = args.input or stdlib_files(args.max_bytes or DEFAULT_BYTES)
+    show = root and (sys.stderr.isatty() or (comm is not None and comm.Get_size() > 1))
+    s = prepare(inputs, args.output, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                show_progress=show, comm=comm, romio_hints=hints, overwrite=args.overwrite,
+                timeout=args.timeout)
+    if root:
+        print(f"prepared {s['output']}: {s['files']} file(s), {s['tokens']:,} "
+              f"tokens ({s['train_tokens']:,} train / {s['val_tokens']:,} val), "
+              f"{s['tokenizer']} vocabulary of {s['vocab_size']}, {s['ranks']} rank(s)")
+    return 0
+
+
+def _launched_by_mpi() -> bool:
+    """Whether an MPI launcher started this process (then prepare runs on all ranks; on
+    its own it runs without initializing MPI, e.g. on a login node)."""
+
+    return any(name in os.environ for name in
+               ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "PMI_SIZE"))

@@ -1,0 +1,158 @@
+"""``hpctrain scale run | report | calibrate`` (scaling studies) and ``hpctrain plan``
+(parallel layouts ranked by the performance model); ``hpctrain/scaling/`` does the work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpctrain.errors import UserError
+
+
+def add_scale(sub) -> None:
+    p = sub.add_parser("scale", help="scaling studies: run a sweep, report it, calibrate the "
+                                     "performance model",
+                       description="Scaling studies from a TOML sweep spec (see "
+                                   "perf/studies/local.toml): run every point, write one JSON "
+                                   "record per run, build a Markdown/HTML report with plots.")
+    acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    a = acts.add_parser("run", help="run every point of a study (or write job scripts)",
+                        description="Run each point with the system's launcher under a time "
+                                    "limit; a failed point is recorded and the study goes on. "
+                                    "With --jobs DIR nothing runs: job scripts are written.")
+    a.add_argument("study", metavar="STUDY.toml")
+    a.add_argument("--out", metavar="DIR", help="records and runs go here "
+                   "(default: runs/study-<name>)")
+    a.add_argument("--launch-system", metavar="NAME", default=None,
+                   help="job profile whose launcher runs the points: local (default), or "
+                        "polaris/aurora/... inside a job's allocation")
+    a.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
+                   help="before each run wait up to S seconds until other processes leave "
+                        "the cores alone (a shared machine); the busy cores are recorded")
+    a.add_argument("--jobs", metavar="DIR", help="write job scripts here instead of running")
+    a.add_argument("--one-job", action="store_true", help="with --jobs: one script that runs "
+                   "all points on one allocation (the largest point's nodes)")
+    for flag, hint in (("--system", "job profile for --jobs (polaris, aurora, ...)"),
+                       ("--account", "project to charge"), ("--queue", "queue"),
+                       ("--walltime", "HH:MM:SS per job")):
+        a.add_argument(flag, help=hint)
+    a.add_argument("--venv", metavar="DIR", help="environment the jobs activate")
+    a = acts.add_parser("report", help="tables and plots from a study's records",
+                        description="Write DIR/report.md, DIR/report.html and DIR/plots/*.png "
+                                    "from DIR/records/*.json.")
+    a.add_argument("folder", metavar="DIR")
+    a = acts.add_parser("calibrate", help="measure this machine for the performance model",
+                        description="Time forward+backward per model shape, AdamW, and the "
+                                    "collectives at each rank count (under mpiexec); write a "
+                                    "calibration file that studies and plan use.")
+    a.add_argument("study", nargs="?", metavar="STUDY.toml",
+                   help="calibrate for this study's model shapes, dtype and rank counts")
+    a.add_argument("--output", required=True, metavar="FILE.json")
+    a.add_argument("--ranks", type=int, nargs="+", metavar="N",
+                   help="group sizes for the collectives (default: the study's, else 2 4)")
+    a.add_argument("--model", default="default", metavar="NAME",
+                   help="model preset to calibrate without a study (default: default)")
+
+
+def add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="rank the parallel layouts of a model on N nodes by "
+                                    "predicted step time",
+                       description="Enumerate (dp, pp, ZeRO stage, micro-batches) layouts that "
+                                   "fit device memory, predict each step with the performance "
+                                   "model and print them fastest first.")
+    p.add_argument("--system", required=True, metavar="NAME",
+                   help="polaris, aurora, local, or a .toml performance profile")
+    p.add_argument("--nodes", type=int, required=True, metavar="N")
+    p.add_argument("--model", required=True, metavar="NAME",
+                   help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-2.7b, gpt3-6.7b, "
+                        "gpt3-13b, llama3-8b, default")
+    p.add_argument("--global-batch", type=int, default=0, metavar="SEQ",
+                   help="sequences per optimizer step (default: 512, GPT-2's, or one per "
+                        "rank when there are more ranks)")
+    p.add_argument("--seq-len", type=int, default=0, metavar="T",
+                   help="context length (default: the model's)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--recompute", default="none", choices=["none", "block"],
+                   help="as --model.recompute: block keeps only each layer's input (a third "
+                        "more compute)")
+    p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
+                   help="as --model.loss_chunk: the head's logits N tokens at a time "
+                        "(default 0: all at once)")
+    p.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
+                   help="default: the system's (one per GPU or tile)")
+    p.add_argument("--calibration", metavar="FILE.json", help="measured numbers to use")
+    p.add_argument("--top", type=int, default=12, metavar="K", help="rows to print")
+    p.add_argument("--explain", nargs="?", const=1, type=int, metavar="RANK",
+                   help="show the terms of the layout ranked RANK (default 1)")
+
+
+def cmd_scale(args) -> int:
+    if args.action == "run":
+        return _run(args)
+    if args.action == "report":
+        from hpctrain.scaling.report import build_report
+
+        paths = build_report(args.folder)
+        print("wrote " + ", ".join(str(p) for p in paths))
+        return 0
+    return _calibrate(args)
+
+
+def _run(args) -> int:
+    from hpctrain.scaling.emit import emit_jobs
+    from hpctrain.scaling.runner import run_study
+    from hpctrain.scaling.spec import load_study, study_system
+
+    study = load_study(args.study)
+    system = study_system(study)
+    if args.jobs:
+        for line in emit_jobs(study, args.jobs, system=args.system, account=args.account,
+                              queue=args.queue, walltime=args.walltime, venv=args.venv,
+                              one_job=args.one_job):
+            print(line)
+        return 0
+    given = [f for f in ("system", "account", "queue", "walltime", "venv") if getattr(args, f)]
+    if given or args.one_job:
+        raise UserError(f"--{given[0] if given else 'one-job'} is for writing job scripts; add "
+                        "--jobs DIR, or drop it to run here")
+    out = Path(args.out or f"runs/study-{study.name}")
+    recs = run_study(study, out, system=system, launch_system=args.launch_system or "local",
+                     quiet_wait_s=args.quiet_wait)
+    return 0 if any(r["status"] == "ok" for r in recs) else 1
+
+
+def _calibrate(args) -> int:
+    from hpctrain.scaling.calibrate import calibrate
+    from hpctrain.scaling.models import model_shape
+    from hpctrain.scaling.spec import load_study
+
+    if args.study:
+        study = load_study(args.study)
+        shapes = list({p.model.key: p.model for p in study.points}.values())
+        dtypes = sorted({p.layout.dtype for p in study.points})
+        ranks = args.ranks or sorted({p.layout.ranks for p in study.points} |
+                                     {p.layout.dp for p in study.points})
+    else:
+        shapes, dtypes, ranks = [model_shape(args.model)], ["fp32"], args.ranks or [2, 4]
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise UserError(f"--output {out}: directory {out.parent} does not exist")
+    result = calibrate(shapes, dtypes, ranks)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from hpctrain.scaling.planner import explain, plan, table
+
+    result = plan(system=args.system, nodes=args.nodes, model=args.model,
+                  global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
+                  ranks_per_node=args.ranks_per_node, calibration=args.calibration,
+                  recompute=args.recompute, loss_chunk=args.loss_chunk)
+    terms = explain(result, args.explain) if args.explain else None  # bad RANK: no table
+    print(table(result, top=args.top))
+    if terms:
+        print()
+        print(terms)
+    return 0

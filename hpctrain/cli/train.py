@@ -1,0 +1,99 @@
+"""``hpctrain train`` (a recipe with ``--section.key=value`` overrides, under ``mpiexec``
+for several ranks) and ``hpctrain sample`` (text from a trained checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hpctrain.errors import UserError
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a GPT (run under mpiexec for several ranks)",
+                       add_help=False,
+                       description="Train RECIPE; override any option with --section.key=value.")
+    p.add_argument("recipe", nargs="?", help="built-in recipe name or a .toml file")
+    p.add_argument("-h", "--help", action="store_true", help="list every option and exit")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config")
+
+
+def add_sample(sub) -> None:
+    p = sub.add_parser("sample", help="generate text from a trained checkpoint")
+    p.add_argument("--checkpoint", required=True, help="the run's out_dir, its final.h5, or a "
+                   "sharded checkpoint (checkpoints/step_N)")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_train(args, overrides: list[str]) -> int:
+    from hpctrain.config import describe_options, recipe_names
+
+    if args.help:
+        print("usage: hpctrain train RECIPE [--section.key=value ...]\n\n"
+              f"built-in recipes: {', '.join(recipe_names())}\n\noptions:\n"
+              + describe_options())
+        return 0
+    if not args.recipe:
+        raise UserError(f"name a recipe: hpctrain train RECIPE (built-in: "
+                        f"{', '.join(recipe_names())}, or a path to a .toml file)")
+    from hpctrain.train.stop import SignalFlag
+
+    # From here on a scheduler's SIGTERM / SIGUSR1 is recorded, not fatal: the trainer
+    # acts on it at the next point every rank agrees on (train/stop.py).
+    signals = SignalFlag().install()
+    try:
+        return _train(args, overrides, signals)
+    finally:
+        signals.restore()  # for callers of main() in-process; a process just exits
+
+
+def _train(args, overrides: list[str], signals) -> int:
+    from hpctrain.config import check_out_dir, load_config
+
+    cfg = load_config(args.recipe, overrides)
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=1))
+        return 0
+    check_out_dir(cfg.train.out_dir)  # on every rank, before MPI: one message, no hang
+
+    from mpi4py import MPI
+
+    from hpctrain.comm.abort import install_abort_handler
+    from hpctrain.comm.world import World
+    from hpctrain.comm.world_check import check_world_size
+    from hpctrain.train.trainer import Trainer
+
+    install_abort_handler(MPI.COMM_WORLD)
+    check_world_size(MPI.COMM_WORLD.Get_size())
+    world = World.create(MPI.COMM_WORLD, timeout=cfg.comm.timeout, device=cfg.train.device,
+                         gpu_aware=cfg.comm.gpu_aware, collectives=cfg.comm.collectives,
+                         system=os.environ.get("HPCTRAIN_SYSTEM"))
+    Trainer(cfg, world, signals=signals).fit()
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from hpctrain.checkpoint.weights import load_weights
+    from hpctrain.data.tokenizers import tokenizer_from_meta
+    from hpctrain.model.gpt import GPT, GPTConfig
+
+    state, m, tokenizer = load_weights(args.checkpoint)
+    if not tokenizer:
+        raise UserError(f"{args.checkpoint} records no tokenizer; sample from a checkpoint "
+                        "written by `hpctrain train`")
+    tok = tokenizer_from_meta(tokenizer)
+    try:  # the recorded shape and the stored tensors must agree
+        model = GPT(GPTConfig.from_shape(m))
+        model.load_parameters(state)
+    except (KeyError, TypeError, ValueError, AssertionError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"{args.checkpoint}: its weights do not fit the model shape it "
+                        f"records ({first}); the file is damaged: sample from another "
+                        "checkpoint") from None
+    print(model.complete(tok, args.prompt, args.tokens, temperature=args.temperature,
+                         top_k=args.top_k or None, seed=args.seed))
+    return 0

@@ -1,0 +1,35 @@
+"""``run_doctor``: every check of the doctor in order, the report on rank 0."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpctrain.comm.world import World
+from hpctrain.doctor.comm_checks import check_allreduce, check_mpi, check_p2p, check_ranks
+from hpctrain.doctor.report import MiB, Report, format_report
+from hpctrain.doctor.train_step import check_train
+
+DEFAULT_SIZES_MIB = (1.0, 25.0, 150.0)
+
+
+def run_doctor(world: World, *, sizes_mib=DEFAULT_SIZES_MIB, model: str = "auto",
+               json_path: str | None = None, out=print) -> int:
+    """Run every check (collective over ``world``); rank 0 prints the report with
+    ``out`` and writes ``json_path``. Returns 0 when every check passed, else 1."""
+    report = Report()
+    check_ranks(world, report)
+    check_mpi(world, report)
+    check_allreduce(world, report, sizes_mib)
+    check_p2p(world, report, int(min(sizes_mib) * MiB))
+    check_train(world, report, model)
+    if world.is_root:
+        report.sections["world"] = {"size": world.size, "nodes": world.n_nodes,
+                                    "device": world.accel.kind}
+        for line in format_report(report):
+            out(line)
+        if json_path:
+            path = Path(json_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+    return 1 if world.comm.bcast(bool(report.failures), root=0) else 0

@@ -1,0 +1,77 @@
+"""The doctor's training step: one step of GPT training with the trainer's pieces
+(``parallelize``, engine, runner) on random tokens, timed, with its MFU where the device's
+peak is known."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from mpi4py import MPI
+
+from hpctrain.comm.grid import ProcessGrid
+from hpctrain.comm.world import World
+from hpctrain.config import load_config
+from hpctrain.doctor.comm_checks import agree, planted_fault
+from hpctrain.doctor.report import Report
+from hpctrain.model.gpt import GPT
+from hpctrain.parallel.parallelize import parallelize
+from hpctrain.systems.devices import peak_for_device
+
+# GPT-2 124M as trained (vocabulary padded to a multiple of 64), and a CPU-sized one.
+SHAPES = {"gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024,
+                            vocab_size=50304, batch_per_rank=8),
+          "small": dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256,
+                        batch_per_rank=8)}
+
+
+def check_train(world: World, report: Report, model: str) -> None:
+    """One step of GPT training with the trainer's pieces (``parallelize``, engine,
+    runner) on random tokens: a warm-up step, then a timed one."""
+    accel = world.accel
+    name = model if model != "auto" else ("gpt2-124m" if accel.kind in ("cuda", "xpu")
+                                          else "small")
+    shape = dict(SHAPES[name])
+    per_rank = shape.pop("batch_per_rank")
+    dtype = "bf16" if accel.kind in ("cuda", "xpu") else "fp32"
+    cfg = load_config("default", [f"--model.{k}={v}" for k, v in shape.items()] + [
+        f"--train.batch_size={per_rank * world.size}", f"--train.dtype={dtype}",
+        f"--train.device={accel.kind}"])
+    gpt_cfg = cfg.model.to_gpt()
+    grid = ProcessGrid.create(world, 1)
+    torch.manual_seed(0)
+    par = parallelize(GPT(gpt_cfg), grid, cfg)
+    gen = torch.Generator().manual_seed(1 + world.rank)
+    T = gpt_cfg.block_size
+    losses, seconds = [], 0.0
+    for step in range(2):
+        tokens = torch.randint(0, gpt_cfg.vocab_size, (per_rank, T + 1), generator=gen)
+        x = accel.to_device(tokens[:, :-1].contiguous())
+        y = accel.to_device(tokens[:, 1:].contiguous())
+        world.comm.Barrier()
+        t0 = time.perf_counter()
+        loss = par.runner.train_step([x], [y], par.engine.grad_scale,
+                                     par.engine.prepare_for_backward)
+        par.engine.finish()
+        norm = float(par.engine.step(cfg.optim.lr, cfg.optim.grad_clip))
+        par.runner.tie_weights()
+        par.engine.zero_grad()
+        losses.append(float(loss))  # synchronizes the device: the step is done
+        seconds = world.comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    par.engine.close()
+    if planted_fault("train"):
+        losses[-1] = float("nan")
+    ok = agree(world, all(math.isfinite(v) for v in losses) and math.isfinite(norm),
+               "the training step")
+    tokens_per_s = per_rank * world.size * T / seconds
+    peak = peak_for_device(accel.name, dtype)
+    mfu = (gpt_cfg.flops_per_token() * tokens_per_s / (peak * 1e12 * world.size)
+           if peak else None)
+    report.sections["train"] = {
+        "model": name, "params": gpt_cfg.num_params(), "dtype": dtype,
+        "batch_per_rank": per_rank, "block_size": T, "losses": losses,
+        "step_s": seconds, "tokens_per_s": tokens_per_s, "peak_tflops": peak, "mfu": mfu,
+        "memory": accel.describe_memory(), "status": "ok" if ok else "FAILED"}
+    if not ok:
+        report.fail("train", f"the loss or gradient norm is not finite ({losses})")

@@ -1,0 +1,441 @@
+"""The system registry: one TOML file per machine, read by one loader.
+
+``hpctrain/systems/<name>.toml`` describes a machine once for every command that needs
+it: ``hpctrain jobscript`` and ``hpctrain launch`` (batch system, launch line),
+``hpctrain plan`` and ``hpctrain scale`` (performance model), and the MFU of
+``hpctrain train`` (device peaks, ``devices.toml``). ``--system NAME`` reads the same file
+in all of them; ``--system PATH.toml`` reads your own: copy the closest file and edit it.
+
+A file has a ``description`` and three tables (``polaris.toml`` is a commented example):
+
+``[batch]``, the batch system; every limit keeps its source in a comment.
+    ``scheduler``: ``pbs``, ``slurm`` or ``none``. ``directives``: templates with
+    ``{placeholders}`` (``hpctrain.jobs.job_system`` lists them). ``requires``: what a job
+    must name (``account``, ``queue``, ``walltime``). ``filesystems``,
+    ``default_filesystems``. ``[batch.queues.NAME]``: ``nodes = [min, max]``,
+    ``walltime``, optional ``min_walltime``, ``walltime_by_nodes``
+    (``[[max_nodes, walltime], ...]``), ``directives``, ``array_throttle``, and
+    ``partition``: what ``{queue}`` becomes in the directives when the queue is not a
+    partition of its own (Frontier's ``debug`` is a QOS of ``batch``).
+``[launch]``, starting and binding the ranks.
+    ``ranks_per_node`` (0: one per CPU core, local only), ``gpus_per_node``;
+    ``cpus_per_node`` (CPUs the launcher hands out, hardware threads on SLURM; 0: unknown,
+    no binding) and ``threads_per_core``: a rank gets ``cpus_per_node // ranks_per_node``
+    CPUs and as many OpenMP threads as whole cores. ``cpu_sockets``: core ranges
+    ``[first, last]`` per socket for explicit CPU lists (Aurora), so that no rank crosses
+    a socket or touches a reserved core. ``max_ranks_per_node``: a hard limit below the
+    CPU count (Frontier: one rank per GCD). ``device_env``, ``device_order``: which
+    variable selects a rank's GPU before MPI starts (``CUDA_VISIBLE_DEVICES``,
+    ``ZE_AFFINITY_MASK``) and how (``direct``: local_rank % gpus, ``reverse``:
+    gpus - 1 - local_rank % gpus). ``setup``: shell commands (module loads) run in order,
+    each checked; ``[launch.env]``: variables exported for the run. ``profilers``.
+    ``launcher``: the launch command, a template. ``srun_mpi``: the ``--mpi=`` plugin for
+    ``{srun_mpi}`` (``pmi2``, ``pmix``, ...), or ``auto``: chosen inside the job.
+``[perf]``, optional: the performance model's figures.
+    ``device``: a table of ``devices.toml``, which holds its peaks (a device not listed
+    there gives ``[perf.compute] peak_tflops``). ``device_memory_gib`` (0: the ranks share
+    the host's memory), ``memory_reserve_gib``, ``cores_per_node`` (CPU ranks share them;
+    0: the cores of this machine), ``flash_attention``, ``base_memory_mib``.
+    ``[perf.compute]``: ``achieved_tflops`` per dtype, ``layer_overhead_us``,
+    ``optimizer_ns_per_param``, ``optimizer_overhead_us``. ``[perf.network]``: ``intra``-
+    and ``inter``-node links (``alpha_us``, ``gbytes_per_s``) and ``overlap`` (0 to 1).
+
+The loader checks structure and types and names the fix. What the values mean to a job
+script (placeholders, queue names, environment keys) is checked in
+``hpctrain.jobs.job_system``; the performance model adds calibrations in
+``hpctrain.scaling.system_perf``. This module imports nothing from hpctrain but ``errors``:
+it is tier 0 (docs/design/layers.md).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from hpctrain.errors import UserError
+from hpctrain.systems.devices import DEVICES, device_peaks
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SCHEDULERS = ("pbs", "slurm", "none")
+"""Device peaks, next to the systems (not a system itself)."""
+EXAMPLE = "hpctrain/systems/polaris.toml"
+_WALLTIME = re.compile(r"(\d{1,4}):([0-5]\d):([0-5]\d)")
+_REQUIRED = object()
+
+
+def walltime_seconds(text) -> int | None:
+    """``HH:MM:SS`` (hours may exceed 24) -> seconds; None when ``text`` is not that."""
+    m = _WALLTIME.fullmatch(text.strip()) if isinstance(text, str) else None
+    if m is None:
+        return None
+    h, mi, s = (int(g) for g in m.groups())
+    return h * 3600 + mi * 60 + s
+
+
+def format_walltime(seconds: int) -> str:
+    return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+@dataclass(frozen=True)
+class Queue:
+    name: str
+    min_nodes: int
+    max_nodes: int
+    max_walltime: int
+    """Seconds."""
+    walltime_by_nodes: tuple = ()
+    """``((max_nodes, seconds), ...)``: a tighter walltime limit for smaller jobs."""
+    directives: tuple = ()
+    """Extra directives this queue needs (Polaris preemptable: ``-r y``)."""
+    array_throttle: int | None = None
+    """Job arrays must carry a ``%N`` throttle with N at most this (Polaris prod: 10)."""
+    min_walltime: int = 0
+    """Seconds; shorter requests are refused (every ALCF queue: 5 minutes)."""
+    partition: str | None = None
+    """The value of ``{queue}`` in directives, when not the queue's own name."""
+
+    def max_walltime_for(self, n_nodes: int) -> int:
+        for max_nodes, seconds in self.walltime_by_nodes:
+            if n_nodes <= max_nodes:
+                return seconds
+        return self.max_walltime
+
+    def describe(self) -> str:
+        nodes = f"{self.min_nodes}-{self.max_nodes} nodes"
+        return f"{self.name} ({nodes}, <= {format_walltime(self.max_walltime)})"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """``[batch]``: what a job script asks the batch system for."""
+
+    scheduler: str
+    directives: tuple = ()
+    queues: dict = field(default_factory=dict)
+    """``{name: Queue}`` in file order."""
+    requires: tuple = ()
+    filesystems: tuple = ()
+    default_filesystems: tuple = ()
+
+    @property
+    def directive_prefix(self) -> str:
+        return {"pbs": "#PBS", "slurm": "#SBATCH"}.get(self.scheduler, "")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """``[launch]``: how the ranks start and where they sit on a node."""
+
+    launcher: tuple
+    ranks_per_node: int
+    """0: one rank per CPU core of the machine (local only)."""
+    gpus_per_node: int
+    cpus_per_node: int
+    """0: unknown (no CPU binding, no OMP_NUM_THREADS)."""
+    threads_per_core: int = 1
+    cpu_sockets: tuple = ()
+    max_ranks_per_node: int | None = None
+    device_env: str | None = None
+    device_order: str | None = None
+    setup: tuple = ()
+    env: tuple = ()
+    """``((KEY, VALUE), ...)`` in file order."""
+    profilers: tuple = ()
+    srun_mpi: str | None = None
+    """``--mpi=`` plugin for ``{srun_mpi}``: a name, or ``auto`` (chosen in the job)."""
+
+    @property
+    def uses_srun_mpi(self) -> bool:
+        return any("{srun_mpi}" in t for t in self.launcher)
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha_us: float
+    gbytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Perf:
+    """``[perf]``: the performance model's figures, in the file's units."""
+
+    device: str
+    device_memory_gib: float
+    """0: the ranks share the host's memory (no fit check per device)."""
+    peak_tflops: dict
+    """``{dtype: TFLOP/s}`` of one device (``devices.toml``), for MFU."""
+    achieved_tflops: dict
+    layer_overhead_us: float
+    optimizer_ns_per_param: float
+    optimizer_overhead_us: float
+    intra: Link
+    inter: Link
+    overlap: float = 0.0
+    memory_reserve_gib: float = 0.0
+    cores_per_node: int = 0
+    flash_attention: bool = False
+    base_memory_mib: float = 0.0
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    description: str
+    source: str
+    """What ``--system`` said: a built-in name or a file's path."""
+    file: str
+    """The file read: ``hpctrain/systems/<name>.toml`` or the path given."""
+    batch: Batch
+    launch: Launch
+    perf: Perf | None = None
+    """None: the performance model knows nothing of this system."""
+
+
+def _folder():
+    return resources.files("hpctrain.systems")
+
+
+def system_names() -> list[str]:
+    """The built-in systems."""
+    return sorted(p.name[:-5] for p in _folder().iterdir()
+                  if p.name.endswith(".toml") and p.name != DEVICES)
+
+
+def load_system(name_or_path: str) -> System:
+    """A built-in system by name, or your own file by path (``.toml`` or a ``/``)."""
+    if name_or_path.endswith(".toml") or "/" in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise UserError(f"system file {path} does not exist; give a built-in system "
+                            f"({', '.join(system_names())}) or an existing .toml file (copy "
+                            "one of hpctrain/systems/*.toml and edit it)")
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise UserError(f"system file {path} cannot be read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise UserError(f"system file {path} is not UTF-8 text; a system file is TOML "
+                            "(copy one of hpctrain/systems/*.toml)") from None
+        name, file = path.stem, str(path)
+    else:
+        if name_or_path not in system_names():
+            raise UserError(f"unknown system {name_or_path!r}; built-in systems: "
+                            f"{', '.join(system_names())} (or the path of a .toml file; "
+                            "see `hpctrain jobscript --list-systems`)")
+        text, name = (_folder() / f"{name_or_path}.toml").read_text(), name_or_path
+        file = f"hpctrain/systems/{name}.toml"
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"system file {file} is not valid TOML: {e}") from None
+    return _system(name, data, name_or_path, file)
+
+
+# ------------------------------------------------------------------------- reading
+
+class _Table:
+    """One table of a system file: typed reads, then ``done()`` refuses unread keys."""
+
+    def __init__(self, data, source: str, where: str):
+        self.source, self.where = source, where
+        if not isinstance(data, dict):
+            raise self.error(f"{self.where or 'the file'} must be a table")
+        self.data, self.known = data, set()
+
+    def error(self, message: str) -> UserError:
+        return UserError(f"system file {self.source}: {message}")
+
+    def key(self, key: str) -> str:
+        return f"[{self.where}] {key}" if self.where else key
+
+    def get(self, key: str, typ: type, default=_REQUIRED):
+        self.known.add(key)
+        if key not in self.data:
+            if default is _REQUIRED:
+                close = difflib.get_close_matches(key, list(self.data), n=1)
+                hint = f" (is {close[0]} a misspelling of it?)" if close else ""
+                raise UserError(f"system file {self.source} lacks {self.key(key)}{hint}; see "
+                                f"{EXAMPLE} for every field")
+            return default
+        value = self.data[key]
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
+            raise self.error(f"{self.key(key)} must be {_TYPES[typ]}, not {value!r}")
+        return value
+
+    def strings(self, key: str, default=_REQUIRED) -> tuple:
+        items = self.get(key, list, default)
+        if not all(isinstance(s, str) for s in items):
+            raise self.error(f"{self.key(key)} must be a list of strings, not {items!r}")
+        return tuple(items)
+
+    def numbers(self, key: str, default=_REQUIRED) -> dict:
+        d = self.get(key, dict, default)
+        if d is None:
+            return None
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in d.values()):
+            raise self.error(f"{self.key(key)} must map names to numbers, not {d!r}")
+        return {k: float(v) for k, v in d.items()}
+
+    def table(self, key: str, default=_REQUIRED) -> _Table | None:
+        if key not in self.data and default is _REQUIRED:
+            where = f"{self.where}.{key}" if self.where else key
+            raise UserError(f"system file {self.source} lacks a [{where}] table; see "
+                            f"{EXAMPLE} for every field")
+        d = self.get(key, dict, default)
+        return None if d is None else _Table(d, self.source,
+                                             f"{self.where}.{key}" if self.where else key)
+
+    def done(self) -> None:
+        unknown = sorted(set(self.data) - self.known)
+        if unknown:
+            raise self.error(f"unknown key(s) {', '.join(unknown)} in "
+                             f"{f'[{self.where}]' if self.where else 'the top level'}; "
+                             f"known: {', '.join(sorted(self.known))}")
+
+
+_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+          list: "a list", dict: "a table"}
+
+
+def _walltime(t: _Table, key: str, default=_REQUIRED) -> int:
+    text = t.get(key, str, default)
+    if text is None:
+        return 0
+    seconds = walltime_seconds(text)
+    if not seconds:
+        raise t.error(f"{t.key(key)} = {text!r} is not a walltime HH:MM:SS longer than zero")
+    return seconds
+
+
+def _system(name: str, data: dict, source: str, file: str) -> System:
+    top = _Table(data, file, "")
+    description = top.get("description", str)
+    batch = _batch(top.table("batch"))
+    launch = _launch(top.table("launch"))
+    perf_table = top.table("perf", None)
+    perf = _perf(perf_table) if perf_table else None
+    top.done()
+    return System(name=name, description=description, source=source, file=file, batch=batch,
+                  launch=launch, perf=perf)
+
+
+def _batch(t: _Table) -> Batch:
+    scheduler = t.get("scheduler", str)
+    if scheduler not in SCHEDULERS:
+        raise t.error(f"[batch] scheduler = {scheduler!r}: use one of {', '.join(SCHEDULERS)}")
+    queues_table = t.table("queues", {})
+    queues = {}
+    for qname in queues_table.data:
+        queues[qname] = _queue(qname, queues_table.table(qname))
+    queues_table.done()
+    batch = Batch(scheduler=scheduler, directives=t.strings("directives", ()), queues=queues,
+                  requires=t.strings("requires", ()), filesystems=t.strings("filesystems", ()),
+                  default_filesystems=t.strings("default_filesystems", ()))
+    t.done()
+    for fs in batch.default_filesystems:
+        if fs not in batch.filesystems:
+            raise t.error(f"default filesystem {fs} is not listed in [batch] filesystems")
+    return batch
+
+
+def _queue(name: str, t: _Table) -> Queue:
+    nodes = t.get("nodes", list)
+    if len(nodes) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                  for n in nodes) or nodes[0] > nodes[1]:
+        raise t.error(f"[{t.where}] nodes must be [min, max] node counts, not {nodes!r}")
+    by_nodes = []
+    for item in t.get("walltime_by_nodes", list, []):
+        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], int)
+                or not walltime_seconds(item[1])):
+            raise t.error(f"[{t.where}] walltime_by_nodes must be [[max_nodes, \"HH:MM:SS\"], "
+                          f"...], not {item!r}")
+        by_nodes.append((item[0], walltime_seconds(item[1])))
+    queue = Queue(name=name, min_nodes=nodes[0], max_nodes=nodes[1],
+                  max_walltime=_walltime(t, "walltime"), walltime_by_nodes=tuple(by_nodes),
+                  directives=t.strings("directives", ()),
+                  array_throttle=t.get("array_throttle", int, None),
+                  min_walltime=_walltime(t, "min_walltime", None),
+                  partition=t.get("partition", str, None))
+    t.done()
+    return queue
+
+
+def _launch(t: _Table) -> Launch:
+    launcher = t.strings("launcher")
+    if not launcher:
+        raise t.error("[launch] launcher must name a program")
+    sockets = t.get("cpu_sockets", list, [])
+    if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(c, int) for c in s)
+               and s[0] <= s[1] for s in sockets):
+        raise t.error(f"[launch] cpu_sockets must be [[first, last], ...] core ranges, "
+                      f"not {sockets!r}")
+    env = t.table("env", {})
+    for key in env.data:
+        env.get(key, str)
+    env.done()
+    launch = Launch(
+        launcher=launcher, ranks_per_node=t.get("ranks_per_node", int),
+        gpus_per_node=t.get("gpus_per_node", int), cpus_per_node=t.get("cpus_per_node", int),
+        threads_per_core=t.get("threads_per_core", int, 1),
+        cpu_sockets=tuple(tuple(s) for s in sockets),
+        max_ranks_per_node=t.get("max_ranks_per_node", int, None),
+        device_env=t.get("device_env", str, None), device_order=t.get("device_order", str, None),
+        setup=t.strings("setup", ()), env=tuple(env.data.items()),
+        profilers=t.strings("profilers", ()), srun_mpi=t.get("srun_mpi", str, None))
+    t.done()
+    if launch.device_order not in (None, "direct", "reverse"):
+        raise t.error("[launch] device_order must be direct or reverse")
+    if bool(launch.device_env) != bool(launch.device_order):
+        raise t.error("[launch] set device_env and device_order together")
+    if launch.threads_per_core < 1:
+        raise t.error("[launch] threads_per_core must be at least 1")
+    return launch
+
+
+def _link(t: _Table) -> Link:
+    link = Link(alpha_us=t.get("alpha_us", float), gbytes_per_s=t.get("gbytes_per_s", float))
+    t.done()
+    return link
+
+
+def _perf(t: _Table) -> Perf:
+    device = t.get("device", str)
+    compute, network = t.table("compute"), t.table("network")
+    peaks = compute.numbers("peak_tflops", None)
+    known = device_peaks()
+    if device in known:
+        if peaks is not None:
+            raise t.error(f"[perf.compute] peak_tflops: the peaks of {device} are in "
+                          f"hpctrain/systems/{DEVICES}; drop them here")
+        peaks = known[device]
+    elif peaks is None:
+        raise t.error(f"[perf] device {device!r} has no peaks in hpctrain/systems/{DEVICES} "
+                      f"({', '.join(known)}): name one of those, or give [perf.compute] "
+                      "peak_tflops = { bf16 = ..., fp32 = ... }")
+    perf = Perf(
+        device=device, device_memory_gib=t.get("device_memory_gib", float),
+        memory_reserve_gib=t.get("memory_reserve_gib", float, 0.0),
+        cores_per_node=t.get("cores_per_node", int, 0),
+        flash_attention=t.get("flash_attention", bool, False),
+        base_memory_mib=t.get("base_memory_mib", float, 0.0),
+        peak_tflops=peaks, achieved_tflops=compute.numbers("achieved_tflops"),
+        layer_overhead_us=compute.get("layer_overhead_us", float),
+        optimizer_ns_per_param=compute.get("optimizer_ns_per_param", float),
+        optimizer_overhead_us=compute.get("optimizer_overhead_us", float),
+        intra=_link(network.table("intra")), inter=_link(network.table("inter")),
+        overlap=network.get("overlap", float, 0.0))
+    for table in (t, compute, network):
+        table.done()
+    if not 0.0 <= perf.overlap <= 1.0:
+        raise t.error("[perf.network] overlap must be between 0 and 1")
+    return perf
