@@ -10,6 +10,7 @@ parameters (fp32), or the fp32 master weights to the bf16 bounds.
 import pytest
 from mpi4py import MPI
 
+from hpctrain.comm import device_collectives
 from hpctrain.comm.device_collectives import DeviceTransport
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (cpu_world, fit_against_reference, fit_bf16_against_reference,
@@ -17,6 +18,15 @@ from tests.helpers import (cpu_world, fit_against_reference, fit_bf16_against_re
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
+
+
+@pytest.fixture(scope="module", autouse=True)
+def device_library():
+    """Leave the process group when this file is done: gloo's threads keep polling its
+    sockets, which takes cores from the rest of the leg (4 ranks share 2 cores)."""
+    yield
+    COMM.Barrier()
+    device_collectives.stop()
 
 
 def _fit(mpi_dataset, shared_tmp, **overrides):

@@ -11,7 +11,10 @@ algorithm, and spinning without yielding starves a peer that shares our core whe
 oversubscribe cores (docs/design/failure-handling.md has the measurements of both).
 So every failed poll yields the core (``sched_yield`` returns at once when nothing else
 is runnable), and only waits longer than a second sleep between polls, to stop burning
-a core while, say, rank 0 writes a file.
+a core while, say, rank 0 writes a file. On a node with more ranks than cores
+(``pace_for_node``, set when the world is built) a failed poll sleeps briefly instead:
+the rank we wait for may need our core, and a yield gives it back only for a moment
+(docs/design/failure-handling.md has the measurements).
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ from mpi4py import MPI
 from hpctrain.errors import CommTimeout
 
 _CHECK_EVERY = 64  # polls between clock reads
+OVERSUBSCRIBED_POLL_SLEEP_S = 5e-5
+_pace = {"poll_sleep": 0.0}
+"""The process's way of waiting: set once per process, from its node (``pace_for_node``)."""
+
+
+def pace_for_node(oversubscribed: bool) -> None:
+    """Waits on a node with more ranks (times their threads) than cores sleep
+    ``OVERSUBSCRIBED_POLL_SLEEP_S`` between polls instead of yielding."""
+    _pace["poll_sleep"] = OVERSUBSCRIBED_POLL_SLEEP_S if oversubscribed else 0.0
 _YIELD_S = 1.0  # waits longer than this sleep between polls instead of yielding
 _SLEEP_S = 1e-3
 
@@ -41,12 +53,12 @@ def wait_all(requests: list[MPI.Request], *, timeout: float, what: str,
              poll_sleep: float = 0.0, option: str = "--comm.timeout") -> None:
     """Wait for ``requests``; raise ``CommTimeout`` after ``timeout`` seconds.
 
-    ``poll_sleep`` > 0 sleeps that long between polls instead of yielding: for a
-    point-to-point wait on an oversubscribed node, where the ranks we wait for need our
-    core more than we need a fast wake-up. ``option`` is the setting that sets
-    ``timeout``, named in the message (``hpctrain prepare`` has ``--timeout``)."""
+    ``poll_sleep`` > 0 sleeps that long between polls instead of yielding (default: the
+    node's pace, ``pace_for_node``). ``option`` is the setting that sets ``timeout``,
+    named in the message (``hpctrain prepare`` has ``--timeout``)."""
     if not requests:
         return
+    poll_sleep = poll_sleep or _pace["poll_sleep"]
     start = time.monotonic()
     polls = 0
     sleeping = False

@@ -17,6 +17,7 @@ from hpctrain.comm.gpu_aware import GPUAwareness, detect_gpu_aware
 from hpctrain.comm.placement import choose_kind, make_accelerator, visible_devices
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.transport import Transport, make_transport, resolve_collectives
+from hpctrain.comm.watchdog import pace_for_node
 from hpctrain.errors import UserError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -84,6 +85,7 @@ class World:
         resources = MPIResources()
         local_comm = resources.add(comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))
         local_rank, local_size = local_comm.Get_rank(), local_comm.Get_size()
+        pace_for_node(node_oversubscribed(local_size, threads_per_rank(local_size)))
         # Node index: number the lowest rank of each node, then share it within the node.
         is_leader = int(local_rank == 0)
         leaders = comm.allgather(is_leader)

@@ -31,7 +31,6 @@ import torch
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.transport import MPITransport
 from hpctrain.comm.watchdog import wait_all
-from hpctrain.comm.world import node_oversubscribed
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.pipeline.consolidate import gather_parameters
 from hpctrain.parallel.pipeline import schedules as S
@@ -40,11 +39,6 @@ from hpctrain.profiling import profile_range
 
 LOOKAHEAD = 2  # receives posted ahead of the action that consumes them
 TIE_TAG_OFFSET = 1  # tied-embedding messages use tags above every schedule tag
-# With more ranks than cores, a stage waiting for its neighbour sleeps between polls
-# instead of yielding: the neighbour it waits for may share its core, and sleeping leaves
-# the core to it. With a core per rank, yielding wakes up sooner.
-# docs/design/pipeline.md ("The executor") has the measurements.
-OVERSUBSCRIBED_POLL_SLEEP_S = 5e-5
 
 
 @dataclass
@@ -131,8 +125,6 @@ class PipelineExecutor:
         """The sends of the schedule being run (posted before any blocking wait)."""
         self.device = next(stage.parameters()).device
         self.dtype = next(stage.parameters()).dtype  # activations travel in it (bf16)
-        self.poll_sleep = OVERSUBSCRIBED_POLL_SLEEP_S if node_oversubscribed(
-            grid.world.local_size, torch.get_num_threads()) else 0.0
         self.actions = S.schedule(kind, self.p, n_micro, self.s, self.v)
         self.stats = PipelineStats()
         self.tie_tag = S.max_tag(self.p, max(n_micro, 1), self.v) + TIE_TAG_OFFSET
@@ -186,8 +178,7 @@ class PipelineExecutor:
         # them all first (the host would block here anyway).
         self._post_ready(self._sends, block=True)
         t0 = time.perf_counter()
-        wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}",
-                 poll_sleep=self.poll_sleep)
+        wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}")
         if bubble:
             self.stats.bubble_s += time.perf_counter() - t0
 
