@@ -63,35 +63,35 @@ $(DATA): | $(STAMP)
 run: $(STAMP) $(DATA)
 	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train $(RECIPE) --train.overwrite=true $(ARGS)
 
-# The suite in three legs: one process, then the MPI tests at 2 and 4 ranks. The
-# single-process reference runs are kept in a temporary directory for the legs to share
-# (tests/reference.py); SELECT narrows every leg (test-fast leaves out `slow` tests:
-# subprocess trainings, signals, job scripts, scaling studies). The MPI legs collect only
-# tests/*_mpi.py, the files that hold the `mpi` tests (tests/conftest.py enforces it).
-# Every launch, the legs' and the tests' own, goes through hpctrain/comm/local_mpiexec.py
-# with MPIEXEC: it adds what the launcher's MPI needs (e.g. `make test MPIEXEC=mpirun`).
-# The single-process leg runs beside the 2-rank leg (it keeps one core busy, they share
-# the rest); its report is printed when both are done. The 4-rank leg presents the fake
-# device as the node's accelerator (HPCTRAIN_AUTO_DEVICE=fake: what --train.device=auto
-# takes): the suite passes on a GPU node only if no comparison depends on what auto finds
-# (tests/conftest.py).
+# The suite in legs (tests/run_legs.py runs them, tests/README.md lists what each holds):
+#   make test       the single-process tests that are not `slow`, beside the MPI tests at 2
+#                   ranks; then the MPI tests at 4 ranks, with the fake device presented as
+#                   the node's accelerator (HPCTRAIN_AUTO_DEVICE=fake)
+#   make test-slow  the single-process `slow` tests: long end-to-end runs (trainings under
+#                   mpiexec, signals, job scripts, scaling studies); .ci/run runs it
+#   make test-fast  the first group of make test without `slow` tests (about a minute)
+# Every leg runs even when an earlier one failed; the last line names the failed legs.
+# SELECT narrows every leg (pytest options). The MPI legs collect only tests/*_mpi.py (the
+# files that hold the `mpi` tests, tests/conftest.py enforces it). Every launch, the legs'
+# and the tests' own, goes through hpctrain/comm/local_mpiexec.py with MPIEXEC: it adds
+# what the launcher's MPI needs (e.g. `make test MPIEXEC=mpirun`).
 SELECT ?=
 MPI_TESTS := $(sort $(wildcard tests/*_mpi.py))
-LAUNCH = env MPIEXEC="$(MPIEXEC)" $(PY) -m hpctrain.comm.local_mpiexec
+LEGS_RUN = $(RUN_ENV) MPIEXEC="$(MPIEXEC)" TIME_LIMIT=$(TIME_LIMIT) $(PY) -m tests.run_legs \
+	--select='$(SELECT)'
 test: $(STAMP)
-	@ref=$$(mktemp -d); trap 'rm -rf "$$ref"' EXIT; export HPCTRAIN_REF_CACHE="$$ref" $(RUN_ENV) \
-	  MPIEXEC="$(MPIEXEC)"; \
-	start=$$(date +%s); rm -rf test-reports; mkdir -p test-reports; \
-	{ timeout $(TIME_LIMIT) $(PY) -m pytest -q tests $(SELECT) --junitxml=test-reports/unit.xml \
-	    > test-reports/unit.log 2>&1; echo $$? > test-reports/unit.rc; } & \
-	timeout $(TIME_LIMIT) $(LAUNCH) -n 2 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi2.xml; \
-	mpi2=$$?; wait; echo "---- single-process leg"; cat test-reports/unit.log; \
-	[ "$$(cat test-reports/unit.rc)" = 0 ] && [ $$mpi2 = 0 ] && \
-	HPCTRAIN_AUTO_DEVICE=fake timeout $(TIME_LIMIT) $(LAUNCH) -n 4 $(PY) -m tests.mpi_pytest -q --only-mpi $(MPI_TESTS) $(SELECT) --junitxml=test-reports/mpi4.xml && \
-	echo "all legs passed in $$(( $$(date +%s) - start )) s"
+	@$(LEGS_RUN) unit+mpi2 mpi4
+
+test-slow: $(STAMP)
+	@$(LEGS_RUN) slow
 
 test-fast: $(STAMP)
-	@$(MAKE) --no-print-directory test SELECT='-m "not slow"'
+	@$(MAKE) --no-print-directory test-legs GROUPS=unit+mpi2 SELECT='-m "not slow"'
+
+.PHONY: test-slow test-legs
+GROUPS ?= unit+mpi2 mpi4
+test-legs: $(STAMP)
+	@$(LEGS_RUN) $(GROUPS)
 
 # The benchmarks that train on tiny Shakespeare read it from $HPCTRAIN_SHAKESPEARE
 # (karpathy/char-rnn's data/tinyshakespeare/input.txt; they say so when it is missing).
@@ -120,7 +120,7 @@ clean:
 #                    that no leg runs (tests/skip_audit.py, tests/skip_allowlist.txt)
 HF_STAMP := $(VENV)/.installed-hf
 GPT2_BPE := $(VENV)/share/hpctrain/r50k_base.tiktoken
-LEGS ?= unit,mpi2,mpi4,hf,slurm,openmpi-unit,openmpi-mpi2,openmpi-mpi4
+LEGS ?= unit,slow,mpi2,mpi4,hf,slurm,openmpi-unit,openmpi-mpi2,openmpi-mpi4
 
 .PHONY: test-hf test-audit test-slurm
 

@@ -139,6 +139,7 @@ def _hidden(model, idx):
     return x
 
 
+@pytest.mark.slow  # a subprocess
 def test_sample_reads_a_sharded_checkpoint(trained):
     out, _, _ = trained
     p = run(hpctrain_cmd("sample", "--checkpoint", str(out / "checkpoints" / "step_000010"),

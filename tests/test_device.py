@@ -71,6 +71,7 @@ def test_asking_for_a_device_that_is_not_there_is_one_line():
         in str(e.value)
 
 
+@pytest.mark.slow  # a subprocess
 def test_train_device_xpu_without_one_exits_2(dataset_path, tmp_path):
     from tests.helpers import hpctrain_cmd, run
 

@@ -68,6 +68,7 @@ def test_a_llama_checkpoint_resumes_and_refuses_a_gpt_run(dataset_path, trained,
                 cpu_world(MPI.COMM_SELF), verbose=False)
 
 
+@pytest.mark.slow  # a subprocess
 def test_sample_from_a_llama_checkpoint(trained):
     out, _, _, params = trained
     p = run(hpctrain_cmd("sample", "--checkpoint", str(out / "checkpoints" / "step_000020"),
