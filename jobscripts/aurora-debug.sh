@@ -65,6 +65,9 @@ fi
 
 # ---- environment of the run ------------------------------------------------------------
 export HPCTRAIN_SYSTEM=aurora
+export CCL_PROCESS_LAUNCHER=pmix
+export CCL_ATL_TRANSPORT=mpi
+export CCL_KVS_MODE=mpi
 export ZE_FLAT_DEVICE_HIERARCHY=FLAT
 export MPIR_CVAR_ENABLE_GPU=1
 export FI_MR_CACHE_MONITOR=userfaultfd

@@ -48,6 +48,7 @@ type module >/dev/null 2>&1 ||
     die "no module command: keep the login-shell shebang (#!/bin/bash -l) or replace the setup (--setup FILE)"
 module load PrgEnv-gnu || die 'setup step failed: module load PrgEnv-gnu'
 module load rocm || die 'setup step failed: module load rocm'
+module load rccl-net-plugin || die 'setup step failed: module load rccl-net-plugin'
 module load craype-accel-amd-gfx90a || die 'setup step failed: module load craype-accel-amd-gfx90a'
 export LD_LIBRARY_PATH="${CRAY_LD_LIBRARY_PATH}:${LD_LIBRARY_PATH}" || die 'setup step failed: export LD_LIBRARY_PATH="${CRAY_LD_LIBRARY_PATH}:${LD_LIBRARY_PATH}"'
 export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID}" || die 'setup step failed: export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID}"'
@@ -106,7 +107,7 @@ NRANKS=$((NNODES * RANKS_PER_NODE))
     echo "started $(date -Is)"
 } > "$RUN_DIR/job.txt"
 LAUNCH=(
-    srun -N"${NNODES}" -n"${NRANKS}" -c7 --gpus-per-task=1 --gpu-bind=closest
+    srun -N"${NNODES}" -n"${NRANKS}" -c7 --gpus-per-task=1 --gpu-bind=closest --network=disable_rdzv_get
     "${PYTHON}" -m hpctrain train default
     --data.path=datasets/stdlib-char.h5
     --train.time_limit=3600

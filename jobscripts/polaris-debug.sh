@@ -50,6 +50,7 @@ module use /soft/modulefiles || die 'setup step failed: module use /soft/modulef
 module load conda || die 'setup step failed: module load conda'
 conda activate || die 'setup step failed: conda activate'
 module load craype-accel-nvidia80 || die 'setup step failed: module load craype-accel-nvidia80'
+export LD_LIBRARY_PATH="/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib:/soft/libraries/hwloc/lib/:${LD_LIBRARY_PATH}" || die 'setup step failed: export LD_LIBRARY_PATH="/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib:/soft/libraries/hwloc/lib/:${LD_LIBRARY_PATH}"'
 source .venv/bin/activate || die "cannot activate the environment (--venv):" .venv/bin/activate
 set -u
 PYTHON=$(python3 -c 'import sys; print(sys.executable)') ||
@@ -69,6 +70,13 @@ fi
 # ---- environment of the run ------------------------------------------------------------
 export HPCTRAIN_SYSTEM=polaris
 export MPICH_GPU_SUPPORT_ENABLED=1
+export NCCL_NET_GDR_LEVEL=PHB
+export NCCL_CROSS_NIC=1
+export NCCL_COLLNET_ENABLE=1
+export NCCL_NET='AWS Libfabric'
+export FI_CXI_DISABLE_HOST_REGISTER=1
+export FI_MR_CACHE_MONITOR=userfaultfd
+export FI_CXI_DEFAULT_CQ_SIZE=131072
 export OMP_NUM_THREADS=8
 
 # ---- run directory: training outputs and this job's records ----------------------------

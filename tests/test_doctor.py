@@ -39,11 +39,12 @@ def test_cpu_passes_with_every_section(tmp_path):
     for section in SECTIONS:
         assert section in report, section
     rows = report["allreduce"]
-    assert [(r["size_mib"], r["memory"]) for r in rows] == \
-        [(s, m) for s in SIZES for m in ("host", "device")]
-    assert all(r["status"] == "no accelerator" for r in rows if r["memory"] == "device")
+    assert [(r["size_mib"], r["transport"]) for r in rows if r["memory"] == "host"] == \
+        [(s, "mpi") for s in SIZES]
+    assert [r["status"] for r in rows if r["memory"] == "device"] == ["no accelerator"]
     assert all(r["status"] == "ok" and r["algbw_GBps"] > 0 for r in rows
                if r["memory"] == "host")
+    assert report["setup"] == {"system": None, "problems": []}
     assert report["train"]["model"] == "small" and report["train"]["tokens_per_s"] > 0
     assert report["train"]["mfu"] is None  # no peak known for a CPU
     assert set(report["gpu_aware"]["per_vendor"]) == {"CUDA", "ROCm", "Level Zero"}
@@ -56,7 +57,8 @@ def test_fake_device_rows_run(tmp_path, aware):
     rc, text, report = doctor(tmp_path, device="fake", gpu_aware=aware)
     assert rc == 0, text
     device = [r for r in report["allreduce"] if r["memory"] == "device"]
-    assert device and all(r["status"] == "ok" for r in device)
+    assert [r["transport"] for r in device] == ["mpi"] * len(SIZES)  # one rank: no library
+    assert all(r["status"] == "ok" for r in device)
     assert all(r["staged"] == (aware == "no") for r in device)
     assert "fake" in report["ranks"][0]["device"]
 
@@ -96,3 +98,99 @@ def test_job_doctor_options_are_checked():
         ("", ["--sizes", "1", "--device=cpu"])
     with pytest.raises(JobError, match="--json"):
         check_command(["doctor", "--json", "x.json"])
+
+
+# ------------------------------------------------------------- set-up and thresholds
+
+def _row(rank, **kw):
+    return {"rank": rank, "host": "n0", "device": f"cuda:{rank}", "device_id": f"GPU-{rank}",
+            "cpus": "0-7", "gpu_cpus": "", "gpu_files": ["/dev/nvidia0"],
+            "torch_gpu": "CUDA 12.8", **kw}
+
+
+def _system(name="polaris"):
+    from hpctrain.systems.registry import load_system
+
+    return load_system(name)
+
+
+PYPI_MPICH = "MPICH Version: 5.0.2\nMPICH Custom Information: https://pypi.org/p/mpich/5.0.2/"
+
+
+def test_a_well_set_node_has_no_setup_problem():
+    from hpctrain.doctor.setup_checks import setup_failures
+
+    rows = [_row(0, gpu_cpus="0-15"), _row(1, cpus="8-15", gpu_cpus="0-15")]
+    assert setup_failures(rows, library_version="HPE Cray MPICH 8.1.28", aware=True,
+                          system=_system()) == []
+
+
+@pytest.mark.parametrize("planted,check", [
+    (dict(rows=[_row(0), _row(1, device_id="GPU-0")]), "devices"),
+    (dict(rows=[_row(0, cpus="24-31", gpu_cpus="0-7")]), "numa"),
+    (dict(aware=False), "gpu_aware"),
+    (dict(library_version=PYPI_MPICH), "mpi"),
+    (dict(rows=[_row(0, torch_gpu=None)]), "torch"),
+])
+def test_each_setup_mistake_is_named(planted, check):
+    from hpctrain.doctor.setup_checks import setup_failures
+
+    facts = dict(rows=[_row(0)], library_version="HPE Cray MPICH 8.1.28", aware=True,
+                 system=_system())
+    failures = setup_failures(**{**facts, **planted})
+    assert [c for c, _ in failures] == [check]
+    assert "\n" not in failures[0][1]
+
+
+def test_setup_expectations_come_from_the_system_profile():
+    from hpctrain.doctor.setup_checks import setup_failures
+
+    # The same facts on a machine with no profile, or one without a site MPI: no problem.
+    for system in (None, _system("local")):
+        assert setup_failures([_row(0)], library_version=PYPI_MPICH, aware=False,
+                              system=system) == []
+    for name in ("polaris", "perlmutter", "frontier", "aurora"):
+        launch = _system(name).launch
+        assert launch.vendor_mpi and launch.expects_gpu_aware_mpi, name
+
+
+def _report(**sections):
+    from hpctrain.doctor.report import Report
+
+    report = Report()
+    report.sections.update(sections)
+    return report
+
+
+def _allreduce(transport, staged, busbw):
+    return [{"size_mib": s, "memory": "device", "transport": transport, "staged": staged,
+             "status": "ok", "busbw_GBps": busbw if s == 150 else 0.1} for s in (1, 150)]
+
+
+@pytest.mark.parametrize("rows,ok", [
+    (_allreduce("nccl", False, 120.0), True),
+    (_allreduce("nccl", False, 12.0), False),  # NCCL over PCIe or sockets
+    (_allreduce("mpi", True, 3.0), True),
+    (_allreduce("mpi", True, 0.5), False),
+    (_allreduce("mpi", False, 4.0), False),  # GPU-aware MPI far below its floor
+])
+def test_bandwidth_floors_per_transport(rows, ok):
+    from hpctrain.doctor.thresholds import judge
+
+    report = _report(allreduce=rows)
+    judge(report, accelerator=True, ranks=4)
+    assert (report.failures == []) == ok
+    judge(report := _report(allreduce=rows), accelerator=True, ranks=1)
+    assert report.failures == []  # one rank moves nothing: no floor
+
+
+def test_mfu_floor_applies_on_accelerators_only():
+    from hpctrain.doctor.thresholds import MIN_MFU, judge
+
+    slow = {"model": "gpt2-124m", "mfu": MIN_MFU / 2}
+    report = _report(train=slow)
+    judge(report, accelerator=True, ranks=1)
+    assert report.failures and report.failures[0].startswith("train:")
+    report = _report(train=slow)
+    judge(report, accelerator=False, ranks=1)
+    assert report.failures == []

@@ -4,7 +4,6 @@ for several ranks) and ``hpctrain sample`` (text from a trained checkpoint)."""
 from __future__ import annotations
 
 import json
-import os
 
 from hpctrain.errors import UserError
 
@@ -60,18 +59,11 @@ def _train(args, overrides: list[str], signals) -> int:
         return 0
     check_out_dir(cfg.train.out_dir)  # on every rank, before MPI: one message, no hang
 
-    from mpi4py import MPI
-
-    from hpctrain.comm.abort import install_abort_handler
-    from hpctrain.comm.world import World
-    from hpctrain.comm.world_check import check_world_size
+    from hpctrain.cli.job_world import job_world
     from hpctrain.train.trainer import Trainer
 
-    install_abort_handler(MPI.COMM_WORLD)
-    check_world_size(MPI.COMM_WORLD.Get_size())
-    world = World.create(MPI.COMM_WORLD, timeout=cfg.comm.timeout, device=cfg.train.device,
-                         gpu_aware=cfg.comm.gpu_aware, collectives=cfg.comm.collectives,
-                         system=os.environ.get("HPCTRAIN_SYSTEM"))
+    world = job_world(timeout=cfg.comm.timeout, device=cfg.train.device,
+                      gpu_aware=cfg.comm.gpu_aware, collectives=cfg.comm.collectives)
     Trainer(cfg, world, signals=signals).fit()
     return 0
 

@@ -12,11 +12,15 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.device import Accelerator
 from hpctrain.comm.gpu_aware import HOST_MEMORY, QUERIES, VENDOR_NAMES, detect_gpu_aware
 from hpctrain.comm.placement import VISIBILITY_ENV
+from hpctrain.comm.transport import MPITransport, resolve_collectives
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import THREAD_LEVELS, World
 from hpctrain.doctor.report import MiB, Report
+from hpctrain.doctor.setup_checks import (expand_cpus, gpu_numa_cpus, gpus_present,
+                                          torch_gpu_build)
 
 FAULT_ENV = "HPCTRAIN_DOCTOR_FAULT"
 
@@ -51,9 +55,12 @@ def check_ranks(world: World, report: Report) -> None:
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     masks = [f"{k}={os.environ[k]}" for ks in VISIBILITY_ENV.values() for k in ks
              if k in os.environ]
+    gpu_cpus = gpu_numa_cpus(accel) if accel.is_accelerator else None
     mine = {"rank": world.rank, "host": socket.gethostname(), "node": world.node,
             "local_rank": world.local_rank, "device": accel.describe(), "kind": accel.kind,
-            "cpus": _cpu_list(affinity), "n_cpus": len(affinity),
+            "device_id": accel.identity(), "cpus": _cpu_list(affinity),
+            "n_cpus": len(affinity), "gpu_cpus": _cpu_list(gpu_cpus) if gpu_cpus else "",
+            "gpu_files": gpus_present(), "torch_gpu": torch_gpu_build(),
             "visibility": " ".join(masks), "torch_threads": torch.get_num_threads()}
     rows = world.comm.gather(mine, root=0)
     if world.is_root:
@@ -64,17 +71,9 @@ def check_ranks(world: World, report: Report) -> None:
             seen.setdefault(r["host"], []).append(r)
         overlaps = [f"{a['rank']}&{b['rank']}" for rs in seen.values()
                     for i, a in enumerate(rs) for b in rs[i + 1:]
-                    if set(_expand(a["cpus"])) & set(_expand(b["cpus"]))]
+                    if expand_cpus(a["cpus"]) & expand_cpus(b["cpus"])]
         report.sections["ranks_note"] = ("ranks sharing cores: " + ", ".join(overlaps[:8])
                                          if overlaps else "")
-
-
-def _expand(text: str) -> list[int]:
-    out = []
-    for part in filter(None, text.split(",")):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b or a) + 1))
-    return out
 
 
 def check_mpi(world: World, report: Report) -> None:
@@ -102,19 +101,20 @@ def check_mpi(world: World, report: Report) -> None:
                                     "device_vendor": world.accel.vendor}
 
 
-def _allreduce_row(world: World, nbytes: int, on_device: bool) -> dict:
-    """Sum of ``rank + 1`` over every rank in fp32 (exact), checked and timed."""
+def _allreduce_row(world: World, nbytes: int, on_device: bool, transport) -> dict:
+    """Sum of ``rank + 1`` over every rank in fp32 (exact) through ``transport``, checked
+    and timed."""
     accel, n = world.accel, world.size
     count = max(1, nbytes // 4)
     dev = accel.torch_device if on_device else torch.device("cpu")
     x = torch.empty(count, dtype=torch.float32, device=dev)
-    buf = MPIBuffer(x, accel if on_device else None,
-                    world.gpu_aware if on_device else HOST_MEMORY, reduction=True)
+    buf = transport.buffer(x, reduction=True)
     iters = max(2, min(20, int(200 * MiB // max(nbytes, 1))))
 
     def once() -> None:
-        req = world.comm.Iallreduce(MPI.IN_PLACE, buf.to_mpi(), op=MPI.SUM)
-        wait_all([req], timeout=world.timeout, what=f"doctor: allreduce of {nbytes} bytes")
+        buf.prepare()
+        wait_all([transport.allreduce(buf)], timeout=world.timeout,
+                 what=f"doctor: allreduce of {nbytes} bytes")
         buf.complete()
 
     x.fill_(world.rank + 1)
@@ -128,7 +128,7 @@ def _allreduce_row(world: World, nbytes: int, on_device: bool) -> dict:
     for _ in range(iters):
         once()
     if on_device:
-        accel.synchronize()  # the last copy back: timed, outside any step
+        accel.synchronize()  # the last operation on the device: timed, outside any step
     seconds = (MPI.Wtime() - t0) / iters
     seconds = world.comm.allreduce(seconds, op=MPI.MAX)
     alg = count * 4 / seconds / 1e9
@@ -136,26 +136,41 @@ def _allreduce_row(world: World, nbytes: int, on_device: bool) -> dict:
             "time_ms": seconds * 1e3, "algbw_GBps": alg,
             # nccl-tests' bus bandwidth: what each link carries in a ring, 2(n-1)/n
             "busbw_GBps": alg * 2 * (n - 1) / n if n > 1 else alg,
-            "staged": buf.staged}
+            "staged": buf.staging_nbytes > 0}
+
+
+def transports(world: World) -> list[tuple[str, str, object]]:
+    """``(memory, transport label, transport)`` for every allreduce row: host memory
+    through MPI, device memory through MPI (direct or staged) and, where the device's
+    collective library is there and several ranks share the work, through it."""
+    accel = world.accel
+    rows = [("host", "mpi", MPITransport(world.comm, Accelerator(), HOST_MEMORY))]
+    if not accel.is_accelerator:
+        return rows
+    rows.append(("device", "mpi", MPITransport(world.comm, accel, world.gpu_aware)))
+    from hpctrain.comm import device_collectives
+
+    if world.size > 1 and device_collectives.backend_for(accel.kind):
+        resolve_collectives("xccl", world.comm, accel, world.timeout)
+        library = device_collectives.DeviceTransport(world.comm, accel)
+        rows.append(("device", library.name, library))
+    return rows
 
 
 def check_allreduce(world: World, report: Report, sizes_mib) -> None:
     rows = []
-    for size in sizes_mib:
-        nbytes = int(size * MiB)
-        for memory in ("host", "device"):
-            row = {"size_mib": size, "memory": memory}
-            if memory == "device" and not world.accel.is_accelerator:
-                row["status"] = "no accelerator"
-                rows.append(row)
-                continue
-            row.update(_allreduce_row(world, nbytes, memory == "device"))
+    for memory, label, transport in transports(world):
+        for size in sizes_mib:
+            row = {"size_mib": size, "memory": memory, "transport": label}
+            row.update(_allreduce_row(world, int(size * MiB), memory == "device", transport))
             ok = agree(world, row["wrong_elements"] == 0, "allreduce results")
             row["status"] = "ok" if ok else "WRONG"
             if not ok:
-                report.fail("allreduce", f"{memory} buffer of {size:g} MiB: the sum differs "
-                                         "from the expected one on some rank")
+                report.fail("allreduce", f"{memory} buffer of {size:g} MiB through {label}: "
+                                         "the sum differs from the expected one on some rank")
             rows.append(row)
+    if not world.accel.is_accelerator:
+        rows.append({"memory": "device", "status": "no accelerator"})
     report.sections["allreduce"] = rows
 
 

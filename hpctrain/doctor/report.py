@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MiB = 2**20
-SECTIONS = ("ranks", "mpi", "gpu_aware", "allreduce", "p2p", "train")
+SECTIONS = ("ranks", "mpi", "gpu_aware", "setup", "allreduce", "p2p", "train")
 
 
 @dataclass
@@ -40,11 +40,17 @@ def format_report(report: Report) -> list[str]:
     for vendor, a in s["gpu_aware"]["per_vendor"].items():
         lines.append(f"  {vendor:<10} {'yes' if a['aware'] else 'no'} ({a['reason']})")
     lines.append(f"  this device: {s['gpu_aware']['this_device']}")
+    setup = s.get("setup", {})
+    lines += ["", f"set-up (system {setup.get('system') or 'not named'}): "
+                  + ("ok" if not setup.get("problems") else "see FAILED below")]
     lines += ["", "allreduce (fp32 sum):",
-              f"  {'size':>8} {'memory':<7} {'status':<15} {'ms':>9} {'algbw GB/s':>11} "
-              f"{'busbw GB/s':>11}"]
+              f"  {'size':>8} {'memory':<7} {'through':<8} {'status':<15} {'ms':>9} "
+              f"{'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in s["allreduce"]:
-        head = f"  {r['size_mib']:>5g} MiB {r['memory']:<7} {r['status']:<15}"
+        if "size_mib" not in r:
+            lines.append(f"  {'':>8} {r['memory']:<7} {'':<8} {r['status']}")
+            continue
+        head = f"  {r['size_mib']:>5g} MiB {r['memory']:<7} {r['transport']:<8} {r['status']:<15}"
         if "time_ms" in r:
             head += (f" {r['time_ms']:>9.3f} {r['algbw_GBps']:>11.2f} {r['busbw_GBps']:>11.2f}"
                      + ("  (staged via host)" if r["staged"] else ""))
@@ -59,8 +65,10 @@ def format_report(report: Report) -> list[str]:
     t = s["train"]
     mfu = f", MFU {100 * t['mfu']:.1f}%" if t["mfu"] is not None else \
         ", MFU n/a (peak of this device unknown)"
+    compiled = ", compiled" if t.get("compiled") else ""
     lines += ["", f"training step: {t['model']} ({t['params'] / 1e6:.1f}M parameters, "
-                  f"{t['dtype']}, {t['batch_per_rank']}x{t['block_size']} tokens per rank): "
+                  f"{t['dtype']}{compiled}, {t['batch_per_rank']}x{t['block_size']} tokens "
+                  "per rank): "
                   f"{t['status']}, loss {t['losses'][-1]:.3f}, {t['step_s'] * 1e3:.0f} ms, "
                   f"{t['tokens_per_s']:,.0f} tokens/s{mfu}"]
     if t["memory"]:

@@ -31,6 +31,7 @@ A file has a ``description`` and three tables (``polaris.toml`` is a commented e
     each checked; ``[launch.env]``: variables exported for the run. ``profilers``.
     ``launcher``: the launch command, a template. ``srun_mpi``: the ``--mpi=`` plugin for
     ``{srun_mpi}`` (``pmi2``, ``pmix``, ...), or ``auto``: chosen inside the job.
+    ``vendor_mpi``: the MPI the site provides, which mpi4py should be built against.
 ``[perf]``, optional: the performance model's figures.
     ``device``: a table of ``devices.toml``, which holds its peaks (a device not listed
     there gives ``[perf.compute] peak_tflops``). ``device_memory_gib`` (0: the ranks share
@@ -40,11 +41,9 @@ A file has a ``description`` and three tables (``polaris.toml`` is a commented e
     ``optimizer_ns_per_param``, ``optimizer_overhead_us``. ``[perf.network]``: ``intra``-
     and ``inter``-node links (``alpha_us``, ``gbytes_per_s``) and ``overlap`` (0 to 1).
 
-The loader checks structure and types and names the fix. What the values mean to a job
-script (placeholders, queue names, environment keys) is checked in
-``hpctrain.jobs.job_system``; the performance model adds calibrations in
-``hpctrain.scaling.system_perf``. This module imports nothing from hpctrain but ``errors``:
-it is tier 0 (docs/design/layers.md).
+The loader checks structure and types and names the fix; ``jobs.job_system`` checks
+what the values mean to a job script, ``scaling.system_perf`` adds calibrations. Tier 0
+(docs/design/layers.md): it imports only ``errors`` and the device table.
 """
 
 from __future__ import annotations
@@ -151,10 +150,19 @@ class Launch:
     profilers: tuple = ()
     srun_mpi: str | None = None
     """``--mpi=`` plugin for ``{srun_mpi}``: a name, or ``auto`` (chosen in the job)."""
+    vendor_mpi: str | None = None
+    """The site's MPI (``Cray MPICH``): mpi4py is built against it (``hpctrain doctor``)."""
 
     @property
     def uses_srun_mpi(self) -> bool:
         return any("{srun_mpi}" in t for t in self.launcher)
+
+    @property
+    def expects_gpu_aware_mpi(self) -> bool:
+        """Whether the profile turns on the MPI's GPU support (Cray MPICH's
+        ``MPICH_GPU_SUPPORT_ENABLED``, MPICH's ``MPIR_CVAR_ENABLE_GPU``)."""
+        return any(k in ("MPICH_GPU_SUPPORT_ENABLED", "MPIR_CVAR_ENABLE_GPU") and v == "1"
+                   for k, v in self.env)
 
 
 @dataclass(frozen=True)
@@ -391,7 +399,8 @@ def _launch(t: _Table) -> Launch:
         max_ranks_per_node=t.get("max_ranks_per_node", int, None),
         device_env=t.get("device_env", str, None), device_order=t.get("device_order", str, None),
         setup=t.strings("setup", ()), env=tuple(env.data.items()),
-        profilers=t.strings("profilers", ()), srun_mpi=t.get("srun_mpi", str, None))
+        profilers=t.strings("profilers", ()), srun_mpi=t.get("srun_mpi", str, None),
+        vendor_mpi=t.get("vendor_mpi", str, None))
     t.done()
     if launch.device_order not in (None, "direct", "reverse"):
         raise t.error("[launch] device_order must be direct or reverse")
