@@ -105,8 +105,8 @@ def doctor(device: str, out: Path) -> dict:
     for ranks in (1, 2):
         path = out / f"doctor{ranks}.json"
         args = ["doctor", "--json", str(path), "--device", device]
-        if device == "fake":
-            args += ["--model", "small", "--sizes", "1"]
+        if device == "fake" or ranks == 2:  # two ranks on one GPU: what doctor must flag
+            args += ["--model", "small", "--sizes", "1", "25"]
         rc, text = _run(mpiexec(ranks, *hpctrain(*args)), timeout=240)
         report = json.loads(path.read_text()) if path.exists() else {}
         section[f"ranks_{ranks}"] = {"exit": rc, "failures": report.get("failures"),
@@ -222,18 +222,24 @@ def main() -> int:
         device = "xpu" if not torch.cuda.is_available() and hasattr(torch, "xpu") and \
             torch.xpu.is_available() else "cuda"
     check = Check()
+
+    def save() -> None:  # after every step: a run cut short keeps what it measured
+        name = check.sections["environment"].get("name", device)
+        slug = "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
+        write_result(f"gpu-{slug}", {"dry_run": args.dry_run, "sections": check.sections,
+                                     "failed": check.failed}, smoke=args.dry_run)
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         out = Path(tmp)
         check.step("environment", environment, device)
         gpt2, small = prepared_data(args, out)
-        check.step("doctor", doctor, device, out)
-        check.step("equivalence", equivalence, device, small, out, 8)
-        check.step("gpt2_124m", gpt2_124m, device, gpt2, 5 if args.dry_run else args.steps,
-                   out)
-    name = check.sections["environment"].get("name", device)
-    slug = "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
-    write_result(f"gpu-{slug}", {"dry_run": args.dry_run, "sections": check.sections,
-                                 "failed": check.failed}, smoke=args.dry_run)
+        for name, fn, *rest in [("doctor", doctor, device, out),
+                                ("equivalence", equivalence, device, small, out, 8),
+                                ("gpt2_124m", gpt2_124m, device, gpt2,
+                                 5 if args.dry_run else args.steps, out)]:
+            save()
+            check.step(name, fn, *rest)
+    save()
     if check.failed:
         print(f"gpu-check: FAILED: {', '.join(check.failed)}", flush=True)
         return 1
