@@ -64,14 +64,14 @@ def dirty_paths(porcelain: str, ignore: str = RESULTS_DIR_PREFIX) -> list[str]:
 
 
 def git_state() -> dict:
-    """The commit and whether the tree matches it (None: not a git checkout). A copy of a
-    tree without its .git (a remote machine) is named by ``HPCTRAIN_COMMIT`` and
-    ``HPCTRAIN_TREE_CLEAN=1``, set by whoever copied it."""
-    status = _git("status", "--porcelain")
-    if status is None and os.environ.get("HPCTRAIN_COMMIT"):
+    """The commit and whether the tree matches it (None: not a git checkout). A tree
+    copied to another machine (whose .git, if any, is not the copy's) is named by
+    ``HPCTRAIN_COMMIT`` and ``HPCTRAIN_TREE_CLEAN=1``, set by whoever copied it."""
+    if os.environ.get("HPCTRAIN_COMMIT"):
         return {"git_sha": os.environ["HPCTRAIN_COMMIT"],
                 "tree_clean": os.environ.get("HPCTRAIN_TREE_CLEAN") == "1",
                 "copied_tree": True}
+    status = _git("status", "--porcelain")
     if status is None:
         return {"git_sha": git_sha(), "tree_clean": None}
     dirty = dirty_paths(status)

@@ -112,7 +112,8 @@ def doctor(device: str, out: Path) -> dict:
         section[f"ranks_{ranks}"] = {"exit": rc, "failures": report.get("failures"),
                                      "train": report.get("train"),
                                      "allreduce": report.get("allreduce"),
-                                     "tail": text[-1500:] if rc not in (0, 1) else ""}
+                                     "tail": text[-1500:] if rc not in (0, 1) or not report
+                                     else ""}
     one = section["ranks_1"]
     if one["exit"] != 0:
         section["status"] = "FAILED"

@@ -236,18 +236,19 @@ class DataParallel(BucketScheduler):
         """Global norm of the (reduced) gradients; clip and update unless it is NaN/inf.
         Returns the norm before clipping."""
         norm = global_grad_norm(self.grad_tensors())
+        value = float(norm)  # the step's one wait for the device
         if self.norm_comms:  # other ranks hold other parameters: add their squares
-            norm = torch.tensor(finish_norm(float(norm) ** 2, self.norm_comms,
-                                            self.world.timeout))
-        if not math.isfinite(float(norm)):
-            return float(norm)
+            value = finish_norm(value ** 2, self.norm_comms, self.world.timeout)
+            norm = torch.tensor(value)
+        if not math.isfinite(value):
+            return value
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if clip > 0:
             clip_grads_(self.grad_tensors(), clip, norm)
         with profile_range("optimizer"):
             self.optimizer.step()
-        return float(norm)
+        return value
 
     def _named_state(self):
         for name, p in self.model.named_parameters():
