@@ -416,6 +416,57 @@ def render_long_context(d: dict) -> list[str]:
     return out
 
 
+def render_gpu(d: dict) -> list[str]:
+    s = d["sections"]
+    env = s["environment"]
+    out = [f"{env.get('name', env['device'])}, torch {env['torch']}, {env['mpi'].strip(chr(0))}"
+           + (f", NCCL {env['nccl']}" if env.get("nccl") else "") + ". Steps: "
+           + ", ".join(f"{k} {v['status']}" for k, v in s.items()) + ".", ""]
+    g = s.get("gpt2_124m", {})
+    if g.get("status") == "ok":
+        mem = g["device_memory"][0].split("device: ")[-1] if g["device_memory"] else ""
+        rows = [["gpt2-124m, bf16, compiled, 1 device", g["steps"], g["tokens_per_step"],
+                 fmt(g["step_ms_median"]), fmt(g["tokens_per_s_steady"] / 1e3),
+                 fmt(100 * g["mfu"]) if g.get("mfu") else "n/a",
+                 f"{g['peak']['tflops']:g} ({g['peak']['basis']})", mem]]
+        out += _table(["run", "steps", "tokens/step", "median step ms", "k tokens/s",
+                       "MFU %", "peak TFLOP/s", "device memory"], rows)
+        phases = g.get("phases_ms") or {}
+        if phases:
+            out += ["Median ms per step by phase: " + ", ".join(
+                f"{k} {fmt(v)}" for k, v in phases.items() if k != "step") + ".", ""]
+    e = s.get("equivalence", {})
+    if e.get("runs"):
+        rows = []
+        for name, r in e["runs"].items():
+            syncs = r.get("syncs_per_step")
+            rows.append([name, r.get("transport", ""), r.get("status", "ok"),
+                         f"{r['max_loss_diff']:.1e}" if "max_loss_diff" in r else "",
+                         f"{r['max_param_diff']:.1e}" if "max_param_diff" in r else "",
+                         ", ".join(map(str, syncs)) if syncs else "",
+                         r.get("why", "")])
+        out += ["The same fp32 training (TF32 off) at 1 rank and at 2 ranks sharing the "
+                "device: the largest differences from the 1-rank run, and the host's waits "
+                "for the device per step after two warm-up steps (CUDA's sync debug mode).",
+                "", *_table(["run", "transport", "status", "max loss diff",
+                             "max param diff", "host syncs per step", "note"], rows)]
+    doc = s.get("doctor", {}).get("ranks_1", {})
+    if doc.get("allreduce"):
+        rows = [[r.get("size_mib", ""), r["memory"], r.get("transport", ""),
+                 fmt(r["busbw_GBps"]) if "busbw_GBps" in r else r["status"],
+                 "staged" if r.get("staged") else ""] for r in doc["allreduce"]]
+        t = doc.get("train") or {}
+        out += ["`hpctrain doctor` at 1 rank: allreduce bus bandwidth (GB/s; one rank "
+                "moves nothing between ranks: these are copies), and its compiled training "
+                f"step: {t.get('model')} at {fmt(100 * t['mfu']) if t.get('mfu') else 'n/a'}% "
+                "MFU.", "", *_table(["MiB", "memory", "through", "busbw GB/s", ""], rows)]
+    failures = s.get("doctor", {}).get("ranks_2", {}).get("failures") or []
+    if failures:
+        out += ["`hpctrain doctor` at 2 ranks on the one device (meant to fail): "
+                + "; ".join(f.split(":")[0] for f in failures) + ".", ""]
+    return out
+
+
 # name -> (title, command, renderer), in the Makefile's order
 SECTIONS = {
     "allreduce": ("Gradient allreduce", "python perf/bench_allreduce.py", render_allreduce),
@@ -447,6 +498,14 @@ def render(results: Path = RESULTS) -> str:
             continue
         d = json.loads(path.read_text())
         lines += [provenance(d), "", *fn(d)]
+    lines += ["## GPU check", "", "`make gpu-check` on a GPU node -> "
+              "`perf/results/gpu-<device>.json`", ""]
+    gpus = sorted(results.glob("gpu-*.json"))
+    for path in gpus:
+        d = json.loads(path.read_text())
+        lines += [f"### {path.stem}", "", provenance(d), "", *render_gpu(d)]
+    if not gpus:
+        lines += ["No GPU check has run yet.", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

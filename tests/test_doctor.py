@@ -194,3 +194,6 @@ def test_mfu_floor_applies_on_accelerators_only():
     report = _report(train=slow)
     judge(report, accelerator=False, ranks=1)
     assert report.failures == []
+    report = _report(train={**slow, "model": "small"})  # too small to load a GPU
+    judge(report, accelerator=True, ranks=1)
+    assert report.failures == []

@@ -11,7 +11,7 @@ hardware does, so a healthy node passes with room to spare:
 | the same through MPI reading device memory directly | 5 GB/s | GPU-aware Cray MPICH / MPICH: tens of GB/s within a node |
 | the same through MPI staged in host memory | 1 GB/s | two PCIe copies per bucket and a sum on CPU cores: a few GB/s |
 | bf16 round trip between rank pairs, device memory | 1 GB/s | NVLink or shared memory: tens of GB/s even for 1 MiB |
-| MFU of a compiled GPT-2 124M bf16 step | 20% | nanoGPT-class training reaches about 40% on A100 and H100 |
+| MFU of a compiled GPT-2 124M bf16 step (``--model gpt2-124m``, the default on a GPU) | 20% | nanoGPT-class training reaches about 40% on A100 and H100 |
 
 They apply on accelerators only (CPU nodes vary too much), the bandwidths only with
 several ranks (one rank moves nothing), and only to rows whose transport is there.
@@ -57,6 +57,7 @@ def judge(report: Report, *, accelerator: bool, ranks: int) -> None:
                 report.fail("p2p", f"bf16 round trips of {p2p['bytes'] / MiB:g} MiB move "
                             f"{gbps:.2f} GB/s, below {MIN_P2P_GBPS:g} GB/s")
     train = s.get("train", {})
-    if train.get("mfu") is not None and train["mfu"] < MIN_MFU:
+    if train.get("model") == "gpt2-124m" and train.get("mfu") is not None \
+            and train["mfu"] < MIN_MFU:
         report.fail("train", f"the {train['model']} step reaches {100 * train['mfu']:.1f}% "
                     f"MFU, below {100 * MIN_MFU:.0f}% (a throttled, shared or misbound GPU?)")
