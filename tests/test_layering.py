@@ -1,29 +1,48 @@
-"""The package's import graph follows the layers of docs/design/layers.md: imports point
-downward only, and no module imports itself through others (no cycle). Imports inside
-functions count: they are ties all the same, only hidden."""
+"""The package's import graph follows the layers of docs/design/layers.md, read from its
+tier table: imports point downward only, and no module imports itself through others
+(no cycle). Imports inside functions count: they are ties all the same, only hidden.
+Modules named in strings (``python -m ...``, package data) are the doc's second table."""
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hpctrain"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "hpctrain"
+LAYERS_DOC = REPO / "docs" / "design" / "layers.md"
 
-# Lower tiers never import higher ones; packages on one tier do not import each other.
-TIERS = {
-    "": 0, "errors": 0, "files": 0, "progress": 0, "profiling": 0, "systems": 0, "recipes": 0,
-    "model": 1, "comm": 1,
-    "config": 2,
-    "data": 3,
-    "parallel": 4,
-    "checkpoint": 5, "jobs": 5, "doctor": 5,
-    "train": 6,
-    "scaling": 7,
-    "cli": 8, "__main__": 9,
-}
+
+def _doc_table(heading_cells: tuple[str, ...]) -> list[list[str]]:
+    """The rows of the layers doc's table whose header row is ``heading_cells``."""
+    rows, inside = [], False
+    for line in LAYERS_DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if tuple(cells) == heading_cells:
+            inside = True
+        elif inside and line.startswith("|") and not set(line) <= set("|- "):
+            rows.append(cells)
+        elif inside and not line.startswith("|"):
+            break
+    return rows
+
+
+def doc_tiers() -> dict[str, int]:
+    """Subpackage or top-level module -> tier, from the doc's tier table (``cli/`` is
+    ``cli``, ``errors.py`` is ``errors``); the package's own ``__init__`` is tier 0.
+    Lower tiers never import higher ones; packages on one tier do not import each other."""
+    tiers = {"": 0}
+    for tier, packages, _ in _doc_table(("tier", "packages", "what they know")):
+        for name in re.findall(r"`([^`]+)`", packages):
+            tiers[name.removesuffix("/").removesuffix(".py")] = int(tier)
+    return tiers
+
+
+TIERS = doc_tiers()
 
 
 def _modules() -> dict[str, Path]:
@@ -123,3 +142,37 @@ def test_no_import_cycle():
 ])
 def test_cycle_finder(graph, expected):
     assert cycles(graph) == expected
+
+
+MODULE_PATH = re.compile(r"hpctrain(\.[a-z_][a-z0-9_]*)*")
+
+
+def named_in_strings() -> set[tuple[str, str]]:
+    """(module, named module) for every string constant in the package spelled like one
+    of its module paths (``hpctrain.jobs.bind``), whether that module exists or not."""
+    found = set()
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and MODULE_PATH.fullmatch(node.value) and node.value != name:
+                found.add((name, node.value))
+    return found
+
+
+def test_the_tier_table_is_read_from_the_doc():
+    assert TIERS["cli"] == 8 and TIERS["model"] == TIERS["comm"] == 1
+    assert TIERS["errors"] == 0 and TIERS["__main__"] == 9 and len(TIERS) > 15
+
+
+def test_modules_named_in_strings_are_the_docs_list():
+    declared = {(frm.strip("`"), to.strip("`"))
+                for frm, to, _ in _doc_table(("in", "names", "how"))}
+    found = named_in_strings()
+    assert found - declared == set(), (
+        "modules named in strings but missing from docs/design/layers.md's list: "
+        f"{sorted(found - declared)}")
+    assert declared - found == set(), (
+        f"docs/design/layers.md lists strings the code no longer has: {sorted(declared - found)}")
+    mods = _modules()
+    missing = sorted(to for _, to in found if to not in mods)
+    assert not missing, f"strings name modules that do not exist (renamed?): {missing}"
