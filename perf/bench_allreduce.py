@@ -42,6 +42,7 @@ MODELS = {
     "gpt-30M": (8, 8, 576, 256, 65),
 }
 REPEATS, WARMUP = 21, 3
+STEP_REPEATS = 7
 BATCH_S = 0.02  # each timed batch repeats the operation for about this long
 
 
@@ -93,7 +94,7 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
     inner = comm.allreduce(max(2, min(50, round(BATCH_S / max(MPI.Wtime() - t0, 1e-6)))),
                            op=MPI.MAX)
 
-    def timed(methods: dict, inner: int = inner) -> dict:
+    def timed(methods: dict, inner: int = inner, repeats: int = repeats) -> dict:
         times = {k: [] for k in methods}
         for rep in range(repeats + WARMUP):
             for name, fn in methods.items():
@@ -124,7 +125,9 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
     # not compete for the cores while MPI is timed (and vice versa).
     times = timed({"bucketed": bucketed, "bucketed_mpi": lambda: bucketed(dp_mpi),
                    "bucketed_iallreduce": lambda: bucketed(dp_nb), "raw_mpi": raw_mpi})
-    steps = timed({"ours_mpi": engine_step(step_mpi, step_model)}, inner=2)
+    step_repeats = min(repeats, STEP_REPEATS)  # a step takes up to seconds: fewer repeats
+    steps = timed({"ours_mpi": engine_step(step_mpi, step_model)}, inner=1,
+                  repeats=step_repeats)
     init_gloo(comm)
     world_x = World.create(comm, device="cpu", collectives="xccl")
     dp_x = DataParallel(model, world_x, opt)
@@ -142,7 +145,7 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
     times.update(timed({"gloo": lambda: dist.all_reduce(raw),
                         "bucketed_xccl": lambda: bucketed(dp_x)}))
     steps.update(timed({"ours_gloo": engine_step(step_x, gloo_model), "ddp_gloo": ddp_step},
-                       inner=2))
+                       inner=1, repeats=step_repeats))
     for d in (dp, dp_mpi, dp_nb, dp_x, step_mpi, step_x):
         d.close()
     device_collectives.stop()

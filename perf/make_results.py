@@ -64,7 +64,8 @@ def provenance(d: dict) -> str:
 def render_allreduce(d: dict) -> list[str]:
     methods = [("bucketed", "bucketed (shm)"), ("bucketed_mpi", "bucketed MPI"),
                ("bucketed_iallreduce", "bucketed Iallreduce"), ("raw_mpi", "raw MPI"),
-               ("gloo", "gloo")]
+               ("bucketed_xccl", "bucketed xccl (gloo)"), ("gloo", "gloo")]
+    methods = [(k, label) for k, label in methods if k in d["records"][0]["busbw_GBps"]]
     rows = []
     for r in d["records"]:
         factor = 2 * (r["ranks"] - 1) / r["ranks"]
@@ -90,6 +91,20 @@ def render_allreduce(d: dict) -> list[str]:
         out += [f"Target bucketed >= {fmt(d.get('target', 0.9))}x raw MPI: worst "
                 f"{fmt(d['worst_bucketed_over_raw'])}x -> {'met' if d.get('met') else 'missed'}.",
                 ""]
+    steps = [r for r in d["records"] if r.get("step_ms_all")]
+    if steps:
+        def ms(r, k):
+            return fmt_spread(r["step_ms_all"][k])
+
+        out += ["A backward step with its reduction (ms, median [min, max]): our buckets "
+                "over MPI, our buckets over gloo (`--comm.collectives=xccl` on CPUs), torch "
+                "DDP over gloo; each on its own copy of the model.", "",
+                *_table(["ranks", "model", "ours MPI", "ours gloo", "DDP gloo",
+                         "DDP / ours gloo"],
+                        [[r["ranks"], r["model"], ms(r, "ours_mpi"), ms(r, "ours_gloo"),
+                          ms(r, "ddp_gloo"),
+                          fmt(r["step_ms"]["ddp_gloo"] / r["step_ms"]["ours_gloo"])]
+                         for r in steps])]
     return out
 
 
