@@ -379,3 +379,19 @@ def test_llama3_8b_has_its_published_parameter_count():
     assert shape.params == 8_030_261_248
     n = shape.params - 128256 * 4096  # the embedding is a lookup; the head multiplies
     assert shape.flops_per_token == 6 * n + 12 * 32 * 4096 * 8192
+
+
+def test_the_collective_library_has_its_own_links_and_overlap():
+    """--collectives picks whose figures the model uses: MPI's, or the GPU library's
+    ([perf.network.xccl]); auto takes the library where the profile has its figures."""
+    mpi, lib, auto = (load_perf("polaris", collectives=c) for c in ("mpi", "xccl", "auto"))
+    assert (mpi.collectives, lib.collectives, auto.collectives) == ("mpi", "xccl", "xccl")
+    assert lib.intra.bandwidth > mpi.intra.bandwidth and lib.overlap > mpi.overlap
+    assert load_perf("local", collectives="auto").collectives == "mpi"  # no figures there
+    with pytest.raises(UserError, match=r"\[perf.network.xccl\].*--collectives mpi"):
+        load_perf("local", collectives="xccl")
+    shape = model_shape("gpt2-xl")
+    lay = pm.Layout(ranks=64, global_batch=512, zero=1)
+    faster, slower = pm.predict(lib, shape, lay), pm.predict(mpi, shape, lay)
+    assert faster.grad_comm_s < slower.grad_comm_s
+    assert faster.compute_s == slower.compute_s  # only the network changed

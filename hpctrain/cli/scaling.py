@@ -80,6 +80,9 @@ def add_plan(sub) -> None:
                         "(default 0: all at once)")
     p.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
                    help="default: the system's (one per GPU or tile)")
+    p.add_argument("--collectives", default="auto", choices=["auto", "mpi", "xccl"],
+                   help="as --comm.collectives: whose links carry the gradients (auto: the "
+                        "GPU's library where the system profile has its figures)")
     p.add_argument("--calibration", metavar="FILE.json", help="measured numbers to use")
     p.add_argument("--top", type=int, default=12, metavar="K", help="rows to print")
     p.add_argument("--explain", nargs="?", const=1, type=int, metavar="RANK",
@@ -149,7 +152,8 @@ def cmd_plan(args) -> int:
     result = plan(system=args.system, nodes=args.nodes, model=args.model,
                   global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
                   ranks_per_node=args.ranks_per_node, calibration=args.calibration,
-                  recompute=args.recompute, loss_chunk=args.loss_chunk)
+                  recompute=args.recompute, loss_chunk=args.loss_chunk,
+                  collectives=args.collectives)
     terms = explain(result, args.explain) if args.explain else None  # bad RANK: no table
     print(table(result, top=args.top))
     if terms:

@@ -77,10 +77,11 @@ DEFAULT_BATCH = 512
 
 def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len: int = 0,
          dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None,
-         recompute: str = "none", loss_chunk: int = 0) -> Plan:
-    """Every legal layout that fits, fastest first. ``recompute`` and ``loss_chunk`` are
-    the trainer's ``--model.recompute`` and ``--model.loss_chunk`` for every layout."""
-    perf = load_perf(system, calibration)
+         recompute: str = "none", loss_chunk: int = 0, collectives: str = "auto") -> Plan:
+    """Every legal layout that fits, fastest first. ``recompute``, ``loss_chunk`` and
+    ``collectives`` are the trainer's ``--model.recompute``, ``--model.loss_chunk`` and
+    ``--comm.collectives`` for every layout."""
+    perf = load_perf(system, calibration, collectives)
     if nodes < 1:
         raise UserError(f"--nodes {nodes}: use at least 1")
     rpn = ranks_per_node or perf.ranks_per_node
@@ -139,7 +140,8 @@ def table(p: Plan, top: int = 12) -> str:
             f"{s.n_embd}, context {s.block_size}; {p.system.name}: {p.nodes} node(s) x "
             f"{p.ranks // p.nodes} = {p.ranks} ranks, {p.system.device_memory / GIB:.0f} GiB "
             f"per device; global batch {p.global_batch} x {s.block_size} tokens; "
-            f"{p.fitting[0].layout.dtype}{_model_options(p.fitting[0].layout)}")
+            f"{p.fitting[0].layout.dtype}{_model_options(p.fitting[0].layout)}; gradients "
+            f"through {'the GPU library' if p.system.collectives == 'xccl' else 'MPI'}")
     cols = ["#", "dp", "pp", "sched", "zero", "micro", "rows", "step s", "tok/s", "TFLOP/s",
             "MFU", "compute", "comm", "bubble", "mem GiB"]
     rows = []

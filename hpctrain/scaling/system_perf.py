@@ -63,6 +63,8 @@ class SystemPerf:
     forward + backward + synchronization runs when that many ranks share the cores."""
     source: str = ""
     calibration: str = ""
+    collectives: str = "mpi"
+    """Whose links the network figures are: ``mpi`` or ``xccl`` (the GPU's library)."""
 
     def compute_rate(self, shape_key: str, dtype: str) -> ShapeRate:
         """The measured rate of this shape if calibrated, else the profile's."""
@@ -97,8 +99,12 @@ def perf_system_names() -> list[str]:
     return [n for n in system_names() if load_system(n).perf is not None]
 
 
-def load_perf(name: str, calibration: str | os.PathLike | None = None) -> SystemPerf:
-    """System ``name`` (or a .toml path) for the model, with a calibration's numbers on top."""
+def load_perf(name: str, calibration: str | os.PathLike | None = None,
+              collectives: str = "mpi") -> SystemPerf:
+    """System ``name`` (or a .toml path) for the model, with a calibration's numbers on top.
+    ``collectives``: whose links carry the gradients (``--comm.collectives``): ``mpi``,
+    ``xccl`` (the GPU's library, ``[perf.network.xccl]``), or ``auto`` (the library where
+    the profile has its figures, as training does on GPUs)."""
     system = load_system(name)
     p = system.perf
     if p is None:
@@ -106,6 +112,11 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None) -> System
                         f"in {system.file}); hpctrain plan and scale know "
                         f"{', '.join(perf_system_names())}: use one of those, or add a [perf] "
                         "table (see hpctrain/systems/polaris.toml)")
+    if collectives == "xccl" and p.xccl is None:
+        raise UserError(f"system {system.name} has no figures for the GPU's collective library "
+                        f"([perf.network.xccl] in {system.file}); use --collectives mpi")
+    intra, inter, overlap = (p.xccl if collectives != "mpi" and p.xccl
+                             else (p.intra, p.inter, p.overlap))
     calib = read_calibration(calibration) if calibration else {}
     cc = calib.get("compute", {})
     perf = SystemPerf(
@@ -124,8 +135,9 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None) -> System
                                            p.optimizer_ns_per_param)) * 1e-9,
         optimizer_overhead_s=float(cc.get("optimizer_overhead_us",
                                           p.optimizer_overhead_us)) * 1e-6,
-        intra=_link(p.intra), inter=_link(p.inter),
-        overlap=float(calib.get("network", {}).get("overlap", p.overlap)),
+        intra=_link(intra), inter=_link(inter),
+        overlap=float(calib.get("network", {}).get("overlap", overlap)),
+        collectives="xccl" if intra is not p.intra else "mpi",
         shapes=_shapes(cc.get("shapes", {})), fits=_fits(calib.get("collectives", {})),
         slowdown={int(n): {k: float(v) for k, v in d.items()}
                   for n, d in cc.get("concurrent_slowdown", {}).items()},

@@ -39,7 +39,8 @@ A file has a ``description`` and three tables (``polaris.toml`` is a commented e
     0: the cores of this machine), ``flash_attention``, ``base_memory_mib``.
     ``[perf.compute]``: ``achieved_tflops`` per dtype, ``layer_overhead_us``,
     ``optimizer_ns_per_param``, ``optimizer_overhead_us``. ``[perf.network]``: ``intra``-
-    and ``inter``-node links (``alpha_us``, ``gbytes_per_s``) and ``overlap`` (0 to 1).
+    and ``inter``-node links (``alpha_us``, ``gbytes_per_s``) and ``overlap`` (0 to 1) of
+    MPI, and ``[perf.network.xccl]`` the same of the GPU's collective library.
 
 The loader checks structure and types and names the fix; ``jobs.job_system`` checks
 what the values mean to a job script, ``scaling.system_perf`` adds calibrations. Tier 0
@@ -48,7 +49,6 @@ what the values mean to a job script, ``scaling.system_perf`` adds calibrations.
 
 from __future__ import annotations
 
-import difflib
 import re
 import sys
 from dataclasses import dataclass, field
@@ -57,6 +57,7 @@ from pathlib import Path
 
 from hpctrain.errors import UserError
 from hpctrain.systems.devices import DEVICES, device_peaks
+from hpctrain.systems.toml_table import REQUIRED, Table
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,9 +66,7 @@ else:  # pragma: no cover
 
 SCHEDULERS = ("pbs", "slurm", "none")
 """Device peaks, next to the systems (not a system itself)."""
-EXAMPLE = "hpctrain/systems/polaris.toml"
 _WALLTIME = re.compile(r"(\d{1,4}):([0-5]\d):([0-5]\d)")
-_REQUIRED = object()
 
 
 def walltime_seconds(text) -> int | None:
@@ -187,6 +186,9 @@ class Perf:
     intra: Link
     inter: Link
     overlap: float = 0.0
+    xccl: tuple | None = None
+    """``(intra, inter, overlap)`` of the GPU's collective library
+    (``[perf.network.xccl]``, for ``--comm.collectives=xccl``); None: not known."""
     memory_reserve_gib: float = 0.0
     cores_per_node: int = 0
     flash_attention: bool = False
@@ -249,73 +251,7 @@ def load_system(name_or_path: str) -> System:
 
 # ------------------------------------------------------------------------- reading
 
-class _Table:
-    """One table of a system file: typed reads, then ``done()`` refuses unread keys."""
-
-    def __init__(self, data, source: str, where: str):
-        self.source, self.where = source, where
-        if not isinstance(data, dict):
-            raise self.error(f"{self.where or 'the file'} must be a table")
-        self.data, self.known = data, set()
-
-    def error(self, message: str) -> UserError:
-        return UserError(f"system file {self.source}: {message}")
-
-    def key(self, key: str) -> str:
-        return f"[{self.where}] {key}" if self.where else key
-
-    def get(self, key: str, typ: type, default=_REQUIRED):
-        self.known.add(key)
-        if key not in self.data:
-            if default is _REQUIRED:
-                close = difflib.get_close_matches(key, list(self.data), n=1)
-                hint = f" (is {close[0]} a misspelling of it?)" if close else ""
-                raise UserError(f"system file {self.source} lacks {self.key(key)}{hint}; see "
-                                f"{EXAMPLE} for every field")
-            return default
-        value = self.data[key]
-        if typ is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
-            raise self.error(f"{self.key(key)} must be {_TYPES[typ]}, not {value!r}")
-        return value
-
-    def strings(self, key: str, default=_REQUIRED) -> tuple:
-        items = self.get(key, list, default)
-        if not all(isinstance(s, str) for s in items):
-            raise self.error(f"{self.key(key)} must be a list of strings, not {items!r}")
-        return tuple(items)
-
-    def numbers(self, key: str, default=_REQUIRED) -> dict:
-        d = self.get(key, dict, default)
-        if d is None:
-            return None
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in d.values()):
-            raise self.error(f"{self.key(key)} must map names to numbers, not {d!r}")
-        return {k: float(v) for k, v in d.items()}
-
-    def table(self, key: str, default=_REQUIRED) -> _Table | None:
-        if key not in self.data and default is _REQUIRED:
-            where = f"{self.where}.{key}" if self.where else key
-            raise UserError(f"system file {self.source} lacks a [{where}] table; see "
-                            f"{EXAMPLE} for every field")
-        d = self.get(key, dict, default)
-        return None if d is None else _Table(d, self.source,
-                                             f"{self.where}.{key}" if self.where else key)
-
-    def done(self) -> None:
-        unknown = sorted(set(self.data) - self.known)
-        if unknown:
-            raise self.error(f"unknown key(s) {', '.join(unknown)} in "
-                             f"{f'[{self.where}]' if self.where else 'the top level'}; "
-                             f"known: {', '.join(sorted(self.known))}")
-
-
-_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-          list: "a list", dict: "a table"}
-
-
-def _walltime(t: _Table, key: str, default=_REQUIRED) -> int:
+def _walltime(t: Table, key: str, default=REQUIRED) -> int:
     text = t.get(key, str, default)
     if text is None:
         return 0
@@ -326,7 +262,7 @@ def _walltime(t: _Table, key: str, default=_REQUIRED) -> int:
 
 
 def _system(name: str, data: dict, source: str, file: str) -> System:
-    top = _Table(data, file, "")
+    top = Table(data, file, "")
     description = top.get("description", str)
     batch = _batch(top.table("batch"))
     launch = _launch(top.table("launch"))
@@ -337,7 +273,7 @@ def _system(name: str, data: dict, source: str, file: str) -> System:
                   launch=launch, perf=perf)
 
 
-def _batch(t: _Table) -> Batch:
+def _batch(t: Table) -> Batch:
     scheduler = t.get("scheduler", str)
     if scheduler not in SCHEDULERS:
         raise t.error(f"[batch] scheduler = {scheduler!r}: use one of {', '.join(SCHEDULERS)}")
@@ -356,7 +292,7 @@ def _batch(t: _Table) -> Batch:
     return batch
 
 
-def _queue(name: str, t: _Table) -> Queue:
+def _queue(name: str, t: Table) -> Queue:
     nodes = t.get("nodes", list)
     if len(nodes) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
                                   for n in nodes) or nodes[0] > nodes[1]:
@@ -378,7 +314,7 @@ def _queue(name: str, t: _Table) -> Queue:
     return queue
 
 
-def _launch(t: _Table) -> Launch:
+def _launch(t: Table) -> Launch:
     launcher = t.strings("launcher")
     if not launcher:
         raise t.error("[launch] launcher must name a program")
@@ -411,13 +347,13 @@ def _launch(t: _Table) -> Launch:
     return launch
 
 
-def _link(t: _Table) -> Link:
+def _link(t: Table) -> Link:
     link = Link(alpha_us=t.get("alpha_us", float), gbytes_per_s=t.get("gbytes_per_s", float))
     t.done()
     return link
 
 
-def _perf(t: _Table) -> Perf:
+def _perf(t: Table) -> Perf:
     device = t.get("device", str)
     compute, network = t.table("compute"), t.table("network")
     peaks = compute.numbers("peak_tflops", None)
@@ -442,9 +378,20 @@ def _perf(t: _Table) -> Perf:
         optimizer_ns_per_param=compute.get("optimizer_ns_per_param", float),
         optimizer_overhead_us=compute.get("optimizer_overhead_us", float),
         intra=_link(network.table("intra")), inter=_link(network.table("inter")),
-        overlap=network.get("overlap", float, 0.0))
+        overlap=network.get("overlap", float, 0.0), xccl=_library(network))
     for table in (t, compute, network):
         table.done()
-    if not 0.0 <= perf.overlap <= 1.0:
+    overlaps = (perf.overlap,) + ((perf.xccl[2],) if perf.xccl else ())
+    if not all(0.0 <= o <= 1.0 for o in overlaps):
         raise t.error("[perf.network] overlap must be between 0 and 1")
     return perf
+
+
+def _library(network: Table) -> tuple | None:
+    """``[perf.network.xccl]``: the links and overlap of the GPU's collective library."""
+    lib = network.table("xccl", None)
+    if lib is None:
+        return None
+    figures = (_link(lib.table("intra")), _link(lib.table("inter")), lib.get("overlap", float))
+    lib.done()
+    return figures
