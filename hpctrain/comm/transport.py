@@ -20,7 +20,7 @@ scheduler poll)::
   for host memory), on its own stream, nothing staged through the host.
 
 MPI stays in charge of everything else either way: start-up, small metadata
-(``collectives.py``), stop agreement, deadlines, aborts and MPI-IO.
+(``small_collectives.py``), stop agreement, deadlines, aborts and MPI-IO.
 """
 
 from __future__ import annotations
