@@ -78,6 +78,8 @@ def _check_counts(trainer, counts: dict, aware: str) -> None:
         # Reductions start from the gradient hooks, on the backward's own thread (with a
         # pipeline they may all wait for finish(): one chunk's backward per hook pass).
         assert counts["handoffs_off_main_thread"] > 0
+        stats = trainer.engine.stats
+        assert stats.launched_in_backward >= stats.reductions // 2  # most overlap backward
 
 
 @pytest.mark.parametrize("aware", ["yes", "no"])

@@ -50,6 +50,9 @@ class CommStats:
     wait_s: float = 0.0
     """Time spent in ``finish()`` waiting for reductions: communication not hidden (on one
     node with shared memory, also the sums themselves)."""
+    launched_in_backward: int = 0
+    """Reductions started from a gradient hook, while backward still ran (the rest start
+    in ``finish()``): how much communication had the chance to overlap compute."""
     hook_s: float = 0.0
     """Time gradient hooks spent launching and polling reductions during backward (with
     the shared-memory allreduce across nodes, also its summing): the reductions' cost on
@@ -107,7 +110,9 @@ class BucketScheduler:
         bucket.pending -= 1
         if bucket.pending == 0:
             self.bucket_ready(bucket)
-        if not self._launch_in_order(block=False) and self._inflight:
+        launched = self._launch_in_order(block=False)
+        self.stats.launched_in_backward += launched
+        if not launched and self._inflight:
             self.poll()
         self.stats.hook_s += time.perf_counter() - t0
 
