@@ -76,8 +76,9 @@ run: $(STAMP) $(if $(filter gpt2-124m,$(RECIPE)),$(GPT2_DATA),$(DATA))
 
 # The suite in legs (tests/run_legs.py runs them, tests/README.md lists what each holds):
 #   make test       the single-process tests that are not `slow`, beside the MPI tests at 2
-#                   ranks; then the MPI tests at 4 ranks, with the fake device presented as
-#                   the node's accelerator (HPCTRAIN_AUTO_DEVICE=fake)
+#                   ranks; then the MPI tests at 4 ranks but the few `slow` ones (make
+#                   test-openmpi runs those at 4), with the fake device presented as the
+#                   node's accelerator (HPCTRAIN_AUTO_DEVICE=fake)
 #   make test-slow  the single-process `slow` tests: long end-to-end runs (trainings under
 #                   mpiexec, signals, job scripts, scaling studies); .ci/run runs it
 #   make test-fast  the first group of make test without `slow` tests (about a minute)
