@@ -40,6 +40,17 @@ def test_the_margin_grows_with_the_measured_save_and_steps():
     assert Deadline(end=None, limit_s=10 ** 6).base == 60  # at most a minute
 
 
+def test_the_margin_leaves_the_shutdown_the_start_up_took():
+    """After the last save the processes still have to leave (MPI's finalize, the
+    interpreter's exit); the start-up's length stands in for it, as slow as the node."""
+    d = Deadline(end=1000.0, limit_s=200)
+    d.record_save(3.0)
+    d.record_startup(started=500.0, now=507.5)
+    assert d.shutdown == pytest.approx(7.5)
+    assert d.margin == pytest.approx(10 + 2 * 3.0 + 7.5)
+    assert "shutdown 7.5 s" in d.describe()
+
+
 def test_a_passed_deadline_trips_the_stop_flag_once():
     flag = SignalFlag()
     flag.trip("the time limit")

@@ -9,11 +9,15 @@ first thing; else this process's start) and Slurm's ``$SLURM_JOB_END_TIME``. Aft
 step the trainer asks ``passed()``: true once the time left is less than the margin,
 
     margin = base + 2 x (the longest checkpoint save so far) + 2 x (the longest step
-             of the last 20)
+             of the last 20) + shutdown
 
 with ``base`` = 5% of the limit, at most 60 s. Two saves, because a periodic save may
 fall on the step before the stop, and two steps, because the ranks agree on a stop one
-step after asking (``stop.py``). Before the first save nothing is known about its
+step after asking (``stop.py``). ``shutdown`` is what the processes need after the last
+save to leave (MPI's finalize, freeing the device, the interpreter's exit): it cannot be
+measured before it happens, so the time this process took from its start to its first
+step stands in for it (imports, MPI's start, opening the data: the same kind of work,
+and as slow as the node is loaded). Before the first save nothing is known about its
 length: runs with a time limit should save periodically (``--train.ckpt_interval``).
 The answer goes into the ranks' stop agreement (``stop.py``) like a signal: every rank
 stops after the same step, saves, and exits 0.
@@ -55,6 +59,8 @@ class Deadline:
         """Epoch seconds by which the job must be done (None: no deadline)."""
         self.base = min(60.0, 0.05 * limit_s) if limit_s > 0 else 60.0
         self.longest_save = 0.0
+        self.shutdown = 0.0
+        """Seconds the processes are expected to need after the last save."""
         self._steps: collections.deque = collections.deque(maxlen=20)
 
     @classmethod
@@ -76,9 +82,15 @@ class Deadline:
     def record_save(self, seconds: float) -> None:
         self.longest_save = max(self.longest_save, seconds)
 
+    def record_startup(self, started: float | None = None, now: float | None = None) -> None:
+        """The first step starts now: the start-up's length stands in for the shutdown."""
+        started = process_start_time() if started is None else started
+        self.shutdown = max(0.0, (time.time() if now is None else now) - started)
+
     @property
     def margin(self) -> float:
-        return self.base + 2 * self.longest_save + 2 * max(self._steps, default=0.0)
+        return (self.base + 2 * self.longest_save + 2 * max(self._steps, default=0.0)
+                + self.shutdown)
 
     def passed(self, now: float | None = None) -> bool:
         """True once the time left is less than the margin."""
@@ -89,4 +101,4 @@ class Deadline:
     def describe(self) -> str:
         left = self.end - time.time() if self.end is not None else 0.0
         return (f"{left:.0f} s left, margin {self.margin:.1f} s (longest save "
-                f"{self.longest_save:.1f} s)")
+                f"{self.longest_save:.1f} s, shutdown {self.shutdown:.1f} s)")

@@ -223,6 +223,7 @@ class Trainer:
     def _loop(self, result: TrainResult, bar: Progress, stop: StopAgreement) -> None:
         t, w = self.cfg.train, self.world
         window = LogWindow(w, self.grid.dp)
+        self.deadline.record_startup()
         for step in range(self.start.step, t.max_iters):
             self.clock.start()
             try:
