@@ -75,10 +75,10 @@ run: $(STAMP) $(if $(filter gpt2-124m,$(RECIPE)),$(GPT2_DATA),$(DATA))
 	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train $(RECIPE) --train.overwrite=true $(ARGS)
 
 # The suite in legs (tests/run_legs.py runs them, tests/README.md lists what each holds):
-#   make test       the single-process tests that are not `slow`, beside the MPI tests at 2
-#                   ranks; then the MPI tests at 4 ranks but the few `slow` ones (make
-#                   test-openmpi runs those at 4), with the fake device presented as the
-#                   node's accelerator (HPCTRAIN_AUTO_DEVICE=fake)
+#   make test       the tests that are not `slow`: single-process ones beside the MPI tests
+#                   at 2 ranks, then the MPI tests at 4 ranks with the fake device presented
+#                   as the node's accelerator (HPCTRAIN_AUTO_DEVICE=fake); the three `slow`
+#                   MPI tests (torch.compile under ZeRO) run in make test-openmpi
 #   make test-slow  the single-process `slow` tests: long end-to-end runs (trainings under
 #                   mpiexec, signals, job scripts, scaling studies); .ci/run runs it
 #   make test-fast  the first group of make test without `slow` tests (about a minute)
