@@ -28,9 +28,14 @@ def _fit(cfg):
     return trainer, trainer.fit()
 
 
-@pytest.mark.parametrize("zero,dtype", [(0, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")])
-def test_resume_with_the_same_layout_is_bitwise_identical(dataset_path, tmp_path, zero, dtype):
-    over = {"parallel.zero": zero, "train.dtype": dtype}
+@pytest.mark.parametrize("zero,dtype,dropout", [(0, "fp32", 0.0), (2, "fp32", 0.0),
+                                               (3, "fp32", 0.0), (1, "bf16", 0.0),
+                                               (0, "fp32", 0.2)])
+def test_resume_with_the_same_layout_is_bitwise_identical(dataset_path, tmp_path, zero, dtype,
+                                                          dropout):
+    """With dropout the masks come from torch's random stream: the checkpoint's RNG
+    state must be restored for the resumed steps to draw the uninterrupted run's masks."""
+    over = {"parallel.zero": zero, "train.dtype": dtype, "model.dropout": dropout}
     _, full = _fit(_cfg(dataset_path, tmp_path / "a", **over))
     step10 = tmp_path / "a" / "checkpoints" / "step_000010"
     assert (tmp_path / "a" / "checkpoints" / "latest").read_text().strip() == "step_000020"

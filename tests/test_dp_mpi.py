@@ -146,3 +146,21 @@ def test_summary_times_the_reductions_of_each_step(mpi_dataset, shared_tmp, allr
         else:
             assert phases["hooks"] == 0 and phases["wait"] > 0
     COMM.Barrier()
+
+
+def test_final_evaluation_covers_the_whole_split_across_replicas(mpi_dataset, shared_tmp):
+    """Each data-parallel replica evaluates its share of the validation windows; the
+    final loss is the token-weighted mean over all of them, the single-process number
+    (a replica that reported only its own share differs at 2 ranks already)."""
+    from pathlib import Path
+
+    common = {"train.final_eval": True, "train.max_iters": 4}
+    out = Path(shared_tmp)
+    result = Trainer(tiny_config(mpi_dataset, out / "dp", **common), cpu_world(COMM),
+                     verbose=False).fit()
+    assert same_on_all_ranks(COMM, torch.tensor([result.final_val_loss]))
+    if COMM.rank == 0:
+        ref = Trainer(tiny_config(mpi_dataset, out / "ref", **common),
+                      cpu_world(MPI.COMM_SELF), verbose=False).fit()
+        assert abs(result.final_val_loss - ref.final_val_loss) <= 1e-5
+    COMM.Barrier()

@@ -47,6 +47,23 @@ def test_rotary_scores_depend_on_distance_only():
     assert torch.allclose(r[0], x[0, 0, 0])  # position 0 is not rotated
 
 
+def test_rotary_turns_each_half_pair_forward_by_position_times_frequency():
+    """Written out as complex numbers, independently of ``rope.py``: channel i and
+    channel i + hs/2 of a head are one number x_i + j x_{i+hs/2}, multiplied by
+    exp(j p w_i). That pins the pairing (rotate-half, not interleaved neighbours) and the
+    direction, which published Llama weights depend on."""
+    hs, T, theta = 8, 5, 10000.0
+    x = torch.randn(1, 1, T, hs, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = Rotary(hs, theta).rotate(x.float()).double()[0, 0]
+    w = [theta ** (-2 * i / hs) for i in range(hs // 2)]
+    for p in range(T):
+        for i in range(hs // 2):
+            z = complex(x[0, 0, p, i], x[0, 0, p, i + hs // 2]) * complex(
+                math.cos(p * w[i]), math.sin(p * w[i]))
+            assert float(got[p, i]) == pytest.approx(z.real, abs=1e-5)
+            assert float(got[p, i + hs // 2]) == pytest.approx(z.imag, abs=1e-5)
+
+
 def test_rope_scaling():
     base = inverse_frequencies(64, 500000.0)
     assert torch.allclose(inverse_frequencies(64, 500000.0, "linear:4"), base / 4)

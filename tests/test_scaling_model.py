@@ -231,6 +231,10 @@ def test_predicted_bubble_matches_the_formula():
                                               virtual_stages=3))
     assert inter.bubble_s / inter.compute_s == pytest.approx(3 / 24)
     assert inter.p2p_s == pytest.approx(3 * pred.p2p_s)  # v times the messages
+    for q in (pred, inter):  # the step is the sum of its terms, the bubble among them
+        assert q.step_s == pytest.approx(q.compute_s + q.bubble_s + q.p2p_s + q.grad_comm_s
+                                         + q.gather_s + q.optimizer_s)
+        assert q.tokens_per_s == pytest.approx(8 * shape.block_size / q.step_s)
 
 
 def test_oversubscribed_ranks_share_cores():

@@ -66,6 +66,19 @@ def test_1f1b_warms_up_p_minus_s_minus_1_forwards():
     assert order[3][0] == S.BACKWARD and order[3][1] == 0
 
 
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 3, 2)])
+def test_interleaved_warms_up_2_p_minus_s_minus_1_plus_v_minus_1_p_forwards(p, v, m):
+    """Megatron-LM's interleaved warm-up: stage s runs w = min(2 (p - s - 1) + (v - 1) p,
+    m v) forwards, then alternates forward and backward, so its first backward comes
+    after w + 1 forwards (all m v when the warm-up takes them all). Fewer starve the
+    later chunks; more hold activations for nothing."""
+    for s in range(p):
+        order = S.compute_order("interleaved", p, m, s, v)
+        first_backward = next(i for i, (op, _, _) in enumerate(order) if op == S.BACKWARD)
+        warmup = min(2 * (p - s - 1) + (v - 1) * p, m * v)
+        assert first_backward == min(warmup + 1, m * v), (p, v, m, s)
+
+
 def test_tags_match_between_sender_and_receiver():
     p, m, v = 3, 6, 2
     sends, recvs = set(), set()
