@@ -31,12 +31,13 @@ class CommTimeout(RuntimeError):
     """An MPI wait passed its deadline: some rank is stuck or dead."""
 
 
-def factor_hint(size: int, pp: int) -> str:
-    """How to make ``size`` ranks and ``pp`` pipeline stages fit together. Here because
-    two layers name this fix: the config's layout check and the process grid (``comm/``,
-    which sits below the config)."""
+def factor_hint(size: int, n: int, option: str = "--parallel.pp", group: int = 1) -> str:
+    """How to make ``size`` units (ranks, or tensor-parallel groups of ``group`` ranks)
+    and ``option``'s value ``n`` fit together. Here because two layers name this fix:
+    the config's layout check and the process grid (``comm/``, below the config)."""
     options = [d for d in range(1, size + 1) if size % d == 0]
-    more = pp * (size // pp + 1)
-    return (f"--parallel.pp must divide the number of ranks: one of "
-            f"{', '.join(map(str, options))}; or run on a multiple of {pp} ranks "
+    units = "ranks" if group == 1 else f"tensor-parallel groups ({group} ranks each)"
+    more = n * (size // n + 1) * group
+    return (f"{option} must divide the number of {units}: one of "
+            f"{', '.join(map(str, options))}; or run on a multiple of {n * group} ranks "
             f"(mpiexec -n {more})")

@@ -162,7 +162,15 @@ class FirstStep:
 
 def reduced_gradients(trainer) -> dict:
     """The gradient every parameter of this rank's model holds after the reduction, in
-    fp32 and whole: ZeRO shards are gathered over the data-parallel ranks (collective)."""
+    fp32 and whole: ZeRO shards are gathered over the data-parallel ranks, and
+    tensor-parallel slices over the tensor-parallel group (collective)."""
+    split = trainer.engine.tensor_split
+    grads = _local_reduced_gradients(trainer)
+    return {n: s["param"] for n, s in split.whole({n: {"param": g}
+                                                   for n, g in grads.items()}).items()}
+
+
+def _local_reduced_gradients(trainer) -> dict:
     import torch
 
     names = {id(p): n for n, p in trainer.model.named_parameters()}
@@ -259,10 +267,13 @@ def assert_matches_reference(trainer, result, cfg, comm=None, *, param_atol: flo
     assert len(result.losses) == cfg.train.max_iters
     np.testing.assert_allclose(result.losses, ref.losses, atol=loss_atol, rtol=0)
     with trainer.engine.gathered():
-        for name, p in trainer.model.named_parameters():
-            torch.testing.assert_close(p.detach(), ref.params[name], atol=param_atol, rtol=0)
+        mine = {n: {"param": p.detach()} for n, p in trainer.model.named_parameters()}
+        for name, p in mine.items():
             if comm is not None:
-                assert same_on_all_ranks(comm, p), f"{name} differs between ranks"
+                assert same_on_all_ranks(comm, p["param"]), f"{name} differs between ranks"
+        for name, whole in trainer.engine.tensor_split.whole(mine).items():
+            torch.testing.assert_close(whole["param"].to(ref.params[name].device),
+                                       ref.params[name], atol=param_atol, rtol=0)
     return ref
 
 

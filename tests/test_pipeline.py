@@ -82,15 +82,30 @@ def test_world_size_must_be_a_multiple_of_pp(tmp_path):
 def test_grid_places_a_pipeline_on_consecutive_ranks():
     from hpctrain.comm.grid import grid_coords, grid_rank
     dp, pp = 3, 4
-    coords = [grid_coords(r, dp, pp) for r in range(dp * pp)]
+    coords = [grid_coords(r, dp, pp)[:2] for r in range(dp * pp)]
     assert coords[:4] == [(0, 0), (0, 1), (0, 2), (0, 3)]  # replica 0's stages: ranks 0-3
     assert sorted(coords) == [(d, s) for d in range(dp) for s in range(pp)]
     for r, (d, s) in enumerate(coords):
         assert grid_rank(d, s, dp, pp) == r
-    outer = [grid_coords(r, dp, pp, pipeline_inner=False) for r in range(dp * pp)]
+    outer = [grid_coords(r, dp, pp, pipeline_inner=False)[:2] for r in range(dp * pp)]
     assert outer[:3] == [(0, 0), (1, 0), (2, 0)]  # replicas of stage 0 side by side
     for r, (d, s) in enumerate(outer):
         assert grid_rank(d, s, dp, pp, pipeline_inner=False) == r
+
+
+def test_grid_keeps_a_tensor_parallel_group_on_adjacent_ranks():
+    from hpctrain.comm.grid import grid_coords, grid_rank
+    dp, pp, tp = 2, 3, 2
+    coords = [grid_coords(r, dp, pp, tp=tp) for r in range(dp * pp * tp)]
+    # ranks 0 and 1 are the two halves of replica 0's stage 0; then stage 1; ...
+    assert coords[:4] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert sorted(coords) == [(d, s, t) for d in range(dp) for s in range(pp) for t in range(tp)]
+    for r, (d, s, t) in enumerate(coords):
+        assert grid_rank(d, s, dp, pp, tp=tp, tp_index=t) == r
+    outer = [grid_coords(r, dp, pp, pipeline_inner=False, tp=tp) for r in range(dp * pp * tp)]
+    assert outer[:4] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+    for r, (d, s, t) in enumerate(outer):
+        assert grid_rank(d, s, dp, pp, pipeline_inner=False, tp=tp, tp_index=t) == r
 
 
 def test_grid_on_one_rank_and_a_bad_size():

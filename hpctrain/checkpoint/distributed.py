@@ -25,30 +25,37 @@ from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.small_collectives import bcast_json, gather_json
 from hpctrain.comm.world import World
 from hpctrain.parallel.engine import GradEngine
+from hpctrain.parallel.tensor.split_state import TensorSplit
 
 
-def _replicated_shard(state, writes: bool):
+def _replicated_shard(state, split: TensorSplit, writes: bool):
     """Plain data parallelism: one rank (per pipeline stage) writes every parameter of
-    its model and their moments by name."""
-    index = {"params": {n: list(t["param"].shape) for n, t in state.params.items()}}
+    its model and their moments by name; under tensor parallelism each rank of the
+    group writes its slices (``name@tp<r>``) and the group's first the whole rest."""
+    names = {n: split.qualified(n) for n in state.params
+             if split.rank == 0 or split.qualified(n) != n}
+    index = {"params": {names[n]: list(state.params[n]["param"].shape) for n in names}}
     datasets = {}
     if writes:
-        for name, tensors in state.params.items():
+        for name, qualified in names.items():
             for k in KEYS:
-                datasets[f"{k}/{name}"] = tensors[k].detach().float().cpu().numpy()
+                datasets[f"{k}/{qualified}"] = \
+                    state.params[name][k].detach().float().cpu().numpy()
     return index, datasets
 
 
-def _zero_index(state, grid: ProcessGrid) -> dict:
-    entries = [bucket_entry(b.names, b.shapes, b.layout) for b in state.buckets]
-    if grid.pp > 1:  # each stage's buckets live on that stage's ranks only
+def _zero_index(state, grid: ProcessGrid, split: TensorSplit) -> dict:
+    entries = [bucket_entry([split.qualified(n) for n in b.names], b.shapes, b.layout)
+               for b in state.buckets]
+    if grid.pp > 1 or grid.tp > 1:  # buckets that live on some ranks only
+        where = f"stage{grid.stage}_" + (f"tp{grid.tp_index}_" if grid.tp > 1 else "")
         for i, e in enumerate(entries):
-            e.update(ranks=grid.stage_ranks(), key=f"stage{grid.stage}_bucket_{i}")
+            e.update(ranks=grid.stage_ranks(), key=f"{where}bucket_{i}")
     return {"buckets": entries}
 
 
-def _zero_shard(state, grid: ProcessGrid):
-    index = _zero_index(state, grid)
+def _zero_shard(state, grid: ProcessGrid, split: TensorSplit):
+    index = _zero_index(state, grid, split)
     datasets = {}
     for i, (entry, b) in enumerate(zip(index["buckets"], state.buckets)):
         for k in KEYS:
@@ -161,11 +168,12 @@ def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, 
     and ``tokenizer``. With a pipeline every stage writes its own parameters."""
     world = grid.world
     state = engine.state_shards()
+    split = engine.tensor_split
     if state.kind == "replicated":
-        index, datasets = _replicated_shard(state, writes=grid.dp_index == 0)
+        index, datasets = _replicated_shard(state, split, writes=grid.dp_index == 0)
     else:
-        index, datasets = _zero_shard(state, grid)
-    if grid.pp > 1:
+        index, datasets = _zero_shard(state, grid, split)
+    if grid.pp > 1 or grid.tp > 1:
         index = _merge_stage_indexes(world, grid, state.kind, index,
                                      f"checkpoint index of every stage (step {step})")
     datasets["rng/torch"] = torch.get_rng_state().numpy()
@@ -180,6 +188,7 @@ def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, 
     config = run["config"]
     manifest = {"format": FORMAT, "version": VERSION, "step": step,
                 "optimizer_step": state.step, "layout": state.kind, "world_size": world.size,
+                "tensor_parallel": grid.tp,
                 "model": run["model"], "config": config, "tokenizer": run.get("tokenizer"),
                 "data": {"sampler": config["data"]["sampler"],
                          "seed": config["train"]["seed"], "next_step": step},
@@ -216,7 +225,7 @@ def load_sharded(path: str | Path, engine: GradEngine, grid: ProcessGrid, *,
     check_compatible(manifest, model_shape)
     opt_step = float(manifest.data["optimizer_step"])
     state = engine.state_shards()
-    if _same_zero_layout(manifest, state, grid):
+    if _same_zero_layout(manifest, state, grid, engine.tensor_split):
         engine.load_shards(read_own_shards(manifest, world.rank), opt_step)
     else:
         _load_resharded(manifest, engine, opt_step)
@@ -225,14 +234,14 @@ def load_sharded(path: str | Path, engine: GradEngine, grid: ProcessGrid, *,
     return manifest.step
 
 
-def _same_zero_layout(manifest, state, grid: ProcessGrid) -> bool:
+def _same_zero_layout(manifest, state, grid: ProcessGrid, split: TensorSplit) -> bool:
     """True when the checkpoint's buckets and shards on this rank are exactly this
     engine's."""
     data, world = manifest.data, grid.world
     if state.kind != "zero" or data["layout"] != "zero" or manifest.world_size != world.size:
         return False
     theirs = [b for b in data["index"]["buckets"] if world.rank in bucket_ranks(manifest, b)]
-    return _zero_index(state, grid)["buckets"] == theirs
+    return _zero_index(state, grid, split)["buckets"] == theirs
 
 
 def _load_resharded(manifest, engine: GradEngine, opt_step: float) -> None:
@@ -243,8 +252,9 @@ def _load_resharded(manifest, engine: GradEngine, opt_step: float) -> None:
     if missing:
         raise CheckpointError(f"checkpoint {manifest.path} lacks {sorted(missing)[:3]}; it "
                               "was made for another model")
-    wrong = [f"{n} {list(full[n]['param'].shape)} (yours {list(p.shape)})"
-             for n, p in model.named_parameters() if full[n]["param"].shape != p.shape]
+    whole = {n: engine.tensor_split.whole_shape(n, p.shape) for n, p in model.named_parameters()}
+    wrong = [f"{n} {list(full[n]['param'].shape)} (yours {list(shape)})"
+             for n, shape in whole.items() if tuple(full[n]["param"].shape) != shape]
     if wrong:  # the model keys agree, so the index is damaged
         raise CheckpointError(f"checkpoint {manifest.path}: the manifest's shapes differ "
                               f"from the model's: {', '.join(wrong[:3])}; the checkpoint is "

@@ -44,6 +44,8 @@ from hpctrain.checkpoint.validate import Damaged, describe, validate_manifest
 from hpctrain.data.format import crc32_combine
 from hpctrain.errors import UserError
 from hpctrain.files import chmod_as_created
+from hpctrain.model.shape import GPTConfig
+from hpctrain.parallel.tensor.layout import join_slices
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 STEP_NAME = re.compile(r"step_(\d+)")
@@ -233,6 +235,11 @@ class Manifest:
     def world_size(self) -> int:
         return int(self.data["world_size"])
 
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel ranks it was written with (1 in checkpoints before them)."""
+        return int(self.data.get("tensor_parallel", 1))
+
 
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory, or a ``checkpoints/`` root (its ``latest``), or a run's
@@ -365,7 +372,21 @@ def bucket_key(entry: dict, i: int) -> str:
 def read_full_state(manifest: Manifest, keys: tuple[str, ...] = KEYS
                     ) -> dict[str, dict[str, torch.Tensor]]:
     """Whole fp32 parameters and Adam moments by parameter name, from any layout;
-    ``keys=("param",)`` reads the parameters alone (``--train.init_from``)."""
+    ``keys=("param",)`` reads the parameters alone (``--train.init_from``). The slices
+    of a tensor-parallel checkpoint (``name@tp<r>``) are joined into whole tensors."""
+    state = _read_recorded(manifest, keys)
+    tp = manifest.tensor_parallel
+    try:
+        return join_slices(state, GPTConfig.from_shape(manifest.data["model"]), tp)
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint {manifest.path}: a tensor-parallel slice is "
+                              f"missing from its index ({e}); the checkpoint is damaged: "
+                              "resume from an older step_N directory") from None
+
+
+def _read_recorded(manifest: Manifest, keys: tuple[str, ...]
+                   ) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor the index records, by its recorded name."""
     data = manifest.data
     out: dict[str, dict[str, torch.Tensor]] = {}
     if data["layout"] == "replicated":

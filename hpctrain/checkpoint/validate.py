@@ -45,6 +45,9 @@ def validate_manifest(data) -> None:
     if layout not in LAYOUTS:
         raise Damaged(f"layout is {_show(layout)}, not one of {', '.join(LAYOUTS)}")
     world = _int(_key(top, "world_size"), "world_size", 1, MAX_WORLD)
+    tp = _int(top.get("tensor_parallel", 1), "tensor_parallel", 1, world)
+    if world % tp:
+        raise Damaged(f"tensor_parallel is {tp}, which does not divide world_size {world}")
     _model(_dict(_key(top, "model"), "model"))
     _dict(_key(top, "config"), "config")
     if top.get("tokenizer") is not None:

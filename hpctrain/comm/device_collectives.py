@@ -131,6 +131,23 @@ def group_for(comm: MPI.Comm, purpose: str = "reduce"):
     return _groups[key]
 
 
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group) -> None:
+    """Every rank's ``t`` into ``out`` (flat, rank order); blocking on the host backends,
+    ordered on the compute stream on a GPU."""
+    _all_gather(out, t, group=group)
+
+
+def reduce_scatter_into(work: torch.Tensor, group, rank: int) -> torch.Tensor:
+    """The sum over ``group`` of ``work`` (shape (size, ...)), this rank's row of it.
+    gloo has no reduce-scatter: it sums everything and keeps the row."""
+    if dist.get_backend(group) == "gloo":
+        dist.all_reduce(work, group=group)
+        return work[rank]
+    out = torch.empty(work.shape[1:], dtype=work.dtype, device=work.device)
+    _reduce_scatter(out.view(-1), work.view(-1), group=group)
+    return out
+
+
 class DeviceRequest:
     """A collective issued on the device library. ``stream_ordered``: the device orders
     it (a GPU backend), so it is done for the host once issued."""

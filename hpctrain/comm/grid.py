@@ -1,9 +1,13 @@
-"""The process grid: data-parallel x pipeline-parallel ranks and their communicators.
+"""The process grid: data-parallel x pipeline-parallel x tensor-parallel ranks and their
+communicators.
 
-Rank r sits at pipeline stage ``r % pp`` of data-parallel replica ``r // pp`` by default,
-so the ranks of one pipeline are consecutive and, with the usual block placement of
-ranks on nodes, share a node: the frequent point-to-point activation traffic stays on
-NVLink / shared memory while the once-per-step gradient reduction crosses nodes.
+The tensor-parallel ranks are innermost: rank r belongs to tensor-parallel group
+``r // tp`` at position ``r % tp``, so the ranks that exchange activations inside every
+layer are adjacent and, with the usual block placement of ranks on nodes, share a node
+(NVLink, shared memory). Of what is left (``r // tp``), the pipeline comes next by
+default: position q sits at stage ``q % pp`` of data-parallel replica ``q // pp``, so a
+replica's stages are close together too and the frequent point-to-point activation
+traffic stays near, while the once-per-step gradient reduction crosses nodes.
 ``pipeline_inner=False`` puts data-parallel replicas next to each other instead.
 
 Built once (collective over the world) and passed to whatever needs it.
@@ -27,13 +31,18 @@ class GridError(UserError):
     pass
 
 
-def grid_coords(rank: int, dp: int, pp: int, pipeline_inner: bool = True) -> tuple[int, int]:
-    """(data-parallel index, stage) of ``rank``."""
-    return divmod(rank, pp) if pipeline_inner else (rank % dp, rank // dp)
+def grid_coords(rank: int, dp: int, pp: int, pipeline_inner: bool = True,
+                tp: int = 1) -> tuple[int, int, int]:
+    """(data-parallel index, stage, tensor-parallel index) of ``rank``."""
+    outer, tp_index = divmod(rank, tp)
+    dp_index, stage = divmod(outer, pp) if pipeline_inner else (outer % dp, outer // dp)
+    return dp_index, stage, tp_index
 
 
-def grid_rank(dp_index: int, stage: int, dp: int, pp: int, pipeline_inner: bool = True) -> int:
-    return dp_index * pp + stage if pipeline_inner else stage * dp + dp_index
+def grid_rank(dp_index: int, stage: int, dp: int, pp: int, pipeline_inner: bool = True,
+              tp: int = 1, tp_index: int = 0) -> int:
+    outer = dp_index * pp + stage if pipeline_inner else stage * dp + dp_index
+    return outer * tp + tp_index
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,33 +55,49 @@ class ProcessGrid:
     stage: int
     """This rank's pipeline stage (0..pp-1)."""
     dp_world: World
-    """The ranks at this stage in every replica (gradient reductions, ZeRO shards)."""
+    """The ranks holding the same parameters in every replica: this stage and
+    tensor-parallel position (gradient reductions, ZeRO shards)."""
     pp_comm: MPI.Comm
-    """The ranks of this replica's pipeline, ranked by stage (activations, gradients)."""
+    """The ranks of this replica's pipeline at this tensor-parallel position, ranked by
+    stage (activations, gradients)."""
     pipeline_inner: bool = True
     resources: MPIResources = dataclasses.field(default_factory=MPIResources)
-    """The communicators the grid made (pp > 1); ``close()`` frees them."""
+    """The communicators the grid made; ``close()`` frees them."""
+    tp: int = 1
+    tp_index: int = 0
+    """This rank's position in its tensor-parallel group (0..tp-1)."""
+    tp_comm: MPI.Comm = dataclasses.field(default_factory=lambda: MPI.COMM_SELF)
+    """The ranks that share each layer of this stage of this replica (adjacent ranks)."""
 
     @classmethod
-    def create(cls, world: World, pp: int = 1, *, pipeline_inner: bool = True) -> "ProcessGrid":
+    def create(cls, world: World, pp: int = 1, *, pipeline_inner: bool = True,
+               tp: int = 1) -> "ProcessGrid":
         """Collective over ``world.comm``."""
-        if pp < 1 or world.size % pp:
-            raise GridError(f"{world.size} rank(s) cannot form pipelines of {pp} "
-                            f"stage(s): {factor_hint(world.size, pp)}")
-        dp = world.size // pp
-        dp_index, stage = grid_coords(world.rank, dp, pp, pipeline_inner)
+        if tp < 1 or world.size % tp:
+            raise GridError(f"{world.size} rank(s) cannot form tensor-parallel groups of "
+                            f"{tp}: {factor_hint(world.size, tp, '--parallel.tp')}")
+        if pp < 1 or (world.size // tp) % pp:
+            hint = factor_hint(world.size // tp, pp, group=tp)
+            raise GridError(f"{world.size // tp} tensor-parallel group(s) cannot form "
+                            f"pipelines of {pp} stage(s): {hint}")
+        dp = world.size // (pp * tp)
+        dp_index, stage, tp_index = grid_coords(world.rank, dp, pp, pipeline_inner, tp)
         resources = MPIResources()
-        if pp == 1:
-            dp_comm, pp_comm = world.comm, MPI.COMM_SELF
-        else:
-            dp_comm = resources.add(world.comm.Split(color=stage, key=dp_index))
-            pp_comm = resources.add(world.comm.Split(color=dp_index, key=stage))
-            if world.collectives == "xccl":
-                _device_groups(world, dp, pp, pipeline_inner)
+        dp_comm, pp_comm, tp_comm = world.comm, MPI.COMM_SELF, MPI.COMM_SELF
+        if pp > 1 or tp > 1:
+            dp_comm = resources.add(world.comm.Split(color=stage * tp + tp_index,
+                                                     key=dp_index))
+        if pp > 1:
+            pp_comm = resources.add(world.comm.Split(color=dp_index * tp + tp_index,
+                                                     key=stage))
+        if tp > 1:
+            tp_comm = resources.add(world.comm.Split(color=world.rank // tp, key=tp_index))
+        if world.collectives == "xccl" and (pp > 1 or tp > 1):
+            _device_groups(world, dp, pp, tp, pipeline_inner)
         dp_world = dataclasses.replace(world, comm=dp_comm, rank=dp_index, size=dp)
         return cls(world=world, dp=dp, pp=pp, dp_index=dp_index, stage=stage,
                    dp_world=dp_world, pp_comm=pp_comm, pipeline_inner=pipeline_inner,
-                   resources=resources)
+                   resources=resources, tp=tp, tp_index=tp_index, tp_comm=tp_comm)
 
     @functools.cached_property
     def pp_transport(self):
@@ -88,29 +113,49 @@ class ProcessGrid:
     def is_last(self) -> bool:
         return self.stage == self.pp - 1
 
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks that compute each replica's loss (its last stage's tensor-parallel
+        ranks): a sum of losses over the world counts each replica this many times."""
+        return self.dp * self.tp
+
     def stage_ranks(self, stage: int | None = None) -> list[int]:
-        """World ranks holding ``stage`` (default: this rank's), in replica order."""
+        """World ranks holding ``stage`` (default: this rank's) at this rank's
+        tensor-parallel position, in replica order."""
         stage = self.stage if stage is None else stage
-        return [grid_rank(d, stage, self.dp, self.pp, self.pipeline_inner)
-                for d in range(self.dp)]
+        return [grid_rank(d, stage, self.dp, self.pp, self.pipeline_inner, self.tp,
+                          self.tp_index) for d in range(self.dp)]
 
     def describe(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} (replica {self.dp_index}, stage {self.stage})"
+        tp = f" x tp={self.tp}" if self.tp > 1 else ""
+        where = f", tensor rank {self.tp_index}" if self.tp > 1 else ""
+        return (f"dp={self.dp} x pp={self.pp}{tp} (replica {self.dp_index}, stage "
+                f"{self.stage}{where})")
 
     def close(self) -> None:
         """Free the grid's communicators (collective; idempotent)."""
         self.resources.close()
 
 
-def _device_groups(world: World, dp: int, pp: int, pipeline_inner: bool) -> None:
-    """The device library's groups for every replica's pipeline and every stage's
-    data-parallel set (with a second set for ZeRO-3's gathers), made by every rank in
-    the same order (``device_collectives.make_groups``)."""
+def _device_groups(world: World, dp: int, pp: int, tp: int, pipeline_inner: bool) -> None:
+    """The device library's groups, made by every rank in the same order
+    (``device_collectives.make_groups``): every pipeline and every data-parallel set
+    (with a second set for ZeRO-3's gathers), one of each per tensor-parallel position,
+    and the tensor-parallel groups."""
     from hpctrain.comm import device_collectives
 
     ranks = device_collectives.world_ranks(world.comm)
-    at = [[ranks[grid_rank(d, s, dp, pp, pipeline_inner)] for s in range(pp)] for d in range(dp)]
-    stage_sets = [[at[d][s] for d in range(dp)] for s in range(pp)] if dp > 1 else []
+
+    def at(d: int, s: int, t: int) -> int:
+        return ranks[grid_rank(d, s, dp, pp, pipeline_inner, tp, t)]
+
+    stage_sets = ([[at(d, s, t) for d in range(dp)] for s in range(pp) for t in range(tp)]
+                  if dp > 1 else [])
     device_collectives.make_groups(stage_sets, "reduce")
     device_collectives.make_groups(stage_sets, "gather")
-    device_collectives.make_groups(at, "reduce")
+    if pp > 1:
+        device_collectives.make_groups(
+            [[at(d, s, t) for s in range(pp)] for d in range(dp) for t in range(tp)], "reduce")
+    if tp > 1:
+        device_collectives.make_groups(
+            [[at(d, s, t) for t in range(tp)] for d in range(dp) for s in range(pp)], "tensor")

@@ -12,11 +12,17 @@ from hpctrain.errors import ConfigError, factor_hint
 
 def check_layout(cfg: Config, world_size: int) -> None:
     """Checks that need the number of ranks."""
-    pp = cfg.parallel.pp
-    if world_size % pp:
-        raise ConfigError(f"{world_size} rank(s) cannot form pipelines of "
-                          f"--parallel.pp={pp} stages: {factor_hint(world_size, pp)}")
-    dp = world_size // pp
+    pp, tp = cfg.parallel.pp, cfg.parallel.tp
+    if world_size % tp:
+        raise ConfigError(f"{world_size} rank(s) cannot form tensor-parallel groups of "
+                          f"--parallel.tp={tp}: {factor_hint(world_size, tp, '--parallel.tp')}")
+    groups = world_size // tp
+    if groups % pp:
+        ranks = (f"{world_size} rank(s)" if tp == 1 else
+                 f"{world_size} rank(s) in {groups} tensor-parallel group(s) of {tp}")
+        raise ConfigError(f"{ranks} cannot form pipelines of --parallel.pp={pp} stages: "
+                          f"{factor_hint(groups, pp, group=tp)}")
+    dp = world_size // (pp * tp)
     per_step = dp * cfg.parallel.micro_batches
     if cfg.train.batch_size % per_step:
         lower = max(per_step, cfg.train.batch_size // per_step * per_step)

@@ -149,6 +149,12 @@ class ParallelConfig:
                                 "bubble, more messages)", ("1f1b", "gpipe", "interleaved"))
     virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedule)",
                               bounds=AT_LEAST_1)
+    tp: int = opt(1, "tensor-parallel ranks: every layer's weights and work are split over "
+                     "tp adjacent ranks (keep them on one node); the ranks are dp x pp x tp",
+                  bounds=AT_LEAST_1)
+    sequence_parallel: bool = opt(False, "with tp > 1, also split the norms and the residual "
+                                         "stream along the sequence: activation memory per "
+                                         "rank drops by tp, the same bytes move")
 
     def __post_init__(self):
         _check_fields(self)
@@ -159,6 +165,9 @@ class ParallelConfig:
                  f"the interleaved schedule takes micro-batches in groups of the {self.pp} "
                  f"stages; make --parallel.micro_batches (now {self.micro_batches}) a "
                  f"multiple of --parallel.pp={self.pp}")
+        require(self.tp > 1 or not self.sequence_parallel,
+                "--parallel.sequence_parallel splits the sequence over the tensor-parallel "
+                "ranks: it needs --parallel.tp > 1")
 
 
 @dataclass

@@ -72,6 +72,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.n_kv_head, hs = cfg.n_head, cfg.n_kv_head, cfg.head_size
+        self.head_size = hs
         self.widths = [cfg.n_head * hs, cfg.n_kv_head * hs, cfg.n_kv_head * hs]
         self.c_attn = nn.Linear(cfg.n_embd, sum(self.widths), bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
@@ -81,16 +82,17 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.widths, dim=2)
+        qkv = self.c_attn(x)  # whole sequences even where x holds a rank's tokens
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(self.widths, dim=2)
         # (B, T, heads * hs) -> (B, heads, T, hs)
-        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, -1, self.head_size).transpose(1, 2) for t in (q, k, v))
         if self.rotary is not None:
             q, k = self.rotary.rotate(q), self.rotary.rotate(k)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
             enable_gqa=self.n_kv_head != self.n_head)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, nh, T, hs) -> (B, T, nh hs)
         return self.resid_drop(self.c_proj(y))
 
 
@@ -156,7 +158,8 @@ class EmbeddingAndHead:
         x = self.wte(idx)  # (B, T, C)
         if self.cfg.arch == "gpt":  # llama's positions are rotations inside attention
             x = x + self.wpe(torch.arange(T, device=idx.device))
-        return self.drop(x)
+        x = self.drop(x)
+        return x if self.tensor_parallel is None else self.tensor_parallel.enter_blocks(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(B, T, C) -> (B, T, V). The head computes Vp columns, the width the matmul wants;
@@ -166,9 +169,18 @@ class EmbeddingAndHead:
     compiled_loss = None
     """``torch.compile(full_cross_entropy)``, set by ``compile_model`` (one per instance)."""
 
+    tensor_parallel = None
+    """On a tensor-parallel model (``parallel/tensor/``), what changes at its two ends:
+    ``enter_blocks(x)`` gives the blocks their part of the residual stream (all of it,
+    or this rank's tokens under sequence parallelism) and ``head_loss(model, h,
+    targets)`` computes the head and the loss over this rank's slice of the
+    vocabulary. None: the model is whole."""
+
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Mean cross-entropy of the residual stream ``h`` against ``targets``; without
         targets, the last position's logits (B, 1, V): generation needs only those."""
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.head_loss(self, h, targets)
         if targets is None:
             return self.logits(h[:, [-1], :])
         if self.cfg.loss_chunk:

@@ -51,9 +51,12 @@ from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.config import OptimConfig
 from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
-from hpctrain.parallel.engine import STATE_KEYS, EngineState, finish_norm, nothing_to_gather
+from hpctrain.parallel.engine import (STATE_KEYS, EngineState, finish_norm, local_norm_squares,
+                                     nothing_to_gather)
 from hpctrain.parallel.memory import MemoryReport, tensor_bytes
-from hpctrain.parallel.optim import build_optimizer, clip_grads_, global_grad_norm, param_groups
+from hpctrain.parallel.optim import build_optimizer, clip_grads_, param_groups
+from hpctrain.parallel.tensor.layers import is_split
+from hpctrain.parallel.tensor.split_state import TensorSplit
 from hpctrain.profiling import profile_range
 
 MiB = 1 << 20
@@ -115,11 +118,12 @@ class DataParallel(BucketScheduler):
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  persistent: bool | None = None, allreduce: str = "auto",
                  node_comm: MPI.Comm | None = None, norm_comms: tuple = (),
-                 broadcast: bool = True):
+                 tp_comm: MPI.Comm = MPI.COMM_SELF, broadcast: bool = True):
         """``optim_cfg``: the optimizer ``step()`` runs. ``broadcast``: start every rank
-        from rank 0's parameters. ``norm_comms``: see engine.py."""
+        from rank 0's parameters. ``norm_comms``, ``tp_comm``: see engine.py."""
         self.model = model
-        self.norm_comms = list(norm_comms)
+        self.tensor_split = TensorSplit(model, tp_comm, world.timeout)
+        self.norm_comms = ([tp_comm] if self.tensor_split.active else []) + list(norm_comms)
         self.resources = MPIResources()  # persistent requests; the arena has its own
         self.world = world
         self.comm = world.comm
@@ -235,17 +239,16 @@ class DataParallel(BucketScheduler):
     def step(self, lr: float, clip: float) -> float:
         """Global norm of the (reduced) gradients; clip and update unless it is NaN/inf.
         Returns the norm before clipping."""
-        norm = global_grad_norm(self.grad_tensors())
-        value = float(norm)  # the step's one wait for the device
-        if self.norm_comms:  # other ranks hold other parameters: add their squares
-            value = finish_norm(value ** 2, self.norm_comms, self.world.timeout)
-            norm = torch.tensor(value)
+        whole = [v for b in self.buckets for p, v in zip(b.params, b.views)
+                 if not is_split(p)]
+        squares = local_norm_squares(self.grad_tensors(), whole, self.tensor_split.size)
+        value = finish_norm(squares, self.norm_comms, self.world.timeout)
         if not math.isfinite(value):
             return value
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if clip > 0:
-            clip_grads_(self.grad_tensors(), clip, norm)
+            clip_grads_(self.grad_tensors(), clip, value)
         with profile_range("optimizer"):
             self.optimizer.step()
         return value
@@ -267,10 +270,13 @@ class DataParallel(BucketScheduler):
         return EngineState("replicated", step, params=params)
 
     def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Parameters and the optimizer's state by name (already whole on every rank)."""
-        return {name: {"param": p.detach(), **state} for name, p, state in self._named_state()}
+        """Parameters and the optimizer's state by name (whole on every rank; split
+        parameters gathered over the tensor-parallel group)."""
+        return self.tensor_split.whole(
+            {name: {"param": p.detach(), **state} for name, p, state in self._named_state()})
 
     def load_full_state(self, full: dict[str, dict[str, torch.Tensor]], step: float) -> None:
+        full = self.tensor_split.local(full)
         with torch.no_grad():
             for name, p, _ in self._named_state():
                 p.copy_(full[name]["param"])

@@ -13,7 +13,11 @@ the same for all::
     engine.zero_grad()
 
 ``norm_comms`` let an engine finish the global gradient norm over ranks that hold other
-parameters (the pipeline's stages): the squares are summed over each of them.
+parameters (the pipeline's stages): the squares are summed over each of them. Under
+tensor parallelism (``tp_comm``) the group's ranks hold other slices of the split
+parameters and copies of the rest: the squares are summed over the group too, each
+copy of a whole parameter counted 1/tp (``local_norm_squares``). An engine keeps its
+state interface in whole tensors either way (``tensor/split_state.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.parallel.bucketing import CommStats
 from hpctrain.parallel.memory import MemoryReport
 from hpctrain.parallel.shards import ShardLayout
+from hpctrain.parallel.tensor.split_state import TensorSplit
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 """What a checkpoint keeps per parameter: fp32 weight and AdamW's two moments."""
@@ -67,6 +72,8 @@ class GradEngine(Protocol):
     """What this rank holds (the whole GPT, or its pipeline stage)."""
     stats: CommStats
     """Reductions, bytes, gathers and the seconds spent waiting and in hooks."""
+    tensor_split: TensorSplit
+    """Which parameters hold a tensor-parallel slice, and how slices become whole."""
 
     @property
     def grad_scale(self) -> float:
@@ -110,6 +117,20 @@ class GradEngine(Protocol):
 
     def close(self) -> None:
         """Release communicators and windows (collective; a second call does nothing)."""
+
+
+def local_norm_squares(grads: list[torch.Tensor], duplicated: list[torch.Tensor],
+                       copies: int) -> float:
+    """This rank's share of the squared global gradient norm: the squares of ``grads``,
+    where ``duplicated`` (views into them) are held whole by ``copies`` ranks that the
+    norm also sums over (a tensor-parallel group), so that each copy counts 1/copies
+    and the sum counts the parameter once. Summed on the device in fp64; the float is
+    the step's one wait for it."""
+    squares = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+    if duplicated and copies > 1:
+        extra = torch.stack(torch._foreach_norm(duplicated)).double().square().sum()
+        squares = squares - (1.0 - 1.0 / copies) * extra
+    return float(squares)
 
 
 def finish_norm(local_squares: float, comms: list[MPI.Comm], timeout: float) -> float:

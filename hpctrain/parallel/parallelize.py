@@ -2,6 +2,9 @@
 
 One fixed order (as torchtitan's ``parallelize``), because each step needs the previous:
 
+0. **Tensor split** (tp > 1): every layer keeps this rank's slice of its weights and
+   exchanges activations with the rest of its tensor-parallel group
+   (``tensor/apply.py``); the pipeline cut then takes the split layers.
 1. **Pipeline cut** (pp > 1): keep this rank's stage of the model (its chunks of layers,
    plus the embedding on the first stage and the head on the last). Every rank built the
    whole model from the same seed, so the stages fit together.
@@ -15,8 +18,8 @@ One fixed order (as torchtitan's ``parallelize``), because each step needs the p
 5. **Compute settings**: TF32 for fp32 matrix multiplies on GPUs (``--train.tf32``), then
    ``torch.compile`` of each block and of the head with its loss (``--train.compile``)
    last, once the parameters have their final dtype and the engine's hooks are in place
-   (they stay outside the compiled code). Activation recomputation (``--model.recompute``) was built into the blocks with
-   the model (``gpt.py``).
+   (they stay outside the compiled code). Activation recomputation
+   (``--model.recompute``) was built into the blocks with the model (``gpt.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.parallel.runner import LocalRunner, Runner
+from hpctrain.parallel.tensor.apply import tensor_parallelize
+from hpctrain.parallel.tensor.group import TensorParallelGroup
 from hpctrain.parallel.zero import Zero
 
 
@@ -50,30 +55,32 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     par, world = cfg.parallel, grid.world
     device = torch.device(world.device)
     pipelined = par.pp > 1
+    if grid.tp > 1:
+        tensor_parallelize(gpt, TensorParallelGroup(grid.tp_comm, world),
+                           sequence_parallel=par.sequence_parallel)
     if pipelined:
         model = PipelineStage(gpt, grid.stage, par.pp, par.virtual_stages, device=device)
     else:
         model = gpt.to(device)
-    norm_comms = (grid.pp_comm,) if pipelined else ()
+    norms = {"norm_comms": (grid.pp_comm,) if pipelined else (), "tp_comm": grid.tp_comm}
     if par.zero > 0:
         engine = Zero(model, grid.dp_world, cfg.optim, stage=par.zero, dtype=cfg.train.dtype,
                       bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,
-                      blocks=None if pipelined else list(model.h), norm_comms=norm_comms)
+                      blocks=None if pipelined else list(model.h), **norms)
     elif cfg.train.dtype != "fp32":
         engine = MixedPrecisionDataParallel(model, grid.dp_world, cfg.optim,
                                             dtype=cfg.train.dtype, bucket_mb=par.bucket_mb,
-                                            first_bucket_mb=par.first_bucket_mb,
-                                            norm_comms=norm_comms)
+                                            first_bucket_mb=par.first_bucket_mb, **norms)
     else:
         engine = DataParallel(model, grid.dp_world, cfg.optim, bucket_mb=par.bucket_mb,
                               first_bucket_mb=par.first_bucket_mb, allreduce=par.allreduce,
-                              norm_comms=norm_comms)
+                              **norms)
     if pipelined:
         model.sync_head_dtype()  # the engine may have turned the parameters into bf16
         runner = PipelineExecutor(model, grid, kind=par.schedule, n_micro=par.micro_batches,
                                   seq=cfg.model.block_size, timeout=world.timeout)
     else:
-        runner = LocalRunner(model, world.accel)
+        runner = LocalRunner(model, world.accel, whole=grid.tp == 1)
     set_matmul_precision(device, cfg.train.tf32)
     if cfg.train.compile:
         compile_model(model)

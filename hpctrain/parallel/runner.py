@@ -19,6 +19,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from hpctrain.comm.device import Accelerator
+from hpctrain.model.gpt import GPT
 from hpctrain.profiling import profile_range
 
 
@@ -69,13 +70,25 @@ class LocalStats:
     """Seconds in backward passes, the gradient engine's hooks included."""
 
 
+def assemble_gpt(cfg, state: dict, device) -> GPT:
+    """A whole GPT of shape ``cfg`` holding the fp32 parameters of ``state`` (name ->
+    {"param": tensor}, e.g. ``whole_model_state``'s), on ``device``: what samples on the
+    rank that writes the outputs when no rank holds the whole model."""
+    model = GPT(cfg)
+    model.load_parameters({n: s["param"] for n, s in state.items()})
+    return model.to(device)
+
+
 class LocalRunner:
-    def __init__(self, model: torch.nn.Module, accel: Accelerator | None = None):
+    def __init__(self, model: torch.nn.Module, accel: Accelerator | None = None, *,
+                 whole: bool = True):
         """``accel``: the rank's device layer, which runs the backward passes (the fake
-        device runs them on a thread of their own, as CUDA's autograd does)."""
+        device runs them on a thread of their own, as CUDA's autograd does). ``whole``:
+        ``model`` is the whole GPT (False: this rank's tensor-parallel part of it)."""
         self.model = model
         self.accel = accel or Accelerator()
         self.stats = LocalStats()
+        self.whole = whole
 
     def train_step(self, xs: list, ys: list, loss_scale: float,
                    before_backward: Callable[[bool], None] | None = None) -> torch.Tensor:
@@ -111,4 +124,6 @@ class LocalRunner:
         return full
 
     def whole_model(self, state: dict) -> torch.nn.Module:
-        return self.model
+        if self.whole:
+            return self.model
+        return assemble_gpt(self.model.cfg, state, next(self.model.parameters()).device)

@@ -20,9 +20,12 @@ class Evaluator:
     pipeline stage of each replica); the others add zeros to the sums."""
 
     def __init__(self, model: torch.nn.Module, runner, batches: BatchLoader, world,
-                 eval_iters: int):
+                 eval_iters: int, loss_ranks: int | None = None):
+        """``loss_ranks``: how many ranks compute each batch's loss (``ProcessGrid``;
+        default one per data-parallel replica)."""
         self.model, self.runner, self.batches = model, runner, batches
         self.world, self.eval_iters = world, eval_iters
+        self.loss_ranks = loss_ranks or batches.dp
 
     def _sum(self, values, what: str):
         return allreduce_array(self.world.comm, values, timeout=self.world.timeout, what=what)
@@ -42,7 +45,7 @@ class Evaluator:
                 local += (self._loss(xs, ys) or 0.0) * len(xs) / len(x)  # the batch mean
         self.model.train()
         total = self._sum([local / self.eval_iters], "validation estimate")
-        return float(total[0]) / self.batches.dp  # one loss per replica
+        return float(total[0]) / self.loss_ranks  # the same loss from each of them
 
     @torch.no_grad()
     def whole_split(self, stop=None) -> float | None:

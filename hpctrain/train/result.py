@@ -69,8 +69,9 @@ class LogWindow:
     """The steps since the last log line. Their losses stay on each rank until the log
     step, where one small collective turns them into means over the whole global batch."""
 
-    def __init__(self, world, dp: int):
-        self.world, self.dp = world, dp
+    def __init__(self, world, loss_ranks: int):
+        """``loss_ranks``: ranks that compute each step's loss (``ProcessGrid``)."""
+        self.world, self.loss_ranks = world, loss_ranks
         self.losses: list[torch.Tensor] = []
         self.restart()
 
@@ -84,9 +85,10 @@ class LogWindow:
         w, n = self.world, len(self.losses)
         elapsed = time.perf_counter() - self.t0
         local = torch.stack(self.losses).double().cpu().numpy()
-        # Each replica's last stage holds its loss; the other stages add zeros.
+        # Each replica's last stage holds its loss (on each of its tensor-parallel
+        # ranks); the other stages add zeros.
         losses = allreduce_array(w.comm, local, timeout=w.timeout,
-                                 what="loss reduction") / self.dp
+                                 what="loss reduction") / self.loss_ranks
         result.losses.extend(losses.tolist())
         self.losses = []
         means = [statistics.fmean(x[-n:]) for x in (result.data_times, result.comm_times,

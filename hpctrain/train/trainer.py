@@ -62,7 +62,7 @@ class Trainer:
     def _build(self, cfg: Config, world: World) -> None:
         t = cfg.train
         torch.set_num_threads(t.threads or threads_per_rank(world.local_size))
-        self.grid = ProcessGrid.create(world, cfg.parallel.pp)  # dp x pp ranks
+        self.grid = ProcessGrid.create(world, cfg.parallel.pp, tp=cfg.parallel.tp)
         self.batches = BatchLoader.open(cfg, world, dp_index=self.grid.dp_index,
                                         dp=self.grid.dp, device=world.accel)
         self.tokenizer = self.batches.tokenizer
@@ -73,7 +73,8 @@ class Trainer:
         self.model, self.engine, self.runner = self.par.model, self.par.engine, self.par.runner
         self.micro = cfg.parallel.micro_batches
         self.clock = PhaseClock(self.runner, self.engine)
-        self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t.eval_iters)
+        self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t.eval_iters,
+                                   self.grid.loss_ranks)
         self.tokens_per_step = t.batch_size * cfg.model.block_size
         self.peak = device_peak(world.accel.name, t.dtype, tf32=t.tf32,
                                 accelerator=world.accel.is_accelerator,
@@ -144,8 +145,9 @@ class Trainer:
                   "per rank")
         for note in self.lock.notes:
             self._log(f"out_dir: {note}")
-        if self.runner.describe():
-            self._log(self.runner.describe())
+        for part in (self.model.tensor_parallel, self.runner):
+            if part is not None and part.describe():
+                self._log(part.describe())
         rows = t.batch_size // self.grid.dp
         self._log(f"model: {self.gpt_cfg.num_params() / 1e6:.2f}M parameters, "
                   f"{self.engine.describe()}, {t.dtype}; global batch {t.batch_size} x "
@@ -222,7 +224,7 @@ class Trainer:
 
     def _loop(self, result: TrainResult, bar: Progress, stop: StopAgreement) -> None:
         t, w = self.cfg.train, self.world
-        window = LogWindow(w, self.grid.dp)
+        window = LogWindow(w, self.grid.loss_ranks)
         self.deadline.record_startup()
         for step in range(self.start.step, t.max_iters):
             self.clock.start()

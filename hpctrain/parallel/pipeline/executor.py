@@ -35,6 +35,7 @@ from hpctrain.model.gpt import GPT
 from hpctrain.parallel.pipeline.consolidate import gather_parameters
 from hpctrain.parallel.pipeline import schedules as S
 from hpctrain.parallel.pipeline.stage import PipelineStage
+from hpctrain.parallel.runner import assemble_gpt
 from hpctrain.profiling import profile_range
 
 LOOKAHEAD = 2  # receives posted ahead of the action that consumes them
@@ -356,6 +357,4 @@ class PipelineExecutor:
 
     def whole_model(self, state: dict) -> GPT:
         """A GPT put together from ``whole_model_state``'s result (on rank 0), for sampling."""
-        model = GPT(self.stage.cfg)
-        model.load_parameters({n: s["param"] for n, s in state.items()})
-        return model.to(self.device)
+        return assemble_gpt(self.stage.cfg, state, self.device)

@@ -6,8 +6,8 @@ take the remainder), and the final LayerNorm, the head and the loss go with chun
 Chunk g lives on stage g mod p (``schedules.py``).
 
 A stage keeps its parts under the GPT's own attribute names (``wte``, ``wpe``,
-``h.<layer>``, ``ln_f``, an untied ``lm_head``), so its ``named_parameters()`` are the GPT's names for the
-same tensors: checkpoints, the optimizer's decay groups and the tests need no mapping.
+``h.<layer>``, ``ln_f``, an untied ``lm_head``), so its ``named_parameters()`` are
+the GPT's names for the same tensors: checkpoints, the optimizer's decay groups and the tests need no mapping.
 It runs them with the GPT's own code (``EmbeddingAndHead.embed`` and ``head_loss``), so
 a stage computes exactly what the GPT does and checks the sequence against block_size.
 
@@ -48,6 +48,7 @@ class PipelineStage(EmbeddingAndHead, nn.Module):
                  device: torch.device | str | None = None):
         super().__init__()
         self.cfg = gpt.cfg
+        self.tensor_parallel = gpt.tensor_parallel  # its ends, when the layers are split
         self.stage, self.n_stages, self.virtual = stage, n_stages, virtual
         n_chunks = n_stages * virtual
         splits = layer_split(gpt.cfg.n_layer, n_chunks)
@@ -102,4 +103,9 @@ class PipelineStage(EmbeddingAndHead, nn.Module):
                 self.head_copy = self.head_copy.detach().to(dtype).requires_grad_(True)
 
     def activation_shape(self, rows: int, seq: int) -> tuple[int, int, int]:
+        """What crosses a stage boundary: the residual stream, or under sequence
+        parallelism this rank's tokens of it."""
+        tp = self.tensor_parallel
+        if tp is not None and tp.sequence_parallel:
+            seq //= tp.group.size
         return (rows, seq, self.cfg.n_embd)

@@ -28,9 +28,11 @@ from hpctrain.comm.transport import Request
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import BucketScheduler
-from hpctrain.parallel.engine import finish_norm, nothing_to_gather
+from hpctrain.parallel.engine import finish_norm, local_norm_squares, nothing_to_gather
 from hpctrain.parallel.memory import MemoryReport, tensor_bytes
 from hpctrain.parallel.optim import build_optimizer, clip_coefficient
+from hpctrain.parallel.tensor.layers import is_split
+from hpctrain.parallel.tensor.split_state import TensorSplit
 from hpctrain.parallel.zero.buckets import DTYPES, MiB, StagingPool, ZeroBucket, zero_buckets
 from hpctrain.parallel.zero.gather import ParameterGather
 from hpctrain.parallel.zero.state import ShardedState
@@ -54,15 +56,18 @@ class Zero(ShardedState, BucketScheduler):
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, stage: int,
                  dtype: str = "fp32", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = (),
-                 staging_mb: float | None = None):
-        """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``:
-        see engine.py; ``staging_mb``: the byte budget of stages 2-3's fp32 reduction
-        buffers (default: every bucket's, so all can be in flight at once)."""
+                 tp_comm: MPI.Comm = MPI.COMM_SELF, staging_mb: float | None = None):
+        """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``,
+        ``tp_comm``: see engine.py; ``staging_mb``: the byte budget of stages 2-3's fp32
+        reduction buffers (default: every bucket's, so all can be in flight at once)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, not {stage}")
         self.model, self.world, self.stage = model, world, stage
-        # The norm's squares are summed over the shards' ranks (stages 1-3), then these.
-        self.norm_comms = ([world.comm] if stage else []) + list(norm_comms)
+        self.tensor_split = TensorSplit(model, tp_comm, world.timeout)
+        # The norm's squares are summed over the shards' ranks (stages 1-3), the
+        # tensor-parallel group, then these.
+        self.norm_comms = (([world.comm] if stage else [])
+                           + ([tp_comm] if self.tensor_split.active else []) + list(norm_comms))
         self.dtype = DTYPES[dtype]
         self.optim_cfg = optim_cfg
         self.transport = world.transport
@@ -246,9 +251,11 @@ class Zero(ShardedState, BucketScheduler):
     def grad_norm(self) -> float:
         """L2 norm of the whole (averaged) gradient, summed over every rank's shards (and
         the ``norm_comms``)."""
-        norms = torch._foreach_norm([b.grad_shard for b in self.buckets])
-        # Summed on the device: the step's one wait for it is this float.
-        local = float(torch.stack(norms).double().square().sum())
+        whole = [b.grad_shard[piece.shard_start:piece.shard_start + piece.length]
+                 for b in self.buckets for piece in b.layout.pieces(b.rank)
+                 if not is_split(b.params[piece.index])]
+        local = local_norm_squares([b.grad_shard for b in self.buckets], whole,
+                                   self.tensor_split.size)
         return finish_norm(local, self.norm_comms, self.world.timeout)
 
     def step(self, lr: float, clip: float) -> float:

@@ -18,7 +18,8 @@ from hpctrain.parallel.zero.buckets import pack_flat
 
 class ShardedState:
     """Checkpoint state of ``Zero`` (a mixin: it reads the engine's ``model``,
-    ``buckets``, ``optimizers``, ``world``, ``stage``, ``size`` and ``dtype``,
+    ``buckets``, ``optimizers``, ``world``, ``stage``, ``size``, ``dtype`` and
+    ``tensor_split``,
     and calls its ``_publish_master`` and ``_allgather_parameters``)."""
 
     def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -50,7 +51,7 @@ class ShardedState:
                 out[names[id(p)]] = {k: v[off:off + p.numel()].view(p.shape).clone()
                                      for k, v in full.items()}
                 out[names[id(p)]]["step"] = torch.tensor(step)
-        return out
+        return self.tensor_split.whole(out)
 
     def optimizer_step(self) -> float:
         """Adam's step count (the same in every bucket's optimizer)."""
@@ -59,8 +60,10 @@ class ShardedState:
 
     def load_full_state(self, full: dict[str, dict[str, torch.Tensor]], step: float) -> None:
         """Take this rank's shards from whole per-parameter tensors (``param``,
-        ``exp_avg``, ``exp_avg_sq`` by name), e.g. a checkpoint from another layout."""
+        ``exp_avg``, ``exp_avg_sq`` by name), e.g. a checkpoint from another layout;
+        split parameters take this rank's tensor-parallel slice of them."""
         names = {id(p): n for n, p in self.model.named_parameters()}
+        full = self.tensor_split.local(full)
         with torch.no_grad():
             for b, opt in zip(self.buckets, self.optimizers):
                 lo, hi = b.layout.rank_range(b.rank)

@@ -1,0 +1,117 @@
+"""The collectives of one tensor-parallel group, as the layers need them: blocking, out
+of place, on whole activations.
+
+A tensor-parallel layer cannot go on before its collective is done (the next matrix
+multiply reads the sum), so these calls return the result, unlike the gradient
+engines' nonblocking bucket reductions. Three operations, each along a tensor
+dimension: ``allreduce`` (sum), ``all_gather`` (concatenate every rank's slice along
+``dim``) and ``reduce_scatter`` (sum, and keep this rank's slice along ``dim``).
+
+Two ways to move the bytes, as for the gradients (``comm/transport.py``):
+- MPI on the group's communicator (``--comm.collectives=mpi``): host tensors as numpy
+  views, device tensors directly or staged through the host (``comm/buffers.py``). Each
+  call waits under the watchdog's deadline, so a rank that never arrives ends the job.
+- the device library's process group for these ranks (``xccl``: NCCL, RCCL, oneCCL;
+  gloo on the host in the tests), on the compute stream, ended by the library's timeout.
+
+Sums run in fp32 where the library would otherwise add bf16 on the host (MPI has no
+bf16 type; gloo's bf16 sum is not what the single-process model rounds); NCCL and
+oneCCL sum bf16 natively, as Megatron-LM lets them.
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from hpctrain.comm.buffers import MPIBuffer, to_mpi_all
+from hpctrain.comm.watchdog import wait_all
+from hpctrain.comm.world import World
+
+
+class TensorParallelGroup:
+    """The ranks that share each layer's weights (adjacent ranks: one node)."""
+
+    def __init__(self, comm: MPI.Comm, world: World):
+        """``comm``: the group's communicator; ``world``: the run's (device, MPI's GPU
+        awareness, deadline, and which collectives move tensors)."""
+        self.comm = comm
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.accel, self.aware, self.timeout = world.accel, world.gpu_aware, world.timeout
+        self.process_group = None
+        self.backend = "mpi"
+        if world.collectives == "xccl" and self.size > 1:
+            from hpctrain.comm import device_collectives
+
+            self.process_group = device_collectives.group_for(comm, "tensor")
+            self.backend = torch.distributed.get_backend(self.process_group)
+
+    def _sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        native = self.backend in ("nccl", "xccl") and dtype == torch.bfloat16
+        return dtype if native else torch.float32
+
+    def _wait(self, req, what: str) -> None:
+        wait_all([req], timeout=self.timeout, what=f"tensor-parallel {what}")
+
+    @torch.compiler.disable
+    def allreduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the group (a new tensor, ``t``'s dtype)."""
+        if self.size == 1:
+            return t
+        work = _fresh(t, self._sum_dtype(t.dtype))
+        if self.process_group is not None:
+            torch.distributed.all_reduce(work, group=self.process_group)
+        else:
+            buf = MPIBuffer(work, self.accel, self.aware, reduction=True)
+            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, buf.to_mpi(), op=MPI.SUM),
+                       "allreduce")
+            buf.complete()
+        return work.to(t.dtype)
+
+    @torch.compiler.disable
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``t`` concatenated along ``dim``, in rank order."""
+        if self.size == 1:
+            return t
+        t, dim = t.contiguous(), dim % t.dim()
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        if self.process_group is not None:
+            from hpctrain.comm.device_collectives import all_gather_into
+
+            all_gather_into(out.view(-1), t.view(-1), self.process_group)
+        else:
+            send = MPIBuffer(t, self.accel, self.aware)
+            recv = MPIBuffer(out, self.accel, self.aware)
+            recv.prepare(send=False)  # only written: nothing to stage
+            send_obj, recv_obj = to_mpi_all([send, recv])
+            self._wait(self.comm.Iallgather(send_obj, recv_obj), "all-gather")
+            recv.complete()
+        return out.movedim(0, dim).flatten(dim, dim + 1).contiguous()
+
+    @torch.compiler.disable
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The sum of ``t`` over the group, cut into ``size`` equal slices along ``dim``;
+        this rank's slice."""
+        if self.size == 1:
+            return t
+        dim = dim % t.dim()
+        # (..., size * n, ...) -> (size, ..., n, ...): each rank's slice contiguous
+        work = _fresh(t.unflatten(dim, (self.size, -1)).movedim(dim, 0),
+                      self._sum_dtype(t.dtype))
+        if self.process_group is not None:
+            from hpctrain.comm.device_collectives import reduce_scatter_into
+
+            mine = reduce_scatter_into(work, self.process_group, self.rank)
+        else:
+            buf = MPIBuffer(work, self.accel, self.aware, reduction=True)
+            self._wait(self.comm.Ireduce_scatter_block(MPI.IN_PLACE, buf.to_mpi(),
+                                                       op=MPI.SUM), "reduce-scatter")
+            buf.complete()
+            mine = work[0]  # MPI_IN_PLACE: this rank's slice lands at the start
+        return mine.to(t.dtype)
+
+
+def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous copy of ``t`` in ``dtype`` that the collective may overwrite (never
+    ``t``'s own memory, which autograd may still read)."""
+    return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)

@@ -1,0 +1,132 @@
+"""The tensor-parallel layers: a linear layer split by its outputs or by its inputs, and
+an embedding split by its vocabulary (Megatron-LM's ``ColumnParallelLinear``,
+``RowParallelLinear`` and ``VocabParallelEmbedding``).
+
+Each is made from the whole layer of a built GPT (``split``) and keeps its parameters
+under the same names (``weight``, ``bias``), so the gradient engines, ZeRO and the
+checkpoints see the GPT's names with this rank's slice of each tensor. A parameter that
+holds a slice carries its ``ShardSpec`` as ``tensor_parallel_split``; the gradient norm
+counts every other parameter once over the group (``is_split``).
+
+In a transformer block the two linear layers come in pairs, column then row, so the
+activation between them stays split and one collective in each direction serves the
+pair: c_attn (column: this rank's heads) -> attention -> c_proj (row: sums the heads'
+contributions), and c_fc (column: this rank's slice of the hidden width) -> GELU or
+SwiGLU -> c_proj (row).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpctrain.parallel.tensor.group import TensorParallelGroup
+from hpctrain.parallel.tensor.layout import ShardSpec, shard
+from hpctrain.parallel.tensor.mappings import (copy_to_group, gather_from_sequence,
+                                               reduce_from_group, reduce_scatter_to_sequence,
+                                               sum_gradient_over_group)
+
+SPLIT = "tensor_parallel_split"
+"""The attribute a split parameter carries: its ``ShardSpec``."""
+
+
+def is_split(param: torch.Tensor) -> bool:
+    """Whether ``param`` holds this rank's slice (not the whole tensor)."""
+    return getattr(param, SPLIT, None) is not None
+
+
+def split_parameter(param: torch.Tensor, spec: ShardSpec,
+                    group: TensorParallelGroup) -> nn.Parameter:
+    """This rank's slice of ``param`` as a new parameter that knows it is a slice."""
+    sliced = nn.Parameter(shard(param.detach(), spec, group.rank, group.size),
+                          requires_grad=param.requires_grad)
+    setattr(sliced, SPLIT, spec)
+    return sliced
+
+
+def _shell_linear(cls, linear: nn.Linear, in_features: int, out_features: int):
+    """An empty ``cls`` of the given size (no memory: its tensors are set after)."""
+    return cls(in_features, out_features, bias=linear.bias is not None, device="meta")
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y = x A^T + b with the rows of A (the output features) and of b split: this rank
+    computes its slice of y's last dimension. The input is the whole activation
+    (``copy_to_group``: its gradient is summed over the group in backward), or, under
+    sequence parallelism, every rank's tokens gathered (reduce-scattered in backward)."""
+
+    group: TensorParallelGroup
+    sequence_parallel: bool
+
+    @classmethod
+    def split(cls, linear: nn.Linear, spec: ShardSpec, group: TensorParallelGroup,
+              sequence_parallel: bool) -> "ColumnParallelLinear":
+        layer = _shell_linear(cls, linear, linear.in_features,
+                              linear.out_features // group.size)
+        layer.weight = split_parameter(linear.weight, spec, group)
+        if linear.bias is not None:
+            layer.bias = split_parameter(linear.bias, spec, group)
+        layer.group, layer.sequence_parallel = group, sequence_parallel
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = (gather_from_sequence(x, self.group) if self.sequence_parallel
+             else copy_to_group(x, self.group))
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """y = x A^T + b with the columns of A (the input features) split: this rank's input
+    is its slice of x (what the column-parallel layer before it produced), its product
+    a partial sum that the group adds up (allreduce, or reduce-scatter onto the
+    sequence slices). The bias is whole and added once, after the sum; under sequence
+    parallelism it is added to each rank's tokens only, so its gradient is summed over
+    the group (``sum_gradient_over_group``)."""
+
+    group: TensorParallelGroup
+    sequence_parallel: bool
+
+    @classmethod
+    def split(cls, linear: nn.Linear, spec: ShardSpec, group: TensorParallelGroup,
+              sequence_parallel: bool) -> "RowParallelLinear":
+        layer = _shell_linear(cls, linear, linear.in_features // group.size,
+                              linear.out_features)
+        layer.weight = split_parameter(linear.weight, spec, group)
+        if linear.bias is not None:
+            layer.bias = linear.bias
+            if sequence_parallel:
+                sum_gradient_over_group(layer.bias, group)
+        layer.group, layer.sequence_parallel = group, sequence_parallel
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = (reduce_scatter_to_sequence(y, self.group) if self.sequence_parallel
+             else reduce_from_group(y, self.group))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The token embedding with its rows split: rank r holds the rows of tokens
+    ``[r Vp / tp, (r + 1) Vp / tp)``, looks up the tokens in its range, writes zeros for
+    the others, and the group's sum gives every token its row. In backward each rank's
+    slice gets the gradient of its own tokens only (the zeros pass none)."""
+
+    group: TensorParallelGroup
+    start: int
+
+    @classmethod
+    def split(cls, embedding: nn.Embedding, spec: ShardSpec,
+              group: TensorParallelGroup) -> "VocabParallelEmbedding":
+        rows = embedding.num_embeddings // group.size
+        layer = cls(rows, embedding.embedding_dim, device="meta")
+        layer.weight = split_parameter(embedding.weight, spec, group)
+        layer.group, layer.start = group, group.rank * rows
+        return layer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_group(rows.masked_fill(outside[..., None], 0.0), self.group)

@@ -1,0 +1,112 @@
+"""The five places where activations cross a tensor-parallel group, as autograd functions:
+each pairs a forward collective with its conjugate in backward (Megatron-LM's f and g
+operators, and their sequence-parallel forms; Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", section 4.2.2).
+
+| function | forward | backward | where |
+|---|---|---|---|
+| ``copy_to_group`` | identity | allreduce | input of a column-parallel layer |
+| ``reduce_from_group`` | allreduce | identity | output of a row-parallel layer, the embedding |
+| ``scatter_to_sequence`` | keep this rank's tokens | all-gather | the residual stream entering the blocks (sequence parallelism) |
+| ``gather_from_sequence`` | all-gather | reduce-scatter | input of a column-parallel layer (sequence parallelism) |
+| ``reduce_scatter_to_sequence`` | reduce-scatter | all-gather | output of a row-parallel layer (sequence parallelism) |
+
+Why each backward is what it is: a column-parallel layer's input feeds every rank's
+slice of the output, so its gradient is the sum of every rank's contribution; a
+row-parallel layer's output is a sum of partial products, each of which receives the
+whole gradient. Under sequence parallelism the residual stream between the layers is
+cut along the sequence (dimension 1 of (B, T, C)): every rank holds T / tp of its
+tokens, and the all-gather / reduce-scatter pair replaces the allreduce (together they
+move the same bytes as one allreduce).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpctrain.parallel.tensor.group import TensorParallelGroup
+
+SEQUENCE_DIM = 1
+"""The token dimension of the residual stream (B, T, C)."""
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: TensorParallelGroup):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.allreduce(grad), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: TensorParallelGroup):
+        return group.allreduce(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: TensorParallelGroup):
+        ctx.group = group
+        return x.chunk(group.size, SEQUENCE_DIM)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather(grad, SEQUENCE_DIM), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: TensorParallelGroup):
+        ctx.group = group
+        return group.all_gather(x, SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.reduce_scatter(grad, SEQUENCE_DIM), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: TensorParallelGroup):
+        ctx.group = group
+        return group.reduce_scatter(x, SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather(grad, SEQUENCE_DIM), None
+
+
+def copy_to_group(x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+    return _ReduceFromGroup.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+    return _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+    return _ReduceScatterToSequence.apply(x, group)
+
+
+def sum_gradient_over_group(param: torch.nn.Parameter, group: TensorParallelGroup) -> None:
+    """Under sequence parallelism a parameter that every rank holds whole but applies to
+    its own tokens only (a norm's weight, an output projection's bias) gets a partial
+    gradient on each rank: sum it over the group as autograd produces it, before the
+    gradient engine's hooks see it."""
+    param.register_hook(group.allreduce)
