@@ -374,3 +374,25 @@ def bf16_accumulation_check(comm, stage: int, micro_batches: int = 16) -> tuple[
     err_bf16 = max(float((in_bf16[n].float() - exact[n]).abs().max() / exact[n].abs().max())
                    for n in exact)
     return err, err_bf16
+
+
+def read_safetensors_by_hand(path) -> dict:
+    """The format read by hand (8-byte header length, JSON header, raw data), so that
+    the export's layout is checked without the safetensors package."""
+    import json
+
+    import torch
+
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        assert info["dtype"] == "F32"
+        a, b = info["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(data[a:b]), dtype=torch.float32).reshape(
+            info["shape"])
+    return out

@@ -11,7 +11,7 @@ from hpctrain.checkpoint import tools
 from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.model.gpt import GPT
 from hpctrain.train.trainer import Trainer
-from tests.helpers import cpu_world, hpctrain_cmd, run, tiny_config
+from tests.helpers import cpu_world, hpctrain_cmd, read_safetensors_by_hand, run, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -204,24 +204,6 @@ def test_sample_from_a_final_h5_whose_recorded_shape_lies_is_one_clean_error(tra
     assert "damaged" in p.stderr
 
 
-def _read_safetensors(path) -> dict:
-    """The format read by hand (8-byte header length, JSON header, raw data), so that
-    the export's layout is checked without the safetensors package."""
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    data = raw[8 + n:]
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        assert info["dtype"] == "F32"
-        a, b = info["data_offsets"]
-        out[name] = torch.frombuffer(bytearray(data[a:b]), dtype=torch.float32).reshape(
-            info["shape"])
-    return out
-
-
 def test_gpt2_export_stores_conv1d_weights_transposed(tmp_path):
     """GPT-2's Conv1D keeps (in, out): the exported c_attn, c_proj and c_fc are our Linear
     weights transposed, the embeddings as they are (the same check the hf leg makes
@@ -234,7 +216,7 @@ def test_gpt2_export_stores_conv1d_weights_transposed(tmp_path):
     model = GPT(cfg)
     params = {n: p.detach() for n, p in model.named_parameters()}
     export_hf(tmp_path / "hf", params, cfg.shape(), None)
-    hf = _read_safetensors(tmp_path / "hf" / "model.safetensors")
+    hf = read_safetensors_by_hand(tmp_path / "hf" / "model.safetensors")
     for ours in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
         w = params[f"h.0.{ours}.weight"]
         theirs = hf[f"transformer.h.0.{ours}.weight"]

@@ -49,12 +49,14 @@ def test_tensor_parallel_over_every_rank_matches_single_process(mpi_dataset, sha
     assert attn.c_attn.weight.shape[0] == sum(attn.widths)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("sequence_parallel,compile_", [
+    (False, False), (True, False), pytest.param(True, True, marks=pytest.mark.slow)])
 def test_tensor_parallel_with_chunked_loss_and_recompute(mpi_dataset, shared_tmp,
-                                                         sequence_parallel):
+                                                         sequence_parallel, compile_):
     """The vocabulary-parallel loss a chunk at a time, the blocks recomputed in backward
-    (their collectives run again, in the same order on every rank), two micro-batches."""
-    _fit(_config(mpi_dataset, shared_tmp, **LLAMA, **{
+    (their collectives run again, in the same order on every rank), two micro-batches.
+    With compile, the group's collectives stay outside the compiled block bodies."""
+    _fit(_config(mpi_dataset, shared_tmp, **LLAMA, **{"train.compile": compile_,
         "parallel.tp": 2 if COMM.size == 2 else 4, "model.loss_chunk": 24,
         "model.recompute": "block", "parallel.micro_batches": 2,
         "parallel.sequence_parallel": sequence_parallel}))

@@ -111,7 +111,9 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
         raise CheckpointError(f"{m.path}/manifest.json: its config lacks the parallel or "
                               "train settings (train.dtype); the checkpoint is damaged: "
                               "reshard an older step_N directory")
-    config["parallel"].update(zero=zero, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+    # the new layout: whole tensors, ZeRO over every rank, no pipeline or tensor split
+    config["parallel"].update(zero=zero, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
+                              pp=1, tp=1, sequence_parallel=False)
     shards: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
     if zero == 0 and config["train"]["dtype"] == "fp32":  # plain data parallelism
         layout, index = "replicated", {"params": {n: list(s["param"].shape)
@@ -143,7 +145,7 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
                                           {"format": FORMAT, "version": VERSION, "rank": r,
                                            "step": m.step})
     manifest = {**m.data, "version": VERSION, "layout": layout, "world_size": world,
-                "config": config,
+                "tensor_parallel": 1, "config": config,
                 "index": index, "crc32": crcs}
     write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
     tmp.rename(out)

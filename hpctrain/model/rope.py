@@ -49,12 +49,21 @@ class Rotary:
         self._tables: dict = {}
 
     def tables(self, T: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager code keeps the last tables; compiled code computes them in its graph
+        every call, so that a recomputed block (``--model.recompute``) traces the same
+        graph as its first forward, which a cache filled by that forward would not."""
+        if torch.compiler.is_compiling():
+            return self._make(T, device, dtype)
         key = (T, str(device), dtype)
         if key not in self._tables:
-            angles = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
-            angles = torch.cat([angles, angles], dim=-1)  # (T, hs): both halves of a pair
-            self._tables = {key: (angles.cos().to(device, dtype), angles.sin().to(device, dtype))}
+            self._tables = {key: self._make(T, device, dtype)}
         return self._tables[key]
+
+    def _make(self, T: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.outer(torch.arange(T, dtype=torch.float32, device=device),
+                             self.inv_freq.to(device))
+        angles = torch.cat([angles, angles], dim=-1)  # (T, hs): both halves of a pair
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate (B, heads, T, hs) by each position's angles."""

@@ -14,6 +14,11 @@ Two ways to move the bytes, as for the gradients (``comm/transport.py``):
 - the device library's process group for these ranks (``xccl``: NCCL, RCCL, oneCCL;
   gloo on the host in the tests), on the compute stream, ended by the library's timeout.
 
+Each collective is a torch custom operator (``hpctrain::tp_*``) with a shape-only
+("fake") implementation, so ``torch.compile`` keeps a block with its collectives in one
+graph instead of breaking it at each one; recomputation (``--model.recompute``) then
+replays the same graph. The operator finds its group by a number (``GROUPS``).
+
 Sums run in fp32 where the library would otherwise add bf16 on the host (MPI has no
 bf16 type; gloo's bf16 sum is not what the single-process model rounds); NCCL and
 oneCCL sum bf16 natively, as Megatron-LM lets them.
@@ -27,6 +32,10 @@ from mpi4py import MPI
 from hpctrain.comm.buffers import MPIBuffer, to_mpi_all
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
+
+
+GROUPS: dict[int, "TensorParallelGroup"] = {}
+"""Every group of this process by its key, for the operators below."""
 
 
 class TensorParallelGroup:
@@ -45,6 +54,21 @@ class TensorParallelGroup:
 
             self.process_group = device_collectives.group_for(comm, "tensor")
             self.backend = torch.distributed.get_backend(self.process_group)
+        self.key = len(GROUPS)
+        GROUPS[self.key] = self
+
+    def allreduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the group (a new tensor, ``t``'s dtype)."""
+        return t if self.size == 1 else torch.ops.hpctrain.tp_allreduce(t, self.key)
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``t`` concatenated along ``dim``, in rank order."""
+        return t if self.size == 1 else torch.ops.hpctrain.tp_all_gather(t, dim, self.key)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The sum of ``t`` over the group, cut into ``size`` equal slices along ``dim``;
+        this rank's slice."""
+        return t if self.size == 1 else torch.ops.hpctrain.tp_reduce_scatter(t, dim, self.key)
 
     def _sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
         native = self.backend in ("nccl", "xccl") and dtype == torch.bfloat16
@@ -53,11 +77,7 @@ class TensorParallelGroup:
     def _wait(self, req, what: str) -> None:
         wait_all([req], timeout=self.timeout, what=f"tensor-parallel {what}")
 
-    @torch.compiler.disable
-    def allreduce(self, t: torch.Tensor) -> torch.Tensor:
-        """The sum of ``t`` over the group (a new tensor, ``t``'s dtype)."""
-        if self.size == 1:
-            return t
+    def run_allreduce(self, t: torch.Tensor) -> torch.Tensor:
         work = _fresh(t, self._sum_dtype(t.dtype))
         if self.process_group is not None:
             torch.distributed.all_reduce(work, group=self.process_group)
@@ -68,11 +88,7 @@ class TensorParallelGroup:
             buf.complete()
         return work.to(t.dtype)
 
-    @torch.compiler.disable
-    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's ``t`` concatenated along ``dim``, in rank order."""
-        if self.size == 1:
-            return t
+    def run_all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         t, dim = t.contiguous(), dim % t.dim()
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         if self.process_group is not None:
@@ -88,12 +104,7 @@ class TensorParallelGroup:
             recv.complete()
         return out.movedim(0, dim).flatten(dim, dim + 1).contiguous()
 
-    @torch.compiler.disable
-    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """The sum of ``t`` over the group, cut into ``size`` equal slices along ``dim``;
-        this rank's slice."""
-        if self.size == 1:
-            return t
+    def run_reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         dim = dim % t.dim()
         # (..., size * n, ...) -> (size, ..., n, ...): each rank's slice contiguous
         work = _fresh(t.unflatten(dim, (self.size, -1)).movedim(dim, 0),
@@ -108,10 +119,44 @@ class TensorParallelGroup:
                                                        op=MPI.SUM), "reduce-scatter")
             buf.complete()
             mine = work[0]  # MPI_IN_PLACE: this rank's slice lands at the start
-        return mine.to(t.dtype)
+        return mine.to(t.dtype, copy=True)  # never a view of the work buffer
 
 
 def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous copy of ``t`` in ``dtype`` that the collective may overwrite (never
     ``t``'s own memory, which autograd may still read)."""
     return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
+
+
+@torch.library.custom_op("hpctrain::tp_allreduce", mutates_args=())
+def _allreduce_op(t: torch.Tensor, group: int) -> torch.Tensor:
+    return GROUPS[group].run_allreduce(t)
+
+
+@_allreduce_op.register_fake
+def _(t, group):
+    return torch.empty_like(t)
+
+
+@torch.library.custom_op("hpctrain::tp_all_gather", mutates_args=())
+def _all_gather_op(t: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+    return GROUPS[group].run_all_gather(t, dim)
+
+
+@_all_gather_op.register_fake
+def _(t, dim, group):
+    shape = list(t.shape)
+    shape[dim] *= GROUPS[group].size
+    return t.new_empty(shape)
+
+
+@torch.library.custom_op("hpctrain::tp_reduce_scatter", mutates_args=())
+def _reduce_scatter_op(t: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+    return GROUPS[group].run_reduce_scatter(t, dim)
+
+
+@_reduce_scatter_op.register_fake
+def _(t, dim, group):
+    shape = list(t.shape)
+    shape[dim] //= GROUPS[group].size
+    return t.new_empty(shape)
