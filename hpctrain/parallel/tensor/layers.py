@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from hpctrain.parallel.tensor.group import TensorParallelGroup
 from hpctrain.parallel.tensor.layout import ShardSpec, shard
-from hpctrain.parallel.tensor.mappings import (copy_to_group, gather_from_sequence,
-                                               reduce_from_group, reduce_scatter_to_sequence,
+from hpctrain.parallel.tensor.mappings import (copy_to_group, reduce_from_group,
+                                               reduce_scatter_to_sequence,
+                                               sequence_gathered_linear,
                                                sum_gradient_over_group)
 
 SPLIT = "tensor_parallel_split"
@@ -54,7 +55,8 @@ class ColumnParallelLinear(nn.Linear):
     """y = x A^T + b with the rows of A (the output features) and of b split: this rank
     computes its slice of y's last dimension. The input is the whole activation
     (``copy_to_group``: its gradient is summed over the group in backward), or, under
-    sequence parallelism, every rank's tokens gathered (reduce-scattered in backward)."""
+    sequence parallelism, every rank's tokens gathered (reduce-scattered in backward;
+    only this rank's tokens are kept for it: ``sequence_gathered_linear``)."""
 
     group: TensorParallelGroup
     sequence_parallel: bool
@@ -71,9 +73,9 @@ class ColumnParallelLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = (gather_from_sequence(x, self.group) if self.sequence_parallel
-             else copy_to_group(x, self.group))
-        return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:
+            return sequence_gathered_linear(x, self.weight, self.bias, self.group)
+        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):

@@ -10,6 +10,7 @@ Activation Recomputation in Large Transformer Models", section 4.2.2).
 | ``scatter_to_sequence`` | keep this rank's tokens | all-gather | the residual stream entering the blocks (sequence parallelism) |
 | ``gather_from_sequence`` | all-gather | reduce-scatter | input of a column-parallel layer (sequence parallelism) |
 | ``reduce_scatter_to_sequence`` | reduce-scatter | all-gather | output of a row-parallel layer (sequence parallelism) |
+| ``sequence_gathered_linear`` | all-gather, then the layer | all-gather again, then reduce-scatter | a column-parallel layer under sequence parallelism |
 
 Why each backward is what it is: a column-parallel layer's input feeds every rank's
 slice of the output, so its gradient is the sum of every rank's contribution; a
@@ -17,7 +18,10 @@ row-parallel layer's output is a sum of partial products, each of which receives
 whole gradient. Under sequence parallelism the residual stream between the layers is
 cut along the sequence (dimension 1 of (B, T, C)): every rank holds T / tp of its
 tokens, and the all-gather / reduce-scatter pair replaces the allreduce (together they
-move the same bytes as one allreduce).
+move the same bytes as one allreduce). A column-parallel layer under sequence parallelism
+keeps only this rank's tokens of its input for backward and gathers them again there
+(``sequence_gathered_linear``, as Megatron-LM does), so that no tensor the block keeps
+for backward is whole: activation memory per rank falls by tp.
 """
 
 from __future__ import annotations
@@ -82,6 +86,30 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.group.all_gather(grad, SEQUENCE_DIM), None
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group: TensorParallelGroup):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)  # this rank's tokens only
+        return torch.nn.functional.linear(group.all_gather(x, SEQUENCE_DIM), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = ctx.group.all_gather(x, SEQUENCE_DIM)
+        grad_x = ctx.group.reduce_scatter(grad.matmul(weight), SEQUENCE_DIM)
+        rows = grad.reshape(-1, grad.size(-1))
+        grad_weight = rows.t().matmul(whole.reshape(-1, whole.size(-1)))
+        grad_bias = rows.sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
+def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group: TensorParallelGroup) -> torch.Tensor:
+    """``F.linear`` of every rank's tokens gathered, keeping only ``x`` for backward."""
+    return _SequenceGatheredLinear.apply(x, weight, bias, group)
 
 
 def copy_to_group(x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
