@@ -6,6 +6,9 @@ rank resumes at tp=2 on every rank.
 Run under ``mpiexec -n 2`` and ``-n 4`` with pytest-mpi (``make test`` does both).
 """
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +68,8 @@ def test_a_tensor_parallel_checkpoint_moves_to_one_rank_and_back(mpi_dataset, sh
     big, live = _fit(mpi_dataset, f"{shared_tmp}/big", **layout)
     manifest = read_manifest(f"{shared_tmp}/big/checkpoints/step_000010")
     assert manifest.data["tensor_parallel"] == 2
+    summary = json.loads(Path(f"{shared_tmp}/big/summary.json").read_text())
+    assert summary["grid"]["tp"] == 2
     _assert_same_state(read_full_state(manifest), live)
 
     again, _ = _fit(mpi_dataset, f"{shared_tmp}/again", **layout,

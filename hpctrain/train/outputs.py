@@ -96,7 +96,8 @@ class RunOutputs:
             "flops_per_token": self.facts["flops_per_token"],
             "peak_tflops": self.facts["peak"].tflops, "peak": self.facts["peak"].to_dict(),
             "params": self.facts["params"], "memory_per_rank": memory.to_dict(),
-            "grid": {"dp": self.grid.dp, "pp": self.grid.pp},
+            "grid": {"dp": self.grid.dp, "pp": self.grid.pp, "tp": self.grid.tp,
+                     "sequence_parallel": self.cfg.parallel.sequence_parallel},
             "skipped_steps": skipped,
             "config": self.cfg.to_dict()}
         (self.out_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1))
