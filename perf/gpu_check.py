@@ -12,7 +12,8 @@ Steps, each under its own time limit; a failed step is recorded and the others s
    (which doctor must flag).
 3. ``equivalence``: one small fp32 training (TF32 off) at 1 rank, at 2 ranks sharing the
    device with MPI (device buffers staged or handed over), and at 2 ranks with
-   ``--comm.collectives=xccl``: the losses and final parameters agree. The 1-rank run
+   ``--comm.collectives=xccl``, and tensor-parallel at 2 ranks (with and without
+   sequence parallelism, over MPI): the losses and final parameters agree. The 1-rank run
    also counts the host's waits for the device per step (CUDA's sync debug mode).
 4. ``gpt2_124m``: the ``gpt2-124m`` recipe, bf16, compiled, ``--steps`` steps on one
    device: tokens/s, MFU, step phases and memory (``summary.json``).
@@ -127,7 +128,10 @@ def equivalence(device: str, data: Path, out: Path, steps: int) -> dict:
     common = ["--data", str(data), "--device", device, "--steps", str(steps)]
     runs = {"1 rank": (1, ["--count-syncs"]),
             "2 ranks, mpi": (2, ["--collectives", "mpi"]),
-            "2 ranks, xccl": (2, ["--collectives", "xccl"])}
+            "2 ranks, xccl": (2, ["--collectives", "xccl"]),
+            "2 ranks, tp=2, mpi": (2, ["--collectives", "mpi", "--tp", "2"]),
+            "2 ranks, tp=2 + sequence parallel, mpi": (2, ["--collectives", "mpi", "--tp", "2",
+                                                           "--sequence-parallel"])}
     results, section = {}, {"runs": {}}
     for name, (n, extra) in runs.items():
         try:

@@ -5,7 +5,8 @@ per step.
     mpiexec -n 2 python perf/gpu_equivalence.py --worker --out r.json --data small.h5 \\
         --device cuda --collectives xccl
 
-TF32 is off, so 1 and 2 ranks differ only by the order of fp32 sums. ``--count-syncs``
+TF32 is off, so 1 and 2 ranks differ only by the order of fp32 sums; ``--tp 2``
+(and ``--sequence-parallel``) splits the layers over the 2 ranks instead of the batch. ``--count-syncs``
 turns on CUDA's sync debug mode for the steps after the first two and counts the
 synchronizing calls it reports (each is the host waiting for the device).
 """
@@ -25,12 +26,13 @@ from hpctrain.config import build_config
 from hpctrain.train.trainer import Trainer
 
 
-def _config(data: str, out: str, steps: int, device: str):
+def _config(data: str, out: str, steps: int, device: str, tp: int, sequence_parallel: bool):
     return build_config({
         "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64},
         "data": {"path": data},
         "optim": {"lr": 3e-3, "warmup_iters": 2, "min_lr": 3e-4},
-        "parallel": {"micro_batches": 2, "bucket_mb": 0.25, "first_bucket_mb": 0.05},
+        "parallel": {"micro_batches": 2, "bucket_mb": 0.25, "first_bucket_mb": 0.05,
+                     "tp": tp, "sequence_parallel": sequence_parallel},
         "train": {"batch_size": 16, "max_iters": steps, "log_interval": steps,
                   "eval_interval": 0, "final_eval": False, "out_dir": out,
                   "sample_tokens": 0, "save_checkpoint": False, "progress": False,
@@ -68,12 +70,14 @@ def main() -> None:
     p.add_argument("--collectives", default="mpi")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--count-syncs", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="--parallel.tp")
+    p.add_argument("--sequence-parallel", action="store_true")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     world = World.create(comm, device=args.device, collectives=args.collectives)
     run_dir = comm.bcast(str(Path(args.out).with_suffix("")) + "-run" if comm.rank == 0
                          else None)
-    cfg = _config(args.data, run_dir, args.steps, args.device)
+    cfg = _config(args.data, run_dir, args.steps, args.device, args.tp, args.sequence_parallel)
     trainer = Trainer(cfg, world, verbose=False)
     syncs = None
     if args.count_syncs:  # two warm-up steps, then count over the rest
