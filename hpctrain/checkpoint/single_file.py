@@ -17,6 +17,7 @@ import torch
 
 from hpctrain.errors import UserError
 from hpctrain.files import chmod_as_created
+from hpctrain.sizes import StoredReads
 
 FORMAT = "hpctrain-checkpoint"
 VERSION = 1
@@ -100,11 +101,10 @@ def load_single_file(path: str | Path) -> Checkpoint:
 
 def _datasets(f, path: Path) -> dict:
     """Every dataset under ``model/`` and ``optim/`` by its path in the file, after
-    checking, before anything is read, that each is what ``save_single_file`` writes:
-    contiguous float32 (no filters, whose output size nobody bounds) and together no
-    larger than the file. So a damaged or crafted declared size is refused instead of
-    becoming an allocation. The file has no index to hold the shapes against: the model
-    does that when it takes the weights."""
+    checking, before anything is read, that each is float32 and stored whole, all of
+    them within the file (``hpctrain.sizes.StoredReads``). So a damaged or crafted
+    declared size is refused instead of becoming an allocation. The file has no index to
+    hold the shapes against: the model does that when it takes the weights."""
     import h5py
 
     found: dict = {}
@@ -114,16 +114,12 @@ def _datasets(f, path: Path) -> dict:
                                 if isinstance(v, h5py.Dataset) else None)
     if "model" not in f:
         raise UserError(f"{path} has no model weights; use another checkpoint")
-    total, size = 0, path.stat().st_size
+    reads = StoredReads(path, error=UserError, fix="the file is damaged or not from "
+                                                   "hpctrain: use another checkpoint")
     for key, d in found.items():
-        if d.dtype != np.float32 or d.chunks is not None or d.shape is None:
-            raise UserError(f"{path}: dataset {key} is {d.dtype}"
-                            f"{' (chunked)' if d.chunks else ''}, not the contiguous float32 "
-                            "this format writes; the file is damaged or not from hpctrain: "
-                            "use another checkpoint")
-        total += d.size * 4
-        if total > size:
-            raise UserError(f"{path}: its datasets declare more bytes than the file holds "
-                            f"({key}: shape {d.shape}); the file is damaged: use another "
-                            "checkpoint")
+        if d.dtype != np.float32 or d.shape is None:
+            raise UserError(f"{path}: dataset {key} is {d.dtype}, not the float32 this "
+                            "format writes; the file is damaged or not from hpctrain: use "
+                            "another checkpoint")
+        reads.check(d, key)
     return found

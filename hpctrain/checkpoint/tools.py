@@ -19,6 +19,9 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.shards import shard_layout
+from hpctrain.sizes import MAX_WORLD, finite, whole
+
+MAX_BUCKET_MB = float(1 << 20)
 
 
 def inspect(path: str | Path, verify: bool = False) -> str:
@@ -94,9 +97,13 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     # ckpt commands run on login nodes where that can fail.
     from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
 
-    if world < 1 or zero not in (0, 1, 2, 3):
-        raise CheckpointError(f"--world {world} --zero {zero}: use a world size >= 1 and a "
-                              "ZeRO stage 0-3")
+    whole(world, "--world", 1, MAX_WORLD, error=CheckpointError,
+          fix="give the number of ranks of the run that will resume")
+    if zero not in (0, 1, 2, 3):
+        raise CheckpointError(f"--zero {zero}: use a ZeRO stage 0-3")
+    for option, mb in (("--bucket-mb", bucket_mb), ("--first-bucket-mb", first_bucket_mb)):
+        finite(mb, option, 0.0, MAX_BUCKET_MB, low_open=True, error=CheckpointError,
+               fix="give the --parallel.* value of the run that will resume")
     m = read_manifest(path)
     full = read_full_state(m)
     out = Path(output)
