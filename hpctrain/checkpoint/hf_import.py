@@ -78,12 +78,7 @@ def import_hf(source: str | Path, output: str | Path, *, vocab_multiple: int = 1
     del tensors  # the stored copies (bf16, say): only the fp32 ones are written
     tokenizer = _tokenizer(src, model, notes)
     note = {"from": "hf", "path": str(src.resolve()), "model_type": kind}
-    try:
-        path = save_weights(out, params, model, tokenizer=tokenizer, note=note)
-    except (OSError, RuntimeError) as e:  # h5py reports a full disk as RuntimeError
-        raise CheckpointError(f"cannot write {out} ({e}); the partial checkpoint was "
-                              "removed: choose a directory you can write to, with room "
-                              "for the weights") from None
+    path = save_weights(out, params, model, tokenizer=tokenizer, note=note)
     n = sum(t.numel() for t in params.values())
     return Imported(path, model, n, notes)
 

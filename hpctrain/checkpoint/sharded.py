@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpctrain.atomic import h5_bytes, reserve_space
 from hpctrain.checkpoint.format import (FORMAT, MODEL_KEYS, READS, VERSION, CheckpointError,
                                         shard_name, step_dir_name, upgrade_model_record)
 from hpctrain.checkpoint.shard_file import ShardFile, crc32_of
@@ -97,9 +98,12 @@ def zeros_crc32(nbytes: int) -> int:
 
 def write_shard(path: Path, datasets: dict[str, np.ndarray | Zeros],
                 attrs: dict) -> dict[str, int]:
-    """Write one rank's shard; return the CRC-32 of each dataset."""
+    """Write one rank's shard; return the CRC-32 of each dataset. The room is made sure
+    of first (``atomic.reserve_space``: HDF5 crashes on a full disk)."""
     import h5py
 
+    reserve_space(path.parent, h5_bytes([a.nbytes for a in datasets.values()
+                                         if not isinstance(a, Zeros)]))
     crcs = {}
     with h5py.File(path, "w") as f:
         f.attrs.update(attrs)

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hpctrain.atomic import h5_bytes, reserve_space, temporary_file
 from hpctrain.errors import UserError
-from hpctrain.files import chmod_as_created
 from hpctrain.sizes import StoredReads
 
 FORMAT = "hpctrain-checkpoint"
@@ -26,31 +25,32 @@ VERSION = 1
 def save_single_file(path: str | Path, params: dict[str, torch.Tensor],
                      optim: dict[str, dict[str, torch.Tensor]] | None, *, step: int,
                      config: dict, tokenizer: dict) -> Path:
-    """Write parameters (fp32) and per-parameter optimizer state to one HDF5 file."""
+    """Write parameters (fp32) and per-parameter optimizer state to one HDF5 file,
+    whole or not at all (``hpctrain.atomic``: a full disk is one ``OutputError``)."""
+    path = Path(path)
+    tensors = [*params.values(), *(v for s in (optim or {}).values() for v in s.values())]
+    with temporary_file(path) as tmp:
+        reserve_space(path.parent, h5_bytes([4 * t.numel() for t in tensors]))
+        _write(tmp, params, optim, {"format": FORMAT, "version": VERSION, "step": step,
+                                    "config": json.dumps(config),
+                                    "tokenizer": json.dumps(tokenizer)})
+    return path
+
+
+def _write(tmp: Path, params: dict[str, torch.Tensor],
+           optim: dict[str, dict[str, torch.Tensor]] | None, attrs: dict) -> None:
     import h5py
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(format=FORMAT, version=VERSION, step=step,
-                           config=json.dumps(config), tokenizer=json.dumps(tokenizer))
-            for name, p in params.items():
-                f.create_dataset(f"model/{name}", data=p.detach().float().cpu().numpy())
-            for name, state in (optim or {}).items():
-                for key, value in state.items():
-                    f.create_dataset(f"optim/{name}/{key}",
-                                     data=value.detach().float().cpu().numpy())
-            f.flush()
-            os.fsync(f.id.get_vfd_handle())
-        chmod_as_created(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with h5py.File(tmp, "w") as f:
+        f.attrs.update(attrs)
+        for name, p in params.items():
+            f.create_dataset(f"model/{name}", data=p.detach().float().cpu().numpy())
+        for name, state in (optim or {}).items():
+            for key, value in state.items():
+                f.create_dataset(f"optim/{name}/{key}",
+                                 data=value.detach().float().cpu().numpy())
+        f.flush()
+        os.fsync(f.id.get_vfd_handle())
 
 
 @dataclass

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hpctrain.atomic import temporary_directory
 from hpctrain.checkpoint.export import export_hf, unpadded, write_safetensors
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError, bucket_entry,
                                          read_full_state, read_manifest, read_rng,
@@ -79,9 +79,7 @@ def export(path: str | Path, fmt: str, output: str | Path) -> Path:
     m = read_manifest(path)
     params = {n: s["param"] for n, s in read_full_state(m, ("param",)).items()}
     if fmt == "safetensors":
-        out = Path(output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        return write_safetensors(out, unpadded(params, m.data["model"]),
+        return write_safetensors(Path(output), unpadded(params, m.data["model"]),
                                  {"format": "pt", "hpctrain_step": str(m.step)})
     if fmt == "hf":
         return export_hf(output, params, m.data["model"], m.data.get("tokenizer"))
@@ -139,20 +137,16 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
                     lo, hi = lay.rank_range(r if zero else 0)
                     shards[r][f"bucket_{i}/{k}"] = flat[lo:hi]
         index = {"buckets": buckets}
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    crcs = {}
     rng = read_rng(m, 0).numpy()  # every new rank starts from the old rank 0's RNG state
-    for r in range(world):
-        shards[r]["rng/torch"] = rng
-        crcs[shard_name(r)] = write_shard(tmp / shard_name(r), shards[r],
-                                          {"format": FORMAT, "version": VERSION, "rank": r,
-                                           "step": m.step})
-    manifest = {**m.data, "version": VERSION, "layout": layout, "world_size": world,
-                "config": config,
-                "index": index, "crc32": crcs}
-    write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
-    tmp.rename(out)
+    with temporary_directory(out) as tmp:  # whole or not at all, a full disk one message
+        crcs = {}
+        for r in range(world):
+            shards[r]["rng/torch"] = rng
+            crcs[shard_name(r)] = write_shard(tmp / shard_name(r), shards[r],
+                                              {"format": FORMAT, "version": VERSION,
+                                               "rank": r, "step": m.step})
+        manifest = {**m.data, "version": VERSION, "layout": layout, "world_size": world,
+                    "config": config, "index": index, "crc32": crcs}
+        write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
     return out
 

@@ -144,6 +144,8 @@ class Trainer:
                   "per rank")
         for note in self.lock.notes:
             self._log(f"out_dir: {note}")
+        for note in self.metrics.notes:
+            self._log(f"metrics.jsonl: {note}")
         if self.runner.describe():
             self._log(self.runner.describe())
         rows = t.batch_size // self.grid.dp
