@@ -130,12 +130,12 @@ def publish(tmp: Path, root: Path, step: int, keep: int) -> Path:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    _point_latest(root, final.name)
+    point_latest(root, final.name)
     prune(root, final, keep)
     return final
 
 
-def _point_latest(root: Path, name: str) -> None:
+def point_latest(root: Path, name: str) -> None:
     """Replace ``root/latest`` atomically (write, fsync, rename) with ``name``."""
     fd, latest_tmp = tempfile.mkstemp(prefix=".latest.", dir=root)
     os.close(fd)
