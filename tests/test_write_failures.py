@@ -81,6 +81,20 @@ def test_metrics_on_a_full_disk_stop_with_whole_lines_only(full_disk):
     assert [r["step"] for r in records] == list(range(len(records)))
 
 
+def test_a_run_whose_disk_fills_stops_with_one_message(dataset_path, full_disk):
+    """The trainer's own writes: the disk fills after the run started (the lock and the
+    log's file exist); the first record that does not fit stops the run with the
+    message, and the log holds whole lines."""
+    cfg = tiny_config(dataset_path, full_disk / "run")
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
+    fill(full_disk, leave=0)
+    with pytest.raises(OutputError) as e:
+        trainer.fit()
+    trainer.close()
+    _one_line_write_error(str(e.value), full_disk / "run" / "metrics.jsonl")
+    _records(full_disk / "run" / "metrics.jsonl")
+
+
 def test_a_short_write_of_a_metrics_line_is_taken_back(tmp_path, monkeypatch):
     """A file system that takes part of a line and says so (``write`` returns less)."""
     log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True)

@@ -19,12 +19,15 @@ Under ``mpiexec -n N``:
    them; since the files keep their order inside a split, a rank's parts of its files
    are one piece of each split, starting where the previous ranks' parts end;
 5. each rank checksums its pieces of the 64 MiB checksum blocks and rank 0 joins the
-   pieces (``crc32_combine``); rank 0 writes the HDF5 metadata, the checksums and the
-   space for the tokens under a temporary name (MPI-IO creates it first, so Lustre
-   striping hints apply);
+   pieces (``crc32_combine``); rank 0 makes sure the file system has room for the
+   whole file (``atomic.reserve_space``) and writes the HDF5 metadata, the checksums
+   and the space for the tokens under a temporary name (MPI-IO creates it first, so
+   Lustre striping hints apply);
 6. every rank writes its tokens at their byte offset with collective MPI-IO
-   (``Iwrite_at_all``), and rank 0 gives the file the mode a plain ``open()`` would
-   (``hpctrain.files``) and renames it into place.
+   (``Iwrite_at_all``, each write checked: ``mpiio_write.py``), every rank reads its
+   share of the checksum blocks back, and rank 0 gives the file the mode a plain
+   ``open()`` would (``hpctrain.files``) and renames it into place. A failed or short
+   write fails on every rank and leaves an earlier file of that name as it was.
 
 Every collective of steps 1-6 waits at most ``timeout`` seconds (``--timeout``, the
 watchdog of ``hpctrain.comm``): a rank that stalls or dies ends the job with a message
