@@ -396,3 +396,59 @@ def read_safetensors_by_hand(path) -> dict:
         out[name] = torch.frombuffer(bytearray(data[a:b]), dtype=torch.float32).reshape(
             info["shape"])
     return out
+
+
+HUGE_ELEMENTS = 5_000_000_000
+"""float32s a crafted shard declares: 18.6 GiB, inside the manifest's 2**40 bound."""
+
+
+def crafted_checkpoint(directory, model: dict, elements: int = HUGE_ELEMENTS) -> Path:
+    """A sharded checkpoint of about 11 KB that is consistent in itself (manifest, index,
+    CRC-32s) and declares one parameter, ``wte.weight``, of ``elements`` float32s that
+    are never written: a chunked dataset with no chunk, which HDF5 would read as its fill
+    value after allocating all of it."""
+    import json
+
+    import h5py
+    import numpy as np
+    import torch
+
+    from hpctrain.checkpoint.format import FORMAT, VERSION, shard_name
+    from hpctrain.checkpoint.shard_file import crc32_of
+    from hpctrain.checkpoint.sharded import zeros_crc32
+
+    directory = Path(directory)
+    directory.mkdir(parents=True)
+    rng = torch.get_rng_state().numpy()
+    crcs = {"rng/torch": crc32_of(rng)}
+    with h5py.File(directory / shard_name(0), "w") as f:
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            f.create_dataset(f"{key}/wte.weight", shape=(elements,), dtype=np.float32,
+                             fillvalue=0.0, chunks=True)
+            crcs[f"{key}/wte.weight"] = zeros_crc32(4 * elements)
+        f["rng/torch"] = rng
+    manifest = {"format": FORMAT, "version": VERSION, "step": 5, "optimizer_step": 5.0,
+                "layout": "replicated", "world_size": 1, "model": model, "config": {},
+                "tokenizer": None, "data": {"sampler": "epoch", "seed": 1, "next_step": 5},
+                "index": {"params": {"wte.weight": [elements]}},
+                "crc32": {shard_name(0): crcs}}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    return directory
+
+
+
+class ReadSpy:
+    """Records every dataset read through h5py's ``Dataset.__getitem__`` (the names, in
+    ``names``), for tests that a dataset was refused before it was read."""
+
+    def __init__(self, monkeypatch):
+        import h5py
+
+        self.names = []
+        real = h5py.Dataset.__getitem__
+
+        def getitem(ds, key):
+            self.names.append(ds.name)
+            return real(ds, key)
+
+        monkeypatch.setattr(h5py.Dataset, "__getitem__", getitem)

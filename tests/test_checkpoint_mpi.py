@@ -91,3 +91,18 @@ def test_a_save_failing_on_one_rank_is_one_clean_error_on_every_rank(mpi_dataset
     assert (root / "latest").read_text().strip() == "step_000010"
     assert read_manifest(out).step == 10
     assert not list(root.glob(".step_*")) and not (root / "step_000015").exists()
+
+
+def test_resume_from_an_older_step_keeps_it_and_moves_the_newer_aside(mpi_dataset,
+                                                                      shared_tmp):
+    """At 2 ranks: rank 0 moves the newer checkpoints aside while every rank waits for
+    its verdict; the resume source survives the resumed run's pruning (keep 2)."""
+    out = Path(shared_tmp) / "rollback"
+    _fit(_cfg(mpi_dataset, out, **{"train.ckpt_keep": 2}))  # saves 5 and 10
+    root = out / "checkpoints"
+    resumed = _fit(_cfg(mpi_dataset, out, **{"train.ckpt_keep": 2, "train.max_iters": 8,
+                                             "train.resume": str(root / "step_000005")}))
+    COMM.Barrier()
+    assert len(resumed.losses) == 3
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000005", "step_000008"]
+    assert [p.name for p in out.glob("previous-*/checkpoints/*")] == ["step_000010"]

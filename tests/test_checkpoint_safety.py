@@ -14,12 +14,13 @@ from mpi4py import MPI
 
 import hpctrain.checkpoint.distributed as distributed
 import hpctrain.checkpoint.sharded as sharded
+from hpctrain.checkpoint.shard_file import crc32_of
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest, shard_name
 from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.checkpoint.tools import inspect
 from hpctrain.errors import DataError, UserError
 from hpctrain.train.trainer import Trainer
-from tests.helpers import cpu_world, tiny_config
+from tests.helpers import ReadSpy, cpu_world, tiny_config
 
 
 def _cfg(data, out, **overrides):
@@ -251,7 +252,7 @@ def test_a_consistent_checkpoint_of_other_shapes_is_refused_at_load(runs, datase
             a = f[f"{k}/ln_f.weight"][()].reshape(16, 2)
             del f[f"{k}/ln_f.weight"]
             f[f"{k}/ln_f.weight"] = a
-            crcs[f"{k}/ln_f.weight"] = sharded._crc(a)
+            crcs[f"{k}/ln_f.weight"] = crc32_of(a)
     manifest["index"]["params"]["ln_f.weight"] = [16, 2]
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     assert "verified" in inspect(ckpt, verify=True)  # a sound checkpoint in itself
@@ -321,20 +322,6 @@ def test_latest_must_name_a_directory_beside_it(runs, dataset_path, tmp_path):
     assert read_manifest(tmp_path / "run").step == 10
 
 
-class _ReadSpy:
-    """Records every dataset read through h5py's ``Dataset.__getitem__``."""
-
-    def __init__(self, monkeypatch):
-        self.names = []
-        real = h5py.Dataset.__getitem__
-
-        def getitem(ds, key):
-            self.names.append(ds.name)
-            return real(ds, key)
-
-        monkeypatch.setattr(h5py.Dataset, "__getitem__", getitem)
-
-
 @pytest.mark.parametrize("layout,dataset", [("replicated", "param/wte.weight"),
                                             ("zero", "bucket_0/exp_avg"),
                                             ("replicated", "rng/torch")])
@@ -349,7 +336,7 @@ def test_shard_dataset_declared_other_than_the_manifest_is_not_read(runs, tmp_pa
         del f[dataset]
         f.create_dataset(dataset, shape=(shape[0] * 1000, *shape[1:]), dtype=dtype,
                          chunks=True)
-    spy = _ReadSpy(monkeypatch)
+    spy = ReadSpy(monkeypatch)
     with pytest.raises(CheckpointError, match=f"dataset {dataset} is declared .*manifest"):
         inspect(ckpt, verify=True) if dataset != "rng/torch" else \
             sharded.read_rng(read_manifest(ckpt), 0)
@@ -363,8 +350,9 @@ def test_final_h5_declaring_more_than_the_file_holds_is_not_read(runs, tmp_path,
     with h5py.File(final, "r+") as f:
         del f["model/wte.weight"]
         f.create_dataset("model/wte.weight", shape=(950_000, 32), dtype="f4")
-    spy = _ReadSpy(monkeypatch)
-    with pytest.raises(UserError, match="declare more bytes than the file holds"):
+    spy = ReadSpy(monkeypatch)
+    with pytest.raises(UserError, match=r"wte.weight declares 121,600,000 bytes .* but the "
+                                        r"file stores 0 of them"):
         load_single_file(final)
     assert "/model/wte.weight" not in spy.names
 
@@ -380,7 +368,7 @@ def test_token_file_checksum_table_is_checked_before_it_is_read(dataset_path, tm
         del f["crc32/train"]
         f.create_dataset("crc32/train", shape=(1 << 20,), dtype="u4", chunks=True)
         f["crc32/train"].attrs["block_bytes"] = block_bytes
-    spy = _ReadSpy(monkeypatch)
+    spy = ReadSpy(monkeypatch)
     with pytest.raises(DataError, match="checksum table of train is uint32 of shape"):
         read_info(bad)
     assert "/crc32/train" not in spy.names

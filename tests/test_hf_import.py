@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from hpctrain.atomic import OutputError
 from hpctrain.checkpoint import tools
 from hpctrain.checkpoint.hf_import import import_hf
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest
@@ -292,7 +293,8 @@ def test_a_write_that_fails_halfway_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(weights, "write_shard", full_disk)
     gpt_cfg = GPTConfig(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
-    with pytest.raises(RuntimeError, match="No space left"):
+    with pytest.raises(OutputError, match=r"writing .*ckpt failed: No space left on device; "
+                                          "make room"):
         weights_checkpoint(tmp_path / "ckpt", random_weights(gpt_cfg), gpt_cfg)
     _nothing_written(tmp_path, tmp_path / "ckpt")
 

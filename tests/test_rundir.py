@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from hpctrain.checkpoint.sharded import read_manifest
 from hpctrain.comm.world_check import LaunchMismatch, check_world_size
-from hpctrain.train.rundir import LOCK_NAME, RunDirError
+from hpctrain.train.rundir_lock import LOCK_NAME, RunDirError
 from hpctrain.train.trainer import Trainer
 from tests.helpers import cpu_world, hpctrain_cmd, run, tiny_config
 
@@ -128,3 +128,40 @@ def test_srun_copies_of_one_rank_do_not_prepare_data_either(tmp_path):
                          str(tmp_path / "d.h5")), env=env, timeout=120)
     assert p.returncode == 2 and "srun started 2 tasks" in p.stderr, p.stderr
     assert not (tmp_path / "d.h5").exists()
+
+
+def _steps(root):
+    return sorted(p.name for p in root.glob("step_*"))
+
+
+@pytest.mark.parametrize("resume", ["step", "latest"])
+def test_resuming_from_an_older_step_keeps_it_and_moves_the_newer_aside(dataset_path,
+                                                                        tmp_path, resume):
+    """Before: the newer step_30 stayed, outranked the resumed run's saves, and pruning
+    (keep 2) deleted step_20, the resume source. ``latest``: a latest pointing at an
+    older step than others beside it (written by hand, or by an older hpctrain)."""
+    over = {"train.max_iters": 30, "train.ckpt_interval": 10, "train.ckpt_keep": 2}
+    _fit(dataset_path, tmp_path, **over)
+    root = tmp_path / "checkpoints"
+    assert _steps(root) == ["step_000020", "step_000030"]
+    source = "auto" if resume == "latest" else str(root / "step_000020")
+    if resume == "latest":
+        (root / "latest").write_text("step_000020\n")
+    trainer, result = _fit(dataset_path, tmp_path, **{**over, "train.max_iters": 25,
+                                                      "train.resume": source})
+    assert trainer.start.step == 20 and len(result.losses) == 5
+    assert _steps(root) == ["step_000020", "step_000025"]
+    assert (root / "latest").read_text().strip() == "step_000025"
+    moved = list(tmp_path.glob("previous-*/checkpoints/step_000030"))
+    assert len(moved) == 1 and read_manifest(moved[0]).step == 30
+    assert any("abandons the newer checkpoint(s) step_000030" in n
+               for n in trainer.lock.notes)
+
+
+def test_resuming_from_another_runs_checkpoint_moves_nothing(dataset_path, tmp_path):
+    _fit(dataset_path, tmp_path / "a", **{"train.ckpt_interval": 5})
+    _fit(dataset_path, tmp_path / "b", **{"train.max_iters": 5})
+    trainer, _ = _fit(dataset_path, tmp_path / "b", **{
+        "train.resume": str(tmp_path / "a" / "checkpoints" / "step_000005")})
+    assert not list((tmp_path / "b").glob("previous-*"))
+    assert _steps(tmp_path / "a" / "checkpoints") == ["step_000005", "step_000010"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +24,8 @@ import torch
 
 from hpctrain.checkpoint.hf_config import to_hf_config
 from hpctrain.checkpoint.hf_names import to_hf
+from hpctrain.atomic import temporary_directory, temporary_file
 from hpctrain.data.tokenizers import HFTokenizer
-from hpctrain.files import chmod_as_created
 
 _DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("int64"): "I64"}
 
@@ -45,14 +44,13 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
+    with temporary_file(path) as tmp, open(tmp, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for name in sorted(arrays):
             f.write(arrays[name].astype(arrays[name].dtype.newbyteorder("<")).tobytes())
-    chmod_as_created(tmp)  # mkstemp made it 0600
-    os.replace(tmp, path)
+        f.flush()
+        os.fsync(f.fileno())
     return path
 
 
@@ -67,14 +65,28 @@ def export_hf(out_dir: str | Path, params: dict[str, torch.Tensor], model: dict,
               tokenizer: dict | None) -> Path:
     """A Hugging Face model directory: ``config.json``, ``model.safetensors`` and the
     tokenizer (a Hugging Face one as its own ``tokenizer.json``; hpctrain's byte, char and
-    gpt2 as ``hpctrain_tokenizer.json``, whose ids are ours)."""
+    gpt2 as ``hpctrain_tokenizer.json``, whose ids are ours). A new directory appears
+    whole or not at all; into an existing one each file is written whole
+    (``hpctrain.atomic``)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / "model.safetensors", to_hf(params, model), {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(to_hf_config(model), indent=1))
-    if tokenizer is not None and tokenizer.get("name") == HFTokenizer.name:
-        (out / "tokenizer.json").write_text(HFTokenizer.from_meta(tokenizer).text,
-                                            encoding="utf-8")
-    elif tokenizer is not None:
-        (out / "hpctrain_tokenizer.json").write_text(json.dumps(tokenizer, indent=1))
+    if out.is_dir():
+        _write_hf_files(out, params, model, tokenizer)
+        return out
+    with temporary_directory(out) as tmp:
+        _write_hf_files(tmp, params, model, tokenizer)
     return out
+
+
+def _write_hf_files(out: Path, params: dict[str, torch.Tensor], model: dict,
+                    tokenizer: dict | None) -> None:
+    write_safetensors(out / "model.safetensors", to_hf(params, model), {"format": "pt"})
+    _write_text(out / "config.json", json.dumps(to_hf_config(model), indent=1))
+    if tokenizer is not None and tokenizer.get("name") == HFTokenizer.name:
+        _write_text(out / "tokenizer.json", HFTokenizer.from_meta(tokenizer).text)
+    elif tokenizer is not None:
+        _write_text(out / "hpctrain_tokenizer.json", json.dumps(tokenizer, indent=1))
+
+
+def _write_text(path: Path, text: str) -> None:
+    with temporary_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

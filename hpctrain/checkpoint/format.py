@@ -5,7 +5,12 @@ without importing each other."""
 
 from __future__ import annotations
 
+from hpctrain.errors import UserError
 from hpctrain.model.shape import SHAPE_KEYS, GPTConfig
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, corrupt, or does not fit the model being trained."""
+
 
 FORMAT = "hpctrain-sharded-checkpoint"
 VERSION = 3

@@ -16,6 +16,7 @@ docs/design/hf-interop.md has the size), and the export writes ``gelu``, which i
 from __future__ import annotations
 
 from hpctrain.model.shape import GPTConfig, parse_scaling
+from hpctrain.sizes import MAX_ELEMENTS, finite, whole
 
 SUPPORTED = ("gpt2", "llama")
 GELU_APPROXIMATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -117,8 +118,7 @@ def _rope(c: dict) -> tuple[float, str]:
         theta, scaling = params.get("rope_theta", c.get("rope_theta", 10000.0)), params
     else:
         theta, scaling = c.get("rope_theta", 10000.0), c.get("rope_scaling")
-    if not _is_number(theta) or theta <= 0:
-        raise ValueError(f"rope_theta {theta!r} is not a number > 0")
+    finite(theta, "rope_theta", 0.0, low_open=True)
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor is not 1: hpctrain rotates whole heads")
     if scaling is None:
@@ -144,23 +144,14 @@ def _rope(c: dict) -> tuple[float, str]:
     return float(theta), spec
 
 
-def _is_number(v) -> bool:
-    return type(v) in (int, float)
-
-
 def _int(c: dict, key: str) -> int:
-    v = c.get(key)
-    if type(v) is not int or v < 1:
-        raise ValueError(f"{key} is {v!r}, not a whole number >= 1" if key in c
-                         else f"{key} is missing")
-    return v
+    if key not in c:
+        raise ValueError(f"{key} is missing")
+    return whole(c[key], key, 1, MAX_ELEMENTS)  # each size's own limit: GPTConfig's
 
 
 def _float(c: dict, key: str, default: float) -> float:
-    v = c.get(key, default)
-    if not _is_number(v) or v <= 0:
-        raise ValueError(f"{key} is {v!r}, not a number > 0")
-    return float(v)
+    return finite(c.get(key, default), key, 0.0, low_open=True)
 
 
 def _bool(c: dict, key: str, default: bool) -> bool:

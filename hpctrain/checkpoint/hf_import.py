@@ -29,6 +29,7 @@ from hpctrain.checkpoint.hf_names import IGNORED, from_hf, hf_names
 from hpctrain.checkpoint.sharded import CheckpointError
 from hpctrain.checkpoint.weights import save_weights
 from hpctrain.data.tokenizers import HFTokenizer
+from hpctrain.sizes import MAX_WIDTH, whole
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -52,8 +53,8 @@ def import_hf(source: str | Path, output: str | Path, *, vocab_multiple: int = 1
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"{out} exists; choose a new --output directory (nothing is "
                               "ever replaced)")
-    if vocab_multiple < 1:
-        raise CheckpointError(f"--vocab-multiple {vocab_multiple}: use a whole number >= 1")
+    whole(vocab_multiple, "--vocab-multiple", 1, MAX_WIDTH, error=CheckpointError,
+          fix="pad to a small multiple such as 64, or 1 for none")
     config = _read_config(src)
     kind = config.get("model_type")
     if kind not in SUPPORTED:  # before reading gigabytes of weights
@@ -77,12 +78,7 @@ def import_hf(source: str | Path, output: str | Path, *, vocab_multiple: int = 1
     del tensors  # the stored copies (bf16, say): only the fp32 ones are written
     tokenizer = _tokenizer(src, model, notes)
     note = {"from": "hf", "path": str(src.resolve()), "model_type": kind}
-    try:
-        path = save_weights(out, params, model, tokenizer=tokenizer, note=note)
-    except (OSError, RuntimeError) as e:  # h5py reports a full disk as RuntimeError
-        raise CheckpointError(f"cannot write {out} ({e}); the partial checkpoint was "
-                              "removed: choose a directory you can write to, with room "
-                              "for the weights") from None
+    path = save_weights(out, params, model, tokenizer=tokenizer, note=note)
     n = sum(t.numel() for t in params.values())
     return Imported(path, model, n, notes)
 

@@ -38,11 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpctrain.checkpoint.format import (FORMAT, MODEL_KEYS, READS, VERSION, shard_name,
-                                        step_dir_name, upgrade_model_record)
+from hpctrain.atomic import h5_bytes, reserve_space
+from hpctrain.checkpoint.format import (FORMAT, MODEL_KEYS, READS, VERSION, CheckpointError,
+                                        shard_name, step_dir_name, upgrade_model_record)
+from hpctrain.checkpoint.shard_file import ShardFile, crc32_of
 from hpctrain.checkpoint.validate import Damaged, describe, validate_manifest
 from hpctrain.data.format import crc32_combine
-from hpctrain.errors import UserError
 from hpctrain.files import chmod_as_created
 from hpctrain.model.shape import GPTConfig
 from hpctrain.parallel.tensor.layout import join_slices
@@ -56,20 +57,11 @@ STALE_TEMPORARIES = (re.compile(r"\.step_\d+\.[A-Za-z0-9_]+\.tmp"),
 LATEST_MAX_BYTES = 4096
 
 
-class CheckpointError(UserError):
-    """A checkpoint is missing, corrupt, or does not fit the model being trained."""
-
-
-
 def bucket_entry(names: list[str], shapes: list[list[int]], layout) -> dict:
     """The manifest's record of one bucket: which parameter lies where, and the shards
     (``layout``: a ``parallel.shards.ShardLayout``)."""
     return {"names": list(names), "shapes": [list(s) for s in shapes],
             "offsets": list(layout.offsets), "shard": layout.shard, "world": layout.world}
-
-def _crc(a: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data) & 0xFFFFFFFF
-
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -108,9 +100,12 @@ def zeros_crc32(nbytes: int) -> int:
 
 def write_shard(path: Path, datasets: dict[str, np.ndarray | Zeros],
                 attrs: dict) -> dict[str, int]:
-    """Write one rank's shard; return the CRC-32 of each dataset."""
+    """Write one rank's shard; return the CRC-32 of each dataset. The room is made sure
+    of first (``atomic.reserve_space``: HDF5 crashes on a full disk)."""
     import h5py
 
+    reserve_space(path.parent, h5_bytes([a.nbytes for a in datasets.values()
+                                         if not isinstance(a, Zeros)]))
     crcs = {}
     with h5py.File(path, "w") as f:
         f.attrs.update(attrs)
@@ -121,7 +116,7 @@ def write_shard(path: Path, datasets: dict[str, np.ndarray | Zeros],
                 crcs[name] = zeros_crc32(4 * math.prod(a.shape))
                 continue
             f.create_dataset(name, data=a)
-            crcs[name] = _crc(a)
+            crcs[name] = crc32_of(a)
         f.flush()
         os.fsync(f.id.get_vfd_handle())
     return crcs
@@ -137,12 +132,12 @@ def publish(tmp: Path, root: Path, step: int, keep: int) -> Path:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    _point_latest(root, final.name)
+    point_latest(root, final.name)
     prune(root, final, keep)
     return final
 
 
-def _point_latest(root: Path, name: str) -> None:
+def point_latest(root: Path, name: str) -> None:
     """Replace ``root/latest`` atomically (write, fsync, rename) with ``name``."""
     fd, latest_tmp = tempfile.mkstemp(prefix=".latest.", dir=root)
     os.close(fd)
@@ -311,52 +306,8 @@ def check_compatible(manifest: Manifest, model_shape: dict) -> None:
                           f"{fix}")
 
 
-def _open_shard(manifest: Manifest, rank: int):
-    import h5py
-
-    path = manifest.path / shard_name(rank)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint shard {path} is missing; the checkpoint is "
-                              "incomplete: resume from an older step_N directory")
-    try:
-        return h5py.File(path, "r")
-    except OSError as e:
-        raise CheckpointError(f"checkpoint shard {path} is not readable HDF5 (truncated?): "
-                              f"{e}; resume from an older step_N directory") from None
-
-
-def _read(manifest: Manifest, f, rank: int, name: str, shape: tuple[int, ...],
-          dtype=np.float32) -> np.ndarray:
-    """Dataset ``name`` of a shard, after its declared shape and type match what the
-    manifest says (so a damaged or crafted size never becomes an allocation), then
-    checked against its CRC-32."""
-    import h5py
-
-    where = manifest.path / shard_name(rank)
-    try:
-        d = f[name]
-        if not isinstance(d, h5py.Dataset):
-            raise KeyError(f"{name} is a group")
-        declared = (tuple(d.shape) if d.shape is not None else None, np.dtype(d.dtype))
-        want = (tuple(shape), np.dtype(dtype))
-        if declared != want:
-            raise CheckpointError(
-                f"{where}: dataset {name} is declared {_describe(*declared)}, "
-                f"{manifest.path / 'manifest.json'} says {_describe(*want)}; the checkpoint "
-                "is damaged: resume from an older step_N directory")
-        a = d[()]
-    except (KeyError, OSError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: dataset {name} is unreadable ({e}); the shard is "
-                              "damaged: resume from an older step_N directory") from None
-    expected = manifest.data["crc32"][shard_name(rank)].get(name)
-    if expected is None or _crc(a) != expected:
-        raise CheckpointError(f"{where}: dataset {name} fails its CRC-32 check; the shard "
-                              "is corrupt: resume from an older step_N directory")
-    return a
-
-
-def _describe(shape, dtype) -> str:
-    return f"{dtype} of shape {shape}"
+def _open_shard(manifest: Manifest, rank: int) -> ShardFile:
+    return ShardFile(manifest.path, rank, manifest.data["crc32"][shard_name(rank)])
 
 
 def bucket_ranks(manifest: Manifest, entry: dict) -> list[int]:
@@ -396,11 +347,11 @@ def _read_recorded(manifest: Manifest, keys: tuple[str, ...]
         for name in data["index"]["params"]:
             by_rank.setdefault(int(owners.get(name, 0)), []).append(name)
         for rank, names in sorted(by_rank.items()):
-            with _open_shard(manifest, rank) as f:
+            with _open_shard(manifest, rank) as shard:
                 for name in names:
-                    shape = data["index"]["params"][name]
-                    out[name] = {k: torch.from_numpy(_read(manifest, f, rank, f"{k}/{name}",
-                                                           tuple(shape))) for k in keys}
+                    shape = tuple(data["index"]["params"][name])
+                    out[name] = {k: torch.from_numpy(shard.read(f"{k}/{name}", shape))
+                                 for k in keys}
         return out
     buckets = data["index"]["buckets"]
     flats = [{k: [] for k in keys} for _ in buckets]
@@ -408,10 +359,10 @@ def _read_recorded(manifest: Manifest, keys: tuple[str, ...]
         mine = [i for i, b in enumerate(buckets) if rank in bucket_ranks(manifest, b)]
         if not mine:
             continue
-        with _open_shard(manifest, rank) as f:
+        with _open_shard(manifest, rank) as shard:
             for i in mine:
                 for k in keys:
-                    flats[i][k].append(_read_bucket(manifest, f, rank, buckets[i], i, k))
+                    flats[i][k].append(_read_bucket(shard, buckets[i], i, k))
     for i, b in enumerate(buckets):
         full = {k: np.concatenate(flats[i][k]) for k in keys}
         for name, shape, off in zip(b["names"], b["shapes"], b["offsets"]):
@@ -426,19 +377,19 @@ def read_own_shards(manifest: Manifest, rank: int) -> list[dict[str, np.ndarray]
     ``exp_avg_sq``), for a resume with the layout the checkpoint was written with: 1/N
     of the reading."""
     buckets = manifest.data["index"]["buckets"]
-    with _open_shard(manifest, rank) as f:
-        return [{k: _read_bucket(manifest, f, rank, b, i, k) for k in KEYS}
+    with _open_shard(manifest, rank) as shard:
+        return [{k: _read_bucket(shard, b, i, k) for k in KEYS}
                 for i, b in enumerate(buckets) if rank in bucket_ranks(manifest, b)]
 
 
-def _read_bucket(manifest: Manifest, f, rank: int, entry: dict, i: int, k: str) -> np.ndarray:
+def _read_bucket(shard: ShardFile, entry: dict, i: int, k: str) -> np.ndarray:
     """One rank's slice of bucket ``i``: ``entry["shard"]`` elements."""
-    return _read(manifest, f, rank, f"{bucket_key(entry, i)}/{k}", (entry["shard"],))
+    return shard.read(f"{bucket_key(entry, i)}/{k}", (entry["shard"],))
 
 
 def read_rng(manifest: Manifest, rank: int) -> torch.Tensor:
     """A rank's torch RNG state; it must have the size this torch's state has, which is
     what ``torch.set_rng_state`` takes."""
     size = torch.get_rng_state().numel()
-    with _open_shard(manifest, rank) as f:
-        return torch.from_numpy(_read(manifest, f, rank, "rng/torch", (size,), np.uint8))
+    with _open_shard(manifest, rank) as shard:
+        return torch.from_numpy(shard.read("rng/torch", (size,), np.uint8))

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hpctrain.atomic import h5_bytes, reserve_space, temporary_file
 from hpctrain.errors import UserError
-from hpctrain.files import chmod_as_created
+from hpctrain.sizes import StoredReads
 
 FORMAT = "hpctrain-checkpoint"
 VERSION = 1
@@ -25,31 +25,32 @@ VERSION = 1
 def save_single_file(path: str | Path, params: dict[str, torch.Tensor],
                      optim: dict[str, dict[str, torch.Tensor]] | None, *, step: int,
                      config: dict, tokenizer: dict) -> Path:
-    """Write parameters (fp32) and per-parameter optimizer state to one HDF5 file."""
+    """Write parameters (fp32) and per-parameter optimizer state to one HDF5 file,
+    whole or not at all (``hpctrain.atomic``: a full disk is one ``OutputError``)."""
+    path = Path(path)
+    tensors = [*params.values(), *(v for s in (optim or {}).values() for v in s.values())]
+    with temporary_file(path) as tmp:
+        reserve_space(path.parent, h5_bytes([4 * t.numel() for t in tensors]))
+        _write(tmp, params, optim, {"format": FORMAT, "version": VERSION, "step": step,
+                                    "config": json.dumps(config),
+                                    "tokenizer": json.dumps(tokenizer)})
+    return path
+
+
+def _write(tmp: Path, params: dict[str, torch.Tensor],
+           optim: dict[str, dict[str, torch.Tensor]] | None, attrs: dict) -> None:
     import h5py
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(format=FORMAT, version=VERSION, step=step,
-                           config=json.dumps(config), tokenizer=json.dumps(tokenizer))
-            for name, p in params.items():
-                f.create_dataset(f"model/{name}", data=p.detach().float().cpu().numpy())
-            for name, state in (optim or {}).items():
-                for key, value in state.items():
-                    f.create_dataset(f"optim/{name}/{key}",
-                                     data=value.detach().float().cpu().numpy())
-            f.flush()
-            os.fsync(f.id.get_vfd_handle())
-        chmod_as_created(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with h5py.File(tmp, "w") as f:
+        f.attrs.update(attrs)
+        for name, p in params.items():
+            f.create_dataset(f"model/{name}", data=p.detach().float().cpu().numpy())
+        for name, state in (optim or {}).items():
+            for key, value in state.items():
+                f.create_dataset(f"optim/{name}/{key}",
+                                 data=value.detach().float().cpu().numpy())
+        f.flush()
+        os.fsync(f.id.get_vfd_handle())
 
 
 @dataclass
@@ -100,11 +101,10 @@ def load_single_file(path: str | Path) -> Checkpoint:
 
 def _datasets(f, path: Path) -> dict:
     """Every dataset under ``model/`` and ``optim/`` by its path in the file, after
-    checking, before anything is read, that each is what ``save_single_file`` writes:
-    contiguous float32 (no filters, whose output size nobody bounds) and together no
-    larger than the file. So a damaged or crafted declared size is refused instead of
-    becoming an allocation. The file has no index to hold the shapes against: the model
-    does that when it takes the weights."""
+    checking, before anything is read, that each is float32 and stored whole, all of
+    them within the file (``hpctrain.sizes.StoredReads``). So a damaged or crafted
+    declared size is refused instead of becoming an allocation. The file has no index to
+    hold the shapes against: the model does that when it takes the weights."""
     import h5py
 
     found: dict = {}
@@ -114,16 +114,12 @@ def _datasets(f, path: Path) -> dict:
                                 if isinstance(v, h5py.Dataset) else None)
     if "model" not in f:
         raise UserError(f"{path} has no model weights; use another checkpoint")
-    total, size = 0, path.stat().st_size
+    reads = StoredReads(path, error=UserError, fix="the file is damaged or not from "
+                                                   "hpctrain: use another checkpoint")
     for key, d in found.items():
-        if d.dtype != np.float32 or d.chunks is not None or d.shape is None:
-            raise UserError(f"{path}: dataset {key} is {d.dtype}"
-                            f"{' (chunked)' if d.chunks else ''}, not the contiguous float32 "
-                            "this format writes; the file is damaged or not from hpctrain: "
-                            "use another checkpoint")
-        total += d.size * 4
-        if total > size:
-            raise UserError(f"{path}: its datasets declare more bytes than the file holds "
-                            f"({key}: shape {d.shape}); the file is damaged: use another "
-                            "checkpoint")
+        if d.dtype != np.float32 or d.shape is None:
+            raise UserError(f"{path}: dataset {key} is {d.dtype}, not the float32 this "
+                            "format writes; the file is damaged or not from hpctrain: use "
+                            "another checkpoint")
+        reads.check(d, key)
     return found

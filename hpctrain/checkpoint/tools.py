@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hpctrain.atomic import temporary_directory
 from hpctrain.checkpoint.export import export_hf, unpadded, write_safetensors
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError, bucket_entry,
                                          read_full_state, read_manifest, read_rng,
@@ -19,6 +19,9 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.shards import shard_layout
+from hpctrain.sizes import MAX_WORLD, finite, whole
+
+MAX_BUCKET_MB = float(1 << 20)
 
 
 def inspect(path: str | Path, verify: bool = False) -> str:
@@ -76,9 +79,7 @@ def export(path: str | Path, fmt: str, output: str | Path) -> Path:
     m = read_manifest(path)
     params = {n: s["param"] for n, s in read_full_state(m, ("param",)).items()}
     if fmt == "safetensors":
-        out = Path(output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        return write_safetensors(out, unpadded(params, m.data["model"]),
+        return write_safetensors(Path(output), unpadded(params, m.data["model"]),
                                  {"format": "pt", "hpctrain_step": str(m.step)})
     if fmt == "hf":
         return export_hf(output, params, m.data["model"], m.data.get("tokenizer"))
@@ -94,9 +95,13 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     # ckpt commands run on login nodes where that can fail.
     from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
 
-    if world < 1 or zero not in (0, 1, 2, 3):
-        raise CheckpointError(f"--world {world} --zero {zero}: use a world size >= 1 and a "
-                              "ZeRO stage 0-3")
+    whole(world, "--world", 1, MAX_WORLD, error=CheckpointError,
+          fix="give the number of ranks of the run that will resume")
+    if zero not in (0, 1, 2, 3):
+        raise CheckpointError(f"--zero {zero}: use a ZeRO stage 0-3")
+    for option, mb in (("--bucket-mb", bucket_mb), ("--first-bucket-mb", first_bucket_mb)):
+        finite(mb, option, 0.0, MAX_BUCKET_MB, low_open=True, error=CheckpointError,
+               fix="give the --parallel.* value of the run that will resume")
     m = read_manifest(path)
     full = read_full_state(m)
     out = Path(output)
@@ -134,20 +139,16 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
                     lo, hi = lay.rank_range(r if zero else 0)
                     shards[r][f"bucket_{i}/{k}"] = flat[lo:hi]
         index = {"buckets": buckets}
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    crcs = {}
     rng = read_rng(m, 0).numpy()  # every new rank starts from the old rank 0's RNG state
-    for r in range(world):
-        shards[r]["rng/torch"] = rng
-        crcs[shard_name(r)] = write_shard(tmp / shard_name(r), shards[r],
-                                          {"format": FORMAT, "version": VERSION, "rank": r,
-                                           "step": m.step})
-    manifest = {**m.data, "version": VERSION, "layout": layout, "world_size": world,
-                "tensor_parallel": 1, "config": config,
-                "index": index, "crc32": crcs}
-    write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
-    tmp.rename(out)
+    with temporary_directory(out) as tmp:  # whole or not at all, a full disk one message
+        crcs = {}
+        for r in range(world):
+            shards[r]["rng/torch"] = rng
+            crcs[shard_name(r)] = write_shard(tmp / shard_name(r), shards[r],
+                                              {"format": FORMAT, "version": VERSION,
+                                               "rank": r, "step": m.step})
+        manifest = {**m.data, "version": VERSION, "layout": layout, "world_size": world,
+                    "tensor_parallel": 1, "config": config, "index": index, "crc32": crcs}
+        write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
     return out
 

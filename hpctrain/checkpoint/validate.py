@@ -12,23 +12,16 @@ manifest when they are read (``sharded._read``), the model when it is loaded.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 from hpctrain.checkpoint.format import MODEL_KEYS, shard_name
 from hpctrain.model.shape import GPTConfig
+from hpctrain.sizes import MAX_ELEMENTS, MAX_WORLD, finite, show_value, whole
 
 MODEL_TYPES = {f.name: str(f.type) for f in dataclasses.fields(GPTConfig)}
 """Each model key's type ('int', 'float', 'str', 'bool'; annotations are strings)."""
 
-MAX_WORLD = 1 << 20
-"""More ranks than any machine has: a larger world_size is damage, and a loop over it is
-not something to start."""
-MAX_ELEMENTS = 1 << 40
-"""Bound on the elements of any one shape, bucket or model (4 TiB of fp32)."""
 MAX_DIMS = 32
-MAX_MODEL_SIZE = 1 << 31
-"""Bound on n_layer, n_head, n_embd, block_size and vocab_size."""
 LAYOUTS = ("replicated", "zero")
 
 
@@ -43,7 +36,7 @@ def validate_manifest(data) -> None:
     _number(_key(top, "optimizer_step"), "optimizer_step")
     layout = _key(top, "layout")
     if layout not in LAYOUTS:
-        raise Damaged(f"layout is {_show(layout)}, not one of {', '.join(LAYOUTS)}")
+        raise Damaged(f"layout is {show_value(layout)}, not one of {', '.join(LAYOUTS)}")
     world = _int(_key(top, "world_size"), "world_size", 1, MAX_WORLD)
     tp = _int(top.get("tensor_parallel", 1), "tensor_parallel", 1, world)
     if world % tp:
@@ -67,16 +60,16 @@ def _model(model: dict) -> None:
         kind = MODEL_TYPES[k]
         if kind == "bool":
             if not isinstance(v, bool):
-                raise Damaged(f"model.{k} is {_show(v)}, not true or false")
+                raise Damaged(f"model.{k} is {show_value(v)}, not true or false")
         elif kind == "str":
             if not isinstance(v, str) or len(v) > 200:
-                raise Damaged(f"model.{k} is {_show(v)}, not a short string")
+                raise Damaged(f"model.{k} is {show_value(v)}, not a short string")
         elif kind == "float":
             if _number(v, f"model.{k}") <= 0:
-                raise Damaged(f"model.{k} is {_show(v)}, not a number > 0")
+                raise Damaged(f"model.{k} is {show_value(v)}, not a number > 0")
         else:
-            _int(v, f"model.{k}", 1, MAX_MODEL_SIZE)
-    try:
+            _int(v, f"model.{k}", 1, MAX_ELEMENTS)
+    try:  # each size within its own limit (model.shape.SIZE_LIMITS)
         GPTConfig.from_shape(model)
     except ValueError as e:
         raise Damaged(f"model: {e}") from None
@@ -120,15 +113,15 @@ def _bucket(b: dict, where: str, world: int) -> int:
     _int(_key(b, "world", where), f"{where}.world", 1, MAX_WORLD)
     holders = _ranks(b.get("ranks"), f"{where}.ranks", world)
     if "key" in b and not (isinstance(b["key"], str) and b["key"]):
-        raise Damaged(f"{where}.key is {_show(b['key'])}, not a dataset name")
+        raise Damaged(f"{where}.key is {show_value(b['key'])}, not a dataset name")
     buffer = _bounded(shard * holders, f"{where}: shard x ranks")
     end = 0
     for j, (name, shape, off) in enumerate(zip(names, shapes, offsets)):
         if not isinstance(name, str):
-            raise Damaged(f"{where}.names[{j}] is {_show(name)}, not a parameter name")
+            raise Damaged(f"{where}.names[{j}] is {show_value(name)}, not a parameter name")
         n = _shape(shape, f"{where}.shapes[{j}]")
         if type(off) is not int or off != end:
-            raise Damaged(f"{where}.offsets[{j}] is {_show(off)}, but the tensors before "
+            raise Damaged(f"{where}.offsets[{j}] is {show_value(off)}, but the tensors before "
                           f"{name} end at {end}: offsets and shapes disagree")
         end += n
         if end > buffer:
@@ -145,7 +138,7 @@ def _ranks(ranks, where: str, world: int) -> int:
     for r in ranks:
         _int(r, f"{where} entry", 0, world - 1)
     if not ranks or len(set(ranks)) != len(ranks):
-        raise Damaged(f"{where} is {_show(ranks)}: it must list distinct ranks, at least one")
+        raise Damaged(f"{where} is {show_value(ranks)}: it must list distinct ranks, at least one")
     return len(ranks)
 
 
@@ -167,33 +160,28 @@ def _key(d: dict, key: str, where: str = ""):
 
 def _dict(v, where: str) -> dict:
     if not isinstance(v, dict):
-        raise Damaged(f"{where} is {_show(v)}, not a JSON object")
+        raise Damaged(f"{where} is {show_value(v)}, not a JSON object")
     return v
 
 
 def _list(v, where: str) -> list:
     if not isinstance(v, list):
-        raise Damaged(f"{where} is {_show(v)}, not a list")
+        raise Damaged(f"{where} is {show_value(v)}, not a list")
     return v
 
 
 def _int(v, where: str, lo: int, hi: int) -> int:
-    # bool is an int to Python, never to the format
-    if type(v) is not int or not lo <= v <= hi:
-        raise Damaged(f"{where} is {_show(v)}, not an integer in [{lo}, {hi}]")
-    return v
+    return whole(v, where, lo, hi, error=Damaged)
 
 
 def _number(v, where: str) -> float:
-    if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
-        raise Damaged(f"{where} is {_show(v)}, not a finite number >= 0")
-    return float(v)
+    return finite(v, where, 0.0, error=Damaged)
 
 
 def _shape(shape, where: str) -> int:
     """Check a tensor shape (a list of at most MAX_DIMS sizes >= 0); return its elements."""
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-        raise Damaged(f"{where} is {_show(shape)}, not a shape (a list of sizes)")
+        raise Damaged(f"{where} is {show_value(shape)}, not a shape (a list of sizes)")
     n = 1
     for d in shape:
         _int(d, f"{where} size", 0, MAX_ELEMENTS)
@@ -206,12 +194,6 @@ def _bounded(n: int, what: str) -> int:
         raise Damaged(f"{what} has {n} elements, more than any checkpoint holds "
                       f"(limit {MAX_ELEMENTS})")
     return n
-
-
-def _show(v) -> str:
-    """A value for a message: JSON-like and short (a damaged value may be huge)."""
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def describe(path: Path, problem: Damaged) -> str:

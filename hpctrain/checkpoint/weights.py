@@ -16,18 +16,16 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from hpctrain.atomic import temporary_directory
 from hpctrain.checkpoint.format import FORMAT, VERSION, shard_name
 from hpctrain.checkpoint.sharded import (KEYS, CheckpointError, Zeros, read_full_state,
                                          read_manifest, write_shard, write_synced)
 from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.config import Config, ModelConfig
-from hpctrain.files import chmod_as_created
 from hpctrain.model.shape import SHAPE_KEYS
 
 
@@ -83,7 +81,8 @@ def save_weights(output: str | Path, params: dict[str, torch.Tensor], model: dic
     """Write ``params`` (by ``GPT.named_parameters`` name, fp32, vocabulary padded as
     ``model`` says) as a sharded checkpoint directory ``output``, which must not exist.
     Everything is written in a temporary directory beside it and renamed at the end: a
-    failure leaves nothing behind. ``note`` is recorded as the manifest's ``imported``."""
+    failure leaves nothing behind, and a full disk is one ``OutputError``. ``note`` is
+    recorded as the manifest's ``imported``."""
     out = Path(output)
     if os.path.lexists(out):
         raise CheckpointError(f"{out} exists; choose a new --output directory (nothing is "
@@ -96,9 +95,7 @@ def save_weights(output: str | Path, params: dict[str, torch.Tensor], model: dic
             datasets[f"{k}/{name}"] = Zeros(tuple(p.shape))
     seed = config["train"]["seed"]
     datasets["rng/torch"] = torch.Generator().manual_seed(seed).get_state().numpy()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with temporary_directory(out) as tmp:  # whole or not at all (hpctrain.atomic)
         crcs = write_shard(tmp / shard_name(0), datasets,
                            {"format": FORMAT, "version": VERSION, "rank": 0, "step": 0})
         manifest = {"format": FORMAT, "version": VERSION, "step": 0, "optimizer_step": 0.0,
@@ -109,9 +106,4 @@ def save_weights(output: str | Path, params: dict[str, torch.Tensor], model: dic
                     "index": {"params": {n: list(p.shape) for n, p in params.items()}},
                     "crc32": {shard_name(0): crcs}, "imported": note}
         write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        chmod_as_created(tmp)  # mkdtemp made it 0700: teammates could not read it
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

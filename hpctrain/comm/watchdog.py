@@ -40,29 +40,37 @@ _YIELD_S = 1.0  # waits longer than this sleep between polls instead of yielding
 _SLEEP_S = 1e-3
 
 
-def test_all(requests: list[MPI.Request]) -> bool:
+def test_all(requests: list[MPI.Request], statuses: list[MPI.Status] | None = None) -> bool:
     """``Testall``, one request at a time: MPICH 5.0's ``MPI_Testall`` reports an error
-    for an active persistent collective (``Allreduce_init``), while ``MPI_Test`` works."""
-    for req in requests:
-        if not req.Test():
+    for an active persistent collective (``Allreduce_init``), while ``MPI_Test`` works.
+    With ``statuses``, each request's status is filled in as it completes; a completed
+    (null) request is not tested again, which would overwrite its status with an empty
+    one."""
+    for i, req in enumerate(requests):
+        if statuses is None:
+            if not req.Test():
+                return False
+        elif req != MPI.REQUEST_NULL and not req.Test(statuses[i]):
             return False
     return True
 
 
 def wait_all(requests: list[MPI.Request], *, timeout: float, what: str,
-             poll_sleep: float = 0.0, option: str = "--comm.timeout") -> None:
+             poll_sleep: float = 0.0, option: str = "--comm.timeout",
+             statuses: list[MPI.Status] | None = None) -> None:
     """Wait for ``requests``; raise ``CommTimeout`` after ``timeout`` seconds.
 
     ``poll_sleep`` > 0 sleeps that long between polls instead of yielding (default: the
     node's pace, ``pace_for_node``). ``option`` is the setting that sets ``timeout``,
-    named in the message (``hpctrain prepare`` has ``--timeout``)."""
+    named in the message (``hpctrain prepare`` has ``--timeout``). ``statuses`` (one per
+    request) receive the requests' statuses, e.g. the bytes a write wrote."""
     if not requests:
         return
     poll_sleep = poll_sleep or _pace["poll_sleep"]
     start = time.monotonic()
     polls = 0
     sleeping = False
-    while not test_all(requests):
+    while not test_all(requests, statuses):
         polls += 1
         if sleeping or poll_sleep:
             time.sleep(poll_sleep or _SLEEP_S)
@@ -79,5 +87,6 @@ def wait_all(requests: list[MPI.Request], *, timeout: float, what: str,
 
 
 def wait(request: MPI.Request, *, timeout: float, what: str,
-         option: str = "--comm.timeout") -> None:
-    wait_all([request], timeout=timeout, what=what, option=option)
+         option: str = "--comm.timeout", status: MPI.Status | None = None) -> None:
+    wait_all([request], timeout=timeout, what=what, option=option,
+             statuses=None if status is None else [status])

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 from hpctrain.errors import ConfigError
+from hpctrain.sizes import MAX_COUNT
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,9 @@ class Bounds:
             return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+        if self.high is None:  # no count is endless (hpctrain.sizes)
+            return not isinstance(value, int) or value <= MAX_COUNT
+        return value < self.high if self.high_open else value <= self.high
 
     def describe(self, typ: type) -> str:
         """``at least 1``, ``a finite number > 0``, ``a finite number in [0, 1)``."""
@@ -69,6 +72,8 @@ def check_fields(section, name: str) -> None:
         if choices and value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
         if bounds is not None and value not in bounds:
+            if bounds.high is None and isinstance(value, int) and value > MAX_COUNT:
+                raise ConfigError(f"{key} must be at most {MAX_COUNT}, not {value!r}")
             raise ConfigError(f"{key} must be {bounds.describe(hints[f.name])}, not {value!r}")
 
 

@@ -18,6 +18,7 @@ from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE,
                                      check_fields, opt, require)
 from hpctrain.errors import ConfigError
 from hpctrain.model.shape import ARCHS, GPTConfig
+from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT
 
 
 @dataclass
@@ -224,7 +225,7 @@ class TrainConfig:
                               "fake = the CPU posing as a GPU (tests the GPU code paths)",
                       ("auto", "cpu", "cuda", "xpu", "fake"))
     sample_tokens: int = opt(200, "tokens generated from the final model; 0 skips",
-                            bounds=AT_LEAST_0)
+                            bounds=Bounds(0, MAX_CONTEXT))
     sample_prompt: str = opt("\n", "prompt for the final sample")
     save_checkpoint: bool = opt(True, "write <out_dir>/final.h5 and a sharded checkpoint "
                                       "at the end")
@@ -308,6 +309,10 @@ class Config:
 
     def __post_init__(self):
         p, t = self.parallel, self.train
+        require(t.batch_size * self.model.block_size <= MAX_BATCH_TOKENS,
+                 f"train.batch_size={t.batch_size} sequences of model.block_size="
+                 f"{self.model.block_size} tokens are more than {MAX_BATCH_TOKENS} tokens per "
+                 "step; lower --train.batch_size")
         require(p.allreduce != "shm" or (p.zero == 0 and t.dtype == "fp32"),
                  "--parallel.allreduce=shm is the plain data-parallel path (fp32, ZeRO stage "
                  "0); ZeRO stages and bf16 reduce with MPI collectives: drop "

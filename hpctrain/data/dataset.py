@@ -24,6 +24,7 @@ from hpctrain.data.format import (FORMAT_VERSION, MAGIC, MANIFEST_MAGIC, READABL
                                   SPLITS, checksum_from_blocks)
 from hpctrain.data.tokenizers import tokenizer_from_meta
 from hpctrain.errors import DataError
+from hpctrain.sizes import MAX_VOCAB, StoredReads, whole
 
 _PREPARE_HINT = "create it with `hpctrain prepare --input FILES... --output {path}`"
 _VERIFY_READ_BYTES = 8 << 20  # verification reads (and holds) this much at a time
@@ -113,10 +114,12 @@ def _read_token_file(path: Path) -> tuple[dict, dict[str, dict]]:
                             "re-create it with this version's `hpctrain prepare`)")
         try:
             meta = json.loads(f.attrs["tokenizer"])
-            meta["vocab_size"] = int(meta["vocab_size"])
-        except (KeyError, TypeError, ValueError):
-            raise DataError(f"{path} has no readable tokenizer description; " + hint) from None
+            whole(meta["vocab_size"], f"{path}: the tokenizer's vocab_size", 1, MAX_VOCAB)
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{path} has no readable tokenizer description ({e}); "
+                            + hint) from None
         file_size = path.stat().st_size
+        reads = StoredReads(path, error=DataError, fix="the file is corrupt. " + hint)
         arrays = {}
         for name in SPLITS:
             if name not in f or f"crc32/{name}" not in f:
@@ -135,7 +138,7 @@ def _read_token_file(path: Path) -> tuple[dict, dict[str, dict]]:
             if offset is not None and offset + nbytes > file_size:
                 raise DataError(f"{path} is truncated: the {name} split needs bytes up to "
                                 f"{offset + nbytes}, the file has {file_size}. " + hint)
-            crcs, block_bytes = _checksum_table(f, path, name, nbytes, hint)
+            crcs, block_bytes = _checksum_table(f, path, name, nbytes, hint, reads)
             if version >= 2:
                 if int(d.attrs.get("n_tokens", -1)) != n:
                     raise DataError(f"{path}: {name} should hold {d.attrs.get('n_tokens')} "
@@ -153,10 +156,11 @@ def _read_token_file(path: Path) -> tuple[dict, dict[str, dict]]:
     return meta, arrays
 
 
-def _checksum_table(f, path: Path, name: str, nbytes: int, hint: str):
+def _checksum_table(f, path: Path, name: str, nbytes: int, hint: str, reads: StoredReads):
     """The block CRCs of split ``name`` and their block size. The table's declared shape
-    is checked against the array's size before it is read, so a damaged or crafted
-    shape is refused instead of becoming an allocation."""
+    is checked against the array's size, and its stored bytes against the declared ones
+    (``reads``), before it is read, so a damaged or crafted shape is refused instead of
+    becoming an allocation."""
     table = f[f"crc32/{name}"]
     block_bytes = table.attrs.get("block_bytes")
     if not isinstance(block_bytes, (int, np.integer)) or block_bytes <= 0:
@@ -167,6 +171,7 @@ def _checksum_table(f, path: Path, name: str, nbytes: int, hint: str):
         raise DataError(f"{path}: the checksum table of {name} is {table.dtype} of shape "
                         f"{table.shape}, the array needs {blocks} integer entries; the file "
                         "is corrupt. " + hint)
+    reads.check(table, f"crc32/{name}")
     return table[()], int(block_bytes)
 
 

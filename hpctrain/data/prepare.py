@@ -19,12 +19,15 @@ Under ``mpiexec -n N``:
    them; since the files keep their order inside a split, a rank's parts of its files
    are one piece of each split, starting where the previous ranks' parts end;
 5. each rank checksums its pieces of the 64 MiB checksum blocks and rank 0 joins the
-   pieces (``crc32_combine``); rank 0 writes the HDF5 metadata, the checksums and the
-   space for the tokens under a temporary name (MPI-IO creates it first, so Lustre
-   striping hints apply);
+   pieces (``crc32_combine``); rank 0 makes sure the file system has room for the
+   whole file (``atomic.reserve_space``) and writes the HDF5 metadata, the checksums
+   and the space for the tokens under a temporary name (MPI-IO creates it first, so
+   Lustre striping hints apply);
 6. every rank writes its tokens at their byte offset with collective MPI-IO
-   (``Iwrite_at_all``), and rank 0 gives the file the mode a plain ``open()`` would
-   (``hpctrain.files``) and renames it into place.
+   (``Iwrite_at_all``, each write checked: ``mpiio_write.py``), every rank reads its
+   share of the checksum blocks back, and rank 0 gives the file the mode a plain
+   ``open()`` would (``hpctrain.files``) and renames it into place. A failed or short
+   write fails on every rank and leaves an earlier file of that name as it was.
 
 Every collective of steps 1-6 waits at most ``timeout`` seconds (``--timeout``, the
 watchdog of ``hpctrain.comm``): a rank that stalls or dies ends the job with a message
@@ -47,6 +50,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hpctrain.atomic import (WRITE_ERRORS, WRITE_FIX, h5_bytes, reserve_space,
+                             write_failed)
+from hpctrain.data.dataset import BaseReader, read_info
 from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_blocks,
                                   create_token_file, crc32_combine, token_dtype, write_manifest)
 from hpctrain.data.prepare_group import Group, Solo, attempt
@@ -279,10 +285,20 @@ def _write_token_file(group, output: Path, hints: dict, split: _Split, create_he
         tmp = group.create(output, hints)
 
         def header():
-            return create_header(tmp) if group.rank == 0 else None
+            if group.rank != 0:
+                return None
+            try:  # the room for every token first: HDF5 crashes on a full disk
+                reserve_space(output.parent, h5_bytes([n * split.dtype.itemsize
+                                                       for n in split.n_tokens.values()]))
+                return create_header(tmp)
+            except WRITE_ERRORS as e:  # h5py: OSError or RuntimeError
+                raise write_failed(output, e) from None
         offsets = group.bcast(attempt(group, header, "HDF5 metadata"), "array offsets")
         per_round = _write_rounds(group, split, offsets)
-        attempt(group, lambda: group.write(tmp, hints, per_round), "writing the tokens")
+        attempt(group, lambda: group.write(tmp, output, hints, per_round),
+                "writing the tokens")
+        attempt(group, lambda: _check_written(tmp, output, group.rank, group.size),
+                "reading the tokens back")
         group.barrier("barrier before publishing the file")
         if group.rank == 0:
             _publish(tmp, output)
@@ -290,6 +306,17 @@ def _write_token_file(group, output: Path, hints: dict, split: _Split, create_he
     finally:
         if tmp is not None and group.rank == 0:
             Path(tmp).unlink(missing_ok=True)
+
+
+def _check_written(tmp: Path, output: Path, rank: int, size: int) -> None:
+    """Step 6's end: read the file back, each rank its share of the checksum blocks, as
+    ``hpctrain train`` verifies a dataset. A write that came up short without an error
+    (``mpiio_write.py``: into the holes of the preallocated arrays) shows here as a
+    block whose CRC-32 is not the one computed from the tokens."""
+    bad = BaseReader(read_info(tmp)).verify(rank, size)
+    if bad:
+        raise DataError(f"writing {output} failed: {bad[0]} reads back other bytes than were "
+                        f"written (a short write); {WRITE_FIX}")
 
 
 def _write_rounds(group, split: _Split, offsets: dict) -> list[list[tuple[int, memoryview]]]:
@@ -316,8 +343,6 @@ def _publish(tmp: Path, output: Path) -> None:
 def combine(shards: list[str] | list[Path], output: str | Path, *,
             overwrite: bool = False) -> dict:
     """Write a manifest (``output``, ``.json``) that makes prepared files one dataset."""
-    from hpctrain.data.dataset import read_info
-
     output = Path(output)
     check_output(output, overwrite, example="all.json")
     if output.suffix != ".json":

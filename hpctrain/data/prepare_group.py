@@ -12,8 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
-
+from hpctrain.atomic import write_failed
 from hpctrain.data.format import temp_name, write_all
 from hpctrain.errors import DataError, UserError
 
@@ -44,14 +43,22 @@ class Solo:
             return temp_name(path)
         return attempt(self, make, "temporary file")
 
-    def write(self, tmp: Path, hints: dict, writes: list[list[tuple[int, memoryview]]]) -> None:
-        fd = os.open(tmp, os.O_WRONLY)
+    def write(self, tmp: Path, output: Path, hints: dict,
+              writes: list[list[tuple[int, memoryview]]]) -> None:
+        """Every round's bytes at their offsets in ``tmp`` (which becomes ``output``),
+        flushed to the disk (``fsync`` reports what a write-back cache failed to store);
+        a failed write is one message."""
         try:
-            for round_writes in writes:
-                for offset, data in round_writes:
-                    write_all(fd, data, offset)
-        finally:
-            os.close(fd)
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                for round_writes in writes:
+                    for offset, data in round_writes:
+                        write_all(fd, data, offset)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise write_failed(output, e) from None
 
     def barrier(self, what: str) -> None:
         pass
@@ -114,32 +121,11 @@ class Group(Solo):
             info.Free()
         return tmp
 
-    def write(self, tmp: Path, hints: dict, writes) -> None:
-        from mpi4py import MPI
+    def write(self, tmp: Path, output: Path, hints: dict, writes) -> None:
+        from hpctrain.data.mpiio_write import write_rounds
 
-        from hpctrain.comm.watchdog import wait_all
-        from hpctrain.data.mpiio import make_info
-
-        info = make_info(hints)
-        self.barrier("barrier before opening the file with MPI-IO")  # File.Open blocks
-        fh = MPI.File.Open(self.comm, str(tmp), MPI.MODE_WRONLY, info)
-        info.Free()
-        empty, error = np.empty(0, np.uint8), None
-        # One collective call per round on every rank, even after a failure here, so that
-        # no rank is left waiting in a collective; nonblocking, so that the wait has a
-        # deadline. A missed deadline (CommTimeout) propagates at once and aborts the job.
-        for k, round_writes in enumerate(writes):
-            for offset, data in (round_writes if error is None else []) or [(0, empty)]:
-                deadline = self._deadline(f"write round {k + 1} of {len(writes)} "
-                                          "(Iwrite_at_all)")
-                try:
-                    wait_all([fh.Iwrite_at_all(offset, [data, MPI.BYTE])], **deadline)
-                except MPI.Exception as exc:
-                    error = error or str(exc)
-        self.barrier("barrier before closing the file")  # File.Close blocks too
-        fh.Close()
-        if error:
-            raise DataError(f"writing {tmp} failed: {error}; check the free space and quota")
+        write_rounds(self.comm, tmp, hints, writes, deadline=self._deadline,
+                     barrier=self.barrier, shown=output)
 
     def barrier(self, what: str) -> None:
         from hpctrain.comm.small_collectives import barrier

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from hpctrain.errors import DataError
+from hpctrain.sizes import MAX_VOCAB, whole
 
 
 class ByteTokenizer:
@@ -193,7 +194,10 @@ class HFTokenizer:
         vocab = tok.get_vocab(with_added_tokens=True)
         if not vocab:
             raise DataError(f"{p} has an empty vocabulary; pass the model's tokenizer.json")
-        obj = cls(text, max(vocab.values()) + 1)  # ids may have gaps: the largest decides
+        # ids may have gaps: the largest decides the vocabulary (and the model's rows)
+        size = whole(max(vocab.values()) + 1, f"{p}: the largest token id + 1", 1, MAX_VOCAB,
+                     error=DataError, fix="pass the model's own tokenizer.json")
+        obj = cls(text, size)
         obj._tok = tok
         return obj
 
@@ -207,7 +211,8 @@ class HFTokenizer:
             if inflate.unconsumed_tail or not inflate.eof:
                 raise ValueError(f"not one whole file of at most {MAX_TOKENIZER_JSON_BYTES} "
                                  "bytes")
-            text, vocab = raw.decode(), int(meta["vocab_size"])
+            text = raw.decode()
+            vocab = whole(meta["vocab_size"], "its vocab_size", 1, MAX_VOCAB)
         except (KeyError, TypeError, ValueError, binascii.Error, zlib.error) as e:
             raise DataError(f"the recorded Hugging Face tokenizer is damaged ({e}); prepare "
                             "the data again with --tokenizer hf:DIR") from None

@@ -41,7 +41,9 @@ from torch.utils.checkpoint import checkpoint
 
 from hpctrain.model.chunked_loss import chunked_cross_entropy
 from hpctrain.model.rope import Rotary
+from hpctrain.errors import UserError
 from hpctrain.model.shape import GPTConfig
+from hpctrain.sizes import MAX_CONTEXT, MAX_VOCAB, finite, whole
 
 
 class RMSNorm(nn.Module):
@@ -293,7 +295,13 @@ class GPT(EmbeddingAndHead, nn.Module):
                  top_k: int | None = 50, seed: int = 0) -> str:
         """``prompt`` and ``n_tokens`` sampled after it, as text (``tokenizer``: anything
         with ``encode(str) -> ids`` and ``decode(list) -> str``); an empty prompt starts
-        from a newline. The training mode is restored afterwards."""
+        from a newline. The training mode is restored afterwards. Each number is bounded
+        and finite first (``hpctrain.sizes``): they come from the command line."""
+        whole(n_tokens, "the number of tokens to sample", 0, MAX_CONTEXT, error=UserError)
+        finite(temperature, "the temperature", 0.0, error=UserError)
+        if top_k is not None:
+            whole(top_k, "top-k", 0, MAX_VOCAB, error=UserError)
+        whole(seed, "the seed", -(2**63), 2**64 - 1, error=UserError)  # torch's range
         device = next(self.parameters()).device
         ids = torch.tensor([int(i) for i in tokenizer.encode(prompt or "\n")],
                            dtype=torch.long, device=device)[None]

@@ -24,7 +24,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from hpctrain.sizes import (MAX_CONTEXT, MAX_ELEMENTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
+                            finite, whole)
+
 ARCHS = ("gpt", "llama")
+SIZE_LIMITS = {"vocab_size": (1, MAX_VOCAB), "block_size": (1, MAX_CONTEXT),
+               "n_layer": (1, MAX_LAYERS), "n_head": (1, MAX_WIDTH), "n_embd": (1, MAX_WIDTH),
+               "vocab_multiple": (1, MAX_WIDTH), "n_kv_head": (0, MAX_WIDTH),
+               "ffn_hidden": (0, MAX_WIDTH), "loss_chunk": (0, MAX_CONTEXT)}
+"""The range of every size of a model (``hpctrain.sizes``): a shape from a config, a
+checkpoint's manifest or a Hugging Face config.json is checked against it when it
+becomes a ``GPTConfig``, before anything is built from it."""
 
 
 @dataclass
@@ -64,6 +74,7 @@ class GPTConfig:
     logits in backward (``chunked_loss.py``); 0 = all at once."""
 
     def __post_init__(self):
+        self._check_sizes()
         if self.arch not in ARCHS:
             raise ValueError(f"model arch {self.arch!r} is not one of {', '.join(ARCHS)}")
         if self.n_kv_head == 0:
@@ -79,6 +90,18 @@ class GPTConfig:
             raise ValueError(f"rotary embeddings turn pairs of channels: the head size "
                              f"n_embd / n_head = {self.head_size} must be even")
         parse_scaling(self.rope_scaling)
+        if self.num_params(non_embedding=False) > MAX_ELEMENTS:
+            raise ValueError(f"the model has {self.num_params(non_embedding=False):,} "
+                             f"parameters, more than any model (limit {MAX_ELEMENTS:,})")
+
+    def _check_sizes(self) -> None:
+        """Every size bounded and every number finite (``hpctrain.sizes``), before a
+        default is derived from them or a parameter counted."""
+        for name, (low, high) in SIZE_LIMITS.items():
+            whole(getattr(self, name), name, low, high)
+        finite(self.dropout, "dropout", 0.0, 1.0)
+        finite(self.rope_theta, "rope_theta", 0.0, low_open=True)
+        finite(self.norm_eps, "norm_eps", 0.0, low_open=True)
 
     @property
     def head_size(self) -> int:
@@ -152,13 +175,13 @@ def parse_scaling(spec: str) -> tuple[str, list[float]]:
     kind, *args = spec.split(":")
     want = {"linear": 1, "llama3": 4}.get(kind)
     try:
-        values = [float(a) for a in args]
+        values = [finite(float(a), "a factor", 0.0, low_open=True) for a in args]
     except ValueError:
         values = []
-    if want is None or len(values) != want or min(values) <= 0:
+    if want is None or len(values) != want:
         raise ValueError(f"rope_scaling {spec!r}: use '' (none), 'linear:FACTOR' or "
                          "'llama3:FACTOR:LOW_FREQ_FACTOR:HIGH_FREQ_FACTOR:ORIGINAL_CONTEXT' "
-                         "with positive numbers")
+                         "with finite positive numbers")
     if kind == "llama3" and values[1] >= values[2]:
         raise ValueError(f"rope_scaling {spec!r}: LOW_FREQ_FACTOR must be below "
                          "HIGH_FREQ_FACTOR")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpctrain.atomic import ROOM, write_failed
 from hpctrain.systems.devices import device_peaks, device_table, peak_for_device
 
 # Dense peak TFLOP/s per device and compute dtype: hpctrain/systems/devices.toml.
@@ -87,22 +90,75 @@ def finite_record(record: dict) -> dict:
 
 
 class MetricsLog:
-    """Appends one JSON object per line; only the writing rank creates the file."""
+    """``metrics.jsonl``: one JSON object per line, appended by the writing rank only
+    (only it creates the file).
+
+    Whole lines only. Each record is one ``write`` of its whole line to a file opened
+    for appending; a write that fails or comes up short (a full disk, a quota) is cut
+    off again, back to where its line began, and stops the run with one message
+    (``OutputError``). A line torn anyway (the process killed in the middle of a write)
+    is repaired when a resumed run opens the file (``append``): the partial last line is
+    cut, and ``notes`` says so, so that it never merges with the resumed run's first
+    record."""
 
     def __init__(self, path: str | Path, enabled: bool, append: bool = False):
         self.enabled = enabled
         self.path = Path(path)
-        self._f = None
+        self.notes: list[str] = []
+        self._fd: int | None = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "a" if append else "w")  # a resumed run appends
+            torn = cut_torn_tail(self.path) if append else 0
+            if torn:
+                self.notes.append(f"warning: cut a partial last line ({torn} bytes, from a "
+                                  "write that was interrupted) off the end of the file")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+            self._fd = os.open(self.path, flags, 0o666)  # a resumed run appends
 
     def write(self, record: dict) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
-            self._f.flush()
+        if self._fd is None:
+            return
+        line = (json.dumps(finite_record(record), allow_nan=False) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(f"{written} of the {len(line)} bytes of a line were written")
+        except OSError as e:
+            with contextlib.suppress(OSError):  # what was written of the line goes again
+                os.ftruncate(self._fd, start)
+            raise write_failed(self.path, e, fix=RESUME) from None
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+RESUME = f"{ROOM}; then continue the run with --train.resume=auto"
+_TAIL_READ = 1 << 16
+
+
+def cut_torn_tail(path: Path) -> int:
+    """Cut ``path`` back to the end of its last whole line (``\\n``); return the bytes cut
+    (0: the file ends in a newline, is empty or missing)."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return 0
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        keep = size
+        while keep > 0:
+            start = max(0, keep - _TAIL_READ)
+            f.seek(start)
+            chunk = f.read(keep - start)
+            if keep == size and chunk.endswith(b"\n"):
+                return 0
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            keep = start
+        f.truncate(keep)
+    return size - keep

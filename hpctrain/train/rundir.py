@@ -4,14 +4,17 @@ Two jobs writing the same ``--train.out_dir`` replace each other's checkpoints a
 interleave ``metrics.jsonl``; a fresh run in the directory of an earlier one would prune
 or shadow its checkpoints. So before anything is written, rank 0:
 
-1. takes ``<out_dir>/.hpctrain.lock`` (created exclusively; it holds host, PID, job id and
-   start time). A lock whose holder is on this host and no longer alive is stale and is
-   taken over; any other lock is an error naming its holder. ``--train.overwrite`` does
-   not break a lock: a live job is never overwritten.
+1. takes ``<out_dir>/.hpctrain.lock`` (``rundir_lock.py``: it holds host, PID, job id
+   and start time). A lock whose holder is on this host and no longer alive is stale and
+   is taken over, by one starter only however many race for it; any other lock is an
+   error naming its holder. ``--train.overwrite`` does not break a lock: a live job is
+   never overwritten.
 2. looks for an earlier run's outputs. A fresh run (``--train.resume=''``, or ``auto``
    without a checkpoint) in such a directory is refused with the two ways on
    (``--train.resume=auto`` or ``--train.overwrite``); with ``--train.overwrite`` the
    earlier outputs are moved into ``<out_dir>/previous-<UTC time>/``: nothing is deleted.
+3. on a resume from an older step of this out_dir, moves the newer checkpoints it
+   abandons into ``previous-<UTC time>/checkpoints/`` (``set_aside_newer``).
 
 Every rank receives the verdict, so an error is raised everywhere alike (and printed
 once by rank 0).
@@ -19,109 +22,18 @@ once by rank 0).
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import time
 from pathlib import Path
 
-from hpctrain.checkpoint.sharded import remove_stale_temporaries
+from hpctrain.checkpoint.sharded import (CheckpointError, checkpoint_step, point_latest,
+                                         remove_stale_temporaries, resolve)
 from hpctrain.comm.small_collectives import bcast_json
 from hpctrain.comm.world import World
-from hpctrain.errors import UserError
+from hpctrain.train.rundir_lock import RunDirError, RunDirLock, describe
 
-LOCK_NAME = ".hpctrain.lock"
 # What a run writes into its out_dir; any of them means an earlier run was here.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "final.h5", "sample.txt")
-JOB_ID_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID")
-
-
-class RunDirError(UserError):
-    """The output directory is in use by another job, or holds another run's outputs."""
-
-
-def _holder() -> dict:
-    job = next((os.environ[v] for v in JOB_ID_VARS if os.environ.get(v)), None)
-    return {"host": socket.gethostname(), "pid": os.getpid(), "job": job,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
-
-
-def _describe(holder: dict) -> str:
-    job = f", job {holder['job']}" if holder.get("job") else ""
-    return (f"host {holder.get('host')}, PID {holder.get('pid')}{job}, since "
-            f"{holder.get('started')}")
-
-
-class RunDirLock:
-    """``<out_dir>/.hpctrain.lock``, held by rank 0 for the life of a run."""
-
-    def __init__(self, out_dir: Path):
-        self.path = Path(out_dir) / LOCK_NAME
-        self.held = False
-        self.took_over: dict | None = None
-        """The stale holder replaced by ``acquire``, if any (for the log)."""
-        self.notes: list[str] = []
-        """What ``claim_run_dir`` did that the log should say."""
-
-    def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        mine = _holder()
-        for _ in range(2):  # a second try after removing a stale lock
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-            except FileExistsError:
-                holder = self._read()
-                if holder is None:
-                    continue  # released between our attempt and the read
-                if not self._stale(holder, mine):
-                    raise RunDirError(
-                        f"{self.path.parent} is in use by another run ({_describe(holder)}); "
-                        "give this run another --train.out_dir, or wait for that one. If "
-                        f"no job uses it any more, remove {self.path}") from None
-                self.took_over = holder
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(mine, f)
-            self.held = True
-            return
-        raise RunDirError(f"could not take {self.path}: another run keeps creating it; "
-                          "give this run another --train.out_dir")
-
-    def _read(self) -> dict | None:
-        try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {"host": "?", "pid": "?", "started": "? (unreadable lock file)"}
-
-    @staticmethod
-    def _stale(holder: dict, mine: dict) -> bool:
-        """Our own process (a second trainer in one program), or a dead process on
-        this host. A holder on another host cannot be checked from here."""
-        if holder.get("host") != mine["host"] or not isinstance(holder.get("pid"), int):
-            return False
-        return holder["pid"] == mine["pid"] or not _pid_alive(holder["pid"])
-
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        holder = self._read()
-        if holder is not None and holder.get("pid") == os.getpid() \
-                and holder.get("host") == socket.gethostname():
-            self.path.unlink(missing_ok=True)
 
 
 def earlier_outputs(out_dir: Path) -> list[str]:
@@ -132,9 +44,8 @@ def has_checkpoint(out_dir: Path) -> bool:
     return (Path(out_dir) / "checkpoints" / "latest").is_file()
 
 
-def move_aside(out_dir: Path, names: list[str]) -> Path:
-    """Move an earlier run's outputs into ``previous-<UTC time>/`` (a rename: nothing is
-    copied or deleted)."""
+def new_previous_folder(out_dir: Path) -> Path:
+    """A new, empty ``<out_dir>/previous-<UTC time>[-n]/`` for outputs moved aside."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dest = Path(out_dir) / f"previous-{stamp}"
     n = 1
@@ -142,9 +53,48 @@ def move_aside(out_dir: Path, names: list[str]) -> Path:
         n += 1
         dest = Path(out_dir) / f"previous-{stamp}-{n}"
     dest.mkdir()
+    return dest
+
+
+def move_aside(out_dir: Path, names: list[str]) -> Path:
+    """Move an earlier run's outputs into ``previous-<UTC time>/`` (a rename: nothing is
+    copied or deleted)."""
+    dest = new_previous_folder(out_dir)
     for name in names:
         os.replace(Path(out_dir) / name, dest / name)
     return dest
+
+
+def set_aside_newer(out_dir: Path, resume: str) -> str | None:
+    """A resume from an older step of this out_dir (a ``step_N`` path, or a ``latest``
+    that names one) abandons the checkpoints of higher steps beside it. Left in place,
+    they would outrank what the resumed run saves, and pruning (by step) would delete
+    the resume source first; so they are moved into ``previous-<UTC time>/checkpoints/``
+    (nothing is deleted) and ``latest`` names the resume source. Returns the log note,
+    or None when there was nothing to move."""
+    root = Path(out_dir) / "checkpoints"
+    if not resume or (resume == "auto" and not has_checkpoint(out_dir)):
+        return None
+    try:
+        source = resolve(root if resume == "auto" else resume)
+        if source.resolve().parent != root.resolve():
+            return None  # another run's checkpoint: nothing here is abandoned
+    except (CheckpointError, OSError):
+        return None  # loading it names the problem
+    step = checkpoint_step(source)
+    if step is None:
+        return None
+    newer = sorted(d for d in root.glob("step_*") if d.is_dir() and not d.is_symlink()
+                   and (checkpoint_step(d) or 0) > step)
+    if not newer:
+        return None
+    dest = new_previous_folder(out_dir) / "checkpoints"
+    dest.mkdir()
+    for d in newer:
+        os.replace(d, dest / d.name)
+    point_latest(root, source.name)
+    return (f"resuming from step {step} abandons the newer checkpoint(s) "
+            f"{', '.join(d.name for d in newer)}: moved to {dest} (nothing deleted)")
 
 
 def _claim(out_dir: Path, resume: str, overwrite: bool, lock: RunDirLock) -> dict:
@@ -152,12 +102,15 @@ def _claim(out_dir: Path, resume: str, overwrite: bool, lock: RunDirLock) -> dic
     lock.acquire()
     notes = []
     if lock.took_over is not None:
-        notes.append(f"took over a stale lock ({_describe(lock.took_over)})")
+        notes.append(f"took over a stale lock ({describe(lock.took_over)})")
     # Holding the lock, no save of ours is in progress: temporaries are a killed job's.
     stale = remove_stale_temporaries(out_dir / "checkpoints")
     if stale:
         notes.append(f"removed {len(stale)} temporary file(s) of an interrupted save "
                      f"({', '.join(p.name for p in stale[:3])})")
+    rollback = set_aside_newer(out_dir, resume)
+    if rollback:
+        notes.append(rollback)
     found = earlier_outputs(out_dir)
     continuing = resume not in ("", "auto") or (resume == "auto" and has_checkpoint(out_dir))
     if found and not continuing:

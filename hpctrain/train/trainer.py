@@ -143,6 +143,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self._log(f"hpctrain: {self.world.describe()}; {torch.get_num_threads()} thread(s) "
                   "per rank")
+        for note in self.metrics.notes:
+            self._log(f"metrics.jsonl: {note}")
         for note in self.lock.notes:
             self._log(f"out_dir: {note}")
         for part in (self.model.tensor_parallel, self.runner):

@@ -1,0 +1,92 @@
+"""Writing byte ranges of one file from every rank with collective MPI-IO, checked.
+
+A write that comes up short must never pass in silence. The blocking
+``MPI_File_write_at_all`` of MPICH's ROMIO raises on a full disk, but its nonblocking
+``MPI_File_iwrite_at_all`` completes with the full count and no error while the file
+system took only part of the bytes (tested on a full tmpfs). So each write is checked
+three ways, none of which trusts the others:
+
+1. the request's status: the bytes it says it wrote (``Get_count``), and any error;
+2. ``MPI_File_sync`` (collective), which reports what a file system with a write-back
+   cache (Lustre, NFS) fails to store only when it flushes;
+3. ``MPI_File_get_size`` after the writes: the file must reach the end of every write.
+
+Neither catches a short write into space the file already spans (an HDF5 file allocates
+its arrays when it is created, as holes): ``prepare`` therefore reads the written file
+back and checks its CRC-32 blocks before the file takes its name.
+
+Every rank makes the same collective calls in the same order, failed or not, so that no
+rank is left waiting in a collective; the first failure on this rank is raised after the
+file is closed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from hpctrain.atomic import WRITE_FIX
+from hpctrain.comm.watchdog import wait
+from hpctrain.data.mpiio import make_info
+from hpctrain.errors import DataError
+
+
+def open_for_writing(comm: MPI.Comm, path: Path, info: MPI.Info) -> MPI.File:
+    """``MPI_File_open`` for writing (collective): where the tests substitute a file
+    whose writes come up short."""
+    return MPI.File.Open(comm, str(path), MPI.MODE_WRONLY, info)
+
+
+def write_rounds(comm: MPI.Comm, path: Path, hints: dict, writes, *, deadline, barrier,
+                 shown: Path) -> None:
+    """Write ``writes`` (rounds of ``(byte offset, bytes)``, as many rounds on every rank)
+    into the existing file ``path`` and check them (module docstring). ``deadline(what)``
+    gives the watchdog's keyword arguments for one wait, ``barrier(what)`` meets every
+    rank with a deadline (``File.Open``, ``Sync`` and ``Close`` block). Raises
+    ``DataError`` with the first failure of this rank, naming the file as ``shown`` (the
+    name ``path`` is written for)."""
+    info = make_info(hints)
+    barrier("barrier before opening the file with MPI-IO")
+    fh = open_for_writing(comm, path, info)
+    info.Free()
+    errors: list[str] = []
+    empty, ends = np.empty(0, np.uint8), [0]
+    for k, round_writes in enumerate(writes):
+        for offset, data in (round_writes if not errors else []) or [(0, empty)]:
+            what = f"write round {k + 1} of {len(writes)} (Iwrite_at_all)"
+            errors += _write_one(fh, offset, data, deadline(what))
+            ends.append(offset + len(data))
+    barrier("barrier before syncing the file")
+    errors += _sync(fh)
+    size = fh.Get_size()
+    if size < max(ends):
+        errors.append(f"the file has {size:,} bytes after the writes, which reach byte "
+                      f"{max(ends):,}")
+    barrier("barrier before closing the file")
+    fh.Close()
+    if errors:
+        raise DataError(f"writing {shown} failed: {errors[0]}; {WRITE_FIX}")
+
+
+def _write_one(fh: MPI.File, offset: int, data, deadline: dict) -> list[str]:
+    """One collective nonblocking write, waited for with a deadline (a missed one, a
+    ``CommTimeout``, propagates at once and aborts the job); returns what went wrong."""
+    status = MPI.Status()
+    try:
+        wait(fh.Iwrite_at_all(offset, [data, MPI.BYTE]), status=status, **deadline)
+    except MPI.Exception as exc:
+        return [" ".join(str(exc).split())]
+    written = status.Get_count(MPI.BYTE)
+    if written != len(data):
+        return [f"{written:,} of {len(data):,} bytes were written at offset {offset:,}"]
+    return []
+
+
+def _sync(fh: MPI.File) -> list[str]:
+    try:
+        fh.Sync()
+    except MPI.Exception as exc:
+        return [f"flushing the writes: {' '.join(str(exc).split())}"]
+    return []

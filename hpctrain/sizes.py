@@ -1,0 +1,114 @@
+"""One rule for sizes: a number read from a file or the command line is bounded and
+finite before anything is allocated with it, and an HDF5 dataset is read only when the
+file stores every byte its shape declares.
+
+A size decides an allocation, a loop or a number of files. Taken as it comes, a typo
+(``--world 1000000000``), a damaged file or a crafted one (a few kilobytes of HDF5 that
+declare a dataset of 20 GB, never written: HDF5 reads its fill value) becomes a huge
+allocation on every rank, a hang, or a crash with no message. So every size is checked
+where it enters, by the functions here, against the limits here; the caller names the
+number, the error to raise (``ConfigError``, ``CheckpointError``, ``DataError``, or
+``ValueError`` in code that knows no user errors) and the fix.
+
+The limits are far above any real model or machine and far below what would exhaust a
+node: they tell a mistake from a big run, not a big run from a small one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+MAX_ELEMENTS = 1 << 40
+"""Elements of any one tensor, bucket or model (4 TiB of fp32)."""
+MAX_WORLD = 1 << 20
+"""Ranks of a job: more than any machine has."""
+MAX_LAYERS = 1 << 14
+"""Transformer blocks (the largest published models have a few hundred)."""
+MAX_WIDTH = 1 << 22
+"""A model's widths and head counts (n_embd, n_head, ffn_hidden, ...)."""
+MAX_CONTEXT = 1 << 24
+"""Tokens of context (block_size)."""
+MAX_VOCAB = 1 << 24
+"""Token ids: 64 times the largest vocabulary in use; the token files hold uint32."""
+MAX_BATCH_TOKENS = 1 << 32
+"""Tokens of one training step, all ranks together (the largest runs take 2**24)."""
+MAX_COUNT = 1 << 40
+"""Any other count: steps, batches, sequences, tokens to sample."""
+
+
+def whole(value, what: str, low: int, high: int, *, error: type[Exception] = ValueError,
+          fix: str = "") -> int:
+    """``value`` as an int in ``[low, high]``, else ``error`` naming ``what`` and ``fix``.
+    A bool is refused (Python counts it as an int; no file format does)."""
+    if type(value) is not int or not low <= value <= high:
+        raise error(f"{what} is {show_value(value)}, not a whole number in [{low}, {high}]"
+                    + (f"; {fix}" if fix else ""))
+    return value
+
+
+def finite(value, what: str, low: float, high: float = math.inf, *, low_open: bool = False,
+           error: type[Exception] = ValueError, fix: str = "") -> float:
+    """``value`` as a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``),
+    else ``error``. NaN fails every comparison, so it is refused by name first."""
+    ok = (type(value) in (int, float) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and value <= high)
+    if not ok:
+        span = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise error(f"{what} is {show_value(value)}, not a finite number in {span}"
+                    + (f"; {fix}" if fix else ""))
+    return float(value)
+
+
+class StoredReads:
+    """What may be read from one HDF5 file: every dataset whole on disk, and all of them
+    together no more bytes than the file has (declarations may overlap: each within the
+    file is not enough). ``check(dataset)`` before each read."""
+
+    def __init__(self, path: str | os.PathLike, *, error: type[Exception], fix: str):
+        self.path, self.error, self.fix = path, error, fix
+        self.left = os.path.getsize(path)
+
+    def check(self, d, name: str, *, zeros_of=None) -> None:
+        """Refuse ``d`` (an h5py Dataset called ``name`` in messages) unless the file
+        stores every byte it declares, it has no filter (whose output size nobody
+        bounds) and it fits in what is left of the file. ``zeros_of``: a dataset of the
+        same shape stored whole, which lets ``d`` be a never-written dataset of zeros
+        (the Adam moments of imported weights): what it takes in memory is then bounded
+        by the bytes stored for ``zeros_of``."""
+        where = f"{self.path}: dataset {name}"
+        if _filtered(d):
+            self._refuse(f"{where} is filtered (compressed), which this format never writes")
+        stored, declared = d.id.get_storage_size(), _declared_bytes(d)
+        if stored == 0 and zeros_of is not None and _zeros_beside(d, zeros_of):
+            return
+        if stored < declared:
+            self._refuse(f"{where} declares {declared:,} bytes ({d.dtype} of shape "
+                         f"{d.shape}) but the file stores {stored:,} of them")
+        if stored > self.left:
+            self._refuse(f"{where} and the datasets read before it declare more bytes "
+                         f"than the file holds ({os.path.getsize(self.path):,})")
+        self.left -= stored
+
+    def _refuse(self, message: str):
+        raise self.error(f"{message}; {self.fix}")
+
+
+def _declared_bytes(d) -> int:
+    return (d.size or 0) * d.dtype.itemsize  # size is None for an empty dataspace
+
+
+def _filtered(d) -> bool:
+    return d.id.get_create_plist().get_nfilters() > 0
+
+
+def _zeros_beside(d, other) -> bool:
+    """``d`` reads as zeros (fill value 0) and ``other``, of its shape, is stored whole."""
+    return (d.fillvalue == 0 and d.shape == other.shape and not _filtered(other)
+            and other.id.get_storage_size() >= _declared_bytes(other))
+
+
+def show_value(value) -> str:
+    """A value for a message, short (a crafted one may be huge)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
