@@ -26,7 +26,8 @@ from hpctrain.config import build_config
 from hpctrain.train.trainer import Trainer
 
 
-def _config(data: str, out: str, steps: int, device: str, tp: int, sequence_parallel: bool):
+def _config(data: str, out: str, steps: int, device: str, tp: int, sequence_parallel: bool,
+            compile_: bool):
     return build_config({
         "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64},
         "data": {"path": data},
@@ -36,7 +37,7 @@ def _config(data: str, out: str, steps: int, device: str, tp: int, sequence_para
         "train": {"batch_size": 16, "max_iters": steps, "log_interval": steps,
                   "eval_interval": 0, "final_eval": False, "out_dir": out,
                   "sample_tokens": 0, "save_checkpoint": False, "progress": False,
-                  "tf32": False, "device": device}})
+                  "tf32": False, "device": device, "compile": compile_}})
 
 
 class SyncCounter:
@@ -72,12 +73,14 @@ def main() -> None:
     p.add_argument("--count-syncs", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="--parallel.tp")
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--compile", action="store_true", help="--train.compile")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     world = World.create(comm, device=args.device, collectives=args.collectives)
     run_dir = comm.bcast(str(Path(args.out).with_suffix("")) + "-run" if comm.rank == 0
                          else None)
-    cfg = _config(args.data, run_dir, args.steps, args.device, args.tp, args.sequence_parallel)
+    cfg = _config(args.data, run_dir, args.steps, args.device, args.tp, args.sequence_parallel,
+                  args.compile)
     trainer = Trainer(cfg, world, verbose=False)
     syncs = None
     if args.count_syncs:  # two warm-up steps, then count over the rest
