@@ -115,6 +115,7 @@ bench: $(STAMP)
 	$(PY) perf/bench_checkpoint.py
 	$(PY) perf/bench_io.py
 	$(PY) perf/bench_pipeline.py
+	$(PY) perf/bench_tp.py
 	$(PY) perf/bench_long_context.py
 
 # Regenerate the example job scripts (tests/test_jobs.py checks they are in sync).

@@ -13,50 +13,16 @@ rendered with what it has ("unknown", "n/a", "not recorded").
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import RESULTS, ROOT, fmt, fmt_spread, table_lines  # noqa: E402
+from perf.common import RESULTS, ROOT, fmt, fmt_spread  # noqa: E402
+from perf.render_parallel import render_pipeline, render_tp, render_zero  # noqa: E402
+from perf.results_format import md_table, provenance, ratio_of  # noqa: E402
 
 DOC = ROOT / "perf" / "RESULTS.md"
-
-
-# ------------------------------------------------------------------------- helpers
-
-def _table(columns: list[str], rows: list[list]) -> list[str]:
-    return [*table_lines(columns, rows, markdown=True), ""]
-
-
-def _median(values):
-    values = [v for v in values or [] if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
-
-
-def provenance(d: dict) -> str:
-    """One line: commit, tree state, date, machine, duration."""
-    clean = d.get("tree_clean")
-    tree = {True: "yes", False: "**no**"}.get(clean, "unknown")
-    m = d.get("machine", {})
-    cpu = f"{m.get('cpus', '?')} CPUs" + (f" ({m['cpu_model']})" if m.get("cpu_model") else "")
-    cuda = ", CUDA" if m.get("cuda") else ""
-    took = f"{fmt(d['duration_s'] / 60)} min" if d.get("duration_s") is not None else "unknown"
-    line = (f"Commit `{d.get('git_sha', 'unknown')}`, tree clean: {tree}; run "
-            f"{d.get('time', 'unknown').replace('T', ' ')}; machine: {cpu}, "
-            f"{m.get('platform', 'unknown')}, Python {m.get('python', '?')}, torch "
-            f"{m.get('torch', '?')}{cuda}; duration: {took}.")
-    if clean is False:
-        line += (" Run from a tree with uncommitted changes (" +
-                 ", ".join(f"`{p}`" for p in d.get("dirty_paths", [])[:5]) + ").")
-    if d.get("quick"):
-        line += " **A --quick smoke test, not a result to quote.**"
-    return line
 
 
 # ------------------------------------------------------------------------ sections
@@ -85,7 +51,7 @@ def render_allreduce(d: dict) -> list[str]:
                    else "median (min and max not recorded in this JSON)")
     out = [f"Bus bandwidth (GB/s) of one gradient reduction, {spread_note} of {n} timed "
            "batches; ratios from the medians.", "",
-           *_table(["ranks", "model", "MiB", "buckets", "transport",
+           *md_table(["ranks", "model", "MiB", "buckets", "transport",
                     *(label for _, label in methods), "bucketed/raw", "bucketed/gloo"], rows)]
     if "worst_bucketed_over_raw" in d:
         out += [f"Target bucketed >= {fmt(d.get('target', 0.9))}x raw MPI: worst "
@@ -99,7 +65,7 @@ def render_allreduce(d: dict) -> list[str]:
         out += ["A backward step with its reduction (ms, median [min, max]): our buckets "
                 "over MPI, our buckets over gloo (`--comm.collectives=xccl` on CPUs), torch "
                 "DDP over gloo; each on its own copy of the model.", "",
-                *_table(["ranks", "model", "ours MPI", "ours gloo", "DDP gloo",
+                *md_table(["ranks", "model", "ours MPI", "ours gloo", "DDP gloo",
                          "DDP / ours gloo"],
                         [[r["ranks"], r["model"], ms(r, "ours_mpi"), ms(r, "ours_gloo"),
                           ms(r, "ddp_gloo"),
@@ -127,11 +93,11 @@ def render_dp(d: dict) -> list[str]:
                     fmt(m.get("vs_single_2threads"))])
     out = ["Training throughput, tokens/s, median [min, max] over rounds (the 1-process "
            "column: over its runs).", "",
-           *_table(["model", "batch/rank", "rounds", *(label for _, label in phases),
+           *md_table(["model", "batch/rank", "rounds", *(label for _, label in phases),
                     "1 process, 2 threads"], tput),
            "Ratios, each taken within a round: median [min, max] over rounds (vs 1 process: "
            "from the medians).", "",
-           *_table(["model", *(label for _, label in ratios), "vs 1 process 2 threads"], rat)]
+           *md_table(["model", *(label for _, label in ratios), "vs 1 process 2 threads"], rat)]
     t = d.get("targets", {})
     if t:
         out += [f"Targets: weak-scaling efficiency >= {fmt(t.get('efficiency'))}, >= "
@@ -162,133 +128,12 @@ def render_dp_end_to_end(e2e: dict, target) -> list[str]:
             "(torch DDP: its own job), one thread per rank, median `step_ms` of "
             "`metrics.jsonl` after the warm-up; configurations rotate within each round. "
             f"Tokens/s and ratios, median [min, max] over the rounds.{goal}", "",
-            *_table(["model", "rounds", "steps/job", *(label for _, label in configs),
+            *md_table(["model", "rounds", "steps/job", *(label for _, label in configs),
                      *(label for _, label in ratios)], tput),
             "Where a step's time goes (`summary.json` `timing.phases_ms`: ms per step, "
             "median over the rounds; DP=2 averaged over its ranks; hooks are part of "
             "backward).", "",
-            *_table(["model", "phase", "1 rank", "DP=2", "DP=2 - 1 rank"], phases)]
-
-
-def render_zero(d: dict) -> list[str]:
-    rows = []
-    for r in d["memory_and_speed"]:
-        step = fmt_spread(r["step_ms_all"]) if r.get("step_ms_all") else fmt(r["step_ms"])
-        rows.append([r["ranks"], r["dtype"], r["stage"], fmt(r["bytes_per_param"]),
-                     fmt(float(r["formula"])), fmt(r["vs_formula"]),
-                     fmt(r["memory"]["comm_buffers"] / 2**20), step, fmt(r["step_vs_stage0"])])
-    step_note = ("median [min, max] over the steps" if any(
-        r.get("step_ms_all") for r in d["memory_and_speed"]) else "median over the steps")
-    out = [f"Model-state bytes per parameter per rank against the ZeRO formulas; step time "
-           f"(ms) {step_note}, slowest rank.", "",
-           *_table(["ranks", "dtype", "stage", "B/param", "formula", "ratio", "comm MiB",
-                    "step ms", "vs stage 0"], rows)]
-    vs = []
-    for r in d.get("vs_torch_zero", []):
-        ours = r["all_ms"]["hpctrain"]
-        for key, label in (("torch", "defaults"),
-                           ("torch_bucket_view", "parameters_as_bucket_view=True")):
-            theirs = r["all_ms"].get(key)
-            if theirs:
-                vs.append([r["ranks"], label, fmt_spread(ours), fmt_spread(theirs),
-                           fmt(_ratio(_median(theirs), _median(ours)))])
-    if vs:
-        out += ["ZeRO-1 against torch's ZeroRedundancyOptimizer (DDP + gloo), step ms, "
-                "median [min, max] over interleaved rounds; speedup = torch / hpctrain "
-                "(medians).", "",
-                *_table(["ranks", "ZeroRedundancyOptimizer", "hpctrain ZeRO-1 ms", "torch ms",
-                         "speedup"], vs)]
-    cap = d.get("capacity", {})
-    found = [(s, c) for s, c in cap.get("by_stage", {}).items() if c]
-    if found:
-        out += [f"Largest GPT training on 4 ranks under {cap.get('cap_mib')} MiB peak RSS "
-                "growth per rank (one run per width, binary search).", "",
-                *_table(["stage", "width", "parameters", "peak growth MiB"],
-                        [[s, c["width"], c["params"], fmt(c["peak_rss_growth"] / 2**20)]
-                         for s, c in found]),
-                f"ZeRO-3 / DP parameters: {fmt(cap.get('ratio'))}x (target >= 3).", ""]
-    if "worst_formula_deviation" in d:
-        out += [f"Worst deviation from the formulas: {fmt(d['worst_formula_deviation'])} "
-                "(target <= 0.05).", ""]
-    return out
-
-
-def _pipeline_vs_torch(d: dict) -> list[dict]:
-    """Rows of the comparison with torch; the old format (our 1F1B and interleaved
-    against torch's 1F1B, best of 2) is mapped onto the current one."""
-    rows = []
-    for r in d.get("vs_torch", []):
-        if "schedule" in r:
-            rows.append(r)
-            continue
-        rows.append({"p": r["p"], "m": r["m"], "schedule": "1f1b", "virtual": 1,
-                     "torch_class": "Schedule1F1B", "ours": {"step_s": r["ours_step_s"]},
-                     "torch": {"step_s": r["torch_step_s"]},
-                     "speedup_per_round": [t / o for t, o in zip(r["torch_step_s"],
-                                                                 r["ours_step_s"])]})
-        if r.get("ours_interleaved_v2_step_s"):
-            rows.append({"p": r["p"], "m": r["m"], "schedule": "interleaved", "virtual": 2,
-                         "torch_class": "not measured",
-                         "ours": {"step_s": r["ours_interleaved_v2_step_s"]}, "torch": {},
-                         "speedup_per_round": []})
-    return rows
-
-
-def render_pipeline(d: dict) -> list[str]:
-    a, b = [], []
-    for r in d["bubble"]:
-        for kind in ("1f1b", "gpipe"):
-            k = r[kind]
-            per = k.get("per_step")
-            if per:
-                a.append([r["p"], r["m"], kind, fmt(k["bubble_theory"]),
-                          fmt_spread(per["bubble"]), fmt_spread(per["efficiency"]),
-                          fmt_spread(per["step_s"], 1e3)])
-            else:  # before per-step lists: one figure, no efficiency
-                a.append([r["p"], r["m"], kind, fmt(k["bubble_theory"]),
-                          fmt(k.get("bubble_measured")), "not recorded", fmt(k["step_s"], 1e3)])
-        b.append([r["p"], r["m"], fmt(r["1f1b"]["act_bytes_max"] / 2**20),
-                  fmt(r["gpipe"]["act_bytes_max"] / 2**20), fmt(r["act_ratio"]),
-                  fmt(r["act_target"]),
-                  "met" if r["act_ratio"] <= 1.1 * r["act_target"] else "missed"])
-    steps = d.get("steps", "?")
-    how = (f"median [min, max] over {steps} steps of one run" if a and d["bubble"][0]["1f1b"].get(
-        "per_step") else f"this JSON predates per-step lists: the mean over {steps} steps "
-           "(bubble) and the slowest stage's median (step time)")
-    out = [f"A. Bubble: share of the pipeline phase a stage spends blocked on a neighbour "
-           f"(mean over stages) against (p - 1) / (m + p - 1); efficiency = busiest stage's "
-           f"forward + backward time / the pipeline phase (<= 1; optimizer outside both); "
-           f"{how}.", "",
-           *_table(["p", "m", "schedule", "theory", "measured", "efficiency", "step ms"], a),
-           "B. Peak activation memory per step, worst stage (MiB); target 1F1B <= 1.1 p/m "
-           "x GPipe.", "",
-           *_table(["p", "m", "1F1B", "GPipe", "ratio", "p/m", "target"], b)]
-    c = []
-    for r in _pipeline_vs_torch(d):
-        name = r["schedule"] + (f" v={r['virtual']}" if r.get("virtual", 1) > 1 else "")
-        theirs = r["torch"].get("step_s")
-        c.append([r["p"], r["m"], name, r["torch_class"], fmt_spread(r["ours"]["step_s"], 1e3),
-                  fmt_spread(theirs, 1e3) if theirs else "n/a",
-                  fmt_spread(r["speedup_per_round"]) if r["speedup_per_round"] else "n/a",
-                  fmt_spread(r["ours"].get("efficiency")) if r["ours"].get("efficiency")
-                  else "n/a",
-                  fmt_spread(r["torch"].get("efficiency")) if r["torch"].get("efficiency")
-                  else "n/a"])
-    rounds = d.get("rounds")
-    how = (f"median [min, max] over {rounds} rounds" if rounds else
-           "the 2 rounds as median [min, max] (this JSON predates medians of >= 3 rounds; "
-           "its own summary was the best of 2)")
-    out += [f"C. Step time (ms, optimizer step included) of our schedules against "
-            f"torch.distributed.pipelining's schedule of the same kind, same stages, "
-            f"micro-batches and AdamW; {how}; speedup = torch / ours per round.", "",
-            *_table(["p", "m", "schedule", "torch schedule", "ours ms", "torch ms",
-                     "speedup", "ours efficiency", "torch efficiency"], c)]
-    if "target_vs_torch" in d:
-        worst = min(_median(r["speedup_per_round"]) for r in _pipeline_vs_torch(d)
-                    if r["schedule"] == "1f1b")
-        out += [f"Target: our 1F1B >= {fmt(d['target_vs_torch'])}x torch's Schedule1F1B: "
-                f"worst {fmt(worst)}x -> {'met' if d.get('met') else 'missed'}.", ""]
-    return out
+            *md_table(["model", "phase", "1 rank", "DP=2", "DP=2 - 1 rank"], phases)]
 
 
 CONVERGENCE_ROWS = {
@@ -311,9 +156,9 @@ def render_convergence(d: dict) -> list[str]:
     steps = d.get("steps", 2000)
     out = [f"shakespeare-char, {steps} steps, seed(s) {', '.join(map(str, seeds))}: "
            "whole-split validation loss and wall time, mean [min, max] over the seeds.", "",
-           *_table(["run", "seeds", "val loss", "wall s", "step ms (median per run)"], rows),
+           *md_table(["run", "seeds", "val loss", "wall s", "step ms (median per run)"], rows),
            "Per seed: val loss / wall s.", "",
-           *_table(["seed", *(labels[k] for k in present)],
+           *md_table(["seed", *(labels[k] for k in present)],
                    [[r["seed"], *(f"{fmt(r[k]['final_val_loss'])} / {fmt(r[k]['wall_s'])}"
                                   for k in present)] for r in runs])]
     checks = d.get("seed_checks")
@@ -346,7 +191,7 @@ def render_checkpoint(d: dict) -> list[str]:
     out = [f"Checkpoint of {fmt(torch_r['params'] / 1e6)}M parameters "
            f"({fmt(torch_r['bytes'] / 2**20)} MiB: fp32 parameters + Adam moments); seconds, "
            f"median [min, max] of {repeats}; GB/s and ratios from the medians.", "",
-           *_table(["method", "ranks", "save s", "save GB/s", "load s", "load GB/s",
+           *md_table(["method", "ranks", "save s", "save GB/s", "load s", "load GB/s",
                     "save vs torch", "load vs torch"], rows)]
     tr = rec.get("training")
     if tr:
@@ -354,7 +199,7 @@ def render_checkpoint(d: dict) -> list[str]:
         out += ["Training wall time (s), 20 steps with a checkpoint every 5 (10.7M parameters, "
                 "2 ranks, ZeRO-1), median [min, max] over rounds; overhead from the medians.",
                 "",
-                *_table(["checkpoints", "wall s", "overhead"],
+                *md_table(["checkpoints", "wall s", "overhead"],
                         [[k, fmt_spread(v), fmt(med[k] / med["none"] - 1)]
                          for k, v in tr["wall_s"].items()])]
     return out
@@ -370,7 +215,7 @@ def render_io(d: dict) -> list[str]:
                      fmt(med["mpiio"] / med["memmap_random"]), fmt_spread(rd["view"])])
     out = ["Read bandwidth, aggregate MB/s, median [min, max] over rounds; ratios from the "
            "medians.", "",
-           *_table(["ranks", "cache", "MPI-IO (hpctrain)", "np.memmap (nanoGPT)",
+           *md_table(["ranks", "cache", "MPI-IO (hpctrain)", "np.memmap (nanoGPT)",
                     "MPI-IO/memmap", "memmap + MADV_RANDOM", "MPI-IO/that",
                     "MPI-IO, one call + file view"], rows)]
     wait = d.get("data_wait")
@@ -378,7 +223,7 @@ def render_io(d: dict) -> list[str]:
         out += [f"Data wait while training shakespeare-char on {wait['ranks']} ranks, "
                 f"{wait['steps']} steps: data wait as % of step time, median [min, max] over "
                 "runs.", "",
-                *_table(["reader", "data ms/step", "step ms", "data wait %"],
+                *md_table(["reader", "data ms/step", "step ms", "data wait %"],
                         [[name, fmt(c["data_ms"]), fmt(c["step_ms"]),
                           fmt_spread(c["all_shares"], 100)]
                          for name, c in wait["configs"].items()])]
@@ -403,7 +248,7 @@ def render_long_context(d: dict) -> list[str]:
             r = rs.get(v)
             row += [fmt(r["peak_bytes"] / 2**20), fmt_spread(r["step_ms_all"])] if r \
                 else ["n/a", "n/a"]
-        row += [fmt(_ratio(plain, rs[v]["peak_bytes"])) if v in rs else "n/a"
+        row += [fmt(ratio_of(plain, rs[v]["peak_bytes"])) if v in rs else "n/a"
                 for v in variants[1:]]
         rows.append(row)
     shape = (f"Llama-shaped, {m['n_layer']} layers, width {m['n_embd']}, "
@@ -414,7 +259,7 @@ def render_long_context(d: dict) -> list[str]:
            f"time (ms, median [min, max]) by sequence length T; {shape}; loss_chunk "
            f"{d['loss_chunk']}. Memory is the result; the times come from a shared, "
            "noisy machine and are an indication only.", "",
-           *_table(["T", *(f"{v} {k}" for v in variants for k in ("MiB", "ms")),
+           *md_table(["T", *(f"{v} {k}" for v in variants for k in ("MiB", "ms")),
                     *(f"plain / {v} peak" for v in variants[1:])], rows)]
     cap = d.get("capacity", {})
     found = cap.get("by_variant", {})
@@ -422,7 +267,7 @@ def render_long_context(d: dict) -> list[str]:
         out += [f"Longest sequence whose step stays under {fmt(cap['cap_bytes'] / 2**20)} "
                 f"MiB ({cap['cap_from']}), in steps of {cap['search_step']} tokens up to "
                 f"{cap['max_t']}.", "",
-                *_table(["variant", "longest T", "vs plain"],
+                *md_table(["variant", "longest T", "vs plain"],
                         [[v, (">= " if f["at_limit"] else "") + str(f["longest"]),
                           fmt(f["vs_plain"])] for v, f in found.items()]),
                 f"Target: the chunked head trains >= {fmt(d['target'])}x the plain head's "
@@ -444,7 +289,7 @@ def render_gpu(d: dict) -> list[str]:
                  fmt(g["step_ms_median"]), fmt(g["tokens_per_s_steady"] / 1e3),
                  fmt(100 * g["mfu"]) if g.get("mfu") else "n/a",
                  f"{g['peak']['tflops']:g} ({g['peak']['basis']})", mem]]
-        out += _table(["run", "steps", "tokens/step", "median step ms", "k tokens/s",
+        out += md_table(["run", "steps", "tokens/step", "median step ms", "k tokens/s",
                        "MFU %", "peak TFLOP/s", "device memory"], rows)
         phases = g.get("phases_ms") or {}
         if phases:
@@ -463,7 +308,7 @@ def render_gpu(d: dict) -> list[str]:
         out += ["The same fp32 training (TF32 off) at 1 rank and at 2 ranks sharing the "
                 "device: the largest differences from the 1-rank run, and the host's waits "
                 "for the device per step after two warm-up steps (CUDA's sync debug mode).",
-                "", *_table(["run", "transport", "status", "max loss diff",
+                "", *md_table(["run", "transport", "status", "max loss diff",
                              "max param diff", "host syncs per step", "note"], rows)]
     doc = s.get("doctor", {}).get("ranks_1", {})
     if doc.get("allreduce"):
@@ -474,7 +319,7 @@ def render_gpu(d: dict) -> list[str]:
         out += ["`hpctrain doctor` at 1 rank: allreduce bus bandwidth (GB/s; one rank "
                 "moves nothing between ranks: these are copies), and its compiled training "
                 f"step: {t.get('model')} at {fmt(100 * t['mfu']) if t.get('mfu') else 'n/a'}% "
-                "MFU.", "", *_table(["MiB", "memory", "through", "busbw GB/s", ""], rows)]
+                "MFU.", "", *md_table(["MiB", "memory", "through", "busbw GB/s", ""], rows)]
     failures = s.get("doctor", {}).get("ranks_2", {}).get("failures") or []
     if failures:
         out += ["`hpctrain doctor` at 2 ranks on the one device (meant to fail): "
@@ -494,6 +339,7 @@ SECTIONS = {
                    render_checkpoint),
     "io": ("Data reading", "python perf/bench_io.py --shakespeare PATH", render_io),
     "pipeline": ("Pipeline parallelism", "python perf/bench_pipeline.py", render_pipeline),
+    "tp": ("Tensor parallelism", "python perf/bench_tp.py --shakespeare PATH", render_tp),
     "long_context": ("Long context: chunked loss and recomputation",
                      "python perf/bench_long_context.py", render_long_context),
 }
