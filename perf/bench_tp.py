@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.bench_zero import _rss_kib, _warm_up_libraries, slowest_rank_ms  # noqa: E402
 from perf.common import (bench_parser, fmt, fmt_spread, init_gloo,  # noqa: E402
-                         print_table, run_worker, scratch_dir, shakespeare_dataset,
+                         largest_that_fits, print_table, run_worker, scratch_dir, shakespeare_dataset,
                          worker_args, write_result)
 
 MODEL = {"n_layer": 6, "n_head": 8, "n_embd": 256, "block_size": 128}
@@ -299,23 +299,9 @@ def _fits(data, width: int, layout: str) -> tuple[bool, dict]:
 
 
 def part_capacity(data) -> dict:
-    found = {}
-    for layout in CAPACITY_LAYOUTS:
-        lo, hi, best = 0, len(CAP_WIDTHS) - 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            ok, r = _fits(data, CAP_WIDTHS[mid], layout)
-            print(f"  {layout}, width {CAP_WIDTHS[mid]}: {r['params'] / 1e6:.1f}M params, "
-                  f"peak RSS growth {r['peak_rss_growth'] / 2**20:.0f} MiB -> "
-                  f"{'fits' if ok else 'too big'}", flush=True)
-            if ok:
-                best, lo = {"width": CAP_WIDTHS[mid], **r}, mid + 1
-            else:
-                hi = mid - 1
-        if best is not None and best["width"] == CAP_WIDTHS[-1]:
-            print(f"  {layout} fits the widest model searched: raise CAP_WIDTHS", flush=True)
-        found[layout] = best
-    return found
+    return {layout: largest_that_fits(layout, CAP_WIDTHS,
+                                      lambda width, layout=layout: _fits(data, width, layout))
+            for layout in CAPACITY_LAYOUTS}
 
 
 def main(argv: list[str]) -> None:

@@ -35,7 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import (bench_parser, fmt, fmt_spread, print_table,  # noqa: E402
+from perf.common import (bench_parser, fmt, fmt_spread,  # noqa: E402
+                         largest_that_fits, print_table,
                          run_worker, scratch_dir, shakespeare_dataset,
                          torch_ddp_step_times,
                          worker_args, write_result)
@@ -220,25 +221,10 @@ def _fits(data, width: int, stage: int) -> tuple[bool, dict]:
 
 
 def part_capacity(data) -> dict:
-    """Largest width that fits, per stage: binary search over CAP_WIDTHS."""
-    found = {}
-    for stage in (0, 3):
-        lo, hi, best = 0, len(CAP_WIDTHS) - 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            ok, r = _fits(data, CAP_WIDTHS[mid], stage)
-            print(f"  stage {stage}, width {CAP_WIDTHS[mid]}: {r['params'] / 1e6:.1f}M params, "
-                  f"peak RSS growth {r['peak_rss_growth'] / 2**20:.0f} MiB -> "
-                  f"{'fits' if ok else 'too big'}", flush=True)
-            if ok:
-                best, lo = {"width": CAP_WIDTHS[mid], **r}, mid + 1
-            else:
-                hi = mid - 1
-        if best is not None and best["width"] == CAP_WIDTHS[-1]:
-            print(f"  stage {stage} fits the widest model searched ({CAP_WIDTHS[-1]}): "
-                  "raise CAP_WIDTHS to find its limit", flush=True)
-        found[stage] = best
-    return found
+    """Largest width that fits, per stage."""
+    return {stage: largest_that_fits(f"stage {stage}", CAP_WIDTHS,
+                                     lambda width, stage=stage: _fits(data, width, stage))
+            for stage in (0, 3)}
 
 
 def main(argv: list[str]) -> None:

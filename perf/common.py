@@ -167,6 +167,26 @@ def _run_worker_once(n, script, args, threads, timeout, mpi, env, python) -> dic
         return json.loads(out.read_text())
 
 
+def largest_that_fits(label: str, widths: list[int], fits) -> dict | None:
+    """Binary search for the widest model that ``fits(width) -> (ok, record)`` accepts
+    (``widths`` ascending; one run per probe); its record with ``width``, or None. Each
+    probe prints a line; one that fits the widest says the search ended too early."""
+    lo, hi, best = 0, len(widths) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        ok, r = fits(widths[mid])
+        print(f"  {label}, width {widths[mid]}: {r['params'] / 1e6:.1f}M params, peak RSS "
+              f"growth {r['peak_rss_growth'] / 2**20:.0f} MiB -> "
+              f"{'fits' if ok else 'too big'}", flush=True)
+        if ok:
+            best, lo = {"width": widths[mid], **r}, mid + 1
+        else:
+            hi = mid - 1
+    if best is not None and best["width"] == widths[-1]:
+        print(f"  {label} fits the widest model searched: search wider widths", flush=True)
+    return best
+
+
 def timed_command(cmd: list[str], *, threads: int, timeout: float = 1800) -> tuple[float, str]:
     """Wall time of a whole command (start-up included), and its stdout."""
     env = launch_env(OMP_NUM_THREADS=str(threads))
