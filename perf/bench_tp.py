@@ -25,11 +25,14 @@ In one run:
      (gate and up), which is what our layout holds: both compute the same model. The
      embedding and head stay whole on torch's side (a 65-token vocabulary: well under
      1% of the step); ours splits them.
-  C. the largest GPT (16 layers, width 128-1024 in steps of 64) that trains two steps on
-     4 ranks, 8 rows of 128 tokens per step, while every rank's peak resident memory
-     grows by at most CAP_MIB: plain data parallelism against tp=2 x dp=2 with ZeRO-3,
-     sequence parallelism and recomputation (as bench_zero.py measures, one run per
-     width, binary search).
+  C. the largest GPT (16 layers, width 64-1024 in steps of 64) that trains two steps on
+     4 ranks while every rank's peak resident memory grows by at most CAP_MIB: plain data
+     parallelism against tp=2 x dp=2 with ZeRO-3, sequence parallelism and recomputation
+     (as bench_zero.py measures, one run per width, binary search), for two global
+     batches (CAP_BATCHES): 8 rows of 128 tokens, where model state dominates data
+     parallelism's memory (4 ranks can divide it by 4 at most), and 16 rows of 256
+     tokens, where activations are as large as the state (what recomputation and
+     sequence parallelism remove).
 
     python perf/bench_tp.py --shakespeare PATH [--quick]
 """
@@ -54,8 +57,9 @@ MODEL = {"n_layer": 6, "n_head": 8, "n_embd": 256, "block_size": 128}
 ROWS = 8
 STEPS, WARMUP, ROUNDS = 12, 4, 3
 CAP_MIB = 256
-CAP_LAYERS, CAP_HEAD_SIZE, CAP_ROWS = 16, 32, 8
-CAP_WIDTHS = list(range(128, 1025, 64))
+CAP_LAYERS, CAP_HEAD_SIZE = 16, 32
+CAP_BATCHES = ((8, 128), (16, 256))  # (rows, tokens per row) per step
+CAP_WIDTHS = list(range(64, 1025, 64))
 
 
 def _gpt_config(vocab: int):
@@ -285,10 +289,10 @@ CAPACITY_LAYOUTS = {
                                   "--model.recompute=block"]}
 
 
-def _fits(data, width: int, layout: str) -> tuple[bool, dict]:
+def _fits(data, width: int, layout: str, rows: int, block: int) -> tuple[bool, dict]:
     args = ["train-peak", f"--data.path={data}", f"--model.n_layer={CAP_LAYERS}",
             f"--model.n_head={width // CAP_HEAD_SIZE}", f"--model.n_embd={width}",
-            "--model.block_size=128", f"--train.batch_size={CAP_ROWS}",
+            f"--model.block_size={block}", f"--train.batch_size={rows}",
             "--train.max_iters=2", "--data.verify=false", "--train.eval_interval=0",
             "--train.final_eval=false", "--train.save_checkpoint=false",
             "--train.sample_tokens=0", "--train.progress=false", "--train.log_interval=2",
@@ -298,10 +302,18 @@ def _fits(data, width: int, layout: str) -> tuple[bool, dict]:
     return r["peak_rss_growth"] <= CAP_MIB * 2**20, r
 
 
-def part_capacity(data) -> dict:
-    return {layout: largest_that_fits(layout, CAP_WIDTHS,
-                                      lambda width, layout=layout: _fits(data, width, layout))
+def part_capacity(data) -> list[dict]:
+    """Per batch, the largest model of each layout and the ratio of their parameters."""
+    out = []
+    for rows, block in CAP_BATCHES:
+        found = {layout: largest_that_fits(
+            f"{layout}, {rows} x {block} tokens", CAP_WIDTHS,
+            lambda width, layout=layout: _fits(data, width, layout, rows, block))
             for layout in CAPACITY_LAYOUTS}
+        base, best = found["data parallel"], found["tp=2 x ZeRO-3 x recompute"]
+        out.append({"rows": rows, "block": block, "by_layout": found,
+                    "ratio": best["params"] / base["params"] if base and best else None})
+    return out
 
 
 def main(argv: list[str]) -> None:
@@ -320,30 +332,30 @@ def main(argv: list[str]) -> None:
                 [[r["tp"], fmt_spread(r["all_ms"]["hpctrain"]),
                   fmt_spread(r["all_ms"]["hpctrain_sp"]), fmt_spread(r["all_ms"]["torch"]),
                   r["speedup"]] for r in speed])
-    capacity, ratio = {}, None
+    capacity = []
     if not quick:
         print(f"\nC. largest model training on 4 ranks under {CAP_MIB} MiB per rank",
               flush=True)
         capacity = part_capacity(data)
-        base, best = capacity["data parallel"], capacity["tp=2 x ZeRO-3 x recompute"]
-        ratio = best["params"] / base["params"] if base and best else None
         print_table(f"Largest GPT ({CAP_LAYERS} layers) under {CAP_MIB} MiB peak RSS growth "
-                    "per rank, 4 ranks", ["layout", "width", "params", "peak MiB"],
-                    [[k, c["width"], c["params"], c["peak_rss_growth"] / 2**20]
-                     for k, c in capacity.items() if c])
+                    "per rank, 4 ranks", ["batch", "layout", "width", "params", "peak MiB"],
+                    [[f"{b['rows']} x {b['block']}", k, c["width"], c["params"],
+                      c["peak_rss_growth"] / 2**20]
+                     for b in capacity for k, c in b["by_layout"].items() if c])
     worst = max(abs(r["activation_vs_formula"] - 1) for r in memory)
     print(f"\nactivations within 10% of the formula: worst {fmt(worst)} -> "
           f"{'MET' if worst <= 0.10 else 'NOT MET'}")
     for r in speed:
         print(f"tp={r['tp']}: >= 1.2x torch TP: {fmt(r['speedup'])}x -> "
               f"{'MET' if r['speedup'] >= 1.2 else 'NOT MET'}")
-    if ratio is not None:
-        print(f">= 6x the parameters of data parallelism under the cap: {fmt(ratio)}x -> "
-              f"{'MET' if ratio >= 6 else 'NOT MET'}")
+    for b in capacity:
+        if b["ratio"] is not None:
+            print(f"{b['rows']} x {b['block']} tokens: >= 6x the parameters of data "
+                  f"parallelism under the cap: {fmt(b['ratio'])}x -> "
+                  f"{'MET' if b['ratio'] >= 6 else 'NOT MET'}")
     write_result("tp", {"quick": quick, "model": MODEL, "rows": ROWS, "memory": memory,
                         "vs_torch_tp": speed,
-                        "capacity": {"cap_mib": CAP_MIB, "by_layout": capacity,
-                                     "ratio": ratio}}, smoke=quick)
+                        "capacity": {"cap_mib": CAP_MIB, "batches": capacity}}, smoke=quick)
 
 
 if __name__ == "__main__":

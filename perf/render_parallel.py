@@ -151,13 +151,15 @@ def render_tp(d: dict) -> list[str]:
             *md_table(["tp", "hpctrain ms", "hpctrain + sequence parallel ms", "torch TP ms",
                      "speedup"], speed)]
     cap = d.get("capacity", {})
-    found = [(k, c) for k, c in cap.get("by_layout", {}).items() if c]
-    if found:
+    rows = [[f"{b['rows']} x {b['block']}", k, c["width"], c["params"],
+             fmt(c["peak_rss_growth"] / 2**20)]
+            for b in cap.get("batches", []) for k, c in b["by_layout"].items() if c]
+    if rows:
+        ratios = "; ".join(f"{b['rows']} x {b['block']} tokens: {fmt(b['ratio'])}x"
+                           for b in cap["batches"])
         out += [f"Largest GPT training on 4 ranks under {cap.get('cap_mib')} MiB peak RSS "
-                "growth per rank (one run per width, binary search).", "",
-                *md_table(["layout", "width", "parameters", "peak growth MiB"],
-                        [[k, c["width"], c["params"], fmt(c["peak_rss_growth"] / 2**20)]
-                         for k, c in found]),
-                f"Parameters against data parallelism: {fmt(cap.get('ratio'))}x "
-                "(target >= 6).", ""]
+                "growth per rank, per global batch (rows x tokens; one run per width, "
+                "binary search).", "",
+                *md_table(["batch", "layout", "width", "parameters", "peak growth MiB"], rows),
+                f"Parameters against data parallelism: {ratios} (target >= 6).", ""]
     return out
