@@ -406,6 +406,10 @@ def test_tensor_parallel_collectives_count_the_layers_sums():
                                          + split.p2p_s + split.grad_comm_s + split.gather_s
                                          + split.optimizer_s)
     assert split.grad_comm_total_s < plain.grad_comm_total_s  # a quarter of the gradients
+    # A group of adjacent ranks inside a node never touches the network between nodes.
+    slow_network = dataclasses.replace(sys_, inter=comm_cost.Link(1e-3, 1e6))
+    assert pm.predict(slow_network, shape, dataclasses.replace(lay, tp=4)).tp_comm_s == \
+        pytest.approx(split.tp_comm_s)
 
 
 def test_tensor_parallel_layouts_are_checked():
