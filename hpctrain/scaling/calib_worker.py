@@ -109,8 +109,9 @@ def concurrent_compute(comm, shape_key: str, rows: int, reps: int) -> float:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = GPT(config_from_key(shape_key))
-    x = torch.randint(0, V, (rows, T))
+    cfg = config_from_key(shape_key)
+    model = GPT(cfg)
+    x = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size))
     flag = np.zeros(1)
     times = []
     comm.Barrier()

@@ -10,10 +10,19 @@ step = pipeline compute (m micro-batches of forward + backward on the largest st
                                      calibrated shared-memory allreduce where there is one
      + ZeRO parameter gathers        allgather after the step (ZeRO-1/2), per block
                                      before forward and backward (ZeRO-3, 3 Psi in all)
+     + tensor-parallel collectives   the group's sums of activations (``tensor_cost``)
      + optimizer                     AdamW over the parameters this rank updates
 
-Compute of one micro-batch is ``layers x overhead + FLOPs / rate`` (the overhead is kernel
-launches and Python per block; FLOPs as ``GPT.flops_per_token``). Recomputation
+Compute of one micro-batch is ``layers x overhead + FLOPs / rate + traffic / bandwidth``
+(the overhead is kernel launches and Python per block; FLOPs as ``GPT.flops_per_token``,
+divided over the tensor-parallel group). The last term is the work that is not a matrix
+multiply (norms, activation functions, softmax, the residual stream, the loss over the
+logits): memory-bound, it moves ``activation_passes`` times the bytes the step keeps for
+backward through the device's memory. Per token a layer's FLOPs grow as the width
+squared and these bytes as the width, so the achieved rate rises with the width toward
+``achieved_tflops`` (the rate of the matrix multiplies): small models run well below it,
+as published runs show (docs/design/scaling-model.md). A shape calibrated on the machine
+(``scale calibrate``) has a measured rate that already holds that work. Recomputation
 (``recompute="block"``) runs each block's forward twice: its blocks cost 8 FLOPs per
 weight and token instead of 6 (forward 2, backward 4, the forward again 2). A chunked head
 (``loss_chunk``) computes its logits again in backward: 8 instead of 6 per head weight.
@@ -23,10 +32,11 @@ measured with every rank computing and synchronizing at once (else ``ranks / cor
 compute and optimizer are scaled by it; measured collective fits already include it.
 
 Memory per rank = model state from the ZeRO formulas (Rajbhandari et al. 2020) on the
-largest stage + activations (``activation_bytes_per_layer``: Korthikanti et al., arXiv
-2205.05198, for GPT-2; for Llama the tensors its block keeps) for the micro-batches a
-stage holds at once, or with recomputation each layer's input and one layer's full set +
-logits (one chunk of them with ``loss_chunk``) + communication buffers + the rank's base.
+largest stage's share of a tensor-parallel group + activations (``activations.py``:
+Korthikanti et al., arXiv 2205.05198, with their tensor- and sequence-parallel forms)
+for the micro-batches a stage holds at once, or with recomputation each layer's input and
+one layer's full set + logits (one chunk of them with ``loss_chunk``, a slice of the
+vocabulary with tp) + communication buffers + the rank's base.
 """
 
 from __future__ import annotations
@@ -35,9 +45,17 @@ from dataclasses import asdict, dataclass
 
 from hpctrain.errors import UserError
 from hpctrain.parallel.memory import zero_formula
-from hpctrain.scaling import comm_cost
+from hpctrain.parallel.tensor.layout import check_splittable
+from hpctrain.scaling import comm_cost, tensor_cost
+from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
+                                          llama_bytes_per_token, logits_bytes,
+                                          micro_batches_in_flight, word_bytes)
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.system_perf import SystemPerf
+
+__all__ = ["Layout", "Prediction", "predict", "predict_memory", "fits", "describe",
+           "bubble_fraction", "activation_bytes", "activation_bytes_per_layer",
+           "llama_bytes_per_token", "micro_batches_in_flight", "bucket_sizes"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE = ("none", "block")
@@ -64,10 +82,14 @@ class Layout:
     (``--model.recompute``)."""
     loss_chunk: int = 0
     """Tokens per chunk of the head and loss (``--model.loss_chunk``); 0: all at once."""
+    tp: int = 1
+    """Tensor-parallel ranks (``--parallel.tp``): adjacent ranks, inside a node."""
+    sequence_parallel: bool = False
+    """``--parallel.sequence_parallel``: norms and residual stream cut along the sequence."""
 
     @property
     def dp(self) -> int:
-        return self.ranks // self.pp
+        return self.ranks // (self.pp * self.tp)
 
     @property
     def micro_rows(self) -> int:
@@ -75,9 +97,17 @@ class Layout:
 
     def check(self, shape: ModelShape) -> None:
         """Raise ``UserError`` naming the fix for a layout the trainer would refuse."""
-        if self.ranks < 1 or self.pp < 1 or self.ranks % self.pp:
-            raise UserError(f"{self.ranks} rank(s) do not split into pp={self.pp} stages; "
-                            "use a pp that divides the rank count")
+        if self.tp < 1 or self.ranks % self.tp:
+            raise UserError(f"{self.ranks} rank(s) do not split into tensor-parallel groups "
+                            f"of tp={self.tp}; use a tp that divides the rank count")
+        if self.ranks < 1 or self.pp < 1 or (self.ranks // self.tp) % self.pp:
+            raise UserError(f"{self.ranks} rank(s) do not split into pp={self.pp} stages"
+                            + (f" of tp={self.tp} ranks" if self.tp > 1 else "")
+                            + "; use a pp that divides the rank count")
+        if self.sequence_parallel and self.tp == 1:
+            raise UserError("sequence parallelism splits the sequence over the "
+                            "tensor-parallel ranks: it needs tp > 1")
+        check_splittable(shape.gpt, self.tp)
         if self.pp > shape.n_layer * self.virtual_stages:
             raise UserError(f"pp={self.pp} is more stages than the {shape.n_layer} layers")
         if self.zero not in (0, 1, 2, 3):
@@ -118,16 +148,20 @@ class Prediction:
     tokens_per_s: float
     flops_per_s_per_rank: float
     mfu: float | None
+    tp_comm_s: float = 0.0
+    """The tensor-parallel group's collectives, all exposed."""
 
     @property
     def comm_s(self) -> float:
-        return self.grad_comm_s + self.gather_s + self.p2p_s
+        return self.grad_comm_s + self.gather_s + self.p2p_s + self.tp_comm_s
 
     def shares(self) -> dict:
-        """The trainer's four shares: ZeRO gathers and the optimizer count as compute
-        there (the trainer times only waits for reductions, the bubble and data)."""
+        """The trainer's four shares: ZeRO gathers, tensor-parallel collectives and the
+        optimizer count as compute there (the trainer times only waits for gradient
+        reductions, the bubble and data)."""
         s = self.step_s
-        return {"compute": (self.compute_s + self.optimizer_s + self.gather_s + self.p2p_s) / s,
+        inline = self.compute_s + self.optimizer_s + self.gather_s + self.p2p_s + self.tp_comm_s
+        return {"compute": inline / s,
                 "comm": self.grad_comm_s / s, "bubble": self.bubble_s / s, "data": 0.0}
 
     def to_dict(self) -> dict:
@@ -149,75 +183,19 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
     return (p - 1) / (m + p - 1)
 
 
-def activation_bytes_per_layer(shape: ModelShape, rows: int, dtype: str,
-                               flash_attention: bool) -> float:
-    """Bytes one transformer layer keeps for backward, for ``rows`` sequences of s tokens.
-
-    GPT-2: Korthikanti et al. 2022, eq. 1: s b h (34 + 5 a s / h) bytes in 16 bits, plus
-    the attention-score term without flash attention; fp32 doubles it.
-
-    Llama: the tensors ``gpt.Block`` keeps, counted one by one (``llama_bytes_per_token``).
-    Korthikanti's idealised accounting of Llama's parts would give 12h + 4 h_kv + 8H in
-    16 bits (41 s b h for Llama 3 8B); the block keeps more, chiefly because its RMSNorm
-    computes in fp32 as Llama's reference code does (51.5 s b h in bf16)."""
-    s, h, a = shape.block_size, shape.n_embd, shape.n_head
-    word = 4.0 if dtype == "fp32" else 2.0
-    if shape.arch == "llama":
-        # without flash attention the softmax output, a s^2 words per sequence
-        scores = 0.0 if flash_attention else word * a * s * s * rows
-        return s * rows * llama_bytes_per_token(shape, dtype) + scores
-    per = 34.0 + (0.0 if flash_attention else 5.0 * a * s / h)
-    return s * rows * h * per * word / 2.0
-
-
-def llama_bytes_per_token(shape: ModelShape, dtype: str) -> float:
-    """Bytes a Llama block keeps per token (w bytes a word: 2 in bf16, 4 in fp32; h width,
-    h_kv = n_kv_head x head size, H the SwiGLU's hidden width), with flash attention:
-      each RMSNorm: its input in fp32 (4h), the normalized input and the weighted
-        output in w (the QKV or the MLP projection's input)          2 x (4h + 2wh)
-      the QKV projection's output, kept whole as V's storage; rotated Q and K;
-        the attention output (the output projection's input)         w (3h + 3 h_kv)
-      gate and up (one tensor: the SiLU and the product read it), SiLU(gate), the
-        product (the down projection's input)                        w 4H
-    = 8h + w (7h + 3 h_kv + 4H). Left out (1% in the tests' narrow block, less at real
-    widths): the norms' and the softmax's statistics (a few numbers per token) and the
-    rotary tables (per position, shared by the rows).
-    ``tests/test_scaling_model.py`` counts a real block's saved tensors against it."""
-    h, big = shape.n_embd, shape.ffn_hidden
-    kv = shape.n_kv_head * (h // shape.n_head)
-    word = 4.0 if dtype == "fp32" else 2.0
-    return 8.0 * h + word * (7.0 * h + 3.0 * kv + 4.0 * big)
-
-
 def activation_bytes(shape: ModelShape, layout: Layout, layers: int,
                      flash_attention: bool) -> float:
     """Activations on a stage of ``layers`` layers holding the micro-batches in flight.
     With recomputation each held micro-batch keeps every layer's input (s b h), and the
     layer running backward holds its full set again, one at a time (Chen et al. 2016)."""
     held = micro_batches_in_flight(layout.pp, layout.micro_batches, layout.schedule)
-    full = activation_bytes_per_layer(shape, layout.micro_rows, layout.dtype, flash_attention)
+    tp, sp = layout.tp, layout.sequence_parallel
+    full = activation_bytes_per_layer(shape, layout.micro_rows, layout.dtype, flash_attention,
+                                      tp, sp)
     if layout.recompute == "none":
         return held * layers * full
-    word = 4.0 if layout.dtype == "fp32" else 2.0
-    inputs = shape.block_size * layout.micro_rows * shape.n_embd * word
+    inputs = layer_input_bytes(shape, layout.micro_rows, layout.dtype, tp, sp)
     return held * layers * inputs + full
-
-
-def logits_bytes(shape: ModelShape, layout: Layout) -> float:
-    """The head's logits and their gradient in fp32 for one micro-batch (cross-entropy
-    upcasts); with ``loss_chunk`` one chunk of tokens at a time, and one fp32
-    log-sum-exp per token kept for backward (``model/chunked_loss.py``)."""
-    tokens = layout.micro_rows * shape.block_size
-    if not layout.loss_chunk:
-        return 2 * 4.0 * tokens * shape.vocab_size
-    return 2 * 4.0 * min(tokens, layout.loss_chunk) * shape.vocab_size + 4.0 * tokens
-
-
-def micro_batches_in_flight(p: int, m: int, schedule: str) -> int:
-    """Activations a stage holds at once: all m for GPipe, at most p for 1F1B (stage 0)."""
-    if p <= 1:
-        return 1
-    return m if schedule == "gpipe" else min(p, m)
 
 
 def collective(system: SystemPerf, kind: str, group: int, n_bytes: float,
@@ -264,95 +242,129 @@ def oversubscription(system: SystemPerf, layout: Layout, shape: ModelShape) -> f
 
 # ---------------------------------------------------------------------- prediction
 
-def predict(system: SystemPerf, shape: ModelShape, layout: Layout) -> Prediction:
-    layout.check(shape)
-    p, m, v, dp = layout.pp, layout.micro_batches, layout.virtual_stages, layout.dp
-    rows = layout.micro_rows
-    tokens = rows * shape.block_size
-    f = oversubscription(system, layout, shape)
-    rpn = system.ranks_per_node or layout.ranks
-
-    # Compute of one micro-batch on the largest stage; recomputation runs the forward
-    # (2 of the 6 FLOPs per weight and token) once more, 8/6.
-    layers = -(-shape.n_layer // p)
+def micro_batch_compute(system: SystemPerf, shape: ModelShape, layout: Layout,
+                        layers: int) -> float:
+    """Seconds of one micro-batch's forward + backward on one rank of the largest stage,
+    before oversubscription: per-block overhead + FLOPs / rate + memory traffic /
+    bandwidth (module docstring). Recomputation runs the forward (2 of the 6 FLOPs per
+    weight and token) once more, 8/6; a chunked or vocabulary-parallel head computes its
+    logits again in backward, 8/6 of the head."""
+    tokens = layout.micro_rows * shape.block_size
     again = 4.0 / 3.0 if layout.recompute == "block" else 1.0
-    flops = tokens * layers * shape.layer_flops_per_token * again
-    head = 4.0 / 3.0 if layout.loss_chunk else 1.0  # the chunks' logits again in backward
-    flops += tokens * shape.head_flops_per_token * head  # on the last stage (or all)
+    head = 4.0 / 3.0 if layout.loss_chunk or layout.tp > 1 else 1.0
+    flops = tokens * (layers * shape.layer_flops_per_token * again
+                      + shape.head_flops_per_token * head) / layout.tp
     rate = system.compute_rate(shape.key, layout.dtype)
-    t_micro = f * (layers * rate.layer_overhead_s * again + flops / rate.flops_per_s)
-    compute = m * t_micro
-    bubble = compute * bubble_fraction(p, m, layout.schedule, v) / \
-        (1.0 - bubble_fraction(p, m, layout.schedule, v)) if p > 1 else 0.0
+    t = layers * rate.layer_overhead_s * again + flops / rate.flops_per_s
+    if system.memory_bandwidth and not system.calibrated(shape.key, layout.dtype):
+        kept = layers * again * activation_bytes_per_layer(
+            shape, layout.micro_rows, layout.dtype, True, layout.tp, layout.sequence_parallel)
+        kept += logits_bytes(shape, tokens, 0, layout.tp)
+        t += system.activation_passes * kept / system.memory_bandwidth
+    return t
 
-    # Activations between stages: one transfer forward and one back per micro-batch slot,
-    # v times as many with interleaving. Stage neighbours are consecutive ranks.
-    act_bytes = tokens * shape.n_embd * (4 if layout.dtype == "fp32" else 2)
-    p2p = 0.0
-    if p > 1:
-        per_node = min(p, rpn)
-        p2p = 2 * v * (m + p - 1) * collective(system, "p2p", 2, act_bytes, per_node)
 
-    # Gradients reduce in fp32 buckets over the data-parallel group; dp members sit pp
-    # ranks apart (grid = arange(world).reshape(dp, pp)).
-    stage_params = shape.stage_params(p) if p > 1 else shape.params
-    grad_bytes = 4.0 * stage_params
-    param_bytes = (4.0 if layout.dtype == "fp32" else 2.0) * stage_params
-    members = max(1, rpn // p)
+def tensor_parallel_time(system: SystemPerf, shape: ModelShape, layout: Layout,
+                         layers: int) -> float:
+    """One micro-batch's tensor-parallel collectives over the group of adjacent ranks."""
+    members = min(layout.tp, system.ranks_per_node or layout.tp)
+    return tensor_cost.group_time(
+        lambda kind, n: collective(system, kind, layout.tp, n, members), tp=layout.tp,
+        tokens=layout.micro_rows * shape.block_size, width=shape.n_embd, layers=layers,
+        dtype=layout.dtype, collectives=system.collectives,
+        recompute=layout.recompute == "block", sp=layout.sequence_parallel)
+
+
+def gradient_terms(system: SystemPerf, layout: Layout, rank_params: float, layers: int,
+                   t_micro: float) -> tuple[float, float, float]:
+    """(exposed reduction, all of it, ZeRO gathers) over the data-parallel group, whose
+    members sit pp x tp ranks apart (tp innermost, then pp, then dp)."""
+    dp, m = layout.dp, layout.micro_batches
+    if dp <= 1:
+        return 0.0, 0.0, 0.0
+    grad_bytes = 4.0 * rank_params
+    param_bytes = word_bytes(layout.dtype) * rank_params
+    members = max(1, (system.ranks_per_node or layout.ranks) // (layout.pp * layout.tp))
     buckets = bucket_sizes(grad_bytes, layout.bucket_mb)
-    rs = sum(collective(system, "reduce_scatter", dp, b, members) for b in buckets)
-    ar = sum(collective(system, "allreduce", dp, b, members) for b in buckets)
-    last = buckets[-1] if buckets else 0.0
+    cost = lambda kind, n: collective(system, kind, dp, n, members)  # noqa: E731
+    rs = sum(cost("reduce_scatter", b) for b in buckets)
+    last = buckets[-1]
     if layout.zero == 0 and layout.dtype == "fp32" and system.fit("shm_allreduce", dp):
         # CPU gradients on one node: the trainer sums them in shared memory.
-        total = sum(collective(system, "shm_allreduce", dp, b, members) for b in buckets)
-        tail = collective(system, "shm_allreduce", dp, last, members)
+        total = sum(cost("shm_allreduce", b) for b in buckets)
+        tail = cost("shm_allreduce", last)
     elif layout.zero == 0:
-        total, tail = ar, collective(system, "allreduce", dp, last, members)
+        total = sum(cost("allreduce", b) for b in buckets)
+        tail = cost("allreduce", last)
     elif layout.zero == 1:  # reduce-scatter only on the last micro-batch
-        total, tail = rs, collective(system, "reduce_scatter", dp, last, members)
+        total, tail = rs, cost("reduce_scatter", last)
     else:  # every micro-batch; only the last one's reduction can stick out
-        total, tail = m * rs, collective(system, "reduce_scatter", dp, last, members)
+        total, tail = m * rs, cost("reduce_scatter", last)
     hidden = system.overlap * (2.0 / 3.0) * t_micro  # backward is ~2/3 of a micro-batch
-    exposed_tail = rs if layout.zero >= 2 else total
-    grad_exposed = max(tail, exposed_tail - hidden) if dp > 1 else 0.0
-
+    exposed = max(tail, (rs if layout.zero >= 2 else total) - hidden)
     gather = 0.0
-    if dp > 1 and layout.zero in (1, 2):  # new parameters after the sharded update
-        gather = sum(collective(system, "allgather", dp, b * param_bytes / grad_bytes, members)
-                     for b in buckets)
-    elif dp > 1 and layout.zero == 3:  # each block before forward and before backward
+    if layout.zero in (1, 2):  # new parameters after the sharded update
+        gather = sum(cost("allgather", b * param_bytes / grad_bytes) for b in buckets)
+    elif layout.zero == 3:  # each block before forward and before backward
         units = layers + 1
-        per_unit = collective(system, "allgather", dp, param_bytes / units, members)
+        per_unit = cost("allgather", param_bytes / units)
         gather = 2 * m * units * per_unit * max(0.0, 1.0 - system.overlap) + per_unit
+    return exposed, total, gather
 
-    updated = stage_params / dp if layout.zero >= 1 else stage_params
+
+def predict(system: SystemPerf, shape: ModelShape, layout: Layout) -> Prediction:
+    layout.check(shape)
+    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    f = oversubscription(system, layout, shape)
+    rpn = system.ranks_per_node or layout.ranks
+    layers = -(-shape.n_layer // p)
+    t_micro = f * micro_batch_compute(system, shape, layout, layers)
+    compute = m * t_micro
+    tp_comm = m * tensor_parallel_time(system, shape, layout, layers)
+    bubble_share = bubble_fraction(p, m, layout.schedule, v)
+    bubble = (compute + tp_comm) * bubble_share / (1.0 - bubble_share) if p > 1 else 0.0
+
+    # Activations between stages: one transfer forward and one back per micro-batch slot,
+    # v times as many with interleaving; a tp rank sends its sequence slice under
+    # sequence parallelism. Stage neighbours are tp ranks apart.
+    act_bytes = layer_input_bytes(shape, layout.micro_rows, layout.dtype, layout.tp,
+                                  layout.sequence_parallel)
+    p2p = 0.0
+    if p > 1:
+        per_node = min(p, max(1, rpn // layout.tp))
+        p2p = 2 * v * (m + p - 1) * collective(system, "p2p", 2, act_bytes, per_node)
+
+    params = tensor_cost.rank_params(shape, p, layout.tp)
+    grad_exposed, grad_total, gather = gradient_terms(system, layout, params, layers, t_micro)
+    updated = params / layout.dp if layout.zero >= 1 else params
     optimizer = f * (system.optimizer_overhead_s + updated * system.optimizer_s_per_param)
 
-    step = compute + bubble + p2p + grad_exposed + gather + optimizer
+    step = compute + tp_comm + bubble + p2p + grad_exposed + gather + optimizer
     memory, terms = predict_memory(system, shape, layout)
     tok_s = layout.global_batch * shape.block_size / step
     fl = shape.flops_per_token * tok_s / layout.ranks
     peak = system.peak_flops.get(layout.dtype)
     return Prediction(step_s=step, compute_s=compute, bubble_s=bubble, p2p_s=p2p,
-                      grad_comm_s=grad_exposed, grad_comm_total_s=total if dp > 1 else 0.0,
+                      grad_comm_s=grad_exposed, grad_comm_total_s=grad_total,
                       gather_s=gather, optimizer_s=optimizer, oversubscription=f,
                       memory_bytes=memory, memory_terms=terms, tokens_per_s=tok_s,
-                      flops_per_s_per_rank=fl, mfu=fl / peak if peak else None)
+                      flops_per_s_per_rank=fl, mfu=fl / peak if peak else None,
+                      tp_comm_s=tp_comm)
 
 
 def predict_memory(system: SystemPerf, shape: ModelShape, layout: Layout) -> tuple[float, dict]:
     """Bytes on the busiest rank and the terms that make them up."""
     p, dp = layout.pp, layout.dp
-    stage_params = shape.stage_params(p) if p > 1 else shape.params
-    state = zero_formula(layout.zero, layout.dtype, dp) * stage_params
+    params = tensor_cost.rank_params(shape, p, layout.tp)
+    state = zero_formula(layout.zero, layout.dtype, dp) * params
     layers = -(-shape.n_layer // p)
     acts = activation_bytes(shape, layout, layers, system.flash_attention)
-    logits = logits_bytes(shape, layout)
+    logits = logits_bytes(shape, layout.micro_rows * shape.block_size, layout.loss_chunk,
+                          layout.tp)
     if layout.zero == 3:  # the gathered block and the prefetched next one
-        buffers = 2 * (4.0 if layout.dtype == "fp32" else 2.0) * stage_params / (layers + 1)
+        buffers = 2 * word_bytes(layout.dtype) * params / (layers + 1)
     elif layout.dtype == "bf16" or layout.zero == 2:  # at most two fp32 staging buckets
-        buffers = 2 * min(4.0 * stage_params, layout.bucket_mb * MIB)
+        buffers = 2 * min(4.0 * params, layout.bucket_mb * MIB)
     else:
         buffers = 0.0
     terms = {"model_state": state, "activations": acts, "logits": logits,
@@ -371,6 +383,7 @@ def describe(pred: Prediction) -> list[tuple[str, str]]:
     rows = [("compute (forward + backward, all micro-batches)", ms(pred.compute_s)),
             ("pipeline bubble", ms(pred.bubble_s)),
             ("pipeline point-to-point", ms(pred.p2p_s)),
+            ("tensor-parallel collectives (exposed)", ms(pred.tp_comm_s)),
             ("gradient reduction, exposed / total",
              f"{ms(pred.grad_comm_s)} / {ms(pred.grad_comm_total_s)}"),
             ("ZeRO parameter gathers", ms(pred.gather_s)),

@@ -1,9 +1,14 @@
-"""``hpctrain plan``: every legal (dp, pp, ZeRO, micro-batch) layout of a model on N
+"""``hpctrain plan``: every legal (dp, pp, tp, ZeRO, micro-batch) layout of a model on N
 nodes that fits device memory, ranked by the performance model's step time.
 
-Legal means what the trainer accepts: dp x pp = ranks, pp <= layers, the global batch
+Legal means what the trainer accepts: dp x pp x tp = ranks, pp <= layers, the global batch
 splits into dp x micro-batches, pipelines only with ZeRO 0 or 1, and for pipelines 1F1B (GPipe is never faster and holds
 more activations) and interleaved 1F1B with 2 chunks per rank where the layers allow it.
+Tensor-parallel groups stay inside a node (tp divides the ranks per node: their
+collectives block every layer, and only the node's links are fast enough), and split the
+heads, key/value heads, hidden width and vocabulary evenly; each comes with sequence
+parallelism (the same bytes moved, less activation memory and memory traffic: never
+slower in the model).
 The micro-batch size ranges over 1, 2, 4, ... rows (gradient accumulation makes up the
 rest of the batch). Pipelines with fewer micro-batches than stages are left out: most of
 such a step would be bubble.
@@ -14,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hpctrain.errors import UserError
+from hpctrain.parallel.tensor.layout import check_splittable
 from hpctrain.scaling.models import ModelShape, model_shape
 from hpctrain.scaling.perfmodel import Layout, Prediction, describe, fits, predict
 from hpctrain.scaling.system_perf import SystemPerf, load_perf
@@ -42,14 +48,38 @@ class Plan:
     """The layout needing the least memory (to say how far off the rest is)."""
 
 
+def tensor_parallel_sizes(shape: ModelShape, ranks_per_node: int) -> list[int]:
+    """The tp values to plan with: divisors of the ranks per node that split the model."""
+    sizes = []
+    for tp in range(1, ranks_per_node + 1):
+        if ranks_per_node % tp:
+            continue
+        try:
+            check_splittable(shape.gpt, tp)
+        except UserError:
+            continue
+        sizes.append(tp)
+    return sizes
+
+
 def layouts(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
             max_micro_rows: int = 64, recompute: str = "none",
-            loss_chunk: int = 0) -> list[Layout]:
+            loss_chunk: int = 0, ranks_per_node: int = 1) -> list[Layout]:
     out = []
-    for pp in range(1, min(ranks, shape.n_layer) + 1):
-        if ranks % pp:
+    for tp in tensor_parallel_sizes(shape, min(ranks_per_node, ranks)):
+        out += _layouts_of_tp(shape, ranks, tp, global_batch, dtype, max_micro_rows,
+                              recompute, loss_chunk)
+    return out
+
+
+def _layouts_of_tp(shape: ModelShape, ranks: int, tp: int, global_batch: int, dtype: str,
+                   max_micro_rows: int, recompute: str, loss_chunk: int) -> list[Layout]:
+    out = []
+    groups = ranks // tp
+    for pp in range(1, min(groups, shape.n_layer) + 1):
+        if groups % pp:
             continue
-        dp = ranks // pp
+        dp = groups // pp
         if global_batch % dp:
             continue
         rows_per_rank = global_batch // dp
@@ -66,7 +96,8 @@ def layouts(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
                             out.append(Layout(ranks=ranks, pp=pp, zero=zero, micro_batches=m,
                                               global_batch=global_batch, dtype=dtype,
                                               schedule=sched, virtual_stages=v,
-                                              recompute=recompute, loss_chunk=loss_chunk))
+                                              recompute=recompute, loss_chunk=loss_chunk,
+                                              tp=tp, sequence_parallel=tp > 1))
             b *= 2
     return out
 
@@ -96,7 +127,7 @@ def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len:
         raise UserError(f"--global-batch {global_batch}: use at least 1 sequence")
     cands = []
     for lay in layouts(shape, ranks, global_batch, dtype, recompute=recompute,
-                       loss_chunk=loss_chunk):
+                       loss_chunk=loss_chunk, ranks_per_node=rpn):
         cands.append(Candidate(lay, predict(perf, shape, lay)))
     if not cands:
         raise UserError(f"no layout splits a global batch of {global_batch} sequences over "
@@ -130,7 +161,8 @@ def _model_options(lay: Layout) -> str:
 
 def _layout_text(lay: Layout) -> str:
     pipe = f", {lay.schedule}" + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-    return (f"dp={lay.dp} pp={lay.pp} zero={lay.zero} micro-batches={lay.micro_batches} of "
+    tensor = f" tp={lay.tp}" + (" sp" if lay.sequence_parallel else "") if lay.tp > 1 else ""
+    return (f"dp={lay.dp} pp={lay.pp}{tensor} zero={lay.zero} micro-batches={lay.micro_batches} of "
             f"{lay.micro_rows}" + (pipe if lay.pp > 1 else ""))
 
 
@@ -142,14 +174,15 @@ def table(p: Plan, top: int = 12) -> str:
             f"per device; global batch {p.global_batch} x {s.block_size} tokens; "
             f"{p.fitting[0].layout.dtype}{_model_options(p.fitting[0].layout)}; gradients "
             f"through {'the GPU library' if p.system.collectives == 'xccl' else 'MPI'}")
-    cols = ["#", "dp", "pp", "sched", "zero", "micro", "rows", "step s", "tok/s", "TFLOP/s",
+    cols = ["#", "dp", "pp", "tp", "sched", "zero", "micro", "rows", "step s", "tok/s", "TFLOP/s",
             "MFU", "compute", "comm", "bubble", "mem GiB"]
     rows = []
     for i, c in enumerate(p.fitting[:top], 1):
         lay, q = c.layout, c.prediction
         sh = q.shares()
-        comm = (q.grad_comm_s + q.gather_s + q.p2p_s) / q.step_s
+        comm = q.comm_s / q.step_s
         rows.append([str(i), str(lay.dp), str(lay.pp),
+                     str(lay.tp) + ("sp" if lay.sequence_parallel else ""),
                      "-" if lay.pp == 1 else lay.schedule[:5] + (
                          f"{lay.virtual_stages}" if lay.virtual_stages > 1 else ""),
                      str(lay.zero), str(lay.micro_batches), str(lay.micro_rows),

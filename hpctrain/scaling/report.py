@@ -124,14 +124,15 @@ def build_blocks(meta: dict, points: list, groups: dict, pngs: dict) -> list[tup
 
 
 def measurement_table(points) -> tuple[list, list]:
-    headers = ["point", "ranks", "dp", "pp", "zero", "micro", "rows/micro", "global batch",
+    headers = ["point", "ranks", "dp", "pp", "tp", "zero", "micro", "rows/micro", "global batch",
                "step ms (p50)", "p90", "tok/s", "tok/s/rank", "TFLOP/s/rank", "MFU",
                "compute", "comm", "bubble", "data", "peak RSS MiB", "busy"]
     rows = []
     for p in points:
         c = p.config
         s = p.shares
-        rows.append([p.point, c["ranks"], c["dp"], c["pp"], c["zero"], c["micro_batches"],
+        rows.append([p.point, c["ranks"], c["dp"], c["pp"], c.get("tp", 1), c["zero"],
+                     c["micro_batches"],
                      c["micro_batch_rows"], c["global_batch"], _f(p.step_ms), _f(p.step_ms_p90),
                      _f(p.tokens_per_s, "{:,.0f}"), _f(p.tokens_per_s_per_rank, "{:,.0f}"),
                      _f(p.tflops_per_rank, "{:.4f}"), _pct(p.mfu),
@@ -156,8 +157,8 @@ def efficiency_table(groups, scaling) -> tuple[list, list]:
 
 def error_table(points) -> tuple[list, list]:
     headers = ["point", "measured ms", "predicted ms", "error", "within 25%",
-               "compute", "grad comm (exposed)", "ZeRO gathers", "optimizer", "bubble",
-               "p2p", "ranks/core", "peak RSS MiB", "predicted MiB"]
+               "compute", "tp comm", "grad comm (exposed)", "ZeRO gathers", "optimizer",
+               "bubble", "p2p", "ranks/core", "peak RSS MiB", "predicted MiB"]
     rows = []
     for p in points:
         if p.error is None:
@@ -166,7 +167,7 @@ def error_table(points) -> tuple[list, list]:
         ms = lambda k: _f(q[k] * 1e3)  # noqa: E731
         rows.append([p.point, _f(p.step_ms), _f(p.predicted_ms), f"{100 * p.error:+.1f}%",
                      "yes" if abs(p.error) <= analysis.TOLERANCE else "**no**",
-                     ms("compute_s"), ms("grad_comm_s"), ms("gather_s"), ms("optimizer_s"),
+                     ms("compute_s"), _f(q.get("tp_comm_s", 0.0) * 1e3), ms("grad_comm_s"), ms("gather_s"), ms("optimizer_s"),
                      ms("bubble_s"), ms("p2p_s"), _f(q["oversubscription"], "{:.1f}"),
                      _f(None if p.peak_rss is None else p.peak_rss / 2 ** 20, "{:.0f}"),
                      _f(q["memory_bytes"] / 2 ** 20, "{:.0f}")])

@@ -45,6 +45,9 @@ def train_command(study: Study, point: Point, out_dir: Path) -> list[str]:
     if lay.pp > 1:  # only then: a trainer without pipelines still runs the other points
         cmd += [f"--parallel.pp={lay.pp}", f"--parallel.schedule={lay.schedule}",
                 f"--parallel.virtual_stages={lay.virtual_stages}"]
+    if lay.tp > 1:
+        cmd += [f"--parallel.tp={lay.tp}",
+                f"--parallel.sequence_parallel={str(lay.sequence_parallel).lower()}"]
     return cmd
 
 
@@ -115,7 +118,8 @@ def new_record(study: Study, point: Point, repeat: int, index: int, command: lis
           "parallel": point.parallel, "scaling": study.scaling,
           "config": {"model": {**point.model.__dict__, "params": point.model.params},
                      "ranks": point.layout.ranks, "nodes": point.nodes,
-                     "dp": point.layout.dp, "pp": point.layout.pp,
+                     "dp": point.layout.dp, "pp": point.layout.pp, "tp": point.layout.tp,
+                     "sequence_parallel": point.layout.sequence_parallel,
                      "zero": point.layout.zero,
                      "micro_batches": point.layout.micro_batches,
                      "micro_batch_rows": point.layout.micro_rows,

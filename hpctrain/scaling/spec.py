@@ -29,6 +29,8 @@
     micro_batches = [1]
     schedule = "1f1b"             # pp > 1: 1f1b | gpipe | interleaved
     virtual_stages = 1
+    tp = [1]                      # tensor-parallel ranks (n_head must divide by tp)
+    sequence_parallel = false     # with tp > 1: norms and residual split too
 
 Points are models x parallel configurations x rank counts, in that order. A combination
 the trainer cannot run (pp not dividing the ranks, a batch that does not split) is left
@@ -60,7 +62,8 @@ else:  # pragma: no cover
 
 STUDY_KEYS = {"name", "scaling", "ranks", "nodes", "steps", "repeats", "recipe", "system",
               "calibration", "timeout_s", "overrides", "dtype", "description"}
-PARALLEL_KEYS = {"name", "zero", "pp", "micro_batches", "schedule", "virtual_stages"}
+PARALLEL_KEYS = {"name", "zero", "pp", "micro_batches", "schedule", "virtual_stages", "tp",
+                 "sequence_parallel"}
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 OPTIONAL_SHAPE_KEYS = ("bias", *LATER_KEYS)
 """``ModelShape``'s fields with a default (GPT-2's): a [[models]] table may set them."""
@@ -252,27 +255,32 @@ def _points(study: Study, models: list[ModelShape], parallels: list,
     path, points, skipped = study.path, [], []
     for model, (pname, combos) in itertools.product(models, parallels):
         seen = set()
-        for (zero, pp, micro, sched, v), n in itertools.product(combos, study.ranks):
+        for (zero, pp, micro, sched, v, tp, sp), n in itertools.product(combos, study.ranks):
             if pp == 1:  # schedules only differ with stages: one point, not one per schedule
                 sched, v = "1f1b", 1
-                if (zero, micro, n) in seen:
+                if (zero, micro, tp, sp, n) in seen:
                     continue
-                seen.add((zero, micro, n))
-            label = f"{model.label} {pname} zero={zero} pp={pp} m={micro} ranks={n}"
-            if n % pp:
-                skipped.append((label, f"pp={pp} does not divide {n} rank(s)"))
+                seen.add((zero, micro, tp, sp, n))
+            label = (f"{model.label} {pname} zero={zero} pp={pp} m={micro}"
+                     + (f" tp={tp}" if tp > 1 else "") + f" ranks={n}")
+            if n % (pp * tp):
+                split = f"pp={pp}" + (f" x tp={tp}" if tp > 1 else "")
+                skipped.append((label, f"{split} does not divide {n} rank(s)"))
                 continue
-            dp = n // pp
+            dp = n // (pp * tp)
             g = study.batch_per_rank * dp if study.scaling == "weak" else study.global_batch
             layout = Layout(ranks=n, pp=pp, zero=zero, micro_batches=micro, global_batch=g,
-                            dtype=study.dtype, schedule=sched, virtual_stages=v)
+                            dtype=study.dtype, schedule=sched, virtual_stages=v, tp=tp,
+                            sequence_parallel=sp)
             try:
                 layout.check(model)
             except UserError as e:
                 skipped.append((label, str(e)))
                 continue
             pipe = "" if pp == 1 else f"-{sched}" + (f"{v}" if sched == "interleaved" else "")
-            pid = f"{_slug(model.label)}-{_slug(pname)}-z{zero}-pp{pp}{pipe}-m{micro}-n{n}"
+            tensor = f"-tp{tp}" + ("sp" if sp else "") if tp > 1 else ""
+            pid = (f"{_slug(model.label)}-{_slug(pname)}-z{zero}-pp{pp}{pipe}{tensor}-m{micro}"
+                   f"-n{n}")
             points.append(Point(pid, model, layout, pname,
                                 n // ranks_per_node if study.nodes else 1))
     if not points:
@@ -352,8 +360,13 @@ def _parallel(path, p: dict) -> tuple[str, list]:
     if any(x not in SCHEDULES for x in scheds):
         raise _err(path, f"schedule {sched!r}: use {', '.join(SCHEDULES)}")
     v = _int_list(path, "virtual_stages", p.get("virtual_stages", 1))
+    tp = _int_list(path, "tp", p.get("tp", 1))
+    sp = p.get("sequence_parallel", False)
+    sps = sp if isinstance(sp, list) else [sp]
+    if not sps or any(not isinstance(x, bool) for x in sps):
+        raise _err(path, f"sequence_parallel = {sp!r}: use true or false")
     name = str(p.get("name") or f"zero{zero[0]}")
-    return name, list(itertools.product(zero, pp, micro, scheds, v))
+    return name, list(itertools.product(zero, pp, micro, scheds, v, tp, sps))
 
 
 def _slug(text: str) -> str:

@@ -48,6 +48,7 @@ class SystemPerf:
     peak_flops: dict
     """Per device and dtype, FLOP/s (for MFU)."""
     achieved_flops: dict
+    """Per dtype, FLOP/s of the matrix multiplies (wide ones: the plateau)."""
     layer_overhead_s: float
     optimizer_s_per_param: float
     optimizer_overhead_s: float
@@ -65,6 +66,14 @@ class SystemPerf:
     calibration: str = ""
     collectives: str = "mpi"
     """Whose links the network figures are: ``mpi`` or ``xccl`` (the GPU's library)."""
+    memory_bandwidth: float = 0.0
+    """Bytes per second of device memory; 0: no memory-bound term."""
+    activation_passes: float = 0.0
+    """Times the activations kept for backward cross device memory in a step."""
+
+    def calibrated(self, shape_key: str, dtype: str) -> bool:
+        """Whether calibration measured this shape (its rate holds the memory-bound work)."""
+        return dtype in self.shapes.get(shape_key, {})
 
     def compute_rate(self, shape_key: str, dtype: str) -> ShapeRate:
         """The measured rate of this shape if calibrated, else the profile's."""
@@ -138,6 +147,7 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None,
         intra=_link(intra), inter=_link(inter),
         overlap=float(calib.get("network", {}).get("overlap", overlap)),
         collectives="xccl" if intra is not p.intra else "mpi",
+        memory_bandwidth=p.memory_gbytes_per_s * 1e9, activation_passes=p.activation_passes,
         shapes=_shapes(cc.get("shapes", {})), fits=_fits(calib.get("collectives", {})),
         slowdown={int(n): {k: float(v) for k, v in d.items()}
                   for n, d in cc.get("concurrent_slowdown", {}).items()},

@@ -37,8 +37,10 @@ A file has a ``description`` and three tables (``polaris.toml`` is a commented e
     there gives ``[perf.compute] peak_tflops``). ``device_memory_gib`` (0: the ranks share
     the host's memory), ``memory_reserve_gib``, ``cores_per_node`` (CPU ranks share them;
     0: the cores of this machine), ``flash_attention``, ``base_memory_mib``.
-    ``[perf.compute]``: ``achieved_tflops`` per dtype, ``layer_overhead_us``,
-    ``optimizer_ns_per_param``, ``optimizer_overhead_us``. ``[perf.network]``: ``intra``-
+    ``[perf.compute]``: ``achieved_tflops`` per dtype (the matrix multiplies' rate),
+    ``layer_overhead_us``, ``optimizer_ns_per_param``, ``optimizer_overhead_us``, and
+    optionally ``memory_gbytes_per_s`` (the device memory's bandwidth) with
+    ``activation_passes`` (how often the kept activations cross it per step). ``[perf.network]``: ``intra``-
     and ``inter``-node links (``alpha_us``, ``gbytes_per_s``) and ``overlap`` (0 to 1) of
     MPI, and ``[perf.network.xccl]`` the same of the GPU's collective library.
 
@@ -180,6 +182,7 @@ class Perf:
     peak_tflops: dict
     """``{dtype: TFLOP/s}`` of one device (``devices.toml``), for MFU."""
     achieved_tflops: dict
+    """``{dtype: TFLOP/s}`` of the matrix multiplies."""
     layer_overhead_us: float
     optimizer_ns_per_param: float
     optimizer_overhead_us: float
@@ -193,6 +196,10 @@ class Perf:
     cores_per_node: int = 0
     flash_attention: bool = False
     base_memory_mib: float = 0.0
+    memory_gbytes_per_s: float = 0.0
+    """Device memory bandwidth; 0: no memory-bound term (CPU ranks: calibration)."""
+    activation_passes: float = 0.0
+    """Times the activations a step keeps cross device memory (fitted to published runs)."""
 
 
 @dataclass(frozen=True)
@@ -377,6 +384,8 @@ def _perf(t: Table) -> Perf:
         layer_overhead_us=compute.get("layer_overhead_us", float),
         optimizer_ns_per_param=compute.get("optimizer_ns_per_param", float),
         optimizer_overhead_us=compute.get("optimizer_overhead_us", float),
+        memory_gbytes_per_s=compute.get("memory_gbytes_per_s", float, 0.0),
+        activation_passes=compute.get("activation_passes", float, 0.0),
         intra=_link(network.table("intra")), inter=_link(network.table("inter")),
         overlap=network.get("overlap", float, 0.0), xccl=_library(network))
     for table in (t, compute, network):

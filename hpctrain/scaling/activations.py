@@ -1,0 +1,98 @@
+"""What a training step keeps in memory for backward, and what tensor parallelism does to
+it: activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", arXiv 2205.05198), the head's logits, and the micro-batches
+a pipeline stage holds at once. Pure functions of the shape and the layout's numbers.
+
+Tensor parallelism over t ranks (``tp``) splits everything between a column-parallel
+layer's input and the row-parallel layer's output (heads, the MLP's hidden width): those
+activations divide by t. The norms, the residual stream and the column-parallel layers'
+inputs stay whole on every rank. Sequence parallelism (``sp``) cuts the norms and the
+residual stream along the sequence, so they divide by t too; the column-parallel layers
+still keep their all-gathered input whole (``F.linear`` saves the tensor it multiplies;
+Korthikanti's 34/t re-gathers it in backward instead, which hpctrain's layers do not).
+"""
+
+from __future__ import annotations
+
+from hpctrain.scaling.models import ModelShape
+
+
+def word_bytes(dtype: str) -> float:
+    return 4.0 if dtype == "fp32" else 2.0
+
+
+def activation_bytes_per_layer(shape: ModelShape, rows: int, dtype: str,
+                               flash_attention: bool, tp: int = 1, sp: bool = False) -> float:
+    """Bytes one transformer layer keeps for backward on one rank, for ``rows`` sequences
+    of s tokens, split over ``tp`` ranks (``sp``: sequence parallelism too).
+
+    GPT-2: Korthikanti et al. 2022, eq. 1: s b h (34 + 5 a s / h) bytes in 16 bits: of
+    the 34, 24 lie inside the tensor-parallel regions and 10 outside (the two norms' 4,
+    the two column-parallel inputs' 4, the dropout masks' 2; their eq. 2: 10 + 24/t); with
+    sequence parallelism the norms and masks divide too, the column inputs (4) do not.
+    The attention-score term (without flash attention) divides by t. fp32 doubles it.
+
+    Llama: the tensors ``gpt.Block`` keeps, counted one by one (``llama_bytes_per_token``).
+    Korthikanti's idealised accounting of Llama's parts would give 12h + 4 h_kv + 8H in
+    16 bits (41 s b h for Llama 3 8B); the block keeps more, chiefly because its RMSNorm
+    computes in fp32 as Llama's reference code does (51.5 s b h in bf16)."""
+    s, h, a = shape.block_size, shape.n_embd, shape.n_head
+    word = word_bytes(dtype)
+    if shape.arch == "llama":
+        # without flash attention the softmax output, a s^2 words per sequence
+        scores = 0.0 if flash_attention else word * a * s * s * rows / tp
+        return s * rows * llama_bytes_per_token(shape, dtype, tp, sp) + scores
+    inside, norms, column_inputs = 24.0, 6.0, 4.0
+    per = inside / tp + (norms / tp if sp else norms) + column_inputs
+    per += 0.0 if flash_attention else 5.0 * a * s / (h * tp)
+    return s * rows * h * per * word / 2.0
+
+
+def llama_bytes_per_token(shape: ModelShape, dtype: str, tp: int = 1, sp: bool = False) -> float:
+    """Bytes a Llama block keeps per token on one of ``tp`` ranks (w bytes a word: 2 in
+    bf16, 4 in fp32; h width, h_kv = n_kv_head x head size, H the SwiGLU's hidden width),
+    with flash attention:
+      each RMSNorm: its input in fp32 (4h) and the normalized input (wh)  2 x (4h + wh)
+      the weighted output, the QKV or the MLP projection's input          2 x wh
+      the QKV projection's output, kept whole as V's storage; rotated Q and K;
+        the attention output (the output projection's input)          w (3h + 3 h_kv)
+      gate and up (one tensor: the SiLU and the product read it), SiLU(gate), the
+        product (the down projection's input)                         w 4H
+    = 8h + w (7h + 3 h_kv + 4H). Under tensor parallelism the last two rows divide by tp
+    (heads and hidden width are split), the norms' own tensors by tp with sequence
+    parallelism, and the projections' inputs never (each rank multiplies the whole
+    input). Left out (1% in the tests' narrow block, less at real widths): the norms' and
+    the softmax's statistics (a few numbers per token) and the rotary tables.
+    ``tests/test_scaling_model.py`` counts a real block's saved tensors against it."""
+    h, big = shape.n_embd, shape.ffn_hidden
+    kv = shape.n_kv_head * (h // shape.n_head)
+    word = word_bytes(dtype)
+    norms = 2.0 * (4.0 * h + word * h)
+    inputs = 2.0 * word * h
+    inside = word * (3.0 * h + 3.0 * kv + 4.0 * big)
+    return inside / tp + (norms / tp if sp else norms) + inputs
+
+
+def layer_input_bytes(shape: ModelShape, rows: int, dtype: str, tp: int = 1,
+                      sp: bool = False) -> float:
+    """What recomputation keeps of a layer: its input (s b h words), cut along the
+    sequence with sequence parallelism."""
+    return shape.block_size * rows * shape.n_embd * word_bytes(dtype) / (tp if sp else 1)
+
+
+def micro_batches_in_flight(p: int, m: int, schedule: str) -> int:
+    """Activations a stage holds at once: all m for GPipe, at most p for 1F1B (stage 0)."""
+    if p <= 1:
+        return 1
+    return m if schedule == "gpipe" else min(p, m)
+
+
+def logits_bytes(shape: ModelShape, tokens: int, loss_chunk: int, tp: int = 1) -> float:
+    """The head's logits and their gradient in fp32 for one micro-batch of ``tokens``
+    (cross-entropy upcasts); with ``loss_chunk`` one chunk of tokens at a time, and one
+    fp32 log-sum-exp per token kept for backward (``model/chunked_loss.py``). Over tp
+    ranks each holds its slice of the vocabulary, and the vocabulary-parallel loss always
+    works in chunks (``parallel/tensor/cross_entropy.py``: 0 = one chunk of every token)."""
+    rows = min(tokens, loss_chunk) if loss_chunk else tokens
+    logits = 2 * 4.0 * rows * shape.vocab_size / tp
+    return logits + (4.0 * tokens if loss_chunk or tp > 1 else 0.0)
