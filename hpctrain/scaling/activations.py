@@ -7,9 +7,9 @@ Tensor parallelism over t ranks (``tp``) splits everything between a column-para
 layer's input and the row-parallel layer's output (heads, the MLP's hidden width): those
 activations divide by t. The norms, the residual stream and the column-parallel layers'
 inputs stay whole on every rank. Sequence parallelism (``sp``) cuts the norms and the
-residual stream along the sequence, so they divide by t too; the column-parallel layers
-still keep their all-gathered input whole (``F.linear`` saves the tensor it multiplies;
-Korthikanti's 34/t re-gathers it in backward instead, which hpctrain's layers do not).
+residual stream along the sequence, so they divide by t too, and so do the
+column-parallel layers' inputs: each keeps only its rank's tokens and gathers them again
+in backward (``sequence_gathered_linear``), as Korthikanti's 34/t assumes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def activation_bytes_per_layer(shape: ModelShape, rows: int, dtype: str,
     GPT-2: Korthikanti et al. 2022, eq. 1: s b h (34 + 5 a s / h) bytes in 16 bits: of
     the 34, 24 lie inside the tensor-parallel regions and 10 outside (the two norms' 4,
     the two column-parallel inputs' 4, the dropout masks' 2; their eq. 2: 10 + 24/t); with
-    sequence parallelism the norms and masks divide too, the column inputs (4) do not.
+    sequence parallelism all of it divides by t (their eq. 4: 34/t).
     The attention-score term (without flash attention) divides by t. fp32 doubles it.
 
     Llama: the tensors ``gpt.Block`` keeps, counted one by one (``llama_bytes_per_token``).
@@ -43,7 +43,7 @@ def activation_bytes_per_layer(shape: ModelShape, rows: int, dtype: str,
         scores = 0.0 if flash_attention else word * a * s * s * rows / tp
         return s * rows * llama_bytes_per_token(shape, dtype, tp, sp) + scores
     inside, norms, column_inputs = 24.0, 6.0, 4.0
-    per = inside / tp + (norms / tp if sp else norms) + column_inputs
+    per = (inside + norms + column_inputs) / tp if sp else inside / tp + norms + column_inputs
     per += 0.0 if flash_attention else 5.0 * a * s / (h * tp)
     return s * rows * h * per * word / 2.0
 
@@ -59,9 +59,9 @@ def llama_bytes_per_token(shape: ModelShape, dtype: str, tp: int = 1, sp: bool =
       gate and up (one tensor: the SiLU and the product read it), SiLU(gate), the
         product (the down projection's input)                         w 4H
     = 8h + w (7h + 3 h_kv + 4H). Under tensor parallelism the last two rows divide by tp
-    (heads and hidden width are split), the norms' own tensors by tp with sequence
-    parallelism, and the projections' inputs never (each rank multiplies the whole
-    input). Left out (1% in the tests' narrow block, less at real widths): the norms' and
+    (heads and hidden width are split); with sequence parallelism everything does (the
+    norms work on a rank's tokens, and each projection keeps only its rank's tokens of
+    its input and gathers them again in backward). Left out (1% in the tests' narrow block, less at real widths): the norms' and
     the softmax's statistics (a few numbers per token) and the rotary tables.
     ``tests/test_scaling_model.py`` counts a real block's saved tensors against it."""
     h, big = shape.n_embd, shape.ffn_hidden
@@ -70,7 +70,7 @@ def llama_bytes_per_token(shape: ModelShape, dtype: str, tp: int = 1, sp: bool =
     norms = 2.0 * (4.0 * h + word * h)
     inputs = 2.0 * word * h
     inside = word * (3.0 * h + 3.0 * kv + 4.0 * big)
-    return inside / tp + (norms / tp if sp else norms) + inputs
+    return (inside + norms + inputs) / tp if sp else inside / tp + norms + inputs
 
 
 def layer_input_bytes(shape: ModelShape, rows: int, dtype: str, tp: int = 1,

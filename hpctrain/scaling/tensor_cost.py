@@ -8,7 +8,8 @@ column-parallel inputs), and twice more when recomputation runs the forward agai
 vocabulary-parallel embedding sums its output in forward and the head its input's
 gradient in backward: two more. With sequence parallelism each sum becomes an all-gather
 plus a reduce-scatter, which move the same bytes (ring: the allreduce is exactly the
-pair). The loss adds three sums of one number per token (the max, the sum of
+pair), and each column-parallel layer gathers its input again in backward: two more
+all-gathers per layer. The loss adds three sums of one number per token (the max, the sum of
 exponentials, the target's logit). All of them block the rank: nothing hides them.
 
 Under MPI the group sums bf16 in fp32 (``parallel/tensor/group.py``: exact sums), so an
@@ -27,6 +28,9 @@ RECOMPUTED_SUMS_PER_LAYER = 2
 OUTSIDE_SUMS = 2
 """The embedding's output in forward, the head's input gradient in backward."""
 LOSS_SUMS = 3
+REGATHERS_PER_LAYER = 2
+"""Under sequence parallelism: each column-parallel layer's input gathered again in
+backward (it keeps only its rank's tokens)."""
 
 
 def whole_params_per_layer(shape: ModelShape) -> int:
@@ -72,10 +76,12 @@ def group_time(collective, *, tp: int, tokens: int, width: int, layers: int, dty
         return 0.0
     n = tokens * width
     sum_bytes = n * sum_word_bytes(dtype, collectives)
+    regather = 0.0
     if sp:
         own = n * (4.0 if dtype == "fp32" else 2.0)
         one = collective("reduce_scatter", sum_bytes) + collective("allgather", own)
+        regather = layers * REGATHERS_PER_LAYER * collective("allgather", own)
     else:
         one = collective("allreduce", sum_bytes)
     loss = LOSS_SUMS * collective("allreduce", 4.0 * tokens)
-    return activation_sums(layers, recompute) * one + loss
+    return activation_sums(layers, recompute) * one + regather + loss
