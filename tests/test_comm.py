@@ -11,7 +11,7 @@ from mpi4py import MPI
 from hpctrain.comm.buffers import MPIBuffer
 from hpctrain.comm.gpu_aware import detect_gpu_aware
 from hpctrain.comm.watchdog import wait_all
-from hpctrain.comm.world import World, threads_per_rank
+from hpctrain.comm.world import Threads, World, choose_threads, threads_per_rank
 from hpctrain.errors import CommTimeout
 from tests.helpers import cpu_world
 
@@ -36,10 +36,23 @@ def test_world_on_one_process():
 
 
 def test_threads_per_rank(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert threads_per_rank(4) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert threads_per_rank(4) == 1
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert threads_per_rank(1) >= 1 and threads_per_rank(10_000) == 1
+
+
+def test_threads_follow_the_cpus_a_rank_is_bound_to():
+    """Issue 29 item 8: OMP_NUM_THREADS=8 on a rank bound to 2 CPUs time-slices them;
+    the rank uses the 2 it has and says why."""
+    node = dict(node_cpus=64)
+    got = choose_threads(4, env={"OMP_NUM_THREADS": "8"}, bound=2, **node)
+    assert got == Threads(2, "bound to 2 CPU(s), fewer than OMP_NUM_THREADS=8")
+    assert choose_threads(4, env={"OMP_NUM_THREADS": "2"}, bound=16, **node).count == 2
+    got = choose_threads(4, env={}, bound=7, **node)
+    assert got == Threads(7, "the 7 CPU(s) this rank is bound to")
+    got = choose_threads(4, env={"OMP_NUM_THREADS": "x"}, bound=64, **node)
+    assert got == Threads(16, "64 CPU(s) shared by 4 rank(s) of the node")
 
 
 @cuda
