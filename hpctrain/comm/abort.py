@@ -12,7 +12,7 @@ raised on every rank at the same point: a bad option, a layout that does not fit
 verdict one rank reached and shared. So a rank with a user error first waits up to
 ``AGREE_S`` for every other rank to report one too, on a communicator of its own
 (``JobExit.errors``, duplicated at start-up so that this never mixes with training's
-collectives). When all arrive, rank 0 prints each distinct message once and every rank
+collectives). When all arrive, rank 0 prints its message once and every rank
 exits 2 by itself, which ``srun``, PALS and ``mpirun`` report as 2. When some rank does
 not arrive (its error is its own, or it is still computing), the job is aborted as
 before. Anything else, a traceback or an error in a helper thread, aborts at once.
@@ -90,25 +90,23 @@ class JobExit:
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         if size == 1:
             os._exit(report(exc, rank, size))
-        if agree and isinstance(exc, UserError) and self.errors is not None:
-            messages = self._agree(str(exc))
-            if messages is not None:
-                if rank == 0:
-                    _print_user_errors(messages)
-                sys.stdout.flush()
-                os._exit(EXIT_USER_ERROR)
+        if agree and isinstance(exc, UserError) and self.errors is not None and self._agree():
+            if rank == 0:  # speaks for the job (the others' may add a rank's detail)
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_USER_ERROR)
         self._abort(exc, rank, size)
 
-    def _agree(self, message: str) -> list[str] | None:
-        """Every rank's message (on rank 0; [] on the others) once all of them failed, or
-        None when some rank did not within ``AGREE_S``."""
+    def _agree(self) -> bool:
+        """True once every rank has failed with a user error; False when some rank did not
+        within ``AGREE_S``."""
         request = self.errors.Ibarrier()
         deadline = time.monotonic() + AGREE_S
         while not request.Test():
             if time.monotonic() > deadline:
-                return None  # left pending: the abort ends it
+                return False  # left pending: the abort ends it
             time.sleep(_POLL_S)
-        return self.errors.gather(message, root=0) or []
+        return True
 
     def _abort(self, exc: BaseException, rank: int, size: int) -> None:
         if rank != 0 and isinstance(exc, UserError):
@@ -123,20 +121,6 @@ class JobExit:
         self.comm.Abort(code)
         # MPICH's MPI_Abort can return to the caller; never let a rank carry on after it.
         os._exit(code)
-
-
-def _print_user_errors(messages: list[str]) -> None:
-    """One line per distinct message: once when every rank says the same, else with the
-    ranks that said it."""
-    distinct = list(dict.fromkeys(messages))
-    if len(distinct) == 1:
-        print(f"error: {distinct[0]}", file=sys.stderr, flush=True)
-        return
-    for message in distinct:
-        ranks = [r for r, m in enumerate(messages) if m == message]
-        where = f"rank {ranks[0]}" if len(ranks) == 1 else \
-            f"ranks {', '.join(map(str, ranks))}"
-        print(f"[{where}] error: {message}", file=sys.stderr, flush=True)
 
 
 def install_abort_handler(comm) -> JobExit:
