@@ -172,7 +172,11 @@ fi
 read -r STATUS STEP MAX_ITERS REASON <<< "$("$PYTHON" -m hpctrain.train.run_status "$RUN_DIR")" || STATUS=unknown
 if [ "$STATUS" = stopped ]; then
     echo "75" > "$ATTEMPT_DIR/exit_code"
-    echo "hpctrain job: stopped after step $STEP of $MAX_ITERS (${REASON:-a signal}), checkpoint saved in $RUN_DIR; resubmit this script or requeue the job to continue (exit status 75)"
+    if [ "$STEP" = 0 ]; then  # a stop during set-up, before any step: nothing saved
+        echo "hpctrain job: stopped before the first step (${REASON:-a signal}), nothing trained yet; resubmit this script or requeue the job to start (exit status 75)"
+    else
+        echo "hpctrain job: stopped after step $STEP of $MAX_ITERS (${REASON:-a signal}), checkpoint saved in $RUN_DIR; resubmit this script or requeue the job to continue (exit status 75)"
+    fi
     exit 75
 fi
 echo "hpctrain job: finished; results in $RUN_DIR (metrics.jsonl, summary.json)"

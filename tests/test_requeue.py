@@ -77,6 +77,8 @@ def test_an_early_stop_exits_with_the_documented_status():
     assert '-m hpctrain.train.run_status "$RUN_DIR"' in text
     assert 'echo "75" > "$ATTEMPT_DIR/exit_code"' in text and "\n    exit 75\n" in text
     assert "resubmit this script or requeue the job to continue" in text
+    # A stop before the first step saved nothing, and says so.
+    assert "stopped before the first step (${REASON:-a signal}), nothing trained yet" in text
     chained = script("slurm", stop_exit_code=0)
     assert "\n    exit 0\n" in chained
     with pytest.raises(JobError, match="0 to 255"):
