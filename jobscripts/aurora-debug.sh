@@ -17,11 +17,12 @@ set -euo pipefail
 #   hpctrain jobscript --system aurora --nodes 1 --walltime 00:30:00 --queue debug
 #     --account PROJECT --filesystems home:flare --venv .venv -- train gpt2-124m
 #     --data.path=datasets/stdlib-gpt2.h5 --train.batch_size=576
-#     --parallel.micro_batches=4 --train.time_limit=1800
+#     --parallel.micro_batches=4
 # Submit it from the directory that relative paths (data, --venv, --run-root) refer to:
 #   qsub SCRIPT
-# Results go to runs/hpctrain-<job id>/: metrics.jsonl and summary.json from training,
-# and this job's records: jobscript.sh, launch.txt, env.txt, modules.txt, git.txt, job.txt, exit_code.
+# Results go to runs/hpctrain/ (metrics.jsonl, checkpoints/, summary.json, status.json),
+# and each attempt's records to jobs/<job id>/ there: jobscript.sh, launch.txt, env.txt, modules.txt, git.txt, job.txt, exit_code.
+# Submitted again, or requeued, the job continues from the last checkpoint there.
 
 die() { echo "hpctrain job: error: $*" >&2; exit 1; }
 trap 'echo "hpctrain job: error: line $LINENO failed with status $?" >&2' ERR
@@ -73,20 +74,32 @@ export MPIR_CVAR_ENABLE_GPU=1
 export FI_MR_CACHE_MONITOR=userfaultfd
 export OMP_NUM_THREADS=8
 
-# ---- run directory: training outputs and this job's records ----------------------------
+# ---- run directory: training outputs, and this attempt's records -----------------------
+# The run directory is the same for every requeue and resubmission of this script (it is
+# named by the job, not the job id), and training resumes from its last checkpoint
+# (--train.resume=auto). Each attempt keeps its records in jobs/<job id>/ (a requeue
+# under the same id: jobs/<job id>.2/, ...), so none overwrites another's.
 RUN_ROOT=runs
 case $RUN_ROOT in /*) ;; *) RUN_ROOT=$SUBMIT_DIR/$RUN_ROOT ;; esac
-RUN_DIR=$RUN_ROOT/hpctrain-$JOB_TAG
-mkdir -p "$RUN_DIR" || die "cannot create the run directory $RUN_DIR"
+RUN_DIR="${RUN_ROOT}"/hpctrain
+case $RUN_DIR in /*) ;; *) RUN_DIR=$SUBMIT_DIR/$RUN_DIR ;; esac
+mkdir -p "$RUN_DIR/jobs" || die "cannot create the run directory $RUN_DIR"
+ATTEMPT_DIR=$RUN_DIR/jobs/$JOB_TAG
+ATTEMPT=1
+until mkdir "$ATTEMPT_DIR" 2>/dev/null; do
+    [ -e "$ATTEMPT_DIR" ] || die "cannot create $ATTEMPT_DIR"
+    ATTEMPT=$((ATTEMPT + 1))
+    ATTEMPT_DIR=$RUN_DIR/jobs/$JOB_TAG.$ATTEMPT
+done
 # $0 is the copy of this script the batch system runs (what was submitted, edits included).
 if [ -f "$0" ] && [ -r "$0" ]; then
-    cp "$0" "$RUN_DIR/jobscript.sh"
+    cp "$0" "$ATTEMPT_DIR/jobscript.sh"
 else
     echo "hpctrain job: warning: cannot read $0; no copy of the job script saved" >&2
 fi
-env | sort > "$RUN_DIR/env.txt"
+env | sort > "$ATTEMPT_DIR/env.txt"
 set +u
-module list > "$RUN_DIR/modules.txt" 2>&1 || echo "(no module command)" > "$RUN_DIR/modules.txt"
+module list > "$ATTEMPT_DIR/modules.txt" 2>&1 || echo "(no module command)" > "$ATTEMPT_DIR/modules.txt"
 set -u
 read -r HPCTRAIN_VERSION HPCTRAIN_SRC <<< "$HPCTRAIN_INFO"
 {
@@ -97,19 +110,28 @@ read -r HPCTRAIN_VERSION HPCTRAIN_SRC <<< "$HPCTRAIN_INFO"
     else
         echo "commit unknown (not a git checkout)"
     fi
-} > "$RUN_DIR/git.txt"
+} > "$ATTEMPT_DIR/git.txt"
 
 # ---- launch ---------------------------------------------------------------------------
 RANKS_PER_NODE=12
 NRANKS=$((NNODES * RANKS_PER_NODE))
+# The job's end, from the scheduler (an `sbatch --time` or `qsub -l walltime` given at
+# submission counts): training saves and stops before it, whatever the launcher does
+# with the scheduler's signals (Open MPI's mpirun kills the ranks ~2 s after SIGTERM).
+read -r HPCTRAIN_JOB_END JOB_END_FROM <<< "$("$PYTHON" -m hpctrain.jobs.job_end 1800)" || HPCTRAIN_JOB_END=
+export HPCTRAIN_JOB_END
 {
     echo "job_id $JOB_ID"
+    echo "attempt $ATTEMPT"
     echo "system $HPCTRAIN_SYSTEM"
     echo "nodes $NNODES"
     echo "hosts $HOSTS"
     echo "ranks $NRANKS ($RANKS_PER_NODE per node)"
     echo "started $(date -Is)"
-} > "$RUN_DIR/job.txt"
+    if [ -n "$HPCTRAIN_JOB_END" ]; then
+        echo "ends $(date -Is -d "@$HPCTRAIN_JOB_END") (from $JOB_END_FROM)"
+    fi
+} > "$ATTEMPT_DIR/job.txt"
 LAUNCH=(
     mpiexec -n "${NRANKS}" --ppn 12 --cpu-bind=list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100 --pmi=pmix
     "${PYTHON}" -m hpctrain.jobs.bind --device-env ZE_AFFINITY_MASK --devices 12 --order direct --
@@ -117,27 +139,29 @@ LAUNCH=(
     --data.path=datasets/stdlib-gpt2.h5
     --train.batch_size=576
     --parallel.micro_batches=4
-    --train.time_limit=1800
+    --train.resume=auto
     --train.out_dir="${RUN_DIR}"
 )
-{ printf '%q' "${LAUNCH[0]}"; printf ' %q' "${LAUNCH[@]:1}"; echo; } > "$RUN_DIR/launch.txt"
+{ printf '%q' "${LAUNCH[0]}"; printf ' %q' "${LAUNCH[@]:1}"; echo; } > "$ATTEMPT_DIR/launch.txt"
 echo "hpctrain job $JOB_ID: $NNODES node(s) x $RANKS_PER_NODE rank(s), run directory $RUN_DIR"
-echo "+ $(< "$RUN_DIR/launch.txt")"
+echo "+ $(< "$ATTEMPT_DIR/launch.txt")"
 # At the time limit (or on qdel/scancel) the batch system sends SIGTERM to every process
 # of the job, this shell included, and SIGKILL some seconds later. Untrapped, SIGTERM would
 # end this shell at once and leave no exit_code. So the launcher runs in the background,
 # the trap records the signal in exit_code right away (143 = 128 + SIGTERM, kept if SIGKILL
 # follows), and the shell goes on waiting while the ranks save a checkpoint and exit; their
 # status then replaces the record. A SIGUSR1 meant for the ranks (sbatch --signal=B:USR1)
-# is passed on to the launcher, which forwards it.
+# is passed on to the launcher, which forwards it. Ctrl-C (SIGINT, when this script runs
+# in a terminal) reaches the launcher from the terminal itself: it is only recorded here.
 on_signal() {
     echo "hpctrain job: received SIG$1 ($(date -Is)); waiting for the ranks to save and stop" >&2
-    echo "$2" > "$RUN_DIR/exit_code"
+    echo "$2" > "$ATTEMPT_DIR/exit_code"
     if [ "$1" = USR1 ]; then kill -USR1 "${LAUNCHER_PID:-}" 2>/dev/null || true; fi
     INTERRUPTED=1
 }
 trap 'on_signal TERM 143' TERM
 trap 'on_signal USR1 138' USR1
+trap 'on_signal INT 130' INT
 "${LAUNCH[@]}" &
 LAUNCHER_PID=$!
 while :; do
@@ -146,9 +170,22 @@ while :; do
     wait "$LAUNCHER_PID" || rc=$?
     [ -n "$INTERRUPTED" ] || break  # a trap ended the wait, not the launcher: wait again
 done
-echo "$rc" > "$RUN_DIR/exit_code"
+echo "$rc" > "$ATTEMPT_DIR/exit_code"
 if [ "$rc" -ne 0 ]; then
-    echo "hpctrain job: FAILED: the launcher exited with status $rc; the error is above, the records are in $RUN_DIR" >&2
+    echo "hpctrain job: FAILED: the launcher exited with status $rc; the error is above, the records are in $ATTEMPT_DIR" >&2
     exit "$rc"
+fi
+# How training ended (status.json, written by rank 0): finished, or stopped early with a
+# checkpoint. A stopped run exits 75, so that the scheduler and the next job tell it
+# from a finished one (hpctrain jobscript --stop-exit-code).
+read -r STATUS STEP MAX_ITERS REASON <<< "$("$PYTHON" -m hpctrain.train.run_status "$RUN_DIR")" || STATUS=unknown
+if [ "$STATUS" = stopped ]; then
+    echo "75" > "$ATTEMPT_DIR/exit_code"
+    if [ "$STEP" = 0 ]; then  # a stop during set-up, before any step: nothing saved
+        echo "hpctrain job: stopped before the first step (${REASON:-a signal}), nothing trained yet; resubmit this script or requeue the job to start (exit status 75)"
+    else
+        echo "hpctrain job: stopped after step $STEP of $MAX_ITERS (${REASON:-a signal}), checkpoint saved in $RUN_DIR; resubmit this script or requeue the job to continue (exit status 75)"
+    fi
+    exit 75
 fi
 echo "hpctrain job: finished; results in $RUN_DIR (metrics.jsonl, summary.json)"

@@ -84,8 +84,9 @@ def test_jobscript_doctor_runs_doctor_into_the_run_dir(tmp_path, capsys):
     assert main(["jobscript", "--system", "local", "--doctor", "--venv", "none",
                  "--output", str(out)]) == 0
     text = out.read_text()
-    assert "-m hpctrain doctor" in text and '--json="${RUN_DIR}"/doctor.json' in text
-    assert "train.out_dir" not in text and "(doctor.json)" in text
+    # The report goes with the attempt's records (jobs/<job id>/ in the run directory).
+    assert "-m hpctrain doctor" in text and '--json="${ATTEMPT_DIR}"/doctor.json' in text
+    assert "train.out_dir" not in text and "(doctor.json in jobs/<job id>/)" in text
     assert "doctor.json" in capsys.readouterr().out
     assert main(["jobscript", "--system", "local", "--doctor", "--", "train",
                  "default"]) == 2  # one or the other

@@ -1,6 +1,7 @@
 """Jobs that never hang: a stalled rank trips the watchdog with a message saying where,
 and a killed rank ends the whole job. Real mpiexec, real training, under time limits."""
 
+import json
 import os
 import signal
 import subprocess
@@ -84,12 +85,13 @@ def _wait_for_metrics(out, deadline_s=60):
 
 
 @pytest.mark.parametrize("extra,sig", [([], signal.SIGTERM), (PIPELINE, signal.SIGTERM),
-                                       ([], signal.SIGUSR1)], ids=["dp", "pipeline", "dp-usr1"])
+                                       ([], signal.SIGUSR1), ([], signal.SIGINT)],
+                         ids=["dp", "pipeline", "dp-usr1", "dp-ctrl-c"])
 def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(dataset_path, tmp_path, extra,
                                                               sig):
-    if sig == signal.SIGTERM and launcher().family == "openmpi":
-        pytest.skip("Open MPI's mpirun answers SIGTERM with SIGTERM to the ranks, then "
-                    "SIGKILL 1-2 s later, and exits 1: a save may not finish")
+    if sig in (signal.SIGTERM, signal.SIGINT) and launcher().family == "openmpi":
+        pytest.skip("Open MPI's mpirun answers SIGTERM (and SIGINT) with the signal to the "
+                    "ranks, then SIGKILL 1-2 s later, and exits 1: a save may not finish")
     out = tmp_path / "walltime"
     job = _start_training(dataset_path, out, "--train.max_iters=100000", *extra)
     try:
@@ -104,6 +106,11 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes(dataset_path, tmp_
     latest = (out / "checkpoints" / "latest").read_text().strip()
     stopped = int(latest.split("_")[1])
     assert 0 < stopped < 100000
+    # Issue 29 items 1 and 3: Ctrl-C too; and the run says it stopped, and why.
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    status = json.loads((out / "status.json").read_text())
+    assert (status["status"], status["step"], status["reason"]) == \
+        ("stopped", stopped, sig.name)
     p = run(mpiexec(2, *hpctrain_cmd(
         "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}", *TINY,
         f"--train.max_iters={stopped + 5}", "--train.resume=auto", *extra)), timeout=120)

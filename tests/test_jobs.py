@@ -155,9 +155,11 @@ def test_polaris_directives_binding_and_environment():
     # CUDA_VISIBLE_DEVICES = 3 - local_rank % 4, set by the per-rank helper before MPI starts
     assert words[8:18] == ["${PYTHON}", "-m", "hpctrain.jobs.bind", "--device-env",
                            "CUDA_VISIBLE_DEVICES", "--devices", "4", "--order", "reverse", "--"]
-    # The walltime in seconds (the trainer stops before it), then the run directory.
-    assert words[18:] == ["${PYTHON}", "-m", "hpctrain", *CMD, "--train.time_limit=1800",
+    # Resume whatever the run directory holds (a requeue, a resubmission), then the run
+    # directory; the walltime reaches the trainer as the job's end ($HPCTRAIN_JOB_END).
+    assert words[18:] == ["${PYTHON}", "-m", "hpctrain", *CMD, "--train.resume=auto",
                           "--train.out_dir=${RUN_DIR}"]
+    assert "-m hpctrain.jobs.job_end 1800)" in text
     assert "export MPICH_GPU_SUPPORT_ENABLED=1\n" in text
     assert "export OMP_NUM_THREADS=8\n" in text  # = --depth
     assert "module use /soft/modulefiles || die" in text and "module load conda || die" in text
@@ -213,8 +215,12 @@ def test_perlmutter_directives_and_srun_line():
 
 def test_frontier_directives_and_srun_line():
     text = script("frontier")
+    # Tasks, cores and whole nodes asked for (OLCF Frontier guide: 8 ranks x 7 cores,
+    # -S 8 core specialization), so that a shared node cannot break the srun line.
     assert directives(text) == ["#SBATCH -J hpctrain", "#SBATCH -A P", "#SBATCH -p batch",
                                 "#SBATCH -N 2", "#SBATCH -t 01:00:00",
+                                "#SBATCH --ntasks-per-node=8", "#SBATCH --cpus-per-task=7",
+                                "#SBATCH -S 8", "#SBATCH --exclusive",
                                 "#SBATCH --output=%x-%j.out", "#SBATCH --signal=USR1@120"]
     assert launch_block(text)[:6] == ["srun", "-N${NNODES}", "-n${NRANKS}", "-c7",
                                       "--gpus-per-task=1", "--gpu-bind=closest"]
@@ -245,7 +251,7 @@ def test_env_overrides_array_profile_and_setup(tmp_path):
     sl = script("slurm", command=CMD + ["--train.seed={array_index}"], array="1,3,5%2")
     assert "#SBATCH --array=1,3,5%2" in sl
     nsys = launch_block(script("polaris", profiler="nsys"))
-    assert nsys[nsys.index("--nsys-dir") + 1] == "${RUN_DIR}/nsys"
+    assert nsys[nsys.index("--nsys-dir") + 1] == "${ATTEMPT_DIR}/nsys"
     setup = tmp_path / "setup.sh"
     setup.write_text("# my modules\nmodule load cray-python\n\nexport FOO=1\n")
     custom = script("polaris", setup_file=str(setup))
@@ -346,7 +352,7 @@ def test_launch_plan_matches_the_script_for_the_same_allocation(tmp_path):
     nodefile.write_text("x1\nx1\nx2\nx2\nx3\n")  # one line per rank slot: 3 unique hosts
     alloc = launch_line.detect_allocation({"PBS_JOBID": "9.pbs", "PBS_NODEFILE": str(nodefile)})
     assert (alloc.scheduler, alloc.nodes) == ("pbs", 3)
-    command = CMD + ["--train.time_limit=1800", "--train.out_dir=/r"]
+    command = CMD + ["--train.resume=auto", "--train.out_dir=/r"]
     argv = launch_line.plan_launch(job_system("polaris"), alloc, command, python="/py")
     assert argv[:3] == ["mpiexec", "-n", "12"]
     # The script's LAUNCH array, with its variables given the same values, is this argv.
@@ -441,7 +447,7 @@ def test_cli_prints_or_writes_atomically_and_writes_nothing_on_bad_input(tmp_pat
     out = tmp_path / "job.sh"
     assert main(base + ["--output", str(out), "--", *CMD]) == 0
     msg = capsys.readouterr().out
-    assert f"qsub {out}" in msg and "runs/hpctrain-<job id>/metrics.jsonl" in msg
+    assert f"qsub {out}" in msg and "runs/hpctrain/metrics.jsonl" in msg
     assert out.read_text() == printed and out.stat().st_mode & 0o777 == 0o755
     bad = tmp_path / "bad.sh"
     assert main([*base[:4], "4", *base[5:], "--output", str(bad), "--", *CMD]) == \

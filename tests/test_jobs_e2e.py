@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import sys
@@ -86,6 +87,15 @@ for v in $(compgen -e | grep -E '^(PBS_|SLURM_)'); do unset "$v"; done
 MPIEXEC=$REAL_MPIEXEC exec "$FAKE_PYTHON" -m hpctrain.comm.local_mpiexec -n "$n" "$@"
 """
 
+QSTAT = r"""#!/bin/bash
+# Fake PBS `qstat -f JOB`: the job started with the script ($HPCTRAIN_JOB_START) and has
+# $FAKE_WALLTIME (as if `qsub -l walltime=...` had changed it); no FAKE_WALLTIME: fail.
+[ -n "${FAKE_WALLTIME:-}" ] || exit 1
+echo "Job Id: $2"
+echo "    Resource_List.walltime = $FAKE_WALLTIME"
+echo "    stime = $(LC_ALL=C date -d "@${HPCTRAIN_JOB_START%.*}" '+%a %b %e %H:%M:%S %Y')"
+"""
+
 BASH_PROFILE = r"""
 export PATH="$FAKE_BIN:$PATH"
 module() {
@@ -102,6 +112,7 @@ def cluster(tmp_path):
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     for name, text in (("mpiexec", PALS_MPIEXEC), ("srun", SRUN), ("launch-local", LAUNCH_LOCAL),
+                       ("qstat", QSTAT),
                        ("conda", '#!/bin/bash\necho "conda $*" >> "$FAKE_LOG"\n')):
         (bin_ / name).write_text(text)
         (bin_ / name).chmod(0o755)
@@ -158,30 +169,32 @@ def test_polaris_script_trains_end_to_end(cluster, dataset_path):
                                 "--env", "OMP_NUM_THREADS=1"], command)
     p = submit(cluster, script, cluster.pbs)
     assert p.returncode == 0, p.stdout + p.stderr
-    run_dir = cluster.submit / "runs" / "hpctrain-4242"
+    run_dir = cluster.submit / "runs" / "hpctrain"
     assert f"run directory {run_dir}" in p.stdout and "hpctrain job: finished" in p.stdout
     assert [r["step"] for r in _records(run_dir) if "loss" in r] == [2, 4, 6]
     assert "4 rank(s)" in p.stdout  # 1 node x 4 ranks (Polaris), oversubscribed here
-    # The job's records next to the outputs.
-    assert (run_dir / "jobscript.sh").read_text() == script.read_text()
-    assert (run_dir / "exit_code").read_text() == "0\n"
-    assert "PBS_JOBID=4242.polaris" in (run_dir / "env.txt").read_text()
-    assert "MPICH_GPU_SUPPORT_ENABLED=1" in (run_dir / "env.txt").read_text()
-    assert "fake-module/1.0" in (run_dir / "modules.txt").read_text()
-    git = (run_dir / "git.txt").read_text().splitlines()
+    # The job's records beside the outputs, in a folder of this attempt's own.
+    records = run_dir / "jobs" / "4242"
+    assert (records / "jobscript.sh").read_text() == script.read_text()
+    assert (records / "exit_code").read_text() == "0\n"
+    assert "PBS_JOBID=4242.polaris" in (records / "env.txt").read_text()
+    assert "MPICH_GPU_SUPPORT_ENABLED=1" in (records / "env.txt").read_text()
+    assert "fake-module/1.0" in (records / "modules.txt").read_text()
+    git = (records / "git.txt").read_text().splitlines()
     assert git[0].startswith("hpctrain 0.") and str(REPO) in git[0]
     assert git[1].startswith("commit ")
-    job = (run_dir / "job.txt").read_text()
+    job = (records / "job.txt").read_text()
     assert "job_id 4242.polaris" in job and "ranks 4 (4 per node)" in job
+    assert "(from walltime)" in job  # no qstat on this fake cluster: the script's walltime
     log = cluster.log.read_text()
     assert "module use /soft/modulefiles" in log and "module load conda" in log
     assert "conda activate" in log
     # The exact launch line, and `hpctrain launch` builds the very same one in this job.
-    line = shlex.split((run_dir / "launch.txt").read_text())
+    line = shlex.split((records / "launch.txt").read_text())
     assert line[:8] == ["mpiexec", "-n", "4", "--ppn", "4", "--depth=8", "--cpu-bind", "depth"]
     python = line[8]
     q = run([python, "-m", "hpctrain", "launch", "--dry-run", "--", *command,
-             "--train.time_limit=600", f"--train.out_dir={run_dir}"], timeout=60,
+             "--train.resume=auto", f"--train.out_dir={run_dir}"], timeout=60,
             env={**cluster.env, **cluster.pbs, "HPCTRAIN_SYSTEM": "polaris"}, cwd=REPO)
     assert q.returncode == 0, q.stderr
     assert shlex.split(q.stdout.strip()[2:]) == line
@@ -195,15 +208,16 @@ def test_slurm_script_trains_end_to_end(cluster, dataset_path):
                       command, name="pm.sh")
     p = submit(cluster, script, cluster.slurm)
     assert p.returncode == 0, p.stdout + p.stderr
-    run_dir = cluster.submit / "runs" / "hpctrain-777"
+    run_dir = cluster.submit / "runs" / "hpctrain"
     assert [r["step"] for r in _records(run_dir) if "loss" in r] == [2, 4, 6]
     assert "2 rank(s)" in p.stdout
-    line = shlex.split((run_dir / "launch.txt").read_text())
+    records = run_dir / "jobs" / "777"
+    line = shlex.split((records / "launch.txt").read_text())
     assert line[:7] == ["srun", "-n", "2", "--ntasks-per-node=2", "--cpus-per-task=64",
                         "--cpu-bind=cores", "--gpus-per-node=4"]
-    assert (run_dir / "jobscript.sh").read_text() == script.read_text()
+    assert (records / "jobscript.sh").read_text() == script.read_text()
     assert "module load pytorch" in cluster.log.read_text()
-    assert "SLURM_JOB_ID=777" in (run_dir / "env.txt").read_text()
+    assert "SLURM_JOB_ID=777" in (records / "env.txt").read_text()
 
 
 def test_a_failing_launch_fails_the_job_loudly(cluster, dataset_path):
@@ -218,7 +232,8 @@ def test_a_failing_launch_fails_the_job_loudly(cluster, dataset_path):
     assert p.returncode == 2, p.stdout + p.stderr
     assert "error: unknown option --train.max_iter; did you mean --train.max_iters?" in p.stderr
     assert "hpctrain job: FAILED: the launcher exited with status 2" in p.stderr
-    assert (cluster.submit / "runs" / "hpctrain-4242" / "exit_code").read_text() == "2\n"
+    assert (cluster.submit / "runs" / "hpctrain" / "jobs" / "4242" / "exit_code").read_text() \
+        == "2\n"
     assert "finished" not in p.stdout
 
 
@@ -261,12 +276,12 @@ def test_user_values_cannot_inject_shell_code(cluster):
     argv = got["argv"]
     program = argv[argv.index("--", 1) + 1:]  # after the per-rank bind helper
     assert program[1:4] == ["-m", "hpctrain", "train"]
-    run_dir = cluster.submit / "runs" / "$(touch PWNED)`touch PWNED`" / "hpctrain-4242"
-    assert program[5:] == [*overrides, "--train.time_limit=600",  # verbatim, one each
+    run_dir = cluster.submit / "runs" / "$(touch PWNED)`touch PWNED`" / "hpctrain"
+    assert program[5:] == [*overrides, "--train.resume=auto",  # verbatim, one each
                            f"--train.out_dir={run_dir}"]
     for i, v in enumerate(PWNED_VALUES):
         assert got["env"][f"NASTY{i}"] == v
-    assert (run_dir / "launch.txt").exists()
+    assert (run_dir / "jobs" / "4242" / "launch.txt").exists()
 
 
 def test_array_index_reaches_the_override_and_the_run_directory(cluster):
@@ -279,8 +294,9 @@ def test_array_index_reaches_the_override_and_the_run_directory(cluster):
     p = submit(cluster, script, pbs, {"FAKE_RECORD": str(record)})
     assert p.returncode == 0, p.stdout + p.stderr
     argv = json.loads(record.read_text())["argv"]
-    run_dir = cluster.submit / "runs" / "hpctrain-4242-3"
-    assert argv[-3:] == ["--train.seed=3", "--train.time_limit=600", f"--train.out_dir={run_dir}"]
+    run_dir = cluster.submit / "runs" / "hpctrain-3"  # per index, the same every time
+    assert argv[-3:] == ["--train.seed=3", "--train.resume=auto", f"--train.out_dir={run_dir}"]
+    assert (run_dir / "jobs" / "4242-3" / "job.txt").exists()
 
 
 def test_launch_runs_training_locally_without_a_batch_system(cluster, dataset_path, tmp_path):
@@ -296,3 +312,50 @@ def test_launch_runs_training_locally_without_a_batch_system(cluster, dataset_pa
                            f"--data.path={tmp_path}/missing.h5", f"--train.out_dir={out}2"),
               timeout=JOB_TIMEOUT, env={**cluster.env}, cwd=tmp_path)
     assert bad.returncode != 0 and "does not exist" in bad.stderr
+
+
+# ------------------------------------------------------------------ issue 29, items 1, 5
+
+LONG = [a for a in TINY if not a.startswith(("--train.max_iters", "--train.save_checkpoint"))] \
+    + ["--train.max_iters=100000", "--train.log_interval=20", "--train.ckpt_interval=40"]
+STOPPED = re.compile(r"hpctrain job: stopped after step (\d+) of 100000 \(the time limit\), "
+                     r"checkpoint saved in \S+; resubmit this script or requeue the job to "
+                     r"continue \(exit status 75\)")
+
+
+def test_a_job_stopped_by_its_walltime_exits_75_and_every_later_attempt_continues(
+        cluster, dataset_path):
+    """qsub -l walltime=00:00:20 overrides the script's 00:10:00 (the trainer asks qstat);
+    the stop is exit 75 with a message that says what to do; the same job requeued (same
+    id) and a new submission both continue from the checkpoint, each attempt with its own
+    records; a resubmission of a finished run does nothing."""
+    script = generate(cluster, ["--system", "polaris", "--nodes", "1", "--walltime",
+                                "00:10:00", "--queue", "debug", "--account", "TEST",
+                                "--ranks-per-node", "2", "--env", "OMP_NUM_THREADS=1"],
+                      ["train", "default", f"--data.path={dataset_path}", *LONG])
+    run_dir, short = cluster.submit / "runs" / "hpctrain", {"FAKE_WALLTIME": "00:00:20"}
+    first = submit(cluster, script, cluster.pbs, short)
+    assert first.returncode == 75, first.stdout + first.stderr
+    step = int(STOPPED.search(first.stdout).group(1))
+    assert "stopped by the time limit" in first.stdout
+    assert "(from qstat)" in (run_dir / "jobs" / "4242" / "job.txt").read_text()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["step"], status["reason"]) == \
+        ("stopped", step, "the time limit")
+    again = submit(cluster, script, cluster.pbs, short)  # PBS reran it: the same job id
+    assert again.returncode == 75, again.stdout + again.stderr
+    assert f"resumed from the checkpoint of step {step}" in again.stdout
+    later = int(STOPPED.search(again.stdout).group(1))
+    assert later > step
+    script.write_text(script.read_text().replace("--train.max_iters=100000",
+                                                 f"--train.max_iters={later + 4}"))
+    new_job = {**cluster.pbs, "PBS_JOBID": "4343.polaris-pbs-01"}
+    done = submit(cluster, script, new_job)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"resumed from the checkpoint of step {later}" in done.stdout
+    assert "hpctrain job: finished" in done.stdout
+    nothing = submit(cluster, script, {**cluster.pbs, "PBS_JOBID": "4444.polaris-pbs-01"})
+    assert nothing.returncode == 0 and "nothing to do" in nothing.stdout
+    codes = {d.name: (d / "exit_code").read_text() for d in (run_dir / "jobs").iterdir()}
+    assert codes == {"4242": "75\n", "4242.2": "75\n", "4343": "0\n", "4444": "0\n"}
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"

@@ -4,9 +4,10 @@
 Debian's ``slurm-wlm`` on this machine (slurmctld, slurmd, munged), ``MpiDefault=none``
 as on many sites, accounting off. Elsewhere (``HPCTRAIN_TEST_SLURM`` unset) it is skipped.
 
-The two time-limit jobs (1 minute each; Slurm enforces limits on a ~30 s tick, so one
+The three time-limit jobs (1 minute each; Slurm enforces limits on a ~30 s tick, so one
 runs ~90 s) are submitted first and checked last, while the other jobs share the node
-(the partition oversubscribes its 2 cores): the leg takes about as long as one of them.
+(the partition oversubscribes its 2 cores): the leg takes about as long as one of them,
+plus a requeue and a resubmission of one of them (issue 29, item 1).
 """
 
 from __future__ import annotations
@@ -86,8 +87,19 @@ def job_output(submit: Path, name: str, job_id: str) -> str:
     return out.read_text(errors="replace") if out.exists() else "(no output file)"
 
 
-def run_dir(submit: Path, name: str, job_id: str) -> Path:
-    return submit / "runs" / f"{name}-{job_id}"
+def run_dir(submit: Path, name: str) -> Path:
+    """A job's run directory: named by the job, the same for every attempt."""
+    return submit / "runs" / name
+
+
+def records(submit: Path, name: str, job_id: str) -> Path:
+    """One attempt's records (jobscript.sh, launch.txt, exit_code, ...)."""
+    return run_dir(submit, name) / "jobs" / job_id
+
+
+def exit_code(info: dict) -> str:
+    """``ExitCode=2:0`` -> ``2:0`` (status : the signal that ended the script, if any)."""
+    return info.get("ExitCode", "?")
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +121,11 @@ def limit_jobs(submit, data):
     - ``usr1``: 2 ranks, a 1-minute limit, asks for SIGUSR1 30 s before it: the ranks
       save a checkpoint and exit 0 before the limit (COMPLETED).
     - ``term``: 1 rank, the same limit, without the early signal (the user deleted the
-      ``--signal`` line) nor the trainer's own stop (``--train.time_limit=0``): SIGTERM
-      at the limit, to the ranks and to the script."""
+      ``--signal`` line) nor the trainer's own stop (``--train.time_limit=0`` and no
+      ``$HPCTRAIN_JOB_END``): SIGTERM at the limit, to the ranks and to the script.
+    - ``requeue``: 2 ranks, made for 10 minutes without the early signal and submitted
+      with ``sbatch --time=1``: the trainer asks squeue for the job's end (Slurm 22.05 has
+      no ``$SLURM_JOB_END_TIME``) and stops before the real limit, not the script's."""
     long = ["train", "default", f"--data.path={data}", *TINY, "--train.max_iters=10000000",
             "--train.log_interval=500"]
     usr1 = jobscript(submit, "usr1.sh", ["--nodes", "1", "--ranks-per-node", "2",
@@ -118,9 +133,20 @@ def limit_jobs(submit, data):
     term = jobscript(submit, "term.sh", ["--nodes", "1", "--ranks-per-node", "1",
                                          "--walltime", "00:01:00"],
                      long + ["--train.time_limit=0"])
-    term.write_text("".join(line for line in term.read_text().splitlines(keepends=True)
-                            if not line.startswith("#SBATCH --signal")))
-    return {"usr1": sbatch(usr1, "--signal=USR1@30"), "term": sbatch(term)}
+    _drop_signal_directive(term)
+    term.write_text(term.read_text().replace("export HPCTRAIN_JOB_END\n",
+                                             "HPCTRAIN_JOB_END=\n"))
+    requeue = jobscript(submit, "requeue.sh", ["--nodes", "1", "--ranks-per-node", "2",
+                                               "--walltime", "00:10:00"],
+                        long[:-1] + ["--train.log_interval=10", "--train.ckpt_interval=50"])
+    _drop_signal_directive(requeue)
+    return {"usr1": sbatch(usr1, "--signal=USR1@30"), "term": sbatch(term),
+            "requeue": sbatch(requeue, "--time=1")}
+
+
+def _drop_signal_directive(script: Path) -> None:
+    script.write_text("".join(line for line in script.read_text().splitlines(keepends=True)
+                              if not line.startswith("#SBATCH --signal")))
 
 
 def test_sbatch_trains_on_two_ranks_wired_by_srun(submit, data):
@@ -133,14 +159,17 @@ def test_sbatch_trains_on_two_ranks_wired_by_srun(submit, data):
     info = wait_job(job)
     out = job_output(submit, "train2", job)
     assert info["JobState"] == "COMPLETED", out
-    rd = run_dir(submit, "train2", job)
-    assert (rd / "exit_code").read_text() == "0\n"
-    assert json.loads((rd / "summary.json").read_text())["world_size"] == 2
-    records = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [5, 10, 15, 20]
-    launch = shlex.split((rd / "launch.txt").read_text())
+    rd, attempt = run_dir(submit, "train2"), records(submit, "train2", job)
+    assert (attempt / "exit_code").read_text() == "0\n"
+    summary = json.loads((rd / "summary.json").read_text())
+    assert (summary["world_size"], summary["status"]) == (2, "finished")
+    lines = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [5, 10, 15, 20]
+    launch = shlex.split((attempt / "launch.txt").read_text())
     assert launch[:5] == ["srun", "--mpi=pmi2", "-n", "2", "--ntasks-per-node=2"], launch
     assert "srun --mpi=pmi2 (MPICH" in out  # chosen in the job, for the pip mpich wheel
+    assert f"hpctrain job: finished; results in {rd}" in out
+    assert "(from squeue)" in (attempt / "job.txt").read_text()
     comp = Path(os.environ["HPCTRAIN_SLURM_JOBCOMP"]).read_text()
     assert re.search(rf"JobId={job} .*JobState=COMPLETED", comp)
 
@@ -171,8 +200,27 @@ def test_srun_without_an_mpi_plugin_is_stopped_at_start(submit, data):
     assert info["JobState"] == "FAILED", out
     assert "srun started 2 tasks but each is a 1-rank MPI job" in out
     assert "srun --mpi=pmix" in out
-    assert (run_dir(submit, "nompi", job) / "exit_code").read_text() == "2\n"
-    assert not (run_dir(submit, "nompi", job) / "metrics.jsonl").exists()
+    assert (records(submit, "nompi", job) / "exit_code").read_text() == "2\n"
+    assert not (run_dir(submit, "nompi") / "metrics.jsonl").exists()
+
+
+def test_a_user_error_on_every_rank_is_status_2_under_srun_not_137(submit, data):
+    """Issue 29, item 2: every rank raised the same error and called MPI_Abort(2); srun
+    then killed the step and the job recorded 137 (SIGKILL), which reads as an
+    out-of-memory kill. The ranks now agree and exit 2 themselves."""
+    script = jobscript(submit, "usererr.sh", ["--nodes", "1", "--ranks-per-node", "2",
+                                              "--walltime", "00:05:00"],
+                       ["train", "default", f"--data.path={submit}/missing.h5", *TINY])
+    job = sbatch(script)
+    info = wait_job(job)
+    out = job_output(submit, "usererr", job)
+    assert (info["JobState"], exit_code(info)) == ("FAILED", "2:0"), out
+    assert out.count("does not exist") == 1, out  # once for the job, not once per rank
+    assert "MPI_Abort" not in out and "137" not in out, out
+    assert "hpctrain job: FAILED: the launcher exited with status 2" in out
+    assert (records(submit, "usererr", job) / "exit_code").read_text() == "2\n"
+    comp = Path(os.environ["HPCTRAIN_SLURM_JOBCOMP"]).read_text()
+    assert re.search(rf"JobId={job} .*JobState=FAILED .*ExitCode=2:0", comp), comp
 
 
 def test_early_signal_stops_training_with_a_checkpoint_before_the_limit(submit, limit_jobs):
@@ -181,13 +229,18 @@ def test_early_signal_stops_training_with_a_checkpoint_before_the_limit(submit, 
     job = limit_jobs["usr1"]
     info = wait_job(job)
     out = job_output(submit, "usr1", job)
-    assert info["JobState"] == "COMPLETED", out
+    # Stopped early with a checkpoint: exit 75 (hpctrain jobscript --stop-exit-code), so
+    # that Slurm (RequeueExit=75), afterok chains and the user tell it from a finished run.
+    assert (info["JobState"], exit_code(info)) == ("FAILED", "75:0"), out
     assert "stopped by SIGUSR1 after step" in out, out
-    rd = run_dir(submit, "usr1", job)
-    assert (rd / "exit_code").read_text() == "0\n"
+    rd = run_dir(submit, "usr1")
+    assert (records(submit, "usr1", job) / "exit_code").read_text() == "75\n"
     manifest = read_manifest(rd)
     assert manifest.world_size == 2 and manifest.step > 0
-    assert str(manifest.step) in out  # the step it says it stopped after
+    assert f"hpctrain job: stopped after step {manifest.step} of 10000000 (SIGUSR1), " \
+        f"checkpoint saved in {rd}; resubmit this script or requeue the job to continue " \
+        "(exit status 75)" in out, out
+    assert json.loads((rd / "status.json").read_text())["reason"] == "SIGUSR1"
 
 
 def test_a_job_killed_at_its_time_limit_leaves_exit_code(submit, limit_jobs):
@@ -196,7 +249,67 @@ def test_a_job_killed_at_its_time_limit_leaves_exit_code(submit, limit_jobs):
     out = job_output(submit, "term", job)
     assert info["JobState"] == "TIMEOUT", out
     assert "hpctrain job: received SIGTERM" in out, out
-    rd = run_dir(submit, "term", job)
-    code = (rd / "exit_code").read_text().strip()
+    code = (records(submit, "term", job) / "exit_code").read_text().strip()
     assert code.isdigit(), code  # the launcher's status, or 143 if SIGKILL came first
     print(f"time-limit job {job}: exit_code {code}, run time {info.get('RunTime')}")
+
+
+STOPPED = re.compile(r"hpctrain job: stopped after step (\d+) of 10000000 \(the time limit\), "
+                     r"checkpoint saved in (\S+); resubmit this script or requeue the job to "
+                     r"continue \(exit status 75\)")
+
+
+def _stopped_step(out: str) -> int:
+    found = STOPPED.findall(out)
+    assert found, out
+    return int(found[-1][0])  # a requeued job's output file may hold both attempts
+
+
+def test_a_requeued_job_and_a_resubmitted_one_continue_from_the_checkpoint(submit,
+                                                                           limit_jobs):
+    """Issue 29, items 1 and 5. The first attempt, made for 10 minutes but submitted with
+    --time=1, stops before the 1-minute limit (the end comes from squeue), saves and exits
+    75. ``scontrol requeue`` runs the same job id again: it resumes from that checkpoint in
+    the same run directory, its records beside the first attempt's. A new submission of
+    the same script (max_iters now within reach) resumes too and finishes (0)."""
+    job = limit_jobs["requeue"]
+    info = wait_job(job)
+    out = job_output(submit, "requeue", job)
+    assert (info["JobState"], exit_code(info)) == ("FAILED", "75:0"), out
+    first = _stopped_step(out)
+    rd, attempt = run_dir(submit, "requeue"), records(submit, "requeue", job)
+    assert STOPPED.search(out).group(2) == str(rd)
+    assert "(from squeue)" in (attempt / "job.txt").read_text()
+    assert (attempt / "exit_code").read_text() == "75\n"
+    status = json.loads((rd / "status.json").read_text())
+    assert (status["status"], status["step"], status["reason"]) == \
+        ("stopped", first, "the time limit")
+
+    p = _run(["scontrol", "requeue", job], cwd=submit, timeout=30)
+    assert p.returncode == 0, p.stderr
+    time.sleep(2)  # the requeue is now PENDING, then RUNNING
+    info = wait_job(job, timeout=JOB_TIMEOUT + 120)
+    out = job_output(submit, "requeue", job)
+    assert (info["JobState"], exit_code(info)) == ("FAILED", "75:0"), out
+    assert f"resumed from the checkpoint of step {first}" in out, out
+    second = _stopped_step(out)
+    assert second > first
+    again = rd / "jobs" / f"{job}.2"
+    assert (again / "exit_code").read_text() == "75\n"
+    assert "attempt 2" in (again / "job.txt").read_text()
+    assert (attempt / "exit_code").read_text() == "75\n"  # the first attempt's, kept
+
+    script = submit / "requeue.sh"
+    script.write_text(script.read_text().replace("--train.max_iters=10000000",
+                                                 f"--train.max_iters={second + 5}"))
+    new_job = sbatch(script)
+    info = wait_job(new_job)
+    out = job_output(submit, "requeue", new_job)
+    assert (info["JobState"], exit_code(info)) == ("COMPLETED", "0:0"), out
+    assert f"resumed from the checkpoint of step {second}" in out, out
+    assert f"hpctrain job: finished; results in {rd}" in out
+    assert (records(submit, "requeue", new_job) / "exit_code").read_text() == "0\n"
+    assert json.loads((rd / "summary.json").read_text())["status"] == "finished"
+    steps = [json.loads(line).get("step") for line in
+             (rd / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == second + 5  # one history, in order

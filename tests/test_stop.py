@@ -139,3 +139,87 @@ def test_isolated_non_finite_steps_are_skipped_and_counted(dataset_path, tmp_pat
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["skipped_steps"] == 2
+
+
+# ---------------------------------------------------------------- issue 29, item 3
+
+def test_ctrl_c_is_a_stop_like_sigterm_and_the_status_says_so(dataset_path, tmp_path):
+    """SIGINT used to end the run with a KeyboardInterrupt traceback and no checkpoint."""
+    trainer = _trainer(dataset_path, tmp_path, **{"train.max_iters": 40})
+    _signal_before(trainer, "train_step", signal.SIGINT, when=lambda step: step == 6)
+    result = trainer.fit()
+    assert result.stopped_at is not None and 7 <= result.stopped_at <= 8
+    _loadable_at(tmp_path, result.stopped_at)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status == {"status": "stopped", "step": result.stopped_at, "max_iters": 40,
+                      "reason": "SIGINT"}
+
+
+def test_a_second_ctrl_c_ends_the_run_at_once_without_a_save(dataset_path, tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+    trainer = _trainer(dataset_path, tmp_path, **{"train.max_iters": 40})
+    _signal_before(trainer, "train_step", signal.SIGINT, when=lambda step: step in (3, 4))
+    with pytest.raises(KeyboardInterrupt, match="interrupted twice"):
+        trainer.fit()
+    assert not (tmp_path / "checkpoints").exists()  # no save, no status: it was not a stop
+    assert not (tmp_path / "status.json").exists()
+    assert signal.getsignal(signal.SIGINT) == before  # restored
+
+
+def test_a_signal_during_a_long_sample_stops_it_within_a_token(dataset_path, tmp_path):
+    """The sample used to ignore SIGTERM until its last token (36.8 s for 5,000)."""
+    trainer = _trainer(dataset_path, tmp_path, **{"train.sample_tokens": 5000})
+    runner, forwards = trainer.runner, []
+    whole_model = runner.whole_model
+
+    def counted(state):  # the sampling model: SIGTERM during its 5th forward pass
+        model = whole_model(state)
+
+        def hook(*_):
+            forwards.append(1)
+            if len(forwards) == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        model.register_forward_hook(hook)
+        return model
+
+    runner.whole_model = counted
+    result = trainer.fit()
+    assert len(forwards) == 5  # the next token's check saw the signal
+    assert result.stopped_at == 10 and not (tmp_path / "sample.txt").exists()
+    assert (tmp_path / "final.h5").exists()  # written before the sample
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["skipped"]) == ("stopped", "the sample")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert (status["status"], status["step"], status["reason"], status["skipped"]) == \
+        ("stopped", 10, "SIGTERM", "the sample")
+
+
+# ---------------------------------------------------------------- issue 29, item 1
+
+def test_a_finished_run_says_so_and_a_resumed_finished_run_has_nothing_to_do(
+        dataset_path, tmp_path):
+    _trainer(dataset_path, tmp_path).fit()
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status == {"status": "finished", "step": 10, "max_iters": 10}
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "finished"
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    again = _trainer(dataset_path, tmp_path, **{"train.resume": "auto"})
+    assert again.finished_before and again.fit().losses == []  # a requeue: nothing to do
+    after = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert after == before  # nothing rewritten
+    longer = _trainer(dataset_path, tmp_path, **{"train.resume": "auto",
+                                                 "train.max_iters": 12})
+    assert not longer.finished_before and len(longer.fit().losses) == 2
+    assert json.loads((tmp_path / "status.json").read_text())["step"] == 12
+
+
+def test_a_stop_during_set_up_of_a_fresh_run_leaves_nothing_in_the_next_ones_way(
+        dataset_path, tmp_path):
+    trainer = _trainer(dataset_path, tmp_path)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    trainer.fit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "stopped"
+    result = _trainer(dataset_path, tmp_path, **{"train.resume": "auto"}).fit()
+    assert len(result.losses) == 10  # a requeued attempt starts as this one would have

@@ -119,7 +119,9 @@ def _report(exc: UserError) -> int:
 
     comm = _mpi_world_if_running()
     if comm is not None and comm.Get_size() > 1:
-        abort_job(comm, exc)  # other ranks may be waiting in a collective
+        # Other ranks may be waiting in a collective: every rank agrees and exits 2,
+        # or the job is aborted (comm/abort.py).
+        abort_job(comm, exc)
     # Rank 0 speaks for the job; a 1-rank world speaks for itself (srun copies that
     # never joined one job each carry their own SLURM_PROCID).
     alone = (comm is not None and comm.Get_size() == 1) or isinstance(exc, LaunchMismatch)

@@ -52,7 +52,16 @@ def add_jobscript(sub) -> None:
     p.add_argument("--setup", metavar="FILE", help="replace the system's module setup with "
                    "the commands in FILE (one per line; each must succeed)")
     p.add_argument("--run-root", metavar="DIR",
-                   help="where run directories are made (default: runs, under the submit dir)")
+                   help="where the run directory <job name>/ is made (default: runs, under "
+                        "the submit dir)")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="the run directory itself (default: <run root>/<job name>); every "
+                        "submission of the script continues the run there; with --array "
+                        "put {array_index} in it")
+    p.add_argument("--stop-exit-code", type=int, metavar="N",
+                   help="the job's exit status when training stopped early (signal, time "
+                        "limit) with a checkpoint saved (default 75, which Slurm sites can "
+                        "requeue on; 0 lets an afterok chain go on)")
     p.add_argument("--no-queue-check", action="store_true",
                    help="skip the queue limit checks (if the site changed its limits)")
     p.add_argument("--doctor", action="store_true", help="a job that runs `hpctrain doctor` "
@@ -84,7 +93,7 @@ def add_launch(sub) -> None:
 
 def cmd_jobscript(args, command: list[str]) -> int:
     from hpctrain.jobs.job_system import describe_systems
-    from hpctrain.jobs.render import SUBMIT, render, write_script
+    from hpctrain.jobs.render import SUBMIT, render, run_dir_text, write_script
     from hpctrain.jobs.spec import build_spec
 
     if args.list_systems:
@@ -101,8 +110,11 @@ def cmd_jobscript(args, command: list[str]) -> int:
                       array=args.array, profiler=args.profile,
                       ranks_per_node=args.ranks_per_node, venv=args.venv,
                       setup_file=args.setup, run_root=args.run_root,
-                      check_queue=not args.no_queue_check, srun_mpi=args.srun_mpi)
+                      check_queue=not args.no_queue_check, srun_mpi=args.srun_mpi,
+                      run_dir=args.run_dir, stop_exit_code=args.stop_exit_code)
     text = render(spec)  # validated and rendered in full before anything is written
+    for warning in spec.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if not args.output:
         sys.stdout.write(text)
         return 0
@@ -114,8 +126,8 @@ def cmd_jobscript(args, command: list[str]) -> int:
     print(f"wrote {path}: {p.name}, {spec.nodes} node(s) x {rpn} rank(s){where}{when}")
     print(f"submit it from the directory its relative paths refer to:  "
           f"{SUBMIT[p.batch.scheduler]} {path}")
-    result = "doctor.json" if spec.command[0] == "doctor" else "metrics.jsonl"
-    print(f"results: {spec.run_root}/{spec.job_name}-<job id>/{result}")
+    result = "jobs/<job id>/doctor.json" if spec.command[0] == "doctor" else "metrics.jsonl"
+    print(f"results: {run_dir_text(spec)}/{result} (submitted again, the run continues there)")
     return 0
 
 

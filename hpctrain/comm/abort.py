@@ -1,9 +1,21 @@
-"""Make any failure on any rank end the whole job, loudly and quickly.
+"""Make any failure on any rank end the whole job, loudly, quickly and with a true status.
 
 Without this, an exception on one rank leaves the others blocked in their next
 collective until the batch system kills the allocation. The hook prints the failing
-rank's message or traceback, then calls ``MPI.COMM_WORLD.Abort`` so ``mpiexec`` stops
+rank's message or traceback, then calls ``MPI.COMM_WORLD.Abort`` so the launcher stops
 every rank and exits non-zero.
+
+``MPI_Abort`` costs the exit status, though: under ``srun`` the step is cancelled and the
+ranks are killed, so the job records 137 (128 + SIGKILL, which reads as an out-of-memory
+kill) whatever code was asked for. A user's error (``UserError``, status 2) is usually
+raised on every rank at the same point: a bad option, a layout that does not fit, a
+verdict one rank reached and shared. So a rank with a user error first waits up to
+``AGREE_S`` for every other rank to report one too, on a communicator of its own
+(``JobExit.errors``, duplicated at start-up so that this never mixes with training's
+collectives). When all arrive, rank 0 prints its message once and every rank
+exits 2 by itself, which ``srun``, PALS and ``mpirun`` report as 2. When some rank does
+not arrive (its error is its own, or it is still computing), the job is aborted as
+before. Anything else, a traceback or an error in a helper thread, aborts at once.
 """
 
 from __future__ import annotations
@@ -16,11 +28,18 @@ import traceback
 
 from hpctrain.errors import EXIT_USER_ERROR, UserError
 
-# When every rank hits the same user error (a bad option), rank 0 prints it and aborts;
-# the others wait this long first so that the user reads the message once.
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT (the shell's convention): Ctrl-C ended the run at once, a second one
+during a run, or one before the trainer set up its handler."""
+AGREE_S = 5.0
+"""How long a rank with a user error waits for the others to report one as well."""
+# When every rank hits the same user error without agreeing (no error communicator),
+# rank 0 prints it and aborts; the others wait this long first so that the user reads
+# the message once.
 _NON_ROOT_GRACE_S = 1.0
 # Time for the launcher to forward what a rank printed before its abort kills the job.
 _STDIO_DRAIN_S = 0.25
+_POLL_S = 0.01
 
 
 def env_rank() -> int:
@@ -39,40 +58,87 @@ def report(exc: BaseException, rank: int, size: int) -> int:
     if isinstance(exc, UserError):
         print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"{prefix}interrupted (Ctrl-C): stopped at once, without saving",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
     text = "".join(lines).rstrip("\n").replace("\n", "\n" + prefix)
     print(f"{prefix}{text}", file=sys.stderr, flush=True)
     return 1
 
 
-def install_abort_handler(comm) -> None:
-    """Route uncaught exceptions (main thread and helper threads) to ``abort_job``."""
+class JobExit:
+    """How this process ends the job when something fails (``fail``), over ``comm``.
+    ``errors``: a communicator of the same ranks used only to agree on user errors
+    (None: no agreement, every failure aborts)."""
 
-    def on_exception(exc_type, exc, tb):
+    def __init__(self, comm, errors=None):
+        self.comm, self.errors = comm, errors
+
+    def on_exception(self, exc_type, exc, tb) -> None:
         if exc.__traceback__ is None:
             exc = exc.with_traceback(tb)
-        abort_job(comm, exc)
+        self.fail(exc)
 
-    def on_thread_exception(args):
-        abort_job(comm, args.exc_value)
+    def on_thread_exception(self, args) -> None:
+        # Another thread's error is its own: the other ranks will not report it.
+        self.fail(args.exc_value, agree=False)
 
-    sys.excepthook = on_exception
-    threading.excepthook = on_thread_exception
+    def fail(self, exc: BaseException, agree: bool = True) -> None:
+        """End this process, and with it the job; never returns."""
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        if size == 1:
+            os._exit(report(exc, rank, size))
+        if agree and isinstance(exc, UserError) and self.errors is not None and self._agree():
+            if rank == 0:  # speaks for the job (the others' may add a rank's detail)
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_USER_ERROR)
+        self._abort(exc, rank, size)
+
+    def _agree(self) -> bool:
+        """True once every rank has failed with a user error; False when some rank did not
+        within ``AGREE_S``."""
+        request = self.errors.Ibarrier()
+        deadline = time.monotonic() + AGREE_S
+        while not request.Test():
+            if time.monotonic() > deadline:
+                return False  # left pending: the abort ends it
+            time.sleep(_POLL_S)
+        return True
+
+    def _abort(self, exc: BaseException, rank: int, size: int) -> None:
+        if rank != 0 and isinstance(exc, UserError):
+            time.sleep(_NON_ROOT_GRACE_S)
+        code = report(exc, rank, size)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # mpiexec's proxy forwards our stderr and handles the abort request on different
+        # channels; abort at once and it may kill the job before the message above is
+        # forwarded (seen with MPICH: the error vanished in 1 of 16 runs).
+        time.sleep(_STDIO_DRAIN_S)
+        self.comm.Abort(code)
+        # MPICH's MPI_Abort can return to the caller; never let a rank carry on after it.
+        os._exit(code)
+
+
+def install_abort_handler(comm) -> JobExit:
+    """Route uncaught exceptions (main thread and helper threads) to a ``JobExit`` over
+    ``comm``. Collective: it duplicates ``comm`` for the agreement on user errors."""
+    handler = JobExit(comm, comm.Dup() if comm.Get_size() > 1 else None)
+    sys.excepthook = handler.on_exception
+    threading.excepthook = handler.on_thread_exception
+    return handler
+
+
+def installed_handler(comm) -> JobExit | None:
+    """The ``JobExit`` that ``install_abort_handler`` put in place for ``comm``, if any."""
+    handler = getattr(sys.excepthook, "__self__", None)
+    return handler if isinstance(handler, JobExit) and handler.comm is comm else None
 
 
 def abort_job(comm, exc: BaseException) -> None:
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size > 1 and rank != 0 and isinstance(exc, UserError):
-        time.sleep(_NON_ROOT_GRACE_S)
-    code = report(exc, rank, size)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if size == 1:
-        os._exit(code)
-    # mpiexec's proxy forwards our stderr and handles the abort request on different
-    # channels; abort at once and it may kill the job before the message above is
-    # forwarded (seen with MPICH: the error vanished in 1 of 16 runs).
-    time.sleep(_STDIO_DRAIN_S)
-    comm.Abort(code)
-    # MPICH's MPI_Abort can return to the caller; never let a rank carry on after it.
-    os._exit(code)
+    """End the job for ``exc`` (the installed handler's way, agreement included; an
+    abort where none is installed). Never returns."""
+    (installed_handler(comm) or JobExit(comm)).fail(exc)

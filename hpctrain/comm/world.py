@@ -132,20 +132,27 @@ THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                  MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
 
 
+THREAD_LEVEL_HINT = ("unset MPI4PY_RC_THREAD_LEVEL (mpi4py asks for MULTIPLE by default); "
+                     "on Cray MPICH (Polaris, Perlmutter, Frontier) export "
+                     "MPICH_MAX_THREAD_SAFETY=multiple, which caps the level Cray MPICH "
+                     "grants (the systems' profiles set it); or use an MPI built with "
+                     "thread support")
+"""How to get a higher MPI thread level, for the messages that need one."""
+
+
 def check_thread_level(accel: Accelerator, provided: int) -> None:
     """Refuse a thread level the device cannot train with. On a GPU autograd runs the
     gradient hooks, which start reductions, on a device thread of its own while the main
     thread waits in ``backward()``: MPI is called from two threads, one at a time, which
     needs ``MPI_THREAD_SERIALIZED``. (Reading data with MPI-IO in the background needs
     ``MPI_THREAD_MULTIPLE``; without it the reader runs in the main thread,
-    ``data/loader.py``.)"""
+    ``data/loader.py``, and the start-up line says so.)"""
     if accel.hooks_off_main_thread and provided < MPI.THREAD_SERIALIZED:
         raise UserError(
             f"the MPI library provides thread level MPI_THREAD_"
             f"{THREAD_LEVELS.get(provided, provided).upper()}, but on {accel.kind} gradient "
             "hooks call MPI from autograd's device thread, which needs "
-            "MPI_THREAD_SERIALIZED or MULTIPLE; unset MPI4PY_RC_THREAD_LEVEL (mpi4py asks "
-            "for MULTIPLE by default) or use an MPI built with thread support")
+            f"MPI_THREAD_SERIALIZED or MULTIPLE; {THREAD_LEVEL_HINT}")
 
 
 def _agree_on_kind(comm: MPI.Comm, setting: str, system: str | None) -> str:
@@ -170,21 +177,47 @@ def _agree_on_kind(comm: MPI.Comm, setting: str, system: str | None) -> str:
     return kinds[0]
 
 
-def threads_per_rank(local_size: int) -> int:
+@dataclass(frozen=True)
+class Threads:
+    """The CPU threads a rank computes with, and why that many (for the start-up line)."""
+    count: int
+    why: str
+
+
+def choose_threads(local_size: int, *, env: dict | None = None, bound: int | None = None,
+                   node_cpus: int | None = None) -> Threads:
     """CPU threads a rank should use so the ranks on a node do not oversubscribe it.
 
-    Respects ``OMP_NUM_THREADS`` when set. Otherwise shares the cores this process may
-    run on (its affinity mask, which ``--cpu-bind`` narrows on HPC launchers) among the
-    ranks of the node, unless the mask is already narrower than a node's share.
-    """
-    env = os.environ.get("OMP_NUM_THREADS")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    node_cores = os.cpu_count() or 1
-    if cores < node_cores:  # the launcher bound us to our own cores already
-        return max(1, cores)
-    return max(1, node_cores // max(1, local_size))
+    The CPUs this process may run on (its affinity mask, which ``--cpu-bind`` and
+    ``srun -c`` narrow) are the most it can use: ``OMP_NUM_THREADS`` counts when set, but
+    never beyond them (a rank bound to 2 CPUs with 8 threads time-slices them, several
+    times slower). Otherwise the mask, when the launcher narrowed it, or the node's CPUs
+    shared among its ranks. ``env``, ``bound`` and ``node_cpus`` default to this
+    process's."""
+    env = os.environ if env is None else env
+    bound = bound or _bound_cpus()
+    node_cpus = node_cpus or os.cpu_count() or 1
+    asked = env.get("OMP_NUM_THREADS", "")
+    if asked.isdigit() and int(asked) > 0:
+        if int(asked) > bound:
+            return Threads(bound, f"bound to {bound} CPU(s), fewer than "
+                                  f"OMP_NUM_THREADS={asked}")
+        return Threads(int(asked), f"OMP_NUM_THREADS={asked}")
+    if bound < node_cpus:  # the launcher bound us to our own CPUs already
+        return Threads(bound, f"the {bound} CPU(s) this rank is bound to")
+    share = max(1, node_cpus // max(1, local_size))
+    return Threads(share, f"{node_cpus} CPU(s) shared by {local_size} rank(s) of the node")
+
+
+def _bound_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def threads_per_rank(local_size: int) -> int:
+    """``choose_threads(local_size).count``."""
+    return choose_threads(local_size).count
 
 
 def node_oversubscribed(local_size: int, threads: int) -> bool:

@@ -33,7 +33,11 @@ ARRAY_DIRECTIVES = {"pbs": ("-J {array}", "-r y"), "slurm": ("--array={array}",)
 SUBMIT = {"pbs": "qsub", "slurm": "sbatch", "none": "bash"}
 TEMPLATES = {"pbs": "pbs.sh.j2", "slurm": "slurm.sh.j2", "none": "local.sh.j2"}
 RECORDS = "jobscript.sh, launch.txt, env.txt, modules.txt, git.txt, job.txt, exit_code"
-"""What a job writes into its run directory besides the training outputs."""
+"""What each attempt of a job writes into ``<run dir>/jobs/<job id>/``."""
+RUN_STATUS_MODULE = "hpctrain.train.run_status"
+"""Read by the script after training: finished, or stopped early (``status.json``)."""
+JOB_END_MODULE = "hpctrain.jobs.job_end"
+"""Asked by the script for the job's end (squeue, qstat), which the trainer stops before."""
 _WIDTH = 88
 
 
@@ -95,10 +99,26 @@ def _command_words(spec: JobSpec) -> list:
         else:
             words.append(literal(arg))
     if spec.command[0] == "doctor":
-        words.append(word("--json=", Var("RUN_DIR"), "/doctor.json"))
-    else:
-        words.append(word("--train.out_dir=", Var("RUN_DIR")))
+        words.append(word("--json=", Var("ATTEMPT_DIR"), "/doctor.json"))
+        return words
+    if not any(arg.startswith("--train.resume") for arg in spec.command):
+        words.append(literal("--train.resume=auto"))  # requeued or resubmitted: go on
+    words.append(word("--train.out_dir=", Var("RUN_DIR")))
     return words
+
+
+def _run_dir(spec: JobSpec) -> Shell:
+    """The run directory as a shell word: ``--run-dir`` (``{array_index}`` becomes the
+    sub-job's index), else ``$RUN_ROOT/<job name>`` (``-<index>`` for an array)."""
+    if spec.run_dir:
+        pieces = spec.run_dir.split(ARRAY_INDEX)
+        parts = [pieces[0]]
+        for piece in pieces[1:]:
+            parts += [Var("ARRAY_INDEX"), piece]
+        return render_word(word(*with_home(parts[0]), *parts[1:]))
+    if spec.array:
+        return render_word(word(Var("RUN_ROOT"), f"/{spec.job_name}-", Var("ARRAY_INDEX")))
+    return render_word(word(Var("RUN_ROOT"), f"/{spec.job_name}"))
 
 
 def _directives(spec: JobSpec, place) -> list[Shell]:
@@ -141,7 +161,8 @@ def _launch_lines(spec: JobSpec, place, plugin: str | None) -> list[Shell]:
                        python=(Var("PYTHON"),), command=_command_words(spec),
                        nodefile=(Var("PBS_NODEFILE"),) if p.batch.scheduler == "pbs" else None,
                        ranks_per_node=rpn_word, profiler=spec.profiler,
-                       profile_dir=word(Var("RUN_DIR"), f"/{spec.profiler}"), srun_mpi=srun_mpi)
+                       profile_dir=word(Var("ATTEMPT_DIR"), f"/{spec.profiler}"),
+                       srun_mpi=srun_mpi)
     n_head = 4 + (spec.command[0] == "train")  # python -m hpctrain train RECIPE
     program = [render_words(line.program[:n_head])] + \
         [render_word(w) for w in line.program[n_head:]]
@@ -172,9 +193,10 @@ def context(spec: JobSpec) -> dict:
         Shell("Submit it from the directory that relative paths (data, --venv, --run-root) "
               "refer to:"),
         Shell(f"  {submit} SCRIPT"),
-        _comment(f"Results go to {spec.run_root}/{spec.job_name}-<job id>/: metrics.jsonl and "
-                 "summary.json from training,"),
-        Shell(f"and this job's records: {RECORDS}."),
+        _comment(f"Results go to {run_dir_text(spec)}/ (metrics.jsonl, checkpoints/, "
+                 "summary.json, status.json),"),
+        Shell(f"and each attempt's records to jobs/<job id>/ there: {RECORDS}."),
+        Shell("Submitted again, or requeued, the job continues from the last checkpoint there."),
     ]
     return {
         "directives": _directives(spec, place),
@@ -184,17 +206,40 @@ def context(spec: JobSpec) -> dict:
         "needs_module": any(cmd.split()[:1] == ["module"] for cmd in setup),
         "activate": render_word(with_home(spec.venv) + ("/bin/activate",)) if spec.venv else None,
         "env": [(Shell(k), quote(v)) for k, v in env.items()],
-        "run_root": render_word(with_home(spec.run_root)),
-        "job_name": quote(spec.job_name),
+        "run_root": None if spec.run_dir else render_word(with_home(spec.run_root)),
+        "run_dir": _run_dir(spec),
         "ranks_per_node": place.ranks_per_node,
         "launcher_program": quote(la.launcher[0]),
         "check_venv_mpiexec": b.scheduler != "none" and la.launcher[0] == "mpiexec",
         "launch_groups": _launch_lines(spec, place, plugin),
         "detect_srun_mpi": plugin == "auto",
         "submit": Shell(submit),
-        "results": Shell("doctor.json" if spec.command[0] == "doctor"
+        "results": Shell("doctor.json in jobs/<job id>/" if spec.command[0] == "doctor"
                          else "metrics.jsonl, summary.json"),
+        "run_status": Shell(RUN_STATUS_MODULE) if _trains(spec) else None,
+        "stop_exit_code": spec.stop_exit_code,
+        "job_end": _job_end(spec),
     }
+
+
+def _trains(spec: JobSpec) -> bool:
+    """The job runs ``hpctrain train`` itself (not doctor, not a study runner)."""
+    return spec.launch is None and spec.command[0] == "train"
+
+
+def _job_end(spec: JobSpec) -> Shell | None:
+    """``hpctrain.jobs.job_end [walltime seconds]``: under a batch system, the job's end."""
+    if spec.system.batch.scheduler == "none":
+        return None
+    seconds = validate.parse_walltime(spec.walltime) if spec.walltime else None
+    return Shell(JOB_END_MODULE + (f" {seconds}" if seconds else ""))
+
+
+def run_dir_text(spec: JobSpec) -> str:
+    """The run directory as a user reads it (``<index>`` for an array's)."""
+    if spec.run_dir:
+        return spec.run_dir.replace(ARRAY_INDEX, "<index>")
+    return f"{spec.run_root}/{spec.job_name}" + ("-<index>" if spec.array else "")
 
 
 def render(spec: JobSpec) -> str:

@@ -20,8 +20,13 @@ from hpctrain.systems.registry import System
 
 DEFAULT_JOB_NAME = "hpctrain"
 DEFAULT_RUN_ROOT = "runs"
-OUT_DIR_REASON = ("a job writes into its own run directory (<run root>/<job name>-<job id>); "
-                  "use --run-root DIR to move it")
+STOP_EXIT_CODE = 75
+"""A job whose training stopped early (signal, time limit) and saved a checkpoint exits
+with this: EX_TEMPFAIL of sysexits.h, "a temporary failure: try again". Slurm sites can
+requeue on it (``RequeueExit=75``); ``--stop-exit-code 0`` for ``afterok`` chains."""
+OUT_DIR_REASON = ("a job writes into its run directory, <run root>/<job name>/, the same for "
+                  "every requeue and resubmission so that the run continues there; use "
+                  "--run-dir DIR to name another")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,13 @@ class JobSpec:
     check_queue: bool = True
     srun_mpi: str | None = None
     """``--srun-mpi``: replaces the system's ``srun_mpi``."""
+    run_dir: str | None = None
+    """``--run-dir``: the run directory itself (``{array_index}`` allowed), instead of
+    ``<run_root>/<job_name>``."""
+    stop_exit_code: int = STOP_EXIT_CODE
+    """The script's exit status when training stopped early with a checkpoint."""
+    warnings: tuple = ()
+    """What the request allows but the user should know (a long signal lead)."""
     launch: tuple | None = None
     """What the job runs once, in its own shell, instead of starting ``command`` on every
     rank with the system's launcher: the program and its arguments as words
@@ -81,8 +93,12 @@ class JobSpec:
         a += ["--venv", self.venv or "none"]
         if self.setup_file:
             a += ["--setup", self.setup_file]
-        if self.run_root != DEFAULT_RUN_ROOT:
+        if self.run_dir:
+            a += ["--run-dir", self.run_dir]
+        elif self.run_root != DEFAULT_RUN_ROOT:
             a += ["--run-root", self.run_root]
+        if self.stop_exit_code != STOP_EXIT_CODE:
+            a += ["--stop-exit-code", str(self.stop_exit_code)]
         if not self.check_queue:
             a.append("--no-queue-check")
         for key, value in self.env:
@@ -103,7 +119,8 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                ranks_per_node: int | None = None, venv: str | None = None,
                setup_file: str | None = None, run_root: str | None = None,
                check_queue: bool = True, srun_mpi: str | None = None,
-               launch: tuple | None = None) -> JobSpec:
+               launch: tuple | None = None, run_dir: str | None = None,
+               stop_exit_code: int | None = None) -> JobSpec:
     """The job ``hpctrain jobscript`` describes, every option checked in turn against
     the system; the first problem is one ``JobError`` naming the fix."""
     if not system:
@@ -124,12 +141,14 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
     for what, value in (("--venv", venv), ("--run-root", run_root), ("--system", system)):
         if value:
             validate.no_nul(value, what)
+    validate.run_dir(run_dir, run_root=run_root, array=bool(array))
+    stop_exit_code = validate.exit_code(
+        STOP_EXIT_CODE if stop_exit_code is None else stop_exit_code)
     setup = _read_setup(setup_file) if setup_file else None
     if launch is not None:
         launch = tuple(launch)
         for part in (p for w in launch for p in w if isinstance(p, str)):
             validate.no_nul(part, "the launch line")
-    command = _with_time_limit(command, walltime_s)
     per_node = ranks_per_node or sys_.launch.ranks_per_node  # 0: one per core, not known here
     check_command(command, array=bool(array), forbid={"train.out_dir": OUT_DIR_REASON},
                   ranks=n_nodes * per_node if per_node else None)
@@ -139,7 +158,9 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                    env=env_pairs, array=array, profiler=profiler, ranks_per_node=ranks_per_node,
                    venv=venv, setup_file=setup_file, setup=setup,
                    run_root=run_root or DEFAULT_RUN_ROOT, command=tuple(command),
-                   check_queue=check_queue, srun_mpi=srun_mpi, launch=launch)
+                   check_queue=check_queue, srun_mpi=srun_mpi, launch=launch,
+                   run_dir=run_dir, stop_exit_code=stop_exit_code,
+                   warnings=validate.signal_lead(sys_.batch.directives, walltime_s))
     placement(sys_, ranks_per_node)  # ranks per node vs. cores and sockets
     return spec
 
@@ -217,13 +238,3 @@ def _read_setup(setup_file: str) -> tuple:
         raise JobError(f"--setup {setup_file}: cannot read it ({e.strerror})") from None
     return tuple(line.strip() for line in text.splitlines()
                  if line.strip() and not line.strip().startswith("#"))
-
-
-def _with_time_limit(command: list[str], walltime_s: int | None) -> list[str]:
-    """A training command with a walltime saves and stops before it
-    (``--train.time_limit``, unless given): the launcher may not pass the scheduler's
-    signal on in time (Open MPI's mpirun kills a second later)."""
-    if walltime_s and command and command[0] == "train" and not any(
-            str(w).startswith("--train.time_limit") for w in command):
-        return [*command, f"--train.time_limit={walltime_s}"]
-    return command

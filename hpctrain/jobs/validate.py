@@ -164,3 +164,46 @@ def directive_line(line: str) -> str:
         raise JobError(f"directive {line!r} contains characters a batch system would not "
                        "parse safely; fix the system file or the value you passed")
     return line
+
+
+def run_dir(value: str | None, *, run_root: str | None, array: bool) -> None:
+    """``--run-dir``: one directory per run; with ``--array`` one per sub-job."""
+    if value is None:
+        return
+    no_nul(value, "--run-dir")
+    if not value.strip():
+        raise JobError("--run-dir names the run directory, e.g. --run-dir runs/gpt-small")
+    if run_root:
+        raise JobError("--run-dir names the run directory itself; drop --run-root (it only "
+                       "says where <job name>/ goes when --run-dir is not given)")
+    if array and "{array_index}" not in value:
+        raise JobError(f"--run-dir {value!r} with --array: every sub-job needs its own run "
+                       "directory; put {array_index} in it, e.g. --run-dir "
+                       "runs/sweep-{array_index}")
+
+
+def exit_code(value: int) -> int:
+    if not 0 <= value <= 255:
+        raise JobError(f"--stop-exit-code {value}: an exit status is 0 to 255 (default 75)")
+    return value
+
+
+_SIGNAL = re.compile(r"--signal=(?:[RB]+:)?(\w+)@(\d+)")
+
+
+def signal_lead(directives, walltime_s: int | None) -> tuple[str, ...]:
+    """A warning when a ``--signal=SIG@N`` directive asks for the stop signal more than a
+    quarter of the walltime before its end: the run would stop soon after it started."""
+    if not walltime_s:
+        return ()
+    for directive in directives:
+        m = _SIGNAL.search(directive)
+        if m and int(m.group(2)) > walltime_s / 4:
+            lead, wall = int(m.group(2)), format_walltime(walltime_s)
+            return (f"{m.group(0)} sends SIG{m.group(1)} {lead} s before the end of the "
+                    f"{wall} walltime, more than a quarter of it: training stops and saves "
+                    f"about {max(0, walltime_s - lead)} s into the job. Ask for a longer "
+                    f"--walltime, or submit with a shorter lead (sbatch "
+                    f"--signal={m.group(1)}@{max(1, walltime_s // 10)} SCRIPT); the trainer "
+                    "also stops on its own before the walltime",)
+    return ()

@@ -292,11 +292,13 @@ class GPT(EmbeddingAndHead, nn.Module):
 
     @torch.no_grad()
     def complete(self, tokenizer, prompt: str, n_tokens: int, *, temperature: float = 0.8,
-                 top_k: int | None = 50, seed: int = 0) -> str:
+                 top_k: int | None = 50, seed: int = 0, should_stop=None) -> str:
         """``prompt`` and ``n_tokens`` sampled after it, as text (``tokenizer``: anything
         with ``encode(str) -> ids`` and ``decode(list) -> str``); an empty prompt starts
-        from a newline. The training mode is restored afterwards. Each number is bounded
-        and finite first (``hpctrain.sizes``): they come from the command line."""
+        from a newline. The training mode is restored afterwards. ``should_stop()``, asked
+        before each token, ends the sample early (a signal while a long sample runs). Each
+        number is bounded and finite first (``hpctrain.sizes``): they come from the command
+        line."""
         whole(n_tokens, "the number of tokens to sample", 0, MAX_CONTEXT, error=UserError)
         finite(temperature, "the temperature", 0.0, error=UserError)
         if top_k is not None:
@@ -309,14 +311,18 @@ class GPT(EmbeddingAndHead, nn.Module):
         was_training = self.training
         self.eval()
         out = self.generate(ids, n_tokens, temperature=temperature, top_k=top_k,
-                            generator=gen)
+                            generator=gen, should_stop=should_stop)
         self.train(was_training)
         return tokenizer.decode(out[0].tolist())
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T)."""
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 should_stop=None) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T), fewer when
+        ``should_stop()`` turns true first."""
         for _ in range(max_new_tokens):
+            if should_stop is not None and should_stop():
+                break
             context = idx[:, -self.cfg.block_size:]
             logits = self(context)[:, -1, :] / max(temperature, 1e-6)  # (B, V)
             if top_k is not None:

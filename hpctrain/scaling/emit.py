@@ -20,6 +20,7 @@ import shlex
 from pathlib import Path
 
 from hpctrain.errors import UserError
+from hpctrain.jobs.attempts import latest_attempt
 from hpctrain.jobs.render import SUBMIT, render, write_script
 from hpctrain.jobs.shell import Var, literal, word
 from hpctrain.jobs.spec import build_spec
@@ -63,7 +64,7 @@ def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | N
         path = write_script(out / f"study-{study.name}.sh", render(spec))
         lines.append(f"wrote {path}: all {len(study.points)} point(s) in one job of {nodes} "
                      f"node(s); submit with {SUBMIT[spec.system.batch.scheduler]} {path}; the "
-                     f"study's records land in {runs}/study-{study.name}-<job id>/study")
+                     f"study's records land in {runs}/study-{study.name}/study")
         return lines
     index, submit = {}, []
     for i, point in enumerate(study.points):
@@ -98,18 +99,20 @@ def collect(folder: str | Path) -> int:
                                             "environment": None, "launch_system": "jobs"})
     found = 0
     for name, job in index["jobs"].items():
-        dirs = sorted((folder / "runs").glob(f"{name}-*"), key=lambda d: d.stat().st_mtime)
-        if not dirs or job["point"] not in points:
+        run = folder / "runs" / name
+        attempt = latest_attempt(run)
+        if attempt is None or job["point"] not in points:
             continue  # not run yet
-        run, point = dirs[-1], points[job["point"]]
+        point = points[job["point"]]
         found += 1
         rec = new_record(study, point, job["repeat"], job["index"],
                          train_command(study, point, run))
         rec["prediction"] = predict(system, point.model, point.layout).to_dict()
-        code = run / "exit_code"
+        code = attempt / "exit_code"
         rc = int(code.read_text().strip() or 1) if code.is_file() else 1
-        log = f"job {run.name} exited with status {rc}" if code.is_file() else \
-            f"job {run.name} has no exit_code (still running, or killed at its walltime)"
+        log = f"job {name} ({attempt.name}) exited with status {rc}" if code.is_file() else \
+            f"job {name} ({attempt.name}) has no exit_code (still running, or killed at " \
+            "its walltime)"
         rec = finish_record(rec, run / "summary.json", rc, log, study.timeout_s, system)
         records.write_record(records.record_path(folder, point.id, job["repeat"]), rec)
     return found

@@ -2,11 +2,14 @@
 
 Schedulers send SIGTERM (or Slurm's ``--signal``) shortly before they kill a job, but
 not every launcher passes it on in time: Open MPI's ``mpirun`` follows SIGTERM with
-SIGKILL about a second later, too soon for a checkpoint. So the trainer also keeps its
-own clock. The deadline is the earliest of ``--train.time_limit`` seconds after the
+SIGKILL about two seconds later, too soon for a checkpoint. So the trainer also keeps
+its own clock. The deadline is the earliest of ``--train.time_limit`` seconds after the
 job's start (``$HPCTRAIN_JOB_START``, epoch seconds, which generated job scripts export
-first thing; else this process's start) and Slurm's ``$SLURM_JOB_END_TIME``. After each
-step the trainer asks ``passed()``: true once the time left is less than the margin,
+first thing; else this process's start), the job's end as the scheduler tells it
+(``$HPCTRAIN_JOB_END``, which generated scripts read from squeue or qstat:
+``jobs/job_end.py``, so that ``sbatch --time`` overrides count) and Slurm's
+``$SLURM_JOB_END_TIME`` (newer Slurm releases; 22.05 has none). After each step the
+trainer asks ``passed()``: true once the time left is less than the margin,
 
     margin = base + 2 x (the longest checkpoint save so far) + 2 x (the longest step
              of the last 20) + shutdown
@@ -30,6 +33,7 @@ import os
 import time
 
 JOB_START_ENV = "HPCTRAIN_JOB_START"
+JOB_END_ENV = "HPCTRAIN_JOB_END"
 SLURM_END_ENV = "SLURM_JOB_END_TIME"
 
 
@@ -66,15 +70,14 @@ class Deadline:
     @classmethod
     def from_config(cls, time_limit: float, env: dict | None = None) -> Deadline:
         env = os.environ if env is None else env
-        ends = []
-        if time_limit > 0:
-            start = _epoch(env, JOB_START_ENV) or process_start_time()
-            ends.append(start + time_limit)
-        slurm_end = _epoch(env, SLURM_END_ENV)
-        if slurm_end is not None:
-            ends.append(slurm_end)
-        limit = time_limit or (slurm_end - time.time() if slurm_end else 0.0)
-        return cls(min(ends) if ends else None, limit)
+        start = _epoch(env, JOB_START_ENV) or process_start_time()
+        ends = [start + time_limit] if time_limit > 0 else []
+        ends += [e for e in (_epoch(env, JOB_END_ENV), _epoch(env, SLURM_END_ENV))
+                 if e is not None]
+        if not ends:
+            return cls(None, time_limit)
+        end = min(ends)
+        return cls(end, max(0.0, end - start))
 
     def record_step(self, seconds: float) -> None:
         self._steps.append(seconds)

@@ -1,7 +1,9 @@
 """The end of a run: ``summary.json``, ``final.h5`` (one file, whole model) and a sample.
 
 The collective parts come first (consolidating ZeRO shards, gathering pipeline stages,
-the largest peak memory, averaged time shares); then rank 0 writes."""
+the largest peak memory, averaged time shares); then rank 0 writes. The sample stops
+at a signal (``should_stop``, asked before every token): it is then not saved, and the
+summary says the run stopped."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.train.metrics import finite_record
 from hpctrain.train.result import TrainResult
+from hpctrain.train.run_status import FINISHED, STOPPED
 from hpctrain.train.timing import PHASES, peak_rss_bytes, phase_medians, summarize
 
 
@@ -32,8 +35,9 @@ class RunOutputs:
         w = self.world
         return allreduce_array(w.comm, values, op=op, timeout=w.timeout, what=what)
 
-    def write(self, result: TrainResult, skipped: int) -> None:
-        """Collective: every rank calls it after the last step."""
+    def write(self, result: TrainResult, skipped: int, should_stop=None) -> str:
+        """Collective: every rank calls it after the last step. Returns what a stop left
+        undone on this rank ('the sample'; '' when nothing was)."""
         t, engine, runner = self.cfg.train, self.par.engine, self.par.runner
         state = None
         if t.save_checkpoint or t.sample_tokens > 0:
@@ -42,17 +46,36 @@ class RunOutputs:
         # The largest rank's peak is what has to fit on a node's share of memory.
         peak_rss = int(self._sum([peak_rss_bytes()], "peak memory", MPI.MAX)[0])
         timing = self._timing(result)
+        undone = ""
         # ZeRO-3 samples from gathered parameters (every rank gathers, rank 0 samples).
         with engine.gathered() if t.sample_tokens > 0 else contextlib.nullcontext():
             if self.world.is_root:
                 if t.save_checkpoint:
                     self._final_checkpoint(state)
-                if t.sample_tokens > 0:
-                    text = runner.whole_model(state).complete(
-                        self.tokenizer, t.sample_prompt, t.sample_tokens)
-                    (self.out_dir / "sample.txt").write_text(text)
-                    self.log(f"sample ({t.sample_tokens} tokens):\n{text}")
-                self._summary(result, memory, peak_rss, timing, skipped)
+                if t.sample_tokens > 0 and not self._sample(state, should_stop):
+                    undone = "the sample"
+                self._summary(result, memory, peak_rss, timing, skipped, undone)
+        return undone
+
+    def _sample(self, state: dict, should_stop) -> bool:
+        """Rank 0: generate, print and save the sample; False when a signal cut it short
+        (nothing saved)."""
+        t = self.cfg.train
+        cut = []
+
+        def stop_now() -> bool:  # asked before each token: a True cuts the sample short
+            if should_stop is not None and should_stop():
+                cut.append(True)
+            return bool(cut)
+
+        text = self.par.runner.whole_model(state).complete(
+            self.tokenizer, t.sample_prompt, t.sample_tokens, should_stop=stop_now)
+        if cut:
+            self.log("sample: stopped by a signal before its last token; not saved")
+            return False
+        (self.out_dir / "sample.txt").write_text(text)
+        self.log(f"sample ({t.sample_tokens} tokens):\n{text}")
+        return True
 
     def _final_checkpoint(self, state: dict) -> None:
         params = {n: s["param"] for n, s in state.items()}
@@ -83,10 +106,11 @@ class RunOutputs:
         return timing
 
     def _summary(self, result: TrainResult, memory, peak_rss: int, timing: dict,
-                 skipped: int) -> None:
+                 skipped: int, undone: str) -> None:
         t = self.cfg.train
         steps = result.step_times
         summary = {
+            "status": STOPPED if undone else FINISHED, **({"skipped": undone} if undone else {}),
             "steps": t.max_iters, "world_size": self.world.size,
             "final_val_loss": result.final_val_loss, "wall_s": result.wall_s,
             "tokens_per_s": result.tokens_per_s,

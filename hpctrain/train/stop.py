@@ -1,11 +1,14 @@
-"""Stopping on the scheduler's signal (or the trainer's own deadline, ``deadline.py``):
-save a checkpoint and exit cleanly.
+"""Stopping on the scheduler's signal, on Ctrl-C, or at the trainer's own deadline
+(``deadline.py``): save a checkpoint and exit cleanly.
 
 PBS and Slurm send SIGTERM (Slurm also SIGUSR1 with ``--signal``) before they kill a job
-at its walltime; ``mpiexec`` forwards it to every rank. The handler only records the
-signal (``SignalFlag``), for the whole life of a run: set-up, training, the final
-evaluation, the saves and the sample. Nothing is interrupted half-way; the run acts at
-the next point where every rank can agree.
+at its walltime; ``mpiexec`` forwards it to every rank, and Ctrl-C (SIGINT) too. The
+handler only records the signal (``SignalFlag``), for the whole life of a run: set-up,
+training, the final evaluation, the saves and the sample. Nothing is interrupted
+half-way; the run acts at the next point where every rank can agree. A second Ctrl-C
+means "now": it raises ``KeyboardInterrupt``, and the job ends at once without a save
+(``comm/abort.py``). The sample, which only rank 0 computes, checks the flag itself
+after every token (``local_stop``).
 
 Ranks may see the signal at different steps, so they agree before acting
 (``StopAgreement``): every ``every`` steps each rank starts a nonblocking allreduce (MAX)
@@ -33,17 +36,19 @@ from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.watchdog import wait_all
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class SignalFlag:
-    """Records SIGTERM / SIGUSR1 instead of dying; ``restore()`` puts back the previous
-    handlers. Installed only from the main thread (Python's rule for handlers)."""
+    """Records SIGTERM / SIGUSR1 / SIGINT instead of dying; ``restore()`` puts back the
+    previous handlers. Installed only from the main thread (Python's rule for handlers)."""
 
     def __init__(self):
         self.received: int | None = None
         self.reason: str | None = None
         """Why the run stops when no signal came (the time limit, ``trip``)."""
+        self.detail: str = ""
+        """What the log adds to ``reason`` (the time left and the margin)."""
         self._previous: dict = {}
 
     def install(self) -> "SignalFlag":
@@ -58,23 +63,36 @@ class SignalFlag:
         self._previous = {}
 
     def _on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            # The second Ctrl-C: the user does not want to wait for the save. A third
+            # one meets Python's own handler again.
+            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT,
+                                                            signal.default_int_handler))
+            raise KeyboardInterrupt("interrupted twice (Ctrl-C)")
         if self.received is None:
             self.received = signum
 
-    def trip(self, reason: str) -> None:
+    def trip(self, reason: str, detail: str = "") -> None:
         """Stop as if a signal had come, for ``reason`` (e.g. the time limit)."""
         if not self.stopping:
-            self.reason = reason
+            self.reason, self.detail = reason, detail
 
     @property
     def stopping(self) -> bool:
         return self.received is not None or self.reason is not None
 
     @property
-    def name(self) -> str:
+    def cause(self) -> str:
+        """What stopped the run, in a word or two: the signal's name, ``the time limit``."""
         if self.received:
             return signal.Signals(self.received).name
         return self.reason or "a signal"
+
+    @property
+    def name(self) -> str:
+        """``cause`` with its detail, for the log."""
+        return f"{self.cause} ({self.detail})" if self.detail and not self.received \
+            else self.cause
 
 
 class StopAgreement:
@@ -102,7 +120,7 @@ class StopAgreement:
         if step % self.every:
             return False
         stop = self._finish_pending()
-        self._send[0] = int(self._local_stop())
+        self._send[0] = int(self.local_stop())
         if self._persistent is not None:
             self._persistent.Start()
             self._req = self._persistent
@@ -114,12 +132,14 @@ class StopAgreement:
         """Blocking agreement (every rank calls it at the same point): True when some
         rank has had a signal."""
         pending = self._finish_pending()
-        return any_true(self.comm, pending or self._local_stop(),
+        return any_true(self.comm, pending or self.local_stop(),
                         timeout=self.timeout, what=f"stop-signal agreement ({what})")
 
-    def _local_stop(self) -> bool:
+    def local_stop(self) -> bool:
+        """Whether this rank has a reason to stop (a signal, or its deadline has passed),
+        without asking the others: for work only one rank does (the sample)."""
         if self.deadline is not None and not self.flag.stopping and self.deadline.passed():
-            self.flag.trip(f"the time limit ({self.deadline.describe()})")
+            self.flag.trip("the time limit", self.deadline.describe())
         return self.flag.stopping
 
     def _finish_pending(self) -> bool:

@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 
 import torch
+from mpi4py import MPI
 
 from hpctrain.comm.grid import ProcessGrid
-from hpctrain.comm.world import World, threads_per_rank
+from hpctrain.comm.small_collectives import bcast_json
+from hpctrain.comm.world import (THREAD_LEVEL_HINT, THREAD_LEVELS, Threads, World,
+                                 choose_threads)
 from hpctrain.config import Config, check_layout
 from hpctrain.data.loader import BatchLoader
 from hpctrain.data.mpiio import describe_reader
@@ -30,6 +33,8 @@ from hpctrain.train.metrics import MetricsLog, device_peak
 from hpctrain.train.nonfinite import NonFiniteGuard
 from hpctrain.train.outputs import RunOutputs
 from hpctrain.train.result import LogWindow, TrainResult, add_step, bar_text, step_record
+from hpctrain.train.run_status import (FINISHED, STOPPED, clear_status, read_status,
+                                       status_record, write_status)
 from hpctrain.train.rundir import claim_run_dir
 from hpctrain.train.saving import CheckpointSaver
 from hpctrain.train.schedule import learning_rate
@@ -61,7 +66,9 @@ class Trainer:
 
     def _build(self, cfg: Config, world: World) -> None:
         t = cfg.train
-        torch.set_num_threads(t.threads or threads_per_rank(world.local_size))
+        self.threads = Threads(t.threads, "--train.threads") if t.threads else \
+            choose_threads(world.local_size)
+        torch.set_num_threads(self.threads.count)
         self.grid = ProcessGrid.create(world, cfg.parallel.pp, tp=cfg.parallel.tp)
         self.batches = BatchLoader.open(cfg, world, dp_index=self.grid.dp_index,
                                         dp=self.grid.dp, device=world.accel)
@@ -92,6 +99,21 @@ class Trainer:
                                          self.gpt_cfg.shape(), self.tokenizer.meta())
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
                                   append=self.start.step > 0)
+        self.finished_before = self._finished_before()
+        if world.is_root and not self.finished_before:
+            clear_status(self.out_dir)  # this run's end will say how it went
+
+    def _finished_before(self) -> bool:
+        """A resumed run whose checkpoint is its last step and whose status says it
+        finished: a requeued or resubmitted job of a finished run has nothing to do
+        (collective: rank 0 reads the status, every rank gets the answer)."""
+        t, w = self.cfg.train, self.world
+        if t.resume != "auto" or self.start.step != t.max_iters:
+            return False
+        found = read_status(self.out_dir) if w.is_root else None
+        done = bool(found and found.get("status") == FINISHED
+                    and found.get("max_iters") == t.max_iters)
+        return bool(bcast_json(w.comm, done, timeout=w.timeout, what="the run's status"))
 
     def _log(self, line: str, bar: Progress | None = None) -> None:
         if not self.log_enabled:
@@ -142,7 +164,7 @@ class Trainer:
     def _announce(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         self._log(f"hpctrain: {self.world.describe()}; {torch.get_num_threads()} thread(s) "
-                  "per rank")
+                  f"per rank ({self.threads.why})")
         for note in self.metrics.notes:
             self._log(f"metrics.jsonl: {note}")
         for note in self.lock.notes:
@@ -155,26 +177,36 @@ class Trainer:
                   f"{self.engine.describe()}, {t.dtype}; global batch {t.batch_size} x "
                   f"{cfg.model.block_size} tokens = {rows} row(s) per rank in {self.micro} "
                   "micro-batch(es)")
-        self._log(f"data: {describe_reader(self.batches.data.reader)}")
+        self._log(f"data: {describe_reader(self.batches.data.reader)}"
+                  f"{self._reader_thread_note()}")
         peak = self.peak
         self._log(f"MFU against {peak.tflops:g} TFLOP/s per device x {peak.devices} device(s): "
                   f"{peak.why}" if peak.tflops else f"MFU: not reported ({peak.why})")
         if self.start.describe():
             self._log(self.start.describe())
 
+    def _reader_thread_note(self) -> str:
+        """Why batches are read in the main thread when prefetching was asked for: the
+        background reader calls MPI-IO beside training's MPI, which needs MULTIPLE."""
+        if not self.cfg.data.prefetch or self.batches.data.threaded:
+            return ""
+        level = THREAD_LEVELS.get(MPI.Query_thread(), "?")
+        return (f"; read in the main thread, not in the background: MPI thread level "
+                f"{level}, not multiple ({THREAD_LEVEL_HINT})")
+
     def _fit(self) -> TrainResult:
         t = self.cfg.train
         result = TrainResult()
         self._announce()
+        if self.finished_before:
+            self._log(f"nothing to do: {self.out_dir} holds this run, finished at step "
+                      f"{t.max_iters}; raise --train.max_iters to train on")
+            return result
         w = self.world
         stop = self._stop = StopAgreement(w.comm, self.signals, w.timeout, t.stop_check_steps,
                                           self.deadline)
         if stop.now("start-up"):  # a signal while the job was setting up
-            result.stopped_at = self.start.step
-            kept = (f"the checkpoint of step {self.start.step} is unchanged"
-                    if self.start.step else "nothing was trained")
-            self._log(f"stopped by {self.signals.name} during start-up; {kept}")
-            return result
+            return self._stopped_during_start_up(result)
         bar = Progress(t.max_iters - self.start.step, "train",
                        enabled=self.log_enabled and t.progress)
         start = time.perf_counter()
@@ -190,9 +222,15 @@ class Trainer:
             self._log(f"stopped by {self.signals.name} after step {result.stopped_at}; "
                       "checkpoint saved; run the same command with --train.resume=auto to "
                       "continue")
+            self._record(STOPPED, result.stopped_at)
             return result
-        # The checkpoint first: a signal during the final evaluation, final.h5 or the
-        # sample then costs only those extras.
+        return self._finish(result, stop)
+
+    def _finish(self, result: TrainResult, stop: StopAgreement) -> TrainResult:
+        """After the last step: the checkpoint first (a signal during the final
+        evaluation, final.h5 or the sample then costs only those extras), then the
+        evaluation and the outputs, each skipped at a signal (collective)."""
+        t = self.cfg.train
         if t.save_checkpoint:
             self.saver.save(t.max_iters)
         if stop.now("after training"):
@@ -208,8 +246,28 @@ class Trainer:
         facts = {"params": self.gpt_cfg.num_params(),
                  "flops_per_token": self.gpt_cfg.flops_per_token(),
                  "peak": self.peak}
-        RunOutputs(self.cfg, self.grid, self.par, self.tokenizer, facts,
-                   self._log).write(result, self.guard.skipped)
+        undone = RunOutputs(self.cfg, self.grid, self.par, self.tokenizer, facts,
+                            self._log).write(result, self.guard.skipped, stop.local_stop)
+        # Only rank 0 samples: every rank learns whether a signal cut the sample short.
+        w = self.world
+        undone = bcast_json(w.comm, undone, timeout=w.timeout, what="the end of the sample")
+        if undone:
+            return self._stopped_after_training(result, undone)
+        self._record(FINISHED, t.max_iters)
+        return result
+
+    def _stopped_during_start_up(self, result: TrainResult) -> TrainResult:
+        """A signal before the first step: nothing trained, nothing saved. A fresh run's
+        empty metrics.jsonl goes, so that the next attempt starts as this one would
+        have."""
+        result.stopped_at = step = self.start.step
+        kept = (f"the checkpoint of step {step} is unchanged" if step
+                else "nothing was trained")
+        self._log(f"stopped by {self.signals.name} during start-up; {kept}")
+        if self.world.is_root and not step:
+            self.metrics.close()
+            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self._record(STOPPED, step)
         return result
 
     def _stopped_after_training(self, result: TrainResult, skipped: str) -> TrainResult:
@@ -222,7 +280,15 @@ class Trainer:
         self._log(f"stopped by {self.signals.name} after the last step ({t.max_iters}); its "
                   f"checkpoint is saved; skipped: {skipped} (run the same command with "
                   "--train.resume=auto to finish)")
+        self._record(STOPPED, t.max_iters, skipped)
         return result
+
+    def _record(self, status: str, step: int, skipped: str = "") -> None:
+        """Rank 0 writes how the run ended (``run_status.py``)."""
+        if self.world.is_root:
+            reason = self.signals.cause if status == STOPPED else ""
+            write_status(self.out_dir, status_record(status, step, self.cfg.train.max_iters,
+                                                     reason, skipped))
 
     def _loop(self, result: TrainResult, bar: Progress, stop: StopAgreement) -> None:
         t, w = self.cfg.train, self.world
