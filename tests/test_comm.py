@@ -55,6 +55,7 @@ def test_threads_follow_the_cpus_a_rank_is_bound_to():
     assert got == Threads(16, "64 CPU(s) shared by 4 rank(s) of the node")
 
 
+@pytest.mark.slow  # a training under taskset (make test-slow)
 def test_the_start_up_line_says_how_many_threads_and_why(dataset_path, tmp_path):
     """A rank bound to 1 CPU (taskset) with OMP_NUM_THREADS=2 trains with 1 thread."""
     p = run(["taskset", "-c", "0", *hpctrain_cmd(

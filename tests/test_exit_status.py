@@ -8,8 +8,12 @@ from __future__ import annotations
 import sys
 import time
 
+import pytest
+
 from hpctrain.comm.abort import AGREE_S
 from tests.helpers import hpctrain_cmd, mpiexec, run
+
+pytestmark = pytest.mark.slow  # each starts a job under mpiexec (make test-slow)
 
 
 def test_a_user_error_every_rank_raises_exits_2_without_mpi_abort(tmp_path):
