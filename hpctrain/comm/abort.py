@@ -94,6 +94,9 @@ class JobExit:
             if rank == 0:  # speaks for the job (the others' may add a rank's detail)
                 print(f"error: {exc}", file=sys.stderr, flush=True)
             sys.stdout.flush()
+            # No rank leaves before rank 0 has written its message: the launcher ends the
+            # job when the first rank exits, and could take rank 0 down before it prints.
+            self._agree()
             os._exit(EXIT_USER_ERROR)
         self._abort(exc, rank, size)
 
