@@ -217,7 +217,10 @@ def test_a_tokenizer_file_with_an_absurd_id_is_refused(tmp_path):
     doc["added_tokens"].append({**doc["added_tokens"][0], "id": 1 << 40,
                                 "content": "<|far|>"})
     path.write_text(json.dumps(doc))
-    with pytest.raises(DataError, match=r"largest token id \+ 1 is 1099511627777"):
+    # refused by our bound, or (tokenizers releases whose ids are u32) by the package
+    # itself, as one DataError that names the file either way
+    with pytest.raises(DataError, match=r"largest token id \+ 1 is 1099511627777|"
+                                        r"not a tokenizer.json the tokenizers package reads"):
         HFTokenizer.from_file(tmp_path)
 
 
