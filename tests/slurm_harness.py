@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import socket
@@ -55,6 +56,7 @@ def node_memory_mb() -> int:
 def slurm_conf(root: Path, host: str, cpus: int, memory_mb: int, ports: tuple[int, int]) -> str:
     """One node, one partition; every path inside ``root``."""
     ctld_port, slurmd_port = ports
+    first_job_id = random.randrange(1_000, 60_000_000)
     return f"""\
 ClusterName=hpctrain-test
 SlurmctldHost={host}(127.0.0.1)
@@ -83,6 +85,11 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc={root}/jobcomp.txt
 ReturnToService=2
+# Job ids start at a random number: MPICH names its shared-memory segments after the
+# PMI job (job and step id), and a rank killed in an earlier cluster on this machine
+# leaves its segments in /dev/shm, where a later job of the same id would find them
+# and hang or fail in MPI_Init.
+FirstJobId={first_job_id}
 # Completed jobs stay visible to `scontrol show job` for 10 minutes.
 MinJobAge=600
 # Between SIGTERM and SIGKILL at the time limit: the trainer saves in this time.
