@@ -110,7 +110,12 @@ def test_parallel_prepare_on_a_full_disk_fails_and_keeps_the_earlier_file(
     the file system has no ``fallocate``: ``filled-after``), the MPI-IO writes' checks
     catch it."""
     import hpctrain.data.prepare as prepare_module
+    from hpctrain.data.mpiio import mpiio_component
 
+    if not reserved and mpiio_component()[0] == "OMPIO":
+        # Open MPI 4.1's OMPIO crashes (SIGSEGV in the request's progress) when a
+        # nonblocking write meets a full file system: only the room check helps there.
+        pytest.skip("OMPIO segfaults on a nonblocking write to a full file system")
     if not reserved:
         monkeypatch.setattr(prepare_module, "reserve_space", lambda folder, nbytes: None)
     out = full_disk / "d.h5"
