@@ -158,14 +158,19 @@ while :; do
     [ -n "$INTERRUPTED" ] || break  # a trap ended the wait, not the launcher: wait again
 done
 echo "$rc" > "$ATTEMPT_DIR/exit_code"
-if [ "$rc" -ne 0 ]; then
+# How training ended (status.json, written by rank 0 of this attempt: the trainer clears it
+# at start): finished, or stopped early with a checkpoint. A stopped run exits
+# 75, so that the scheduler and the next job tell it from a finished one
+# (hpctrain jobscript --stop-exit-code), also when the launcher's own status is not 0
+# (Open MPI's mpirun reports 1 for ranks that saved and exited 0 after its SIGTERM).
+STATUS=unknown
+if [ "$RUN_DIR/status.json" -nt "$ATTEMPT_DIR/job.txt" ]; then  # written by this attempt
+    read -r STATUS STEP MAX_ITERS REASON <<< "$("$PYTHON" -m hpctrain.train.run_status "$RUN_DIR")" || STATUS=unknown
+fi
+if [ "$rc" -ne 0 ] && [ "$STATUS" != stopped ]; then
     echo "hpctrain job: FAILED: the launcher exited with status $rc; the error is above, the records are in $ATTEMPT_DIR" >&2
     exit "$rc"
 fi
-# How training ended (status.json, written by rank 0): finished, or stopped early with a
-# checkpoint. A stopped run exits 75, so that the scheduler and the next job tell it
-# from a finished one (hpctrain jobscript --stop-exit-code).
-read -r STATUS STEP MAX_ITERS REASON <<< "$("$PYTHON" -m hpctrain.train.run_status "$RUN_DIR")" || STATUS=unknown
 if [ "$STATUS" = stopped ]; then
     echo "75" > "$ATTEMPT_DIR/exit_code"
     if [ "$STEP" = 0 ]; then  # a stop during set-up, before any step: nothing saved

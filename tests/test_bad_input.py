@@ -308,7 +308,7 @@ def test_a_stalled_rank_ends_prepare_through_the_watchdog_naming_the_operation(
             and mpiio_component("Open MPI")[0] == "OMPIO"):
         # Open MPI's OMPIO completes rank 0's part of a nonblocking collective write
         # without rank 1 (seen with 4.1.4): rank 0 then waits at the next collective.
-        waits_in = "prepare: barrier before closing the file"
+        waits_in = "prepare: barrier before syncing the file"
     assert f"CommTimeout: {waits_in} did not complete within 3 s (--timeout)" in p.stderr, \
         p.stderr
     assert not out.exists()
