@@ -51,7 +51,7 @@ $(STAMP): setup.cfg pyproject.toml
 	  set -x; $(PY) -m pip uninstall -q -y mpi4py $$gone && \
 	  $(PY) -m pip install -q --no-cache-dir --force-reinstall --no-deps $(MPI_PACKAGES); \
 	else set -x; $(PY) -m pip install -q $(MPI_PACKAGES); fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,corpora]'
 	echo 'MPI_PACKAGES=$(strip $(MPI_PACKAGES))' > $@
 
 $(DATA): | $(STAMP)

@@ -264,13 +264,13 @@ def test_job_scripts_are_executable_as_far_as_the_umask_allows(tmp_path, umask):
 # collective. With --timeout 3 the watchdog must end the job, naming the operation.
 STALL_IN_READING = """\
 import sys, time
-import hpctrain.data.prepare as prep
-read = prep._read_files
-def stalled(files, first, *args):
-    if first > 0:  # rank 1's run of files starts after rank 0's
+import hpctrain.data.prepare_tokenize as prep
+read = prep._encode_units
+def stalled(tok, dtype, plan, units, *args):
+    if plan.lo > 0:  # rank 1's run of units starts after rank 0's
         time.sleep(3600)
-    return read(files, first, *args)
-prep._read_files = stalled
+    return read(tok, dtype, plan, units, *args)
+prep._encode_units = stalled
 from hpctrain.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -9,14 +9,16 @@ import sys
 
 def add_prepare(sub) -> None:
     p = sub.add_parser(
-        "prepare", help="tokenize text files into an HDF5 token file (in parallel under mpiexec)",
+        "prepare", help="tokenize text or records files into an HDF5 token file (in parallel under mpiexec)",
         description="Tokenize text into the HDF5 token format (io/FORMAT.md). Under "
                     "`mpiexec -n N` the files are shared out among the ranks, tokenized in "
                     "parallel and written into one file with MPI-IO; the file is the same "
                     "for any N.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", metavar="PATH",
-                     help="text files, directories (all files, sorted) or globs")
+                     help="text files, records files (.jsonl, .json, .jsonl.gz, .jsonl.zst, "
+                          ".parquet, .arrow: one document each), directories (a dataset "
+                          "directory's records files, else all files, sorted) or globs")
     src.add_argument("--corpus", choices=["stdlib"],
                      help="built-in corpus: 'stdlib' = this Python's standard library sources")
     src.add_argument("--combine", nargs="+", metavar="FILE.h5",
@@ -28,6 +30,13 @@ def add_prepare(sub) -> None:
                    help="char (vocabulary from the text), byte (256), gpt2 (GPT-2 BPE via "
                         "tiktoken, from its local cache), or hf:DIR (the Hugging Face "
                         "tokenizer.json in DIR, e.g. the model directory you import)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the key (JSON lines) or column (Parquet, Arrow) holding each "
+                        "document's text (default: text)")
+    p.add_argument("--on-bad-record", choices=["fail", "skip"], default="fail",
+                   help="a record that is not valid JSON, lacks the text field, holds no "
+                        "string there, or is not UTF-8: fail the command before writing "
+                        "anything, naming the first ones (default), or leave it out")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="fraction of the tokens used for validation (default 0.1): "
                         "whole files in a fixed random order; of one file, its last tokens")
@@ -75,7 +84,11 @@ def cmd_prepare(args) -> int:
     show = root and (sys.stderr.isatty() or (comm is not None and comm.Get_size() > 1))
     s = prepare(inputs, args.output, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                 show_progress=show, comm=comm, romio_hints=hints, overwrite=args.overwrite,
-                timeout=args.timeout)
+                timeout=args.timeout, text_field=args.text_field,
+                on_bad_record=args.on_bad_record)
+    if root and s["bad_records"]:
+        print(f"skipped {s['bad_records']:,} bad record(s); the first: "
+              + "; ".join(s["bad_record_examples"]), file=sys.stderr)
     if root:
         print(f"prepared {s['output']}: {s['files']} file(s), {s['tokens']:,} "
               f"tokens ({s['train_tokens']:,} train / {s['val_tokens']:,} val), "

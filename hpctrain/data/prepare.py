@@ -1,23 +1,32 @@
-"""``hpctrain prepare``: text files -> one HDF5 token file (see ``format.py``), on one
-process or on every rank of an MPI job, with the same bytes either way.
+"""``hpctrain prepare``: text and records files -> one HDF5 token file (see ``format.py``),
+on one process or on every rank of an MPI job, with the same bytes either way.
 
-The files are read in the order given (directories and globs expand to sorted lists),
-a newline is added where a file does not end in one (never after the last file), and
-each file is tokenized. The split (``split.py``) takes ``val_fraction`` of the tokens for
-validation from files all over the list: whole files in a seeded random order, the last
-one cut so the count is exact (its last tokens go to validation). Inside each split the
-files keep the input order. A single file's validation split is its last
-``val_fraction`` of tokens, nanoGPT's split for Shakespeare.
+The files are read in the order given (directories and globs expand to sorted lists;
+``sources.py`` says which files of a dataset directory are taken). A text file is
+tokenized whole, a newline added where it does not end in one (never after the last
+file); a records file (JSON lines, Parquet, Arrow) is a sequence of documents, each
+tokenized after the document separator (``prepare_tokenize.py``). The split
+(``split.py``) takes ``val_fraction`` of the tokens for validation from files all over
+the list: whole files in a seeded random order, the last one cut so the count is exact
+(its last tokens go to validation). Inside each split the files keep the input order. A
+single file's validation split is its last ``val_fraction`` of tokens, nanoGPT's split
+for Shakespeare.
 
 Under ``mpiexec -n N``:
 
-1. rank 0 expands the inputs and broadcasts the file list and sizes;
-2. each rank takes a contiguous run of files holding about 1/N of the bytes;
-3. each rank reads and tokenizes its files; a character vocabulary is the sorted union
-   of every rank's characters (allgather);
-4. every file's token count is allgathered and every rank computes the same split from
-   them; since the files keep their order inside a split, a rank's parts of its files
-   are one piece of each split, starting where the previous ranks' parts end;
+1. rank 0 expands the inputs, reads the Parquet footers, and broadcasts the file list,
+   formats, sizes and row groups;
+2. every rank plans the same units of work (``sources.plan_units``: byte ranges of
+   JSON lines, Parquet row groups, other files whole) and takes a contiguous run of
+   units holding about 1/N of the bytes, so one large shard is shared by every rank;
+3. each rank reads and tokenizes its units (``prepare_tokenize.py``); a character
+   vocabulary is the sorted union of every rank's characters (allgather); bad records
+   are counted and allgathered, and fail every rank before anything is written unless
+   they are to be skipped;
+4. every unit's token count is allgathered and every rank computes the same split from
+   the files' counts; since files and units keep their order inside a split, a rank's
+   parts of its units are one piece of each split, starting where the previous ranks'
+   parts end;
 5. each rank checksums its pieces of the 64 MiB checksum blocks and rank 0 joins the
    pieces (``crc32_combine``); rank 0 makes sure the file system has room for the
    whole file (``atomic.reserve_space``) and writes the HDF5 metadata, the checksums
@@ -35,13 +44,12 @@ naming the operation. MPI-IO's open and close are blocking collectives, so the r
 meet in a barrier with that deadline just before each. An existing output file is
 replaced only with ``overwrite``; the check comes before anything is written.
 
-Work is split by files: a corpus of many files scales, a single huge file is one rank's
-work. Memory per rank is about its share of the text plus its tokens.
+Memory per rank is one batch of input being read plus the rank's tokens (the bound is
+in ``prepare_tokenize.py``); a text file is read whole.
 """
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import zlib
@@ -54,34 +62,20 @@ from hpctrain.atomic import (WRITE_ERRORS, WRITE_FIX, h5_bytes, reserve_space,
                              write_failed)
 from hpctrain.data.dataset import BaseReader, read_info
 from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_blocks,
-                                  create_token_file, crc32_combine, token_dtype, write_manifest)
+                                  create_token_file, crc32_combine, write_manifest)
 from hpctrain.data.prepare_group import Group, Solo, attempt
+from hpctrain.data.prepare_tokenize import tokenize
+from hpctrain.data.records import parquet_row_group_bytes, require_extra
+from hpctrain.data.sources import PARQUET, Plan, expand_inputs, file_format, plan_units
 from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
-from hpctrain.data.tokenizers import CharTokenizer, check_tokenizer_name, make_tokenizer
+from hpctrain.data.tokenizers import check_tokenizer_name
 from hpctrain.errors import DataError
 from hpctrain.files import chmod_as_created
-from hpctrain.progress import Progress
+
+__all__ = ["prepare", "combine", "expand_inputs", "assign_files", "check_output"]
+BAD_RECORD_CHOICES = ("fail", "skip")
 
 WRITE_CHUNK_BYTES = 256 << 20  # a rank writes its tokens in collective rounds of this size
-
-
-def expand_inputs(inputs: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*")
-                           if p.is_file() and not any(s.startswith(".") for s in p.parts))
-        elif any(ch in item for ch in "*?["):
-            found = sorted(Path(p) for p in glob.glob(item, recursive=True) if Path(p).is_file())
-        elif path.is_file():
-            found = [path]
-        else:
-            raise DataError(f"input {item} does not exist; give text files, directories or globs")
-        if not found:
-            raise DataError(f"input {item} matched no files")
-        files.extend(found)
-    return files
 
 
 def assign_files(sizes: list[int], n_ranks: int) -> list[tuple[int, int]]:
@@ -134,92 +128,68 @@ def check_output(output: Path, overwrite: bool, example: str = "data.h5") -> Non
 
 # --------------------------------------------------------------------------- prepare
 
-def _read_files(files: list[Path], first: int, n_total: int, as_text: bool,
-                progress: Progress) -> list:
-    parts = []
-    for i, path in enumerate(files, start=first):
-        raw = path.read_bytes()
-        if raw and not raw.endswith(b"\n") and i != n_total - 1:
-            raw += b"\n"
-        if as_text:
-            try:
-                raw = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                                "use --tokenizer byte for arbitrary bytes") from None
-        parts.append(raw)
-        progress.update(1, path.name[:30])
-    return parts
-
-
 def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: str = "char",
             val_fraction: float = 0.1, show_progress: bool = True, comm=None,
             romio_hints: dict | None = None, overwrite: bool = False,
-            timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+            timeout: float = DEFAULT_TIMEOUT_S, text_field: str = "text",
+            on_bad_record: str = "fail") -> dict:
     """Tokenize ``inputs`` into ``output``; return a summary dict.
 
     With ``comm`` (an MPI communicator) every rank of it must call this with the same
     arguments; the work is shared and the file is the one a single process writes. Every
     collective waits at most ``timeout`` seconds. An existing ``output`` is replaced only
-    with ``overwrite``. The numbered steps are those of the module docstring.
+    with ``overwrite``. ``text_field`` names the document of a records file;
+    ``on_bad_record`` says whether a bad record fails the command before anything is
+    written ("fail") or is left out ("skip"). The numbered steps are those of the module
+    docstring.
     """
     if not (math.isfinite(timeout) and timeout > 0):
         raise DataError(f"--timeout must be a finite number of seconds > 0, not {timeout}")
+    if on_bad_record not in BAD_RECORD_CHOICES:
+        raise DataError(f"--on-bad-record is skip or fail, not {on_bad_record!r}")
     group = Solo() if comm is None else Group(comm, timeout)
     output, hints = Path(output), romio_hints or {}
     check_tokenizer_name(tokenizer)
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction must be between 0 and 1, not {val_fraction}")
-    names, first, mine = _my_files(group, inputs, output, overwrite)  # 1-2
-    tok, dtype, encoded = _tokenize(group, mine, first, len(names), tokenizer,  # 3
-                                    show_progress and group.rank == 0)
-    split = _split(group, encoded, first, val_fraction, dtype)  # 4
+    plan = _plan(group, inputs, output, overwrite, text_field)  # 1-2
+    tok, dtype, encoded, bad = tokenize(group, plan, tokenizer, text_field,  # 3
+                                        show_progress and group.rank == 0)
+    if bad.count and on_bad_record == "fail":  # every rank has the same count: all raise
+        raise DataError(f"{bad.message()}; fix them, or leave them out with "
+                        "--on-bad-record=skip")
+    split = _split(group, encoded, plan, val_fraction, dtype)  # 4
     del encoded
     gathered = group.allgather(split.pieces, "checksums")  # 5 (rank 0 joins them), 6
     _write_token_file(group, output, hints, split, lambda tmp: _create_header(
-        tmp, split, gathered, tok.meta(), names, val_fraction))
+        tmp, split, gathered, tok.meta(), plan.names, val_fraction))
     group.barrier("barrier after publishing the file")
     n_train, n_val = split.n_tokens["train"], split.n_tokens["val"]
-    return {"output": str(output), "files": len(names), "tokens": n_train + n_val,
+    return {"output": str(output), "files": len(plan.names), "tokens": n_train + n_val,
             "train_tokens": n_train, "val_tokens": n_val, "vocab_size": tok.vocab_size,
-            "tokenizer": tok.name, "ranks": group.size}
+            "tokenizer": tok.name, "ranks": group.size, "bad_records": bad.count,
+            "bad_record_examples": bad.first}
 
 
-def _my_files(group, inputs, output: Path,
-              overwrite: bool) -> tuple[list[str], int, list[Path]]:
-    """Steps 1-2: every input file's name (listed once, on rank 0, after the output
-    check), the index of this rank's first file, and this rank's run of files."""
+def _plan(group, inputs, output: Path, overwrite: bool, text_field: str) -> Plan:
+    """Steps 1-2: every input file and its format (listed once, on rank 0, after the
+    output check), the units of work, and this rank's run of them."""
     def listing():
         if group.rank != 0:
             return None
         check_output(output, overwrite)
-        files = expand_inputs([str(p) for p in inputs])
-        return [str(f) for f in files], [f.stat().st_size for f in files]
-    names, sizes = group.bcast(attempt(group, listing, "file list"), "file list")
-    lo, hi = assign_files(sizes, group.size)[group.rank]
-    return names, lo, [Path(n) for n in names[lo:hi]]
-
-
-def _tokenize(group, mine: list[Path], first: int, n_files: int, tokenizer: str,
-              show: bool) -> tuple:
-    """Step 3: read this rank's files and tokenize them; a character vocabulary is every
-    rank's characters, sorted. Returns the tokenizer, the token dtype (little-endian) and
-    one token array per file."""
-    tok = None if tokenizer == "char" else attempt(group, lambda: make_tokenizer(tokenizer),
-                                                    "tokenizer")
-    progress = Progress(len(mine), "tokenize" + (f" (rank 0 of {group.size})"
-                                                 if group.size > 1 else ""), enabled=show)
-    texts = attempt(group, lambda: _read_files(mine, first, n_files, tokenizer != "byte",
-                                                progress), "reading the inputs")
-    if tok is None:  # the character vocabulary: every rank's characters, sorted
-        chars = set().union(*map(set, texts))
-        union = set().union(*group.allgather("".join(sorted(chars)), "vocabulary"))
-        tok = attempt(group, lambda: CharTokenizer("".join(sorted(union))), "vocabulary")
-    dtype = token_dtype(tok.vocab_size).newbyteorder("<")
-    encoded = [np.asarray(tok.encode(t), dtype=dtype) for t in texts]
-    del texts
-    progress.close()
-    return tok, dtype, encoded
+        files = [str(f) for f in expand_inputs([str(p) for p in inputs])]
+        formats = [file_format(f) for f in files]
+        for name, fmt in zip(files, formats):
+            require_extra(fmt, name)
+        row_groups = [parquet_row_group_bytes(f, text_field) if fmt == PARQUET else []
+                      for f, fmt in zip(files, formats)]
+        return files, formats, [os.stat(f).st_size for f in files], row_groups
+    names, formats, sizes, row_groups = group.bcast(attempt(group, listing, "file list"),
+                                                    "file list")
+    units = plan_units(sizes, formats, row_groups, group.size)
+    lo, hi = assign_files([u[3] for u in units], group.size)[group.rank]
+    return Plan(names, formats, units, lo, hi)
 
 
 @dataclass
@@ -236,31 +206,39 @@ class _Split:
     """Split -> this rank's pieces of the checksum blocks (``crc_pieces``)."""
 
 
-def _split(group, encoded: list[np.ndarray], first: int, val_fraction: float,
+def _split(group, encoded: list[np.ndarray], plan: Plan, val_fraction: float,
            dtype: np.dtype) -> _Split:
-    """Step 4: the split, from every file's token count, and this rank's piece of each
-    split (its files are ``first``, ``first + 1``, ...) with its checksums."""
+    """Step 4: the split, from every unit's token count, and this rank's piece of each
+    split with its checksums. A file's tokens are its units' tokens in order, and its
+    train part their first tokens: a unit's train part is what of it lies there."""
     counts = [c for run in group.allgather([int(e.size) for e in encoded], "token counts")
               for c in run]
+    per_file, offset_in_file = [0] * len(plan.names), []
+    for (f, *_), c in zip(plan.units, counts):
+        offset_in_file.append(per_file[f])
+        per_file[f] += c
     n = sum(counts)
     n_train = int(n * (1.0 - val_fraction))
     if n_train < 2 or n - n_train < 2:
         raise DataError(f"the input has only {n} tokens: too few for a train and a validation "
                         "split; give more text or change --val-fraction")
-    val = val_tokens_per_file(counts, n - n_train)
-    # Files keep their input order inside a split, so this rank's parts of its run of
-    # files are one piece of each split, after the parts of the files before the run.
-    heads = [e.size - v for e, v in zip(encoded, val[first:])]  # each file's train part
-    mine = {"train": [e[:h] for e, h in zip(encoded, heads)],
-            "val": [e[h:] for e, h in zip(encoded, heads)]}
-    before = {"train": sum(counts[:first]) - sum(val[:first]), "val": sum(val[:first])}
+    val = val_tokens_per_file(per_file, n - n_train)
+    train = [min(c, max(0, per_file[f] - val[f] - off))  # each unit's train part
+             for (f, *_), c, off in zip(plan.units, counts, offset_in_file)]
+    # Files keep their input order inside a split, and units inside a file: this rank's
+    # parts of its run of units are one piece of each split, after those of the units
+    # before the run.
+    lo = plan.lo
+    mine = {"train": [e[:t] for e, t in zip(encoded, train[lo:])],
+            "val": [e[t:] for e, t in zip(encoded, train[lo:])]}
+    before = {"train": sum(train[:lo]), "val": sum(counts[:lo]) - sum(train[:lo])}
     local, pieces = {}, {}
     for name in SPLITS:
         chunk = np.concatenate(mine[name]) if mine[name] else np.zeros(0, dtype)
         local[name] = (before[name], memoryview(np.ascontiguousarray(chunk)).cast("B"))
         pieces[name] = crc_pieces(local[name][1], before[name] * dtype.itemsize)
     return _Split(dtype, {"train": n_train, "val": n - n_train},
-                  [(c - v, v) for c, v in zip(counts, val)], local, pieces)
+                  [(c - v, v) for c, v in zip(per_file, val)], local, pieces)
 
 
 def _create_header(tmp: Path, split: _Split, gathered: list, tokenizer_meta: dict,

@@ -259,6 +259,39 @@ def _build_hf(text: str, where: str):
     return tok
 
 
+# End-of-text tokens of common Hugging Face tokenizers, in the order they are looked for.
+HF_END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def document_separator(tok) -> list[int]:
+    """What ``prepare`` puts before each document of a records file: the tokenizer's
+    end-of-text token where it has one (GPT-2's ``<|endoftext|>``, a Hugging Face
+    tokenizer's first of ``HF_END_OF_TEXT``), else a newline (char, byte)."""
+    if isinstance(tok, GPT2Tokenizer):
+        return [tok.encoding.eot_token]
+    if isinstance(tok, HFTokenizer):
+        for name in HF_END_OF_TEXT:
+            found = tok.tokenizer.token_to_id(name)
+            if found is not None:
+                return [found]
+    return [int(i) for i in tok.encode("\n")]
+
+
+def encode_documents(tok, docs: list[str], separator: list[int]) -> np.ndarray:
+    """``separator`` then the tokens of each document, for every document (uint32).
+    Each document is encoded on its own, so a document's tokens never depend on where a
+    batch or a rank's share begins."""
+    if isinstance(tok, GPT2Tokenizer):  # one list for the batch: no array per document
+        encode, ids = tok.encoding.encode_ordinary, []
+        for doc in docs:
+            ids += separator
+            ids += encode(doc)
+        return np.array(ids, dtype=np.uint32)
+    sep = np.array(separator, dtype=np.uint32)
+    return np.concatenate([part for doc in docs for part in (sep, tok.encode(doc))]
+                          or [np.zeros(0, np.uint32)]).astype(np.uint32, copy=False)
+
+
 TOKENIZERS = ("byte", "char", "gpt2")
 HF_PREFIX = "hf:"
 

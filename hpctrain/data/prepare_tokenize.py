@@ -1,0 +1,89 @@
+"""Step 3 of ``prepare`` (``prepare.py``): each rank reads its units of work
+(``sources.py``) batch by batch (``records.py``) and keeps only their tokens.
+
+A text file is tokenized whole, with a newline added where it does not end in one (never
+after the last file), as it always was. A records file is a sequence of documents, each
+encoded on its own after the document separator (``tokenizers.document_separator``), so
+the tokens of a unit do not depend on where the units begin: the file is the same for
+any number of ranks.
+
+A character vocabulary is every rank's characters, sorted, so with ``--tokenizer char``
+the units are read twice (characters, then tokens); the newline separates documents and
+is in it whenever a records file is.
+
+Memory per rank: one batch being read (``records.py``: about ``BLOCK_BYTES`` of JSON
+lines, or ``BATCH_ROWS`` rows of Parquet or Arrow; a text file is read whole) with its
+tokens as Python ints, plus the rank's tokens so far at the file's token width (2 bytes
+for GPT-2), which it writes at the end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpctrain.data.format import token_dtype
+from hpctrain.data.prepare_group import attempt
+from hpctrain.data.records import BadRecords, read_unit
+from hpctrain.data.sources import TEXT, Plan
+from hpctrain.data.tokenizers import (CharTokenizer, document_separator, encode_documents,
+                                      make_tokenizer)
+from hpctrain.progress import Progress
+
+
+def tokenize(group, plan: Plan, tokenizer: str, text_field: str, show: bool) -> tuple:
+    """The tokenizer, the token dtype (little-endian), one token array per unit of this
+    rank, and every rank's bad records (the same on every rank)."""
+    tok = None if tokenizer == "char" else attempt(group, lambda: make_tokenizer(tokenizer),
+                                                    "tokenizer")
+    if tok is None:
+        chars = attempt(group, lambda: _characters(plan, text_field), "reading the inputs")
+        union = set().union(*group.allgather("".join(sorted(chars)), "vocabulary"))
+        tok = attempt(group, lambda: CharTokenizer("".join(sorted(union))), "vocabulary")
+    dtype = token_dtype(tok.vocab_size).newbyteorder("<")
+    progress = Progress(len(plan.mine), "tokenize" + (f" (rank 0 of {group.size})"
+                                                      if group.size > 1 else ""), enabled=show)
+    bad = BadRecords()
+    encoded = attempt(group, lambda: _encode_units(tok, dtype, plan, plan.mine, text_field,
+                                                   tokenizer == "byte", bad, progress),
+                      "reading the inputs")
+    progress.close()
+    every = group.allgather([bad.count, bad.first], "bad records")
+    return tok, dtype, encoded, BadRecords.merged(every)
+
+
+def _batches(plan: Plan, unit: list[int], text_field: str, bad: BadRecords,
+             raw_text: bool = False):
+    """The batches of documents of one unit; a text file's one document ends in a newline
+    unless it is the last file."""
+    f, start, stop, _ = unit
+    for batch in read_unit(plan.names[f], plan.formats[f], start, stop, text_field, bad,
+                           raw_text):
+        if plan.formats[f] == TEXT:
+            end = b"\n" if raw_text else "\n"
+            if batch[0] and not batch[0].endswith(end) and f != len(plan.names) - 1:
+                batch = [batch[0] + end]
+        yield batch
+
+
+def _characters(plan: Plan, text_field: str) -> set:
+    chars = {"\n"} if plan.has_records else set()
+    for unit in plan.mine:
+        for batch in _batches(plan, unit, text_field, BadRecords()):
+            for doc in batch:
+                chars.update(doc)
+    return chars
+
+
+def _encode_units(tok, dtype, plan: Plan, units: list[list[int]], text_field: str,
+                  raw_text: bool, bad: BadRecords, progress: Progress) -> list[np.ndarray]:
+    separator = document_separator(tok) if plan.has_records else []
+    encoded = []
+    for unit in units:
+        parts = []
+        for batch in _batches(plan, unit, text_field, bad, raw_text):
+            ids = (tok.encode(batch[0]) if plan.formats[unit[0]] == TEXT
+                   else encode_documents(tok, batch, separator))
+            parts.append(np.asarray(ids, dtype=dtype))
+        encoded.append(np.concatenate(parts) if parts else np.zeros(0, dtype))
+        progress.update(1, plan.names[unit[0]].rsplit("/", 1)[-1][:30])
+    return encoded
