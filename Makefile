@@ -107,13 +107,15 @@ test-legs: $(STAMP)
 
 # The benchmarks that train on tiny Shakespeare read it from $HPCTRAIN_SHAKESPEARE
 # (karpathy/char-rnn's data/tinyshakespeare/input.txt; they say so when it is missing).
-bench: $(STAMP)
+# perf/bench_prepare.py tokenizes with GPT-2's BPE: $(GPT2_DATA) puts it in tiktoken's cache.
+bench: $(STAMP) $(GPT2_DATA)
 	$(PY) perf/bench_allreduce.py
 	$(PY) perf/bench_dp.py --end-to-end
 	$(PY) perf/bench_convergence.py
 	$(PY) perf/bench_zero.py
 	$(PY) perf/bench_checkpoint.py
 	$(PY) perf/bench_io.py
+	TIKTOKEN_CACHE_DIR=$(abspath $(VENV))/share/tiktoken $(PY) perf/bench_prepare.py
 	$(PY) perf/bench_pipeline.py
 	$(PY) perf/bench_tp.py
 	$(PY) perf/bench_long_context.py

@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import RESULTS, ROOT, fmt, fmt_spread  # noqa: E402
+from perf.render_data import render_prepare  # noqa: E402
 from perf.render_parallel import render_pipeline, render_tp, render_zero  # noqa: E402
 from perf.results_format import md_table, provenance, ratio_of  # noqa: E402
 
@@ -338,6 +339,7 @@ SECTIONS = {
     "checkpoint": ("Checkpoints", "python perf/bench_checkpoint.py --shakespeare PATH",
                    render_checkpoint),
     "io": ("Data reading", "python perf/bench_io.py --shakespeare PATH", render_io),
+    "prepare": ("Preparing corpora", "python perf/bench_prepare.py", render_prepare),
     "pipeline": ("Pipeline parallelism", "python perf/bench_pipeline.py", render_pipeline),
     "tp": ("Tensor parallelism", "python perf/bench_tp.py --shakespeare PATH", render_tp),
     "long_context": ("Long context: chunked loss and recomputation",
