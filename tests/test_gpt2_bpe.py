@@ -125,3 +125,13 @@ def _byte_chars() -> dict[int, str]:
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(0x100 + n) for n, b in enumerate(others)}}
+
+
+def test_records_documents_each_follow_gpt2_end_of_text(gpt2, tmp_path):
+    docs = [FOX, MIXED, "hello <|endoftext|> world", "Hello world"]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare([tmp_path / "c.jsonl"], tmp_path / "g.h5", tokenizer="gpt2", show_progress=False)
+    ds = TokenDataset(tmp_path / "g.h5")
+    got = np.concatenate([ds.read(s, [0], ds.splits[s].n_tokens)[0] for s in ("train", "val")])
+    want = [t for d in docs for t in [50256, *gpt2.encode(d).tolist()]]
+    assert got.tolist() == want  # the marker spelled in a document stays text

@@ -96,3 +96,30 @@ def test_a_damaged_record_is_refused(tmp_path):
 def test_tokenizer_names(name):
     with pytest.raises(DataError, match="choose one of byte, char, gpt2 or hf:DIR"):
         check_tokenizer_name(name)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("special,separator", [("</s>", "the token"), ("<|end|>", "newline")])
+def test_records_documents_follow_the_end_of_text_token_or_a_newline(tmp_path, special,
+                                                                    separator):
+    import json
+
+    import h5py
+
+    tk = pytest.importorskip("tokenizers")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(TEXTS, tk.trainers.BpeTrainer(
+        vocab_size=280, special_tokens=[special],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
+    (tmp_path / "m").mkdir()
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    docs = [t[:60] for t in TEXTS] * 3
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare([tmp_path / "c.jsonl"], tmp_path / "d.h5", tokenizer=f"hf:{tmp_path / 'm'}",
+            show_progress=False)
+    with h5py.File(tmp_path / "d.h5", "r") as f:
+        got = np.concatenate([f["train"][:], f["val"][:]]).tolist()
+    sep = ([tok.token_to_id(special)] if separator == "the token"
+           else tok.encode("\n", add_special_tokens=False).ids)
+    assert got == [t for d in docs for t in sep + tok.encode(d, add_special_tokens=False).ids]
