@@ -175,6 +175,7 @@ BAD_LINES = {
     "null": (b'{"text": null}\n', "field 'text' is null, not a string"),
     "not an object": (b'["text"]\n', "a JSON list, not an object"),
     "undecodable bytes": (b'{"text": "caf\xe9"}\n', "undecodable bytes"),
+    "lone surrogate": (b'{"text": "caf\\u00e9 \\ud800"}\n', "undecodable text (a lone surrogate"),
 }
 
 

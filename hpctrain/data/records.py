@@ -11,7 +11,8 @@
 
 A text file is one document of the whole file (the format before records existed).
 
-A record that is not a document is a *bad record*: a line that is not UTF-8 or not JSON,
+A record that is not a document is a *bad record*: a line that is not UTF-8 or not JSON
+(or whose string holds a lone surrogate escape, ``"\\ud800"``, which is no text),
 a JSON value that is not an object, an object without the field, a field or a Parquet
 value that is not a string (null included). ``BadRecords`` counts them and keeps the first
 few locations (``file:line N``, ``file:row group G:row R``); ``prepare`` skips or fails
@@ -212,6 +213,11 @@ def _document(line: bytes, text_field: str) -> tuple[str | None, str | None]:
     value = obj[text_field]
     if not isinstance(value, str):
         return None, f"field {text_field!r} is {_json_type(value)}, not a string"
+    if b"\\u" in line and not value.isascii():  # only an escape can make a lone surrogate
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return None, f"undecodable text (a lone surrogate escape at character {e.start})"
     return value, None
 
 
