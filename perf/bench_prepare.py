@@ -243,8 +243,8 @@ def summarize(runs: dict, tokens: dict) -> tuple[list, dict]:
                     "pool_parent_peak_rss": parent, "pool_worker_peak_rss": worker,
                     "rounds": by}
         rows.append([kind, n, fmt_spread(ours, 1e-6), fmt_spread(pool, 1e-6), fmt(ratio),
-                     fmt(per_cpu[0] / per_cpu[1]), fmt(rank_peak / 2**20), fmt(rank_growth / 2**20), fmt(parent / 2**20),
-                     fmt(worker / 2**20)])
+                     fmt(per_cpu[0] / per_cpu[1]), fmt(rank_peak / 2**20),
+                     fmt(rank_growth / 2**20), fmt(parent / 2**20), fmt(worker / 2**20)])
     return rows, out
 
 
@@ -270,7 +270,8 @@ def main(argv: list[str]) -> None:
     print_table(f"prepare with GPT-2's BPE, million tokens/s, median [min, max] of {rounds} "
                 "rounds; peak RSS in MiB",
                 ["format", "processes", "hpctrain prepare", "process pool (nanoGPT)",
-                 "ratio", "per CPU s", "peak RSS/rank", "growth/rank", "pool parent", "pool worker"], rows)
+                 "ratio", "per CPU s", "peak RSS/rank", "growth/rank", "pool parent",
+                 "pool worker"], rows)
     worst = min(r["ratio"] for r in results.values())
     met = worst >= GOAL
     print(f"\ngoal: hpctrain >= {GOAL}x the process pool at equal process counts: worst "
