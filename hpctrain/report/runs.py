@@ -11,8 +11,9 @@ says which (``started_at``, ``start_step``) and how far into it (``elapsed_s``).
   abandoned (its checkpoints set aside), so they are dropped from the curves. Their time
   stays on the clock: it was spent.
 
-Records written before these fields existed are split where the step goes back, and
-their clock is the sum of their step times.
+Records written before these fields existed are split where the step goes back; such a
+segment is taken to resume after the last earlier step logged before its first one, and
+its clock is the sum of its step times.
 """
 
 from __future__ import annotations
@@ -90,11 +91,12 @@ def split_segments(records: list[dict]) -> list[list[dict]]:
     return segments
 
 
-def _elapsed(segment: list[dict]) -> list[float]:
-    """Seconds into the segment of each record: ``elapsed_s``, else summed step times."""
+def _elapsed(segment: list[dict], resumed_at: int) -> list[float]:
+    """Seconds into the segment of each record: ``elapsed_s``, else the step times
+    summed from the step it resumed at."""
     if all("elapsed_s" in r for r in segment):
         return [float(r["elapsed_s"]) for r in segment]
-    out, t, prev = [], 0.0, segment[0].get("start_step", 0) or 0
+    out, t, prev = [], 0.0, resumed_at
     for r in segment:
         t += (r.get("step_ms") or 0.0) / 1e3 * max(0, r["step"] - prev)
         prev = max(prev, r["step"])
@@ -109,12 +111,13 @@ def join_segments(segments: list[list[dict]]) -> tuple[list[dict], dict | None]:
     offset = 0.0
     for index, segment in enumerate(segments):
         resumed_at = segment[0].get("start_step")
-        if resumed_at is None:  # older records: the segment's first step is new
-            resumed_at = segment[0]["step"] - 1
+        if resumed_at is None:  # older records: from the last earlier step logged before
+            resumed_at = max((r["step"] for r in kept if r["step"] < segment[0]["step"]),
+                             default=0)
         kept = [r for r in kept if r["step"] <= resumed_at]
         if final is not None and final["step"] > resumed_at:
             final = None
-        times = _elapsed(segment)
+        times = _elapsed(segment, resumed_at)
         for r, t in zip(segment, times):
             r = {**r, "wall_s": offset + t, "segment": index}
             if "final_val_loss" in r:
