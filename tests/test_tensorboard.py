@@ -29,6 +29,36 @@ def test_without_the_package_training_is_refused_before_anything_is_written(
     assert not (tmp_path / "run").exists()
 
 
+class RecordingWriter:
+    """Stands in for ``SummaryWriter``: what was called, in order."""
+
+    def __init__(self, **kwargs):
+        self.calls = [("open", kwargs["log_dir"])]
+
+    def add_scalar(self, tag, value, global_step):
+        self.calls.append((tag, value, global_step))
+
+    def flush(self):
+        self.calls.append("flush")
+
+    def close(self):
+        self.calls.append("close")
+
+
+def test_each_record_is_flushed_and_the_end_closes(tmp_path):
+    log = ScalarLog(tmp_path, RecordingWriter)
+    writer = log._writer
+    log.write({"step": 5, "loss": 2.5, "mfu": None, "lr": float("nan"), "elapsed_s": 1.0,
+               "started_at": 9.0, "start_step": 0, "skipped_steps": 0})
+    log.write({"step": 10, "final_val_loss": 2.0})
+    log.close()
+    log.close()  # a second close (an error after the end) does nothing
+    assert writer.calls == [("open", str(tmp_path)), ("loss", 2.5, 5), ("elapsed_s", 1.0, 5),
+                            ("skipped_steps", 0, 5), "flush", ("final_val_loss", 2.0, 10),
+                            "flush", "close"]
+    ScalarLog(None).write({"step": 1, "loss": 1.0})  # other ranks: nothing, no package
+
+
 def _events(directory) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -51,7 +51,9 @@ class ScalarLog:
         self._writer = None
         if directory is not None:
             writer_class = writer_class or summary_writer_class()
-            self._writer = writer_class(log_dir=str(directory))
+            # Flushed by ``write`` at every log interval, not on the writer's own timer.
+            self._writer = writer_class(log_dir=str(directory), max_queue=10_000,
+                                        flush_secs=24 * 3600)
 
     def write(self, record: dict) -> None:
         """One ``metrics.jsonl`` record: each finite number at ``record["step"]``."""
