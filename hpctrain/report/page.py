@@ -38,8 +38,8 @@ def _images(runs: list[Run], plot_dir: Path) -> list[tuple]:
     """Draw each plot; return the page's blocks for them (a note where the runs hold
     nothing for a plot yet)."""
     blocks = [("h2", "Loss"),
-              ("img", plots.loss_vs_step(runs, plot_dir / "loss_step.png"), "loss vs step"),
-              ("img", plots.loss_vs_time(runs, plot_dir / "loss_time.png"), "loss vs time"),
+              ("img", plots.loss(runs, plot_dir / "loss_step.png", "step"), "loss vs step"),
+              ("img", plots.loss(runs, plot_dir / "loss_time.png", "wall_s"), "loss vs time"),
               ("h2", "Throughput and MFU"),
               ("img", plots.throughput(runs, plot_dir / "throughput.png"), "throughput")]
     finished = [r for r in runs if r.summary]

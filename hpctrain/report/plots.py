@@ -54,19 +54,21 @@ def _loss(runs: list[Run], ax, x: str) -> None:
     _legend(ax)
 
 
-def loss_vs_step(runs: list[Run], path: Path) -> Path:
-    fig, ax = pyplot().subplots(figsize=(7, 4.2))
-    _loss(runs, ax, "step")
-    ax.set_xlabel("step")
-    ax.set_title("loss against step (star: whole validation split)")
-    return save_figure(fig, path)
+LOSS_AXES = {
+    "step": ("step", "loss against step (star: whole validation split)"),
+    "wall_s": ("training time, s (segments of a resumed run joined)",
+               "loss against wall-clock time"),
+}
+"""The loss plot's x field -> (axis label, title)."""
 
 
-def loss_vs_time(runs: list[Run], path: Path) -> Path:
+def loss(runs: list[Run], path: Path, x: str) -> Path:
+    """Loss against ``x``: ``step`` or ``wall_s`` (a key of ``LOSS_AXES``)."""
     fig, ax = pyplot().subplots(figsize=(7, 4.2))
-    _loss(runs, ax, "wall_s")
-    ax.set_xlabel("training time, s (segments of a resumed run joined)")
-    ax.set_title("loss against wall-clock time")
+    _loss(runs, ax, x)
+    label, title = LOSS_AXES[x]
+    ax.set_xlabel(label)
+    ax.set_title(title)
     return save_figure(fig, path)
 
 
