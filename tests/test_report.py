@@ -124,6 +124,12 @@ def test_two_runs_overlaid_on_one_page_without_torch_or_mpi(tmp_path):
 def test_a_run_still_going_is_drawn_from_its_records(tmp_path):
     path = write_run(tmp_path / "going", segment(range(10, 51, 10), 1.0, 0),
                      tail='{"step": 60, "lo')
+    step_dir = path / "checkpoints" / "step_000040"
+    step_dir.mkdir(parents=True)
+    (path / "checkpoints" / "latest").write_text("step_000040\n")
+    (step_dir / "manifest.json").write_text(json.dumps(
+        {"world_size": 4, "config": summary(2, 2, 1, 40)["config"]}))
+    assert read_run(path).label == "going: dp=2 pp=2 tp=1 zero=1, gpt 2x32"
     page = build_report([path])
     assert page == path / "report" / "report.html"
     text = page.read_text()
@@ -150,6 +156,11 @@ def test_the_overlay_draws_one_line_per_run_and_segment(tmp_path):
     assert list(lines[2].get_xdata()) == [r["wall_s"] for r in runs[1].records
                                           if r["segment"] == 1]
     pyplot().close(fig)
+
+
+def test_a_summary_of_an_earlier_segment_is_noted(tmp_path):
+    path = write_run(tmp_path / "r", segment(range(10, 61, 10), 1.0, 0), summary(1, 1, 0, 40))
+    assert any("earlier segment (step 40)" in n for n in read_run(path).notes)
 
 
 def test_memory_per_rank_comes_from_every_rank(tmp_path):

@@ -179,6 +179,10 @@ def read_run(path: str | Path) -> Run:
     if not steps:
         notes.append(f"{path}: no step logged yet")
     summary = _read_json(path / SUMMARY)
+    if summary and steps and isinstance(summary.get("steps"), int) \
+            and summary["steps"] < steps[-1]["step"]:
+        notes.append(f"{path}: summary.json is from an earlier segment (step "
+                     f"{summary['steps']}); its phases and memory describe that one")
     config, world = _config_record(path, summary)
     return Run(path, layout_label(path.name, config, world), steps, final, summary,
                len(segments), notes)
