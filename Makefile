@@ -73,6 +73,7 @@ $(GPT2_DATA): | $(STAMP)
 # make run RECIPE=gpt2-124m NP=<GPUs> (GPT-2 tokens; PyPI's torch for Linux is a CUDA build)
 run: $(STAMP) $(if $(filter gpt2-124m,$(RECIPE)),$(GPT2_DATA),$(DATA))
 	$(RUN_ENV) timeout $(TIME_LIMIT) $(MPIEXEC) -n $(NP) $(VENV)/bin/hpctrain train $(RECIPE) --train.overwrite=true $(ARGS)
+	@echo "plots of this run: $(VENV)/bin/hpctrain report $$($(PY) -c 'import sys; from hpctrain.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).train.out_dir)' $(RECIPE) $(ARGS))"
 
 # The suite in legs (tests/run_legs.py runs them, tests/README.md lists what each holds):
 #   make test       the tests that are not `slow`: single-process ones beside the MPI tests
@@ -98,7 +99,7 @@ test-slow: $(STAMP)
 	@$(LEGS_RUN) slow
 
 test-fast: $(STAMP)
-	@$(MAKE) --no-print-directory test-legs GROUPS=unit+mpi2 SELECT='-m "not slow"'
+	@$(MAKE) --no-print-directory test-legs GROUPS=unit+mpi2 SELECT='-m "not slow and not report"'
 
 .PHONY: test-slow test-legs
 GROUPS ?= unit+mpi2 mpi4
@@ -135,7 +136,7 @@ clean:
 #                    that no leg runs (tests/skip_audit.py, tests/skip_allowlist.txt)
 HF_STAMP := $(VENV)/.installed-hf
 GPT2_BPE := $(VENV)/share/hpctrain/r50k_base.tiktoken
-LEGS ?= unit,slow,mpi2,mpi4,hf,slurm,openmpi-unit,openmpi-mpi2,openmpi-mpi4
+LEGS ?= unit,slow,mpi2,mpi4,hf,slurm,report,openmpi-unit,openmpi-mpi2,openmpi-mpi4
 
 .PHONY: test-hf test-audit test-slurm
 
@@ -164,6 +165,26 @@ test-slurm: $(STAMP)
 	{ export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q $(SLURM_PACKAGES) || \
 	  { apt-get update -q && apt-get install -y -q $(SLURM_PACKAGES); }; }
 	$(RUN_ENV) timeout $(TIME_LIMIT) $(PY) -m tests.slurm_harness -- $(PY) -m pytest -q -m slurm tests/test_slurm_real.py --junitxml=test-reports/slurm.xml
+
+# ---- the report leg: TensorBoard and the report's page in a real browser ------------
+#   make test-report  installs the report extra (tensorboard, selenium) and Debian's
+#                     chromium and chromium-driver if missing (root), then runs the
+#                     `report` tests: TensorBoard's reader against metrics.jsonl, and
+#                     `hpctrain report`'s page in headless chromium (its screenshot is
+#                     kept as test-reports/report-page.png)
+REPORT_STAMP := $(VENV)/.installed-report
+REPORT_PACKAGES ?= chromium chromium-driver
+.PHONY: test-report
+$(REPORT_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,report]'
+	touch $@
+
+test-report: $(REPORT_STAMP)
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	{ export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q $(REPORT_PACKAGES) || \
+	  { apt-get update -q && apt-get install -y -q $(REPORT_PACKAGES); } || \
+	  echo "chromium could not be installed: the browser test skips"; }
+	$(RUN_ENV) timeout $(TIME_LIMIT) $(PY) -m pytest -q -m report tests --junitxml=test-reports/report.xml
 
 test-audit: $(STAMP)
 	$(PY) -m tests.skip_audit --expect $(LEGS) test-reports

@@ -3,7 +3,7 @@ when an earlier one failed, and the last lines say which failed and how long eac
 
     python -m tests.run_legs unit+mpi2 mpi4            # make test
     python -m tests.run_legs slow                       # make test-slow
-    python -m tests.run_legs --select='-m "not slow"' unit+mpi2   # make test-fast
+    python -m tests.run_legs --select='-m "not slow and not report"' unit+mpi2  # test-fast
 
 Each argument is a group of legs joined by ``+`` that run at once (the single-process
 leg keeps one core busy, the 2-rank leg shares the other); groups run one after another.
@@ -13,7 +13,8 @@ single-process reference runs are kept in one temporary directory that every leg
 (``HPCTRAIN_REF_CACHE``, tests/reference.py).
 
 Legs:
-- ``unit``: the single-process tests that are not ``slow``;
+- ``unit``: the single-process tests that are not ``slow`` (nor ``report``: those need
+  the report extra and chromium, ``make test-report`` runs them);
 - ``slow``: the single-process ``slow`` tests (long end-to-end runs: trainings under
   mpiexec, signals, job scripts, scaling studies);
 - ``mpi2``, ``mpi4``: the ``mpi`` tests of ``tests/*_mpi.py`` at 2 and 4 ranks, through
@@ -42,7 +43,8 @@ def leg_command(name: str, select: list[str]) -> tuple[list[str], dict]:
     py = sys.executable
     junit = f"--junitxml={REPORTS / name}.xml"
     if name in ("unit", "slow"):
-        marker = ["-m", "slow"] if name == "slow" else ["-m", "not slow"]
+        # The `report` tests need the report extra and chromium: make test-report.
+        marker = ["-m", "slow and not report" if name == "slow" else "not slow and not report"]
         return [py, "-m", "pytest", "-q", "tests", *marker, *select, junit], {}
     ranks = int(name.removeprefix("mpi"))
     mpi_tests = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("*_mpi.py"))

@@ -1,11 +1,12 @@
 """Find the tests that never run: read every leg's JUnit XML report, fail on a test that
 is skipped in every leg it appears in.
 
-    python -m tests.skip_audit [--expect unit,mpi2,mpi4,hf,slurm] [test-reports]
+    python -m tests.skip_audit [--expect unit,mpi2,mpi4,hf,slurm,report] [test-reports]
 
 Each ``<leg>.xml`` in the folder is one leg of the suite: ``make test`` writes unit, mpi2
 and mpi4, ``make test-hf`` writes hf, ``make test-slurm`` writes slurm (the tests under a
-real one-node Slurm, tests/test_slurm_real.py). A skip in one leg is fine when another leg runs the
+real one-node Slurm, tests/test_slurm_real.py), ``make test-report`` writes report
+(TensorBoard and the run report's page in headless chromium). A skip in one leg is fine when another leg runs the
 test (MPI tests skip in one process, one-process tests skip under mpiexec); a test that
 only ever skips checks nothing, and a skip reason alone does not show it. The audit exits
 1 for such a test unless tests/skip_allowlist.txt names it (tests that no machine of this

@@ -102,6 +102,36 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
 """
 
 
+def processes_under(conf: Path) -> list[int]:
+    """The processes started under the cluster whose configuration is ``conf`` (their
+    environment names it: the daemons pass theirs on to job steps), this one excepted."""
+    marker = f"SLURM_CONF={conf}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or a kernel thread
+            continue
+        if marker in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_leftovers(conf: Path) -> int:
+    """SIGKILL every process still running under the cluster of ``conf`` (a rank whose
+    slurmstepd was stopped keeps running and spinning otherwise); how many."""
+    killed = 0
+    for pid in processes_under(conf):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    return killed
+
+
 class Cluster:
     """The daemons of a one-node cluster under ``root``; ``stop()`` is safe to repeat."""
 
@@ -180,8 +210,9 @@ class Cluster:
         return p.returncode == 0 and bool(p.stdout.strip())
 
     def stop(self) -> None:
-        """Cancel jobs left behind (their slurmstepd outlive slurmd), then stop the
-        daemons by PID, slurmd first; SIGKILL for one that ignores SIGTERM."""
+        """Cancel jobs left behind (their slurmstepd outlive slurmd), stop the daemons by
+        PID, slurmd first (SIGKILL for one that ignores SIGTERM), then kill any process
+        still running under this cluster's configuration."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             subprocess.run(["scancel", "--partition=debug"], env=self.env,
                            capture_output=True, timeout=30)
@@ -198,6 +229,10 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=STOP_TIMEOUT)
+        killed = kill_leftovers(self.conf)
+        if killed:
+            print(f"slurm harness: killed {killed} processes the jobs left running",
+                  file=sys.stderr)
 
 
 def _terminate(signum, frame):

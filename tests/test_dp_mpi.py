@@ -136,10 +136,22 @@ def test_summary_times_the_reductions_of_each_step(mpi_dataset, shared_tmp, allr
                                                   "parallel.allreduce": allreduce,
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
-    Trainer(cfg, cpu_world(COMM), verbose=False).fit()
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
+    trainer.fit()
+    from hpctrain.train.timing import peak_rss_bytes
+
+    # summary.json's memory_by_rank: each rank's own numbers, in rank order.
+    mine = COMM.gather({**trainer.memory().to_dict(), "peak_rss_bytes": peak_rss_bytes()})
     if COMM.rank == 0:
-        phases = json.loads((Path(shared_tmp) / "summary.json").read_text())["timing"][
-            "phases_ms"]
+        summary = json.loads((Path(shared_tmp) / "summary.json").read_text())
+        by_rank = summary["memory_by_rank"]
+        assert len(by_rank) == COMM.size
+        for recorded, now in zip(by_rank, mine):
+            assert {k: v for k, v in recorded.items() if k != "peak_rss_bytes"} == \
+                {k: v for k, v in now.items() if k != "peak_rss_bytes"}
+            assert 0 < recorded["peak_rss_bytes"] <= now["peak_rss_bytes"]
+        assert summary["peak_rss_bytes_max_rank"] == max(r["peak_rss_bytes"] for r in by_rank)
+        phases = summary["timing"]["phases_ms"]
         if allreduce == "mpi":
             assert phases["hooks"] > 0 and phases["wait"] >= 0
             assert phases["hooks"] < phases["backward"]

@@ -1,5 +1,5 @@
 """``hpctrain`` command line: prepare, train, sample, ckpt, jobscript, launch, scale, plan,
-doctor.
+doctor, report.
 
     hpctrain prepare --corpus stdlib --output datasets/stdlib-char.h5
     mpiexec -n 4 hpctrain train default --train.max_iters=200
@@ -11,13 +11,14 @@ doctor.
     hpctrain scale run perf/studies/local.toml && hpctrain scale report runs/study-local
     hpctrain plan --system polaris --nodes 64 --model gpt2-xl
     mpiexec -n 4 hpctrain doctor --json doctor.json   # check a node before training
+    hpctrain report runs/default                        # plots and an HTML page of a run
 
 Errors a user can fix print one message and exit with status 2. MPI is initialized only
 by the subcommands that need it, after the configuration has been validated.
 
 ``COMMANDS`` maps each command's name to its parser and its handler, both in the module
 of its family (``prepare.py``, ``train.py``: train and sample, ``jobs.py``: jobscript and
-launch, ``ckpt.py``, ``scaling.py``: scale and plan, ``doctor.py``). Those modules import
+launch, ``ckpt.py``, ``scaling.py``: scale and plan, ``doctor.py``, ``report.py``). Those modules import
 torch, mpi4py and the package they drive inside their handlers, so that ``--help`` and
 the login-node commands start without them.
 """
@@ -31,6 +32,7 @@ from hpctrain.cli.ckpt import add_ckpt, cmd_ckpt
 from hpctrain.cli.doctor import add_doctor, cmd_doctor
 from hpctrain.cli.jobs import add_jobscript, add_launch, cmd_jobscript, cmd_launch
 from hpctrain.cli.prepare import add_prepare, cmd_prepare
+from hpctrain.cli.report import add_report, cmd_report
 from hpctrain.cli.scaling import add_plan, add_scale, cmd_plan, cmd_scale
 from hpctrain.cli.train import add_sample, add_train, cmd_sample, cmd_train
 from hpctrain.comm.world_check import LaunchMismatch
@@ -63,6 +65,7 @@ COMMANDS: dict[str, Command] = {  # in the order `hpctrain --help` lists them
     "scale": Command(add_scale, cmd_scale),
     "plan": Command(add_plan, cmd_plan),
     "doctor": Command(add_doctor, cmd_doctor),
+    "report": Command(add_report, cmd_report),
 }
 
 

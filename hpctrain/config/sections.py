@@ -210,6 +210,10 @@ class TrainConfig:
     final_eval: bool = opt(True, "evaluate on the whole validation split at the end")
     out_dir: str = opt("runs/default", "where metrics.jsonl, the checkpoint and the "
                                        "sample are written")
+    tensorboard: str = opt("false", "also write metrics.jsonl's numbers as TensorBoard "
+                                    "scalars, from rank 0 (needs `pip install "
+                                    "tensorboard`): 'true' into <out_dir>/tensorboard, a "
+                                    "path into that folder, 'false' not at all")
     seed: int = opt(1337, "seed for initialization and data order",
                    bounds=Bounds(0, 2**64 - 1))  # numpy's SeedSequence, torch.manual_seed
     dtype: str = opt("fp32", "compute precision; bf16 keeps fp32 master weights and Adam "
@@ -274,6 +278,8 @@ class TrainConfig:
     def __post_init__(self):
         _check_fields(self)
         require(self.out_dir != "", "train.out_dir must name a directory")
+        require(self.tensorboard.strip() != "", "train.tensorboard must be true, false or "
+                                                "the folder to write the event files into")
         require(not self.init_from or self.resume in ("", "auto"),
                  f"--train.resume={self.resume} continues a run and --train.init_from="
                  f"{self.init_from} starts a new one from weights; give one of them (or "

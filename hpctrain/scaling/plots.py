@@ -4,23 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpctrain.plotting import pyplot, save_figure
 from hpctrain.scaling.analysis import TOLERANCE, PointResult, efficiency, ideal_throughput
 
 COMPONENTS = ("compute", "comm", "bubble", "data")
 COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "bubble": "#C44E52", "data": "#55A868"}
 
 
-def _plt():
-    import matplotlib  # heavy: only when a report draws its plots
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def throughput(groups: dict[str, list[PointResult]], path: Path, title: str) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, pts) in enumerate(groups.items()):
         ok = [p for p in pts if p.ok]
@@ -37,12 +29,12 @@ def throughput(groups: dict[str, list[PointResult]], path: Path, title: str) -> 
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def efficiency_plot(groups: dict[str, list[PointResult]], scaling: str, path: Path,
                     title: str) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, pts in groups.items():
         eff = efficiency(pts, scaling)
@@ -56,12 +48,12 @@ def efficiency_plot(groups: dict[str, list[PointResult]], scaling: str, path: Pa
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def breakdown(points: list[PointResult], path: Path, title: str) -> Path:
     """Stacked step time per point: the trainer's shares times its median step."""
-    plt = _plt()
+    plt = pyplot()
     ok = [p for p in points if p.ok]
     fig, ax = plt.subplots(figsize=(7, 0.28 * len(ok) + 1.5))
     labels = [p.point for p in ok]
@@ -75,11 +67,11 @@ def breakdown(points: list[PointResult], path: Path, title: str) -> Path:
     ax.set_title(title)
     ax.tick_params(axis="y", labelsize=7)
     ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def prediction(points: list[PointResult], path: Path, title: str) -> Path:
-    plt = _plt()
+    plt = pyplot()
     ok = [p for p in points if p.error is not None]
     fig, ax = plt.subplots(figsize=(5.5, 5))
     xs, ys = [p.step_ms for p in ok], [p.predicted_ms for p in ok]
@@ -97,12 +89,5 @@ def prediction(points: list[PointResult], path: Path, title: str) -> Path:
     ax.set_ylabel("predicted step, ms")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
-
-def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
-    return path

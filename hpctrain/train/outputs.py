@@ -12,6 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
+import numpy as np
 from mpi4py import MPI
 
 from hpctrain.checkpoint.single_file import save_single_file
@@ -43,8 +44,8 @@ class RunOutputs:
         if t.save_checkpoint or t.sample_tokens > 0:
             state = runner.whole_model_state(engine.consolidated_state())
         memory = engine.memory()
-        # The largest rank's peak is what has to fit on a node's share of memory.
-        peak_rss = int(self._sum([peak_rss_bytes()], "peak memory", MPI.MAX)[0])
+        # Every rank's bytes; the largest peak is what has to fit on a node's share.
+        by_rank = self._memory_by_rank(memory)
         timing = self._timing(result)
         undone = ""
         # ZeRO-3 samples from gathered parameters (every rank gathers, rank 0 samples).
@@ -54,7 +55,7 @@ class RunOutputs:
                     self._final_checkpoint(state)
                 if t.sample_tokens > 0 and not self._sample(state, should_stop):
                     undone = "the sample"
-                self._summary(result, memory, peak_rss, timing, skipped, undone)
+                self._summary(result, memory, by_rank, timing, skipped, undone)
         return undone
 
     def _sample(self, state: dict, should_stop) -> bool:
@@ -85,6 +86,16 @@ class RunOutputs:
                                 tokenizer=self.tokenizer.meta())
         self.log(f"checkpoint: {path}")
 
+    def _memory_by_rank(self, memory) -> list[dict]:
+        """Every rank's model-state bytes (``Memory``) and peak RSS, in rank order: ranks
+        differ (pipeline stages hold different layers; ZeRO shards round up)."""
+        mine = {**memory.to_dict(), "peak_rss_bytes": peak_rss_bytes()}
+        keys = list(mine)
+        table = np.zeros((self.world.size, len(keys)), dtype=np.int64)
+        table[self.world.rank] = [int(mine[k]) for k in keys]
+        table = self._sum(table.ravel(), "memory per rank").reshape(table.shape)
+        return [{k: int(v) for k, v in zip(keys, row)} for row in table]
+
     def _timing(self, result: TrainResult) -> dict:
         """Step-time summary, with each time share averaged over the ranks (pipeline
         stages wait differently: the first stage idles at the end of a step, the last
@@ -105,7 +116,7 @@ class RunOutputs:
                                    for k, v in zip(names, per_rank)}
         return timing
 
-    def _summary(self, result: TrainResult, memory, peak_rss: int, timing: dict,
+    def _summary(self, result: TrainResult, memory, by_rank: list[dict], timing: dict,
                  skipped: int, undone: str) -> None:
         t = self.cfg.train
         steps = result.step_times
@@ -116,10 +127,11 @@ class RunOutputs:
             "tokens_per_s": result.tokens_per_s,
             "step_ms_median": 1e3 * statistics.median(steps) if steps else None,
             "timing": timing,
-            "peak_rss_bytes_max_rank": peak_rss,
+            "peak_rss_bytes_max_rank": max(r["peak_rss_bytes"] for r in by_rank),
             "flops_per_token": self.facts["flops_per_token"],
             "peak_tflops": self.facts["peak"].tflops, "peak": self.facts["peak"].to_dict(),
             "params": self.facts["params"], "memory_per_rank": memory.to_dict(),
+            "memory_by_rank": by_rank,
             "grid": {"dp": self.grid.dp, "pp": self.grid.pp, "tp": self.grid.tp,
                      "sequence_parallel": self.cfg.parallel.sequence_parallel},
             "skipped_steps": skipped,

@@ -33,7 +33,8 @@ from hpctrain.comm.world import World
 from hpctrain.train.rundir_lock import RunDirError, RunDirLock, describe
 
 # What a run writes into its out_dir; any of them means an earlier run was here.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "final.h5", "sample.txt")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "final.h5", "sample.txt",
+               "tensorboard", "report")
 
 
 def earlier_outputs(out_dir: Path) -> list[str]:

@@ -40,6 +40,7 @@ from hpctrain.train.saving import CheckpointSaver
 from hpctrain.train.schedule import learning_rate
 from hpctrain.train.start import load_starting_point
 from hpctrain.train.stop import SignalFlag, StopAgreement
+from hpctrain.train.tensorboard import ScalarLog, summary_writer_class, tensorboard_dir
 from hpctrain.train.timing import PhaseClock
 
 
@@ -55,6 +56,9 @@ class Trainer:
         self._stop: StopAgreement | None = None
         self._closed = False
         check_layout(cfg, world.size)
+        # Refused on every rank alike, before anything is claimed or written.
+        self._tensorboard = tensorboard_dir(cfg.train.tensorboard, cfg.train.out_dir)
+        self._writer_class = summary_writer_class() if self._tensorboard else None
         # Before anything is written: one run per out_dir (rundir.py).
         self.lock = claim_run_dir(Path(cfg.train.out_dir), cfg.train.resume,
                                   cfg.train.overwrite, world)
@@ -99,6 +103,10 @@ class Trainer:
                                          self.gpt_cfg.shape(), self.tokenizer.meta())
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
                                   append=self.start.step > 0)
+        self.scalars = ScalarLog(self._tensorboard if world.is_root else None,
+                                 self._writer_class)
+        self._segment = {"started_at": 0.0, "start_step": self.start.step}  # set by _fit
+        self._t0 = time.perf_counter()
         self.finished_before = self._finished_before()
         if world.is_root and not self.finished_before:
             clear_status(self.out_dir)  # this run's end will say how it went
@@ -210,6 +218,7 @@ class Trainer:
         bar = Progress(t.max_iters - self.start.step, "train",
                        enabled=self.log_enabled and t.progress)
         start = time.perf_counter()
+        self._segment["started_at"], self._t0 = round(time.time(), 3), start
         self._loop(result, bar, stop)
         bar.close()
         self.saver.finish_pending()
@@ -239,7 +248,7 @@ class Trainer:
             result.final_val_loss = self.evaluator.whole_split(stop)
             if result.final_val_loss is None:
                 return self._stopped_after_training(result, "the final evaluation")
-            self.metrics.write({"step": t.max_iters, "final_val_loss": result.final_val_loss})
+            self._write_record({"step": t.max_iters, "final_val_loss": result.final_val_loss})
             self._log(f"final validation loss over the whole split: {result.final_val_loss:.4f}")
             if stop.now("after the final evaluation"):
                 return self._stopped_after_training(result, "final.h5 and the sample")
@@ -325,7 +334,7 @@ class Trainer:
             if is_eval:
                 record["val_loss"] = result.val_losses[done] = self.evaluator.estimate()
                 self._log(f"step {done}: val loss {record['val_loss']:.4f}", bar)
-            self.metrics.write(record)
+            self._write_record(record)
             bar.update(1, bar_text(record), force=True)
             if stopping:
                 result.stopped_at = done
@@ -338,6 +347,16 @@ class Trainer:
             elif is_ckpt:
                 self.saver.save(done, background=t.ckpt_background)
             window.restart()
+
+    def _write_record(self, record: dict) -> None:
+        """Rank 0: one record into metrics.jsonl (and TensorBoard), with where it sits in
+        time: ``elapsed_s`` since this process's first step, ``started_at`` (the Unix
+        time of that step) and ``start_step`` (the step it started from). A resumed run
+        appends a segment of its own; `hpctrain report` joins segments by these fields
+        (docs/design/run-report.md)."""
+        record = {**record, "elapsed_s": time.perf_counter() - self._t0, **self._segment}
+        self.metrics.write(record)
+        self.scalars.write(record)
 
     # -------------------------------------------------------------- the end
     def close(self) -> None:
@@ -354,10 +373,12 @@ class Trainer:
             self.batches.close()
             self.grid.close()
             self.metrics.close()
+            self.scalars.close()
         finally:
             self._release_own()
 
     def _release_own(self) -> None:
+        self.scalars.close()  # on an error too: what was logged stays readable
         if self._own_signals:
             self.signals.restore()
         self.lock.release()

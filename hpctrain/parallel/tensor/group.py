@@ -17,7 +17,9 @@ Two ways to move the bytes, as for the gradients (``comm/transport.py``):
 Each collective is a torch custom operator (``hpctrain::tp_*``) with a shape-only
 ("fake") implementation, so ``torch.compile`` keeps a block with its collectives in one
 graph instead of breaking it at each one; recomputation (``--model.recompute``) then
-replays the same graph. The operator finds its group by a number (``GROUPS``).
+replays the same graph. The operator finds its group by a number (``GROUPS``), which
+holds the groups weakly: a group lives as long as the layers that use it, and numbers
+are never reused, so a compiled graph never reaches another group under its number.
 
 Sums run in fp32 where the library would otherwise add bf16 on the host (MPI has no
 bf16 type; gloo's bf16 sum is not what the single-process model rounds); NCCL and
@@ -25,6 +27,9 @@ oneCCL sum bf16 natively, as Megatron-LM lets them.
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 from mpi4py import MPI
@@ -34,8 +39,9 @@ from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 
 
-GROUPS: dict[int, "TensorParallelGroup"] = {}
-"""Every group of this process by its key, for the operators below."""
+GROUPS: "weakref.WeakValueDictionary[int, TensorParallelGroup]" = weakref.WeakValueDictionary()
+"""Every live group of this process by its key, for the operators below."""
+_NEXT_KEY = itertools.count()
 
 
 class TensorParallelGroup:
@@ -54,7 +60,7 @@ class TensorParallelGroup:
 
             self.process_group = device_collectives.group_for(comm, "tensor")
             self.backend = torch.distributed.get_backend(self.process_group)
-        self.key = len(GROUPS)
+        self.key = next(_NEXT_KEY)
         GROUPS[self.key] = self
 
     def allreduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -3,12 +3,17 @@
 One structure, two renderers: the two files can never say different things.
 Blocks: ``("h1"|"h2"|"p", text)``, ``("table", headers, rows)``, ``("img", path, alt)``,
 ``("list", items)``. Text may hold ``**bold**`` and ``code`` spans (backticks).
+An image's path is relative to the report's folder; ``to_html(..., embed_from=folder)``
+puts each PNG into the page itself (a ``data:`` URI), so that the page is one file that
+shows its plots anywhere, offline, mailed or copied away from its folder.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import re
+from pathlib import Path
 
 
 def to_markdown(blocks: list[tuple]) -> str:
@@ -46,7 +51,16 @@ STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0
          "code{background:#f4f4f4}")
 
 
-def to_html(blocks: list[tuple], title: str) -> str:
+def _image_source(path: str, embed_from: Path | None) -> str:
+    if embed_from is None:
+        return html.escape(path)
+    data = base64.b64encode((Path(embed_from) / path).read_bytes()).decode("ascii")
+    return f"data:image/png;base64,{data}"
+
+
+def to_html(blocks: list[tuple], title: str, embed_from: Path | None = None) -> str:
+    """Standalone HTML; with ``embed_from`` (the folder image paths are relative to) each
+    image is embedded in the page instead of linked."""
     out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
            f"</title><style>{STYLE}</style></head><body>"]
     for b in blocks:
@@ -63,7 +77,8 @@ def to_html(blocks: list[tuple], title: str) -> str:
                            for row in b[2])
             out.append(f"<table><tr>{head}</tr>{rows}</table>")
         elif kind == "img":
-            out.append(f"<p><img src='{html.escape(b[1])}' alt='{html.escape(b[2])}'></p>")
+            src = _image_source(b[1], embed_from)
+            out.append(f"<p><img src='{src}' alt='{html.escape(b[2])}'></p>")
         else:
             raise ValueError(f"unknown block {kind!r}")
     out.append("</body></html>")

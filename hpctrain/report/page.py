@@ -1,0 +1,91 @@
+"""Write a report: the PNGs into ``OUT/plots/`` and ``OUT/report.html`` with every image
+embedded (one file: it opens offline and can be mailed or copied anywhere). Only these
+files are written; nothing else in OUT is touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpctrain.document import to_html
+from hpctrain.errors import UserError
+from hpctrain.report import plots
+from hpctrain.report.runs import Run, read_run
+
+PAGE = "report.html"
+
+
+def _f(x, fmt: str = "{:.4f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def run_table(runs: list[Run]) -> tuple[list, list]:
+    headers = ["run", "status", "last step", "segments", "last loss", "whole-split val loss",
+               "tokens/s (last)", "step ms (median)", "folder"]
+    rows = []
+    for run in runs:
+        last = run.records[-1] if run.records else {}
+        s = run.summary or {}
+        status = s.get("status") or "running or stopped (no summary.json)"
+        rows.append([run.label, status, last.get("step", "-"), run.segments,
+                     _f(last.get("loss")), _f((run.final or {}).get("final_val_loss")),
+                     _f(last.get("tokens_per_s"), "{:,.0f}"), _f(s.get("step_ms_median"),
+                                                                 "{:.1f}"),
+                     f"`{run.path}`"])
+    return headers, rows
+
+
+def _images(runs: list[Run], plot_dir: Path) -> list[tuple]:
+    """Draw each plot; return the page's blocks for them (a note where the runs hold
+    nothing for a plot yet)."""
+    blocks = [("h2", "Loss"),
+              ("img", plots.loss(runs, plot_dir / "loss_step.png", "step"), "loss vs step"),
+              ("img", plots.loss(runs, plot_dir / "loss_time.png", "wall_s"), "loss vs time"),
+              ("h2", "Throughput and MFU"),
+              ("img", plots.throughput(runs, plot_dir / "throughput.png"), "throughput")]
+    finished = [r for r in runs if r.summary]
+    blocks.append(("h2", "Step time by phase"))
+    if any((r.summary.get("timing") or {}).get("phases_ms") for r in finished):
+        blocks += [("p", "Median milliseconds of each phase of a step after warm-up, "
+                         "averaged over the ranks (`summary.json` `timing.phases_ms`); "
+                         "`backward` includes the time gradient hooks spend."),
+                   ("img", plots.phases(runs, plot_dir / "phases.png"), "phases")]
+    else:
+        blocks.append(("p", "No `summary.json` with step phases yet: it is written when "
+                            "a run finishes."))
+    blocks.append(("h2", "Memory per rank"))
+    if any(plots.memory_rows(r) for r in finished):
+        blocks += [("p", "Model-state bytes of each rank by part (`memory_by_rank`) and "
+                         "the process's peak resident memory."),
+                   ("img", plots.memory(runs, plot_dir / "memory.png"), "memory")]
+    else:
+        blocks.append(("p", "No `summary.json` with memory yet: it is written when a run "
+                            "finishes."))
+    return blocks
+
+
+def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+    """Read the runs, draw, write the page; return its path. ``out`` defaults to
+    ``RUN/report`` for one run and is required for several."""
+    if not run_dirs:
+        raise UserError("name at least one run directory (a --train.out_dir)")
+    runs = [read_run(d) for d in run_dirs]
+    if out is None:
+        if len(runs) > 1:
+            raise UserError("several runs: name the folder for their report with --out DIR")
+        out = runs[0].path / "report"
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the report folder {out}: {e}; pass another --out") \
+            from None
+    images = _images(runs, out / "plots")
+    blocks = [("h1", "Training report"), ("table", *run_table(runs)), *images]
+    notes = [n for r in runs for n in r.notes]
+    if notes:
+        blocks += [("h2", "Notes"), ("list", notes)]
+    blocks = [("img", str(Path(b[1]).relative_to(out)), b[2]) if b[0] == "img" else b
+              for b in blocks]
+    page = out / PAGE
+    page.write_text(to_html(blocks, "hpctrain report", embed_from=out))
+    return page

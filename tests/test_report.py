@@ -1,0 +1,173 @@
+"""``hpctrain report``: reading a run (a record still being written, a corrupt line),
+joining a resumed run's segments, labels, and the page with every plot embedded."""
+
+import base64
+import json
+import re
+import sys
+
+import pytest
+
+from hpctrain.cli.dispatch import main
+from hpctrain.report.page import build_report
+from hpctrain.report.runs import join_segments, read_run, split_segments
+from tests.helpers import run as run_command
+from tests.report_runs import (finished_run, resumed_run, segment, step_record, summary,
+                               write_run)
+
+PLOTS = ("loss_step", "loss_time", "throughput", "phases", "memory")
+
+
+def test_a_resumed_run_is_joined_on_one_clock_and_the_later_segment_wins(tmp_path):
+    run = read_run(resumed_run(tmp_path / "r"))
+    assert run.segments == 2
+    assert [r["step"] for r in run.records] == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
+    # Steps 50 and 60 come from the second segment (it resumed from step 40).
+    assert all(r["started_at"] == 5000.0 for r in run.records if r["step"] > 40)
+    # The clock runs on: the second segment starts where the first one's last record was.
+    first_end = 60 * 0.1
+    by_step = {r["step"]: r["wall_s"] for r in run.records}
+    assert by_step[40] == pytest.approx(4.0)
+    assert by_step[50] == pytest.approx(first_end + 1.0)
+    assert by_step[100] == pytest.approx(first_end + 6.0)
+    walls = [r["wall_s"] for r in run.records]
+    assert walls == sorted(walls)
+    assert run.label == "r: dp=1 pp=2 tp=1 zero=0, gpt 2x32"
+
+
+def test_a_final_evaluation_abandoned_by_a_resume_is_dropped():
+    first = segment(range(10, 41, 10), 1.0, 0) + [
+        {"step": 40, "final_val_loss": 2.5, "elapsed_s": 5.0, "started_at": 1.0,
+         "start_step": 0}]
+    second = segment(range(30, 61, 10), 2.0, 20)
+    steps, final = join_segments(split_segments(first + second))
+    assert final is None and [r["step"] for r in steps] == [10, 20, 30, 40, 50, 60]
+    steps, final = join_segments(split_segments(first))
+    assert final["final_val_loss"] == 2.5 and final["wall_s"] == 5.0
+
+
+def test_records_without_segment_fields_split_where_the_step_goes_back():
+    old = [{k: v for k, v in step_record(s, 0, 0, 0).items()
+            if k not in ("elapsed_s", "started_at", "start_step")} for s in (10, 20, 30, 20, 30)]
+    segments = split_segments(old)
+    assert [[r["step"] for r in s] for s in segments] == [[10, 20, 30], [20, 30]]
+    steps, _ = join_segments(segments)
+    # The second segment resumed after step 10 (the last step before its first one): its
+    # 20 and 30 replace the first's. The clock: 100 ms per step, segments end to end.
+    assert [(r["step"], r["segment"]) for r in steps] == [(10, 0), (20, 1), (30, 1)]
+    assert [round(r["wall_s"], 6) for r in steps] == [1.0, 4.0, 5.0]
+
+
+def test_a_record_still_being_written_is_skipped_and_noted(tmp_path):
+    path = write_run(tmp_path / "going", segment(range(10, 31, 10), 1.0, 0),
+                     tail='{"step": 40, "lo')
+    run = read_run(path)
+    assert [r["step"] for r in run.records] == [10, 20, 30] and run.summary is None
+    assert any("partial last line" in n for n in run.notes)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "is not a directory"),
+    ("empty_dir", "holds no metrics.jsonl"),
+    ("corrupt", "line 2"),
+    ("not_a_record", "line 1"),
+])
+def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, case, message):
+    path = tmp_path / case
+    if case == "empty_dir":
+        path.mkdir()
+    elif case == "corrupt":
+        write_run(path, segment([10], 1.0, 0), tail='{"step": 20, oops}\n')
+    elif case == "not_a_record":
+        write_run(path, [], tail='[1, 2]\n')
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not (path / "report").exists() or case != "corrupt"
+
+
+def test_several_runs_need_an_out_folder(tmp_path, capsys):
+    a, b = finished_run(tmp_path / "a"), finished_run(tmp_path / "b")
+    assert main(["report", str(a), str(b)]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_two_runs_overlaid_on_one_page_without_torch_or_mpi(tmp_path):
+    """The command end to end, as a user runs it: every plot a PNG, the page holds them
+    all (no file or network reference), and neither torch nor mpi4py is imported."""
+    a = finished_run(tmp_path / "dp2", dp=2)
+    b = resumed_run(tmp_path / "pp2")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("kept")
+    p = run_command([sys.executable, "-X", "importtime", "-m", "hpctrain", "report", str(a),
+                     str(b), "--out", str(tmp_path / "out")])
+    assert p.returncode == 0, p.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "hpctrain.report.plots" in imported
+    assert sorted(m for m in imported if m.split(".")[0] in ("torch", "mpi4py")) == []
+    out = tmp_path / "out"
+    assert (out / "mine.txt").read_text() == "kept"
+    for name in PLOTS:
+        assert (out / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "report.html").read_text()
+    sources = re.findall(r"<img src='([^']*)'", page)
+    assert len(sources) == len(PLOTS)
+    for src in sources:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:4] == b"\x89PNG"
+    assert not re.search(r"(src|href)=['\"](?!data:)", page)  # nothing fetched
+    for label in ("dp2: dp=2 pp=1 tp=1 zero=0", "pp2: dp=1 pp=2 tp=1 zero=0"):
+        assert label in page
+
+
+def test_a_run_still_going_is_drawn_from_its_records(tmp_path):
+    path = write_run(tmp_path / "going", segment(range(10, 51, 10), 1.0, 0),
+                     tail='{"step": 60, "lo')
+    step_dir = path / "checkpoints" / "step_000040"
+    step_dir.mkdir(parents=True)
+    (path / "checkpoints" / "latest").write_text("step_000040\n")
+    (step_dir / "manifest.json").write_text(json.dumps(
+        {"world_size": 4, "config": summary(2, 2, 1, 40)["config"]}))
+    assert read_run(path).label == "going: dp=2 pp=2 tp=1 zero=1, gpt 2x32"
+    page = build_report([path])
+    assert page == path / "report" / "report.html"
+    text = page.read_text()
+    assert text.count("<img src='data:image/png;base64,") == 3  # no phases, no memory yet
+    assert "No `summary.json`" not in text and "No <code>summary.json</code>" in text
+    assert "partial last line" in text
+    assert sorted(p.name for p in (path / "report" / "plots").iterdir()) == [
+        "loss_step.png", "loss_time.png", "throughput.png"]
+
+
+def test_the_overlay_draws_one_line_per_run_and_segment(tmp_path):
+    from hpctrain.plotting import pyplot
+    from hpctrain.report import plots
+
+    runs = [read_run(finished_run(tmp_path / "a")), read_run(resumed_run(tmp_path / "b"))]
+    fig, ax = pyplot().subplots()
+    plots._loss(runs, ax, "wall_s")
+    lines = [ln for ln in ax.get_lines() if ln.get_linestyle() == "-"]
+    # a: one segment; b: two, drawn in one colour, one legend entry.
+    assert len(lines) == 3 and lines[1].get_color() == lines[2].get_color()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        runs[0].label, f"{runs[0].label} (validation)", runs[1].label,
+        f"{runs[1].label} (validation)"]
+    assert list(lines[2].get_xdata()) == [r["wall_s"] for r in runs[1].records
+                                          if r["segment"] == 1]
+    pyplot().close(fig)
+
+
+def test_a_summary_of_an_earlier_segment_is_noted(tmp_path):
+    path = write_run(tmp_path / "r", segment(range(10, 61, 10), 1.0, 0), summary(1, 1, 0, 40))
+    assert any("earlier segment (step 40)" in n for n in read_run(path).notes)
+
+
+def test_memory_per_rank_comes_from_every_rank(tmp_path):
+    from hpctrain.report.plots import memory_rows
+
+    run = read_run(write_run(tmp_path / "m", segment([10], 1.0, 0), summary(2, 2, 1, 10)))
+    rows = memory_rows(run)
+    assert [r for r, _ in rows] == ["0", "1", "2", "3"]
+    assert [row["peak_rss_bytes"] >> 20 for _, row in rows] == [400, 401, 402, 403]
+    assert json.loads((tmp_path / "m" / "summary.json").read_text())["world_size"] == 4
