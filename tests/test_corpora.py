@@ -159,6 +159,23 @@ def test_a_file_larger_than_the_bound_streams_in_bounded_memory(tmp_path, monkey
     assert peak < 8 * block, f"peak {peak} bytes while reading {len(docs) * 1000} bytes"
 
 
+def test_a_whole_prepare_keeps_memory_bounded_whatever_the_input_size(tmp_path, monkeypatch):
+    """Read, tokenize, hold until the counts are known, write and verify: none of it
+    holds the rank's tokens in memory (they wait in the spill file beside the output)."""
+    from hpctrain.data import dataset
+
+    block = 64 << 10
+    monkeypatch.setattr(records, "BLOCK_BYTES", block)
+    monkeypatch.setattr(dataset, "_VERIFY_READ_BYTES", block)
+    path = write_records(tmp_path / "big.jsonl", [f"{i} " + "x" * 1000 for i in range(4000)])
+    peak = _peak_bytes(lambda: prepare([path], tmp_path / "out.h5", tokenizer="byte",
+                                       show_progress=False))
+    token_bytes = h5py.File(tmp_path / "out.h5")["train"].nbytes * 10 // 9
+    assert token_bytes > 7 << 20
+    assert peak < 64 * block, f"peak {peak} bytes for {token_bytes} bytes of tokens"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl", "out.h5"]
+
+
 def test_parquet_is_read_in_record_batches_of_bounded_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(records, "BATCH_ROWS", 16)
     path = write_records(tmp_path / "c.parquet", DOCS)  # row groups of 23 rows

@@ -44,8 +44,10 @@ naming the operation. MPI-IO's open and close are blocking collectives, so the r
 meet in a barrier with that deadline just before each. An existing output file is
 replaced only with ``overwrite``; the check comes before anything is written.
 
-Memory per rank is one batch of input being read plus the rank's tokens (the bound is
-in ``prepare_tokenize.py``); a text file is read whole.
+Memory per rank is one batch of input being read and its tokens (the bound is in
+``prepare_tokenize.py``); a text file is read whole. Between steps 3 and 6 a rank's
+tokens wait on disk, in a hidden file beside the output (``spill.py``), so memory does
+not grow with the input.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_bl
                                   create_token_file, crc32_combine, write_manifest)
 from hpctrain.data.prepare_group import Group, Solo, attempt
 from hpctrain.data.prepare_tokenize import tokenize
+from hpctrain.data.spill import TokenSpill
 from hpctrain.data.records import parquet_row_group_bytes, require_extra
 from hpctrain.data.sources import PARQUET, Plan, expand_inputs, file_format, plan_units
 from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
@@ -153,17 +156,19 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction must be between 0 and 1, not {val_fraction}")
     plan = _plan(group, inputs, output, overwrite, text_field)  # 1-2
-    tok, dtype, encoded, bad = tokenize(group, plan, tokenizer, text_field,  # 3
-                                        show_progress and group.rank == 0)
-    if bad.count and on_bad_record == "fail":  # every rank has the same count: all raise
-        raise DataError(f"{bad.message()}; fix them, or leave them out with "
-                        "--on-bad-record=skip")
-    split = _split(group, encoded, plan, val_fraction, dtype)  # 4
-    del encoded
-    gathered = group.allgather(split.pieces, "checksums")  # 5 (rank 0 joins them), 6
-    _write_token_file(group, output, hints, split, lambda tmp: _create_header(
-        tmp, split, gathered, tok.meta(), plan.names, val_fraction))
-    group.barrier("barrier after publishing the file")
+    tok, dtype, spill, bad = tokenize(group, plan, tokenizer, text_field,  # 3
+                                      show_progress and group.rank == 0, output)
+    try:
+        if bad.count and on_bad_record == "fail":  # every rank has the same count
+            raise DataError(f"{bad.message()}; fix them, or leave them out with "
+                            "--on-bad-record=skip")
+        split = _split(group, spill, plan, val_fraction, dtype)  # 4
+        gathered = group.allgather(split.pieces, "checksums")  # 5 (rank 0 joins them), 6
+        _write_token_file(group, output, hints, split, lambda tmp: _create_header(
+            tmp, split, gathered, tok.meta(), plan.names, val_fraction))
+        group.barrier("barrier after publishing the file")
+    finally:
+        spill.remove()
     n_train, n_val = split.n_tokens["train"], split.n_tokens["val"]
     return {"output": str(output), "files": len(plan.names), "tokens": n_train + n_val,
             "train_tokens": n_train, "val_tokens": n_val, "vocab_size": tok.vocab_size,
@@ -200,19 +205,19 @@ class _Split:
     """Tokens of each split in the whole file."""
     source_tokens: list[tuple[int, int]]
     """(train, val) tokens of every input file."""
-    local: dict[str, tuple[int, memoryview]]
-    """Split -> (index of this rank's first token in it, this rank's tokens as bytes)."""
+    local: dict[str, tuple[int, list[memoryview]]]
+    """Split -> (index of this rank's first token in it, this rank's tokens as bytes: views
+    of its spill, which follow each other in the split)."""
     pieces: dict[str, list]
     """Split -> this rank's pieces of the checksum blocks (``crc_pieces``)."""
 
 
-def _split(group, encoded: list[np.ndarray], plan: Plan, val_fraction: float,
+def _split(group, spill: TokenSpill, plan: Plan, val_fraction: float,
            dtype: np.dtype) -> _Split:
     """Step 4: the split, from every unit's token count, and this rank's piece of each
     split with its checksums. A file's tokens are its units' tokens in order, and its
     train part their first tokens: a unit's train part is what of it lies there."""
-    counts = [c for run in group.allgather([int(e.size) for e in encoded], "token counts")
-              for c in run]
+    counts = [c for run in group.allgather(spill.counts, "token counts") for c in run]
     per_file, offset_in_file = [0] * len(plan.names), []
     for (f, *_), c in zip(plan.units, counts):
         offset_in_file.append(per_file[f])
@@ -229,16 +234,32 @@ def _split(group, encoded: list[np.ndarray], plan: Plan, val_fraction: float,
     # parts of its run of units are one piece of each split, after those of the units
     # before the run.
     lo = plan.lo
-    mine = {"train": [e[:t] for e, t in zip(encoded, train[lo:])],
-            "val": [e[t:] for e, t in zip(encoded, train[lo:])]}
+    ranges = {"train": [], "val": []}
+    for start, count, t in zip(spill.unit_starts(), spill.counts, train[lo:]):
+        _add_range(ranges["train"], start, start + t)
+        _add_range(ranges["val"], start + t, start + count)
     before = {"train": sum(train[:lo]), "val": sum(counts[:lo]) - sum(train[:lo])}
     local, pieces = {}, {}
     for name in SPLITS:
-        chunk = np.concatenate(mine[name]) if mine[name] else np.zeros(0, dtype)
-        local[name] = (before[name], memoryview(np.ascontiguousarray(chunk)).cast("B"))
-        pieces[name] = crc_pieces(local[name][1], before[name] * dtype.itemsize)
+        views = [memoryview(spill.tokens(a, b)).cast("B") for a, b in ranges[name]]
+        local[name], pieces[name] = (before[name], views), []
+        pos = before[name] * dtype.itemsize
+        for view in views:
+            pieces[name] += crc_pieces(view, pos)
+            pos += len(view)
     return _Split(dtype, {"train": n_train, "val": n - n_train},
                   [(c - v, v) for c, v in zip(per_file, val)], local, pieces)
+
+
+def _add_range(ranges: list[list[int]], start: int, stop: int) -> None:
+    """Append tokens ``[start, stop)`` of the spill, joined to the last range where they
+    follow it (a file's train parts, and its validation parts, are adjacent there)."""
+    if stop <= start:
+        return
+    if ranges and ranges[-1][1] == start:
+        ranges[-1][1] = stop
+    else:
+        ranges.append([start, stop])
 
 
 def _create_header(tmp: Path, split: _Split, gathered: list, tokenizer_meta: dict,
@@ -302,10 +323,12 @@ def _write_rounds(group, split: _Split, offsets: dict) -> list[list[tuple[int, m
     collective round; every rank makes the same number of rounds (empty ones at the end)."""
     writes = []
     for name in SPLITS:
-        first, data = split.local[name]
+        first, views = split.local[name]
         base = offsets[name] + first * split.dtype.itemsize
-        writes += [(base + k, data[k:k + WRITE_CHUNK_BYTES])
-                   for k in range(0, len(data), WRITE_CHUNK_BYTES)]
+        for data in views:
+            writes += [(base + k, data[k:k + WRITE_CHUNK_BYTES])
+                       for k in range(0, len(data), WRITE_CHUNK_BYTES)]
+            base += len(data)
     rounds = max(group.allgather(len(writes), "write rounds"))
     return [[w] for w in writes] + [[] for _ in range(rounds - len(writes))]
 

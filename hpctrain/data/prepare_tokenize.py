@@ -1,5 +1,6 @@
 """Step 3 of ``prepare`` (``prepare.py``): each rank reads its units of work
-(``sources.py``) batch by batch (``records.py``) and keeps only their tokens.
+(``sources.py``) batch by batch (``records.py``) and keeps only their tokens, on disk
+(``spill.py``).
 
 A text file is tokenized whole, with a newline added where it does not end in one (never
 after the last file), as it always was. A records file is a sequence of documents, each
@@ -13,26 +14,30 @@ is in it whenever a records file is.
 
 Memory per rank: one batch being read (``records.py``: about ``BLOCK_BYTES`` of JSON
 lines, or ``BATCH_ROWS`` rows of Parquet or Arrow; a text file is read whole) with its
-tokens as Python ints, plus the rank's tokens so far at the file's token width (2 bytes
-for GPT-2), which it writes at the end.
+tokens as Python ints. The rank's tokens so far go to its spill file as each batch is
+encoded, whatever the size of its share.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from pathlib import Path
+
 
 from hpctrain.data.format import token_dtype
 from hpctrain.data.prepare_group import attempt
 from hpctrain.data.records import BadRecords, read_unit
 from hpctrain.data.sources import TEXT, Plan
+from hpctrain.data.spill import TokenSpill
 from hpctrain.data.tokenizers import (CharTokenizer, document_separator, encode_documents,
                                       make_tokenizer)
 from hpctrain.progress import Progress
 
 
-def tokenize(group, plan: Plan, tokenizer: str, text_field: str, show: bool) -> tuple:
-    """The tokenizer, the token dtype (little-endian), one token array per unit of this
-    rank, and every rank's bad records (the same on every rank)."""
+def tokenize(group, plan: Plan, tokenizer: str, text_field: str, show: bool,
+             spill_beside: Path) -> tuple:
+    """The tokenizer, the token dtype (little-endian), this rank's tokens unit by unit
+    (a sealed ``TokenSpill`` beside ``spill_beside``: the caller removes it), and every
+    rank's bad records (the same on every rank)."""
     tok = None if tokenizer == "char" else attempt(group, lambda: make_tokenizer(tokenizer),
                                                     "tokenizer")
     if tok is None:
@@ -43,12 +48,22 @@ def tokenize(group, plan: Plan, tokenizer: str, text_field: str, show: bool) -> 
     progress = Progress(len(plan.mine), "tokenize" + (f" (rank 0 of {group.size})"
                                                       if group.size > 1 else ""), enabled=show)
     bad = BadRecords()
-    encoded = attempt(group, lambda: _encode_units(tok, dtype, plan, plan.mine, text_field,
-                                                   tokenizer == "byte", bad, progress),
-                      "reading the inputs")
-    progress.close()
-    every = group.allgather([bad.count, bad.first], "bad records")
-    return tok, dtype, encoded, BadRecords.merged(every)
+    made = []  # the spill, once made: removed on a failure on any rank
+    try:
+        attempt(group, lambda: made.append(TokenSpill(spill_beside, dtype)),
+                "temporary file")
+        spill = made[0]
+        attempt(group, lambda: _encode_units(tok, dtype, plan, plan.mine, text_field,
+                                             tokenizer == "byte", bad, progress, spill),
+                "reading the inputs")
+        attempt(group, spill.seal, "reading the inputs")
+        progress.close()
+        every = group.allgather([bad.count, bad.first], "bad records")
+    except BaseException:
+        for spill in made:
+            spill.remove()
+        raise
+    return tok, dtype, spill, BadRecords.merged(every)
 
 
 def _batches(plan: Plan, unit: list[int], text_field: str, bad: BadRecords,
@@ -75,15 +90,12 @@ def _characters(plan: Plan, text_field: str) -> set:
 
 
 def _encode_units(tok, dtype, plan: Plan, units: list[list[int]], text_field: str,
-                  raw_text: bool, bad: BadRecords, progress: Progress) -> list[np.ndarray]:
+                  raw_text: bool, bad: BadRecords, progress: Progress,
+                  spill: TokenSpill) -> None:
     separator = document_separator(tok) if plan.has_records else []
-    encoded = []
     for unit in units:
-        parts = []
         for batch in _batches(plan, unit, text_field, bad, raw_text):
-            ids = (tok.encode(batch[0]) if plan.formats[unit[0]] == TEXT
-                   else encode_documents(tok, batch, separator))
-            parts.append(np.asarray(ids, dtype=dtype))
-        encoded.append(np.concatenate(parts) if parts else np.zeros(0, dtype))
+            spill.append(tok.encode(batch[0]) if plan.formats[unit[0]] == TEXT
+                         else encode_documents(tok, batch, separator))
+        spill.end_unit()
         progress.update(1, plan.names[unit[0]].rsplit("/", 1)[-1][:30])
-    return encoded
