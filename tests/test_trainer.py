@@ -67,16 +67,20 @@ def test_summary_breaks_each_step_into_phases(dataset_path, tmp_path):
     """summary.json's ``timing.phases_ms``: every phase, which add up to the step (hooks
     are a part of backward); forward, backward and the optimizer take time, a single
     rank neither waits nor reduces."""
-    _train(tiny_config(dataset_path, tmp_path, **{"train.max_iters": 20}))
+    _, result = _train(tiny_config(dataset_path, tmp_path, **{"train.max_iters": 20}))
     timing = json.loads((tmp_path / "summary.json").read_text())["timing"]
     phases = timing["phases_ms"]
     assert set(phases) == {*PHASES, "step"}
     assert min(phases["forward"], phases["backward"], phases["optimizer"]) > 0
     assert phases["wait"] == phases["hooks"] == phases["bubble"] == 0
-    parts = sum(v for k, v in phases.items() if k not in ("hooks", "step"))
-    # Medians of each phase need not add up exactly to the median step.
-    assert parts == pytest.approx(phases["step"], rel=0.2)
-    assert phases["step"] == pytest.approx(timing["step_ms_median"], rel=0.2)
+    assert phases["step"] == pytest.approx(timing["step_ms_median"], rel=1e-9)
+    # No time is counted twice: in every step the measured phases leave a rest ("other")
+    # of at least zero. (Medians of the phases need not add up to the median step, least
+    # of all on a loaded machine, so the sum is checked step by step.)
+    for step in result.phases:
+        measured = sum(v for k, v in step.items() if k not in ("hooks", "other", "step"))
+        assert measured <= step["step"] and step["other"] >= 0
+        assert step["hooks"] <= step["backward"]
 
 
 def test_batch_that_does_not_split_is_refused(dataset_path, tmp_path):
