@@ -205,6 +205,7 @@ def test_export_then_import_is_exact(tmp_path, case):
 
 @pytest.mark.hf
 def test_a_tokenizer_goes_out_as_tokenizer_json_and_comes_back(tmp_path):
+    pytest.importorskip("safetensors")  # the export's weights
     from hpctrain.data.tokenizers import HFTokenizer
 
     vocab = save_tokenizer(tmp_path / "tok")
