@@ -21,18 +21,25 @@ Schedules (p stages, m micro-batches; bubble with unit-time forward and backward
 - ``interleaved`` (Megatron-LM interleaved 1F1B): 1F1B over v chunks per stage, taking
   micro-batches in groups of p. Bubble (p - 1) / (v m + p - 1): v times smaller relative
   to the work, for v times more point-to-point messages. Needs m to be a multiple of p.
+- ``zb-h1`` (zero bubble, ``zero_bubble.py``): the backward split into B (the input's
+  gradient, sent at once) and W (the weights' gradients: ``weight`` actions, run where
+  the stage would wait). With F = B = W the bubble is (p - 1) / (3 m + p - 1), a third
+  of 1F1B's; 1F1B's p - s micro-batches between F and B on stage s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("1f1b", "gpipe", "interleaved")
+from hpctrain.parallel.pipeline.zero_bubble import BACKWARD, FORWARD, WEIGHT, zb_h1_orders
 
-FORWARD, BACKWARD = "forward", "backward"
+KINDS = ("1f1b", "gpipe", "interleaved", "zb-h1")
+SPLIT_BACKWARD = ("zb-h1",)
+"""Schedules whose backward is B then W (``weight`` actions); the others' is fused."""
+
 RECV_ACT, SEND_ACT = "recv_act", "send_act"
 RECV_GRAD, SEND_GRAD = "recv_grad", "send_grad"
-COMPUTE = (FORWARD, BACKWARD)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)
 SENDS = (SEND_ACT, SEND_GRAD)
 RECVS = (RECV_ACT, RECV_GRAD)
 
@@ -40,7 +47,8 @@ RECVS = (RECV_ACT, RECV_GRAD)
 @dataclass(frozen=True)
 class Action:
     op: str
-    """forward, backward, send_act, recv_act, send_grad or recv_grad."""
+    """forward, backward (B only in a split schedule), weight (W), send_act, recv_act,
+    send_grad or recv_grad."""
     micro: int
     chunk: int = 0
     """This stage's local model chunk (0 unless interleaved)."""
@@ -76,6 +84,8 @@ def compute_order(kind: str, n_stages: int, n_micro: int, stage: int,
     """The forward and backward passes of ``stage`` in order: (op, micro, chunk)."""
     check_schedule_args(kind, n_stages, n_micro, virtual)
     p, m, s = n_stages, n_micro, stage
+    if kind in SPLIT_BACKWARD:
+        return zb_h1_orders(p, m)[s]
     if kind == "gpipe":
         return [(FORWARD, i, 0) for i in range(m)] + [(BACKWARD, i, 0) for i in range(m)]
     if kind == "1f1b" or virtual == 1:
@@ -115,6 +125,8 @@ def schedule(kind: str, n_stages: int, n_micro: int, stage: int,
             actions.append(Action(FORWARD, micro, chunk))
             if g < g_last:
                 actions.append(Action(SEND_ACT, micro, chunk, (stage + 1) % p))
+        elif op == WEIGHT:
+            actions.append(Action(WEIGHT, micro, chunk))
         else:
             if g < g_last:
                 actions.append(Action(RECV_GRAD, micro, chunk, (stage + 1) % p))
@@ -169,6 +181,8 @@ class Simulation:
     """Compute time per stage."""
     peak_in_flight: list[int]
     """Most micro-batch chunks forwarded but not yet backwarded, per stage."""
+    timeline: list[list[tuple[float, float, str]]]
+    """Per stage, every pass as (start, end, label), label like ``F3`` (micro-batch 3)."""
 
     @property
     def bubble(self) -> float:
@@ -181,58 +195,87 @@ class Deadlock(RuntimeError):
 
 
 def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
-             t_forward: float = 1.0, t_backward: float = 1.0) -> Simulation:
+             t_forward: float = 1.0, t_backward: float = 1.0,
+             t_weight: float = 0.0) -> Simulation:
     """Run every stage's actions together: compute takes time, a send delivers at once
-    (MPI ``Isend``), a receive waits for its send. Checks each chunk sees each
-    micro-batch forward once and then backward once; raises ``Deadlock`` if no stage can
-    move."""
-    p = n_stages
+    (MPI ``Isend``), a receive waits for its send. ``t_backward`` is B, ``t_weight`` W:
+    a fused backward takes both. Checks each chunk sees each micro-batch forward once,
+    then backward once, then (split schedules) W once; raises ``Deadlock`` if no stage
+    can move. A micro-batch is in flight from its forward to its last backward part."""
+    p, split = n_stages, kind in SPLIT_BACKWARD
     plans = [schedule(kind, p, n_micro, s, virtual) for s in range(p)]
     pos, clock = [0] * p, [0.0] * p
     busy = [0.0] * p
     in_flight, peak = [0] * p, [0] * p
+    timeline: list[list] = [[] for _ in range(p)]
     sent: dict[tuple, float] = {}  # message key -> time it was sent
-    done_fwd: set[tuple] = set()
-    done_bwd: set[tuple] = set()
+    done: dict[str, set] = {FORWARD: set(), BACKWARD: set(), WEIGHT: set()}
+    before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}
+    cost = {FORWARD: t_forward, WEIGHT: t_weight,
+            BACKWARD: t_backward + (0.0 if split else t_weight)}
     while any(pos[s] < len(plans[s]) for s in range(p)):
         moved = False
         for s in range(p):
             while pos[s] < len(plans[s]):
                 a = plans[s][pos[s]]
-                tag = (a.op in SENDS, message_tag(a.op, a.micro, a.chunk, s, p, virtual)) \
-                    if a.op not in COMPUTE else None
                 if a.op in RECVS:
                     key = (s, a.peer, message_tag(a.op, a.micro, a.chunk, s, p, virtual))
                     if key not in sent:
                         break
                     clock[s] = max(clock[s], sent.pop(key))
                 elif a.op in SENDS:
-                    sent[(a.peer, s, tag[1])] = clock[s]
+                    sent[(a.peer, s, message_tag(a.op, a.micro, a.chunk, s, p, virtual))] \
+                        = clock[s]
                 else:
                     key = (a.micro, a.chunk * p + s)
+                    if key in done[a.op] or (a.op in before and key not in done[before[a.op]]):
+                        raise AssertionError(f"stage {s}: {a} runs twice or out of order")
+                    done[a.op].add(key)
                     if a.op == FORWARD:
-                        if key in done_fwd:
-                            raise AssertionError(f"stage {s}: {a} runs twice")
-                        done_fwd.add(key)
                         in_flight[s] += 1
                         peak[s] = max(peak[s], in_flight[s])
-                        cost = t_forward
-                    else:
-                        if key not in done_fwd or key in done_bwd:
-                            raise AssertionError(f"stage {s}: {a} before its forward or twice")
-                        done_bwd.add(key)
+                    elif a.op == WEIGHT or not split:
                         in_flight[s] -= 1
-                        cost = t_backward
-                    clock[s] += cost
-                    busy[s] += cost
+                    timeline[s].append((clock[s], clock[s] + cost[a.op],
+                                        f"{a.op[0].upper()}{a.micro}"))
+                    clock[s] += cost[a.op]
+                    busy[s] += cost[a.op]
                 pos[s] += 1
                 moved = True
         if not moved:
             stuck = {s: str(plans[s][pos[s]]) for s in range(p) if pos[s] < len(plans[s])}
             raise Deadlock(f"{kind} p={p} m={n_micro} v={virtual}: every stage waits: {stuck}")
     expected = {(i, g) for i in range(n_micro) for g in range(p * virtual)}
-    if done_fwd != expected or done_bwd != expected:
-        raise AssertionError("some micro-batch missed a chunk")
+    if any(done[op] != expected for op in ((FORWARD, BACKWARD, WEIGHT) if split
+                                           else (FORWARD, BACKWARD))):
+        raise AssertionError("some micro-batch missed a pass of a chunk")
+    if not split and done[WEIGHT]:
+        raise AssertionError(f"{kind} runs a fused backward but lists weight passes")
     if sent:
         raise AssertionError(f"messages never received: {sorted(sent)[:3]}")
-    return Simulation(makespan=max(clock), busy=busy, peak_in_flight=peak)
+    return Simulation(makespan=max(clock), busy=busy, peak_in_flight=peak,
+                      timeline=timeline)
+
+
+def predicted_bubble(kind: str, n_stages: int, n_micro: int, virtual: int = 1,
+                     t_forward: float = 1.0, t_backward: float = 1.0,
+                     t_weight: float = 1.0) -> float:
+    """The simulator's idle share for these pass times (B and W apart)."""
+    return simulate(kind, n_stages, n_micro, virtual, t_forward=t_forward,
+                    t_backward=t_backward, t_weight=t_weight).bubble
+
+
+def picture(kind: str, n_stages: int, n_micro: int) -> str:
+    """The schedule as text, one row per stage and one column per time unit (F = B = W
+    = 1, a fused backward 2): F, B, W and the micro-batch, ``.`` where the stage idles."""
+    sim = simulate(kind, n_stages, n_micro, t_weight=1.0)
+    rows = []
+    for s, passes in enumerate(sim.timeline):
+        cells, t = [], 0.0
+        for start, end, label in passes:
+            cells += ["."] * round(start - t) + [label] * round(end - start)
+            t = end
+        rows.append(cells)
+    w = max(len(c) for row in rows for c in row)
+    return "\n".join(f"stage {s}: " + " ".join(c.ljust(w) for c in row)
+                     for s, row in enumerate(rows))
