@@ -180,7 +180,12 @@ class Simulation:
     busy: list[float]
     """Compute time per stage."""
     peak_in_flight: list[int]
-    """Most micro-batch chunks forwarded but not yet backwarded, per stage."""
+    """Most micro-batch chunks forwarded but not yet through their whole backward (W
+    included), per stage: the graphs a stage holds at once."""
+    peak_before_input_grad: list[int]
+    """Most micro-batch chunks between their forward and their backward (B), per stage
+    (the count the papers' activation-memory terms use; as ``peak_in_flight`` when the
+    backward is fused)."""
     timeline: list[list[tuple[float, float, str]]]
     """Per stage, every pass as (start, end, label), label like ``F3`` (micro-batch 3)."""
 
@@ -207,6 +212,7 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
     pos, clock = [0] * p, [0.0] * p
     busy = [0.0] * p
     in_flight, peak = [0] * p, [0] * p
+    before_b, peak_b = [0] * p, [0] * p
     timeline: list[list] = [[] for _ in range(p)]
     sent: dict[tuple, float] = {}  # message key -> time it was sent
     done: dict[str, set] = {FORWARD: set(), BACKWARD: set(), WEIGHT: set()}
@@ -233,8 +239,12 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
                     done[a.op].add(key)
                     if a.op == FORWARD:
                         in_flight[s] += 1
+                        before_b[s] += 1
                         peak[s] = max(peak[s], in_flight[s])
-                    elif a.op == WEIGHT or not split:
+                        peak_b[s] = max(peak_b[s], before_b[s])
+                    if a.op == BACKWARD:
+                        before_b[s] -= 1
+                    if a.op == WEIGHT or (a.op == BACKWARD and not split):
                         in_flight[s] -= 1
                     timeline[s].append((clock[s], clock[s] + cost[a.op],
                                         f"{a.op[0].upper()}{a.micro}"))
@@ -254,7 +264,7 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
     if sent:
         raise AssertionError(f"messages never received: {sorted(sent)[:3]}")
     return Simulation(makespan=max(clock), busy=busy, peak_in_flight=peak,
-                      timeline=timeline)
+                      peak_before_input_grad=peak_b, timeline=timeline)
 
 
 def predicted_bubble(kind: str, n_stages: int, n_micro: int, virtual: int = 1,
