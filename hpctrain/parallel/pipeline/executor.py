@@ -315,7 +315,7 @@ class PipelineExecutor:
             walk.before_backward(i == walk.last_backward)
         t0 = time.perf_counter()
         with profile_range(f"backward-weight m{a.micro} c{a.chunk}"):
-            self.accel.autograd(weights.run)
+            self.accel.autograd(lambda: weights.run(lambda: self._drop_finished(walk.sends)))
         self.stats.weight_s += time.perf_counter() - t0
         walk.in_flight -= 1
         if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:

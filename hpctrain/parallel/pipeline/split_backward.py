@@ -79,8 +79,10 @@ class WeightGradients:
         self._groups = groups
         self._fallback = fallback  # (output, gradient, params): no input path, W does all
 
-    def run(self) -> None:
-        """Accumulate every parameter's gradient of this micro-batch into ``.grad``."""
+    def run(self, progress=None) -> None:
+        """Accumulate every parameter's gradient of this micro-batch into ``.grad``.
+        ``progress()`` is called between the groups (the executor tests its messages
+        there, so a send posted after B moves while W computes)."""
         if self._fallback is not None:
             out, grad, params = self._fallback
             torch.autograd.backward(out, grad, inputs=params)
@@ -100,6 +102,8 @@ class WeightGradients:
             finally:
                 for h in pins:
                     h.remove()
+            if progress is not None:
+                progress()
         self._groups, self._fallback = [], None
 
 
