@@ -26,8 +26,9 @@ In one run (8-layer GPT, width 256, block 128, 2 rows per micro-batch, 1 thread/
      torch's zero-bubble schedule (target 1.0x) and our 1F1B, ROUNDS rounds of every job
      in turn. The bubble of our zb-h1 and 1F1B measured (1 - the stages' compute summed
      / (p x the pipeline phase), per step) against the simulator's prediction for the
-     same schedule, with each kind of pass taking its measured mean time (forward, B, W,
-     per micro-batch, mean over stages) and with F = B = W.
+     same schedule, with each stage's passes taking their measured time (forward, B, W,
+     per micro-batch) and in units (``schedules.unit_times``: F = B = W, the first
+     stage's B empty and its W two units).
 
 Pipeline efficiency = (forward + backward seconds of the busiest stage) / (seconds of
 the pipeline phase of the step: from the common start after a barrier to the end of the
@@ -121,17 +122,17 @@ def measured_idle(stages: list[dict], step: int) -> float:
 
 
 def predicted_idle(kind: str, stages: list[dict], m: int) -> float:
-    """The simulator's bubble for ``kind`` with each pass taking its measured time (per
-    micro-batch, median over steps, mean over stages)."""
+    """The simulator's bubble for ``kind`` with each stage's passes taking their measured
+    time (per micro-batch, median over steps)."""
     from hpctrain.parallel.pipeline import schedules as S
 
     def per_pass(key):
-        return statistics.fmean(statistics.median(s[key]) for s in stages) / m
+        return [statistics.median(s[key]) / m for s in stages]
 
-    # A fused backward is backward_s alone (weight_s is 0): pass it as B, W = 0.
-    return S.predicted_bubble(kind, len(stages), m, t_forward=per_pass("forward_s"),
-                              t_backward=per_pass("backward_s"),
-                              t_weight=per_pass("weight_s"))
+    # A fused backward is backward_s alone (weight_s is 0): B, and W = 0.
+    return S.predicted_bubble(kind, len(stages), m, times={
+        "t_forward": per_pass("forward_s"), "t_backward": per_pass("backward_s"),
+        "t_weight": per_pass("weight_s")})
 
 
 def bubble_theory(p: int, m: int, virtual: int = 1) -> float:
@@ -428,7 +429,7 @@ def zero_bubble_rows(records: list[dict]) -> tuple[list[list], list[list]]:
 
 ZB_SPEED_COLUMNS = ["p", "m", "against", "zb-h1 ms", "their ms", "speedup", "target"]
 ZB_BUBBLE_COLUMNS = ["p", "m", "schedule", "measured idle", "predicted (measured passes)",
-                     "predicted (F = B = W)"]
+                     "predicted (unit passes)"]
 
 
 def vs_torch_rows(records: list[dict]) -> list[list]:

@@ -152,9 +152,10 @@ def _render_zero_bubble(d: dict) -> list[str]:
                       speed),
             "Bubble: idle share of all stages (1 - compute summed / (p x pipeline phase)) "
             "measured, against the simulator's prediction for the same schedule with each "
-            "kind of pass (F, B, W) taking its measured mean time, and with F = B = W.", "",
+            "stage's passes (F, B, W) taking their measured time, and in units (F = B = W; "
+            "the first stage's B empty, its W two units).", "",
             *md_table(["p", "m", "schedule", "measured idle", "predicted (measured passes)",
-                       "predicted (F = B = W)"], idle)]
+                       "predicted (unit passes)"], idle)]
 
 
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.parallel.pipeline.zero_bubble import BACKWARD, FORWARD, WEIGHT, zb_h1_orders
+from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, FORWARD, WEIGHT, pass_units,
+                                                    zb_h1_orders)
 
 KINDS = ("1f1b", "gpipe", "interleaved", "zb-h1")
 SPLIT_BACKWARD = ("zb-h1",)
@@ -204,7 +205,7 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
              t_weight: float = 0.0) -> Simulation:
     """Run every stage's actions together: compute takes time, a send delivers at once
     (MPI ``Isend``), a receive waits for its send. ``t_backward`` is B, ``t_weight`` W:
-    a fused backward takes both. Checks each chunk sees each micro-batch forward once,
+    a fused backward takes both (each time: one number, or a list with one per stage). Checks each chunk sees each micro-batch forward once,
     then backward once, then (split schedules) W once; raises ``Deadlock`` if no stage
     can move. A micro-batch is in flight from its forward to its last backward part."""
     p, split = n_stages, kind in SPLIT_BACKWARD
@@ -217,8 +218,9 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
     sent: dict[tuple, float] = {}  # message key -> time it was sent
     done: dict[str, set] = {FORWARD: set(), BACKWARD: set(), WEIGHT: set()}
     before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}
-    cost = {FORWARD: t_forward, WEIGHT: t_weight,
-            BACKWARD: t_backward + (0.0 if split else t_weight)}
+    f, b, w = (_per_stage(t, p) for t in (t_forward, t_backward, t_weight))
+    cost = [{FORWARD: f[s], WEIGHT: w[s], BACKWARD: b[s] + (0.0 if split else w[s])}
+            for s in range(p)]
     while any(pos[s] < len(plans[s]) for s in range(p)):
         moved = False
         for s in range(p):
@@ -246,10 +248,10 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
                         before_b[s] -= 1
                     if a.op == WEIGHT or (a.op == BACKWARD and not split):
                         in_flight[s] -= 1
-                    timeline[s].append((clock[s], clock[s] + cost[a.op],
-                                        f"{a.op[0].upper()}{a.micro}"))
-                    clock[s] += cost[a.op]
-                    busy[s] += cost[a.op]
+                    dt = cost[s][a.op]
+                    timeline[s].append((clock[s], clock[s] + dt, f"{a.op[0].upper()}{a.micro}"))
+                    clock[s] += dt
+                    busy[s] += dt
                 pos[s] += 1
                 moved = True
         if not moved:
@@ -267,18 +269,33 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
                       peak_before_input_grad=peak_b, timeline=timeline)
 
 
+def _per_stage(t, n_stages: int) -> list[float]:
+    return list(t) if isinstance(t, (list, tuple)) else [t] * n_stages
+
+
+def unit_times(n_stages: int) -> dict[str, list[float]]:
+    """``simulate``'s times in units of a forward: B and W one each (a fused backward
+    two), but the first stage's B is empty and its W the whole backward (it has no input
+    gradient to compute)."""
+    units = [pass_units(s) for s in range(n_stages)]
+    return {"t_forward": [u[FORWARD] for u in units],
+            "t_backward": [u[BACKWARD] for u in units],
+            "t_weight": [u[WEIGHT] for u in units]}
+
+
 def predicted_bubble(kind: str, n_stages: int, n_micro: int, virtual: int = 1,
-                     t_forward: float = 1.0, t_backward: float = 1.0,
-                     t_weight: float = 1.0) -> float:
-    """The simulator's idle share for these pass times (B and W apart)."""
-    return simulate(kind, n_stages, n_micro, virtual, t_forward=t_forward,
-                    t_backward=t_backward, t_weight=t_weight).bubble
+                     times: dict | None = None) -> float:
+    """The simulator's idle share: ``times`` as ``simulate``'s keywords (default
+    ``unit_times``)."""
+    return simulate(kind, n_stages, n_micro, virtual,
+                    **(times if times is not None else unit_times(n_stages))).bubble
 
 
 def picture(kind: str, n_stages: int, n_micro: int) -> str:
-    """The schedule as text, one row per stage and one column per time unit (F = B = W
-    = 1, a fused backward 2): F, B, W and the micro-batch, ``.`` where the stage idles."""
-    sim = simulate(kind, n_stages, n_micro, t_weight=1.0)
+    """The schedule as text, one row per stage and one column per time unit
+    (``unit_times``): F, B, W and the micro-batch (a pass of two units shows twice), ``.``
+    where the stage idles."""
+    sim = simulate(kind, n_stages, n_micro, **unit_times(n_stages))
     rows = []
     for s, passes in enumerate(sim.timeline):
         cells, t = [], 0.0

@@ -30,31 +30,44 @@ from __future__ import annotations
 FORWARD, BACKWARD, WEIGHT = "forward", "backward", "weight"
 
 
+def pass_units(stage: int) -> dict[str, int]:
+    """Time units of each pass on ``stage``: one each, but the first stage has no input
+    gradient to compute, so its B is empty and its W is the whole backward."""
+    return {FORWARD: 1, BACKWARD: 0, WEIGHT: 2} if stage == 0 else \
+        {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
+
+
 def zb_h1_orders(n_stages: int, n_micro: int) -> list[list[tuple]]:
     """Every stage's (op, micro, chunk=0) in order, for one step."""
     p, m = n_stages, n_micro
+    units = [pass_units(s) for s in range(p)]
     f_done = [[None] * m for _ in range(p)]  # time step each pass finished
     b_done = [[None] * m for _ in range(p)]
     next_f, next_b = [0] * p, [0] * p
     pending_w: list[list[int]] = [[] for _ in range(p)]
+    free_at = [0] * p
     orders: list[list[tuple]] = [[] for _ in range(p)]
     t = 0
     while any(len(o) < 3 * m for o in orders):
         for s in range(p):
-            b, f = next_b[s], next_f[s]
-            if b < f and (s == p - 1 or _done_by(b_done[s + 1][b], t)):
-                orders[s].append((BACKWARD, b, 0))
-                b_done[s][b] = t + 1
-                next_b[s] += 1
-                pending_w[s].append(b)
-            elif len(pending_w[s]) > p - 1:
-                orders[s].append((WEIGHT, pending_w[s].pop(0), 0))
-            elif f < m and f - b < p - s and (s == 0 or _done_by(f_done[s - 1][f], t)):
-                orders[s].append((FORWARD, f, 0))
-                f_done[s][f] = t + 1
-                next_f[s] += 1
-            elif pending_w[s]:
-                orders[s].append((WEIGHT, pending_w[s].pop(0), 0))
+            while free_at[s] <= t:  # a pass of no time lets the stage choose again
+                b, f = next_b[s], next_f[s]
+                if b < f and (s == p - 1 or _done_by(b_done[s + 1][b], t)):
+                    op, micro = BACKWARD, b
+                    next_b[s] += 1
+                    pending_w[s].append(b)
+                elif len(pending_w[s]) > p - 1:
+                    op, micro = WEIGHT, pending_w[s].pop(0)
+                elif f < m and f - b < p - s and (s == 0 or _done_by(f_done[s - 1][f], t)):
+                    op, micro = FORWARD, f
+                    next_f[s] += 1
+                elif pending_w[s]:
+                    op, micro = WEIGHT, pending_w[s].pop(0)
+                else:
+                    break
+                orders[s].append((op, micro, 0))
+                free_at[s] = t + units[s][op]
+                (f_done if op == FORWARD else b_done)[s][micro] = free_at[s]
         t += 1
     return orders
 
