@@ -309,13 +309,20 @@ class PipelineExecutor:
     def _weight(self, walk: _Walk, i: int, a: S.Action) -> None:
         """W: the parameters' gradients of micro-batch ``a.micro``, into ``.grad``."""
         weights = walk.weights.pop((a.micro, a.chunk))
+        tie = None
         if i == walk.last_backward and walk.tie_recv is not None:
-            self._add_tied_gradient(*walk.tie_recv)
+            # Wait for the head's gradient only when autograd reaches the embedding (the
+            # end of this W), not before it: the last stage sends it after its own last W.
+            tie = self.stage.wte.weight.register_hook(self._tied_gradient_hook(walk.tie_recv))
         if walk.before_backward is not None:
             walk.before_backward(i == walk.last_backward)
         t0 = time.perf_counter()
-        with profile_range(f"backward-weight m{a.micro} c{a.chunk}"):
-            self.accel.autograd(lambda: weights.run(lambda: self._drop_finished(walk.sends)))
+        try:
+            with profile_range(f"backward-weight m{a.micro} c{a.chunk}"):
+                self.accel.autograd(lambda: weights.run(lambda: self._drop_finished(walk.sends)))
+        finally:
+            if tie is not None:
+                tie.remove()
         self.stats.weight_s += time.perf_counter() - t0
         walk.in_flight -= 1
         if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
@@ -369,6 +376,15 @@ class PipelineExecutor:
             wte.grad = buf
         else:
             wte.grad.add_(buf)
+
+    def _tied_gradient_hook(self, tie_recv):
+        """A hook on the embedding's gradient that adds the head's, once it has come."""
+        def add(grad):
+            buf, mpi, req = tie_recv
+            self._wait([req], "receiving the tied-embedding gradient", bubble=False)
+            mpi.complete()
+            return grad + buf
+        return add
 
     def _send_tied_gradient(self, sends: list) -> None:
         st = self.stage
