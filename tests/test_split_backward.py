@@ -123,3 +123,20 @@ def test_a_weight_used_twice_in_one_chunk_is_counted_once_per_use():
     torch.testing.assert_close(dx_split, dx)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_chunked_loss_splits_like_the_whole_one(tie):
+    """``--model.loss_chunk``: the head and loss run in chunks under their own autograd
+    function; B and W still give the fused backward's gradients."""
+    cfg = GPTConfig(vocab_size=40, block_size=12, n_layer=4, n_head=2, n_embd=16,
+                    loss_chunk=8, tie_embeddings=tie)
+    torch.manual_seed(0)
+    st = PipelineStage(GPT(cfg), 1, 2)
+    x, y = torch.randn(2, 12, 16), torch.randint(0, 40, (2, 12))
+    dx, grads, _ = _run(st, x, y, split=False)
+    dx_split, grads_split, fired = _run(st, x, y, split=True)
+    torch.testing.assert_close(dx_split, dx)
+    for g, g_split in zip(grads, grads_split):
+        torch.testing.assert_close(g_split, g)
+    assert fired["B"] == []
