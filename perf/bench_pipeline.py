@@ -20,6 +20,15 @@ In one run (8-layer GPT, width 256, block 128, 2 rows per micro-batch, 1 thread/
      over the rounds with [min, max], and the speedup is the median of the per-round
      ratios torch / ours. Target: 1F1B >= 1.2x torch. torch's stages do not keep the
      tied embedding in sync; ours do (two small messages per step, in our step time).
+     zb-h1 runs against ``ScheduleInterleavedZeroBubble`` with one stage per rank (torch's
+     ZB-H1).
+  D. Zero bubble at p = 2, m = 4 and 8: our zb-h1 against torch's 1F1B (target 1.2x),
+     torch's zero-bubble schedule (target 1.0x) and our 1F1B, ROUNDS rounds of every job
+     in turn. The bubble of our zb-h1 and 1F1B measured (1 - the stages' compute summed
+     / (p x the pipeline phase), per step) against the simulator's prediction for the
+     same schedule, with each stage's passes taking their measured time (forward, B, W,
+     per micro-batch) and in units (``schedules.unit_times``: F = B = W, the first
+     stage's B empty and its W two units).
 
 Pipeline efficiency = (forward + backward seconds of the busiest stage) / (seconds of
 the pipeline phase of the step: from the common start after a barrier to the end of the
@@ -54,8 +63,11 @@ ROWS = 2  # per micro-batch
 WARMUP, STEPS, ROUNDS = 2, 5, 3
 VIRTUAL = 2  # chunks per stage of the interleaved schedules
 TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "gpipe": "ScheduleGPipe"}
+                   "gpipe": "ScheduleGPipe", "zb-h1": "ScheduleInterleavedZeroBubble"}
 TARGET_VS_TORCH = 1.2  # for 1F1B
+ZB_P, ZB_MICRO = 2, (4, 8)
+ZB_JOBS = (("ours", "zb-h1"), ("torch", "zb-h1"), ("torch", "1f1b"), ("ours", "1f1b"))
+ZB_TARGETS = {"torch 1f1b": TARGET_VS_TORCH, "torch zb-h1": 1.0, "ours 1f1b": None}
 
 
 class _MallInfo2(ctypes.Structure):
@@ -100,6 +112,27 @@ def combine_stages(stages: list[dict]) -> dict:
         out["bubble"] = [statistics.fmean(s["bubble_s"][i] / s["pipe_s"][i] for s in stages)
                          for i in range(n)]
     return out
+
+
+def measured_idle(stages: list[dict], step: int) -> float:
+    """Idle share of all stages in one step: 1 - compute summed / (p x pipeline phase),
+    the simulator's ``bubble``."""
+    phase = max(s["pipe_s"][step] for s in stages)
+    return 1.0 - sum(s["compute_s"][step] for s in stages) / (len(stages) * phase)
+
+
+def predicted_idle(kind: str, stages: list[dict], m: int) -> float:
+    """The simulator's bubble for ``kind`` with each stage's passes taking their measured
+    time (per micro-batch, median over steps)."""
+    from hpctrain.parallel.pipeline import schedules as S
+
+    def per_pass(key):
+        return [statistics.median(s[key]) / m for s in stages]
+
+    # A fused backward is backward_s alone (weight_s is 0): B, and W = 0.
+    return S.predicted_bubble(kind, len(stages), m, times={
+        "t_forward": per_pass("forward_s"), "t_backward": per_pass("backward_s"),
+        "t_weight": per_pass("weight_s")})
 
 
 def bubble_theory(p: int, m: int, virtual: int = 1) -> float:
@@ -165,16 +198,20 @@ def _ours(comm, p, m, kind, steps, probe_memory):
                           timeout=120, memory_probe=probe)
     xs, ys = list(x.split(ROWS)), list(y.split(ROWS))
 
-    class Extra:  # receive waits and the activation peak of each step
+    passes = ("forward_s", "backward_s", "weight_s")
+
+    class Extra:  # receive waits, seconds per kind of pass, the activation peak of each step
         @staticmethod
         def before():
             base = heap_in_use() if probe_memory else 0
             peak[0] = base
-            return ex.stats.bubble_s, base
+            return ex.stats.bubble_s, base, [getattr(ex.stats, k) for k in passes]
 
         @staticmethod
         def after(rec, before):
             rec.setdefault("bubble_s", []).append(ex.stats.bubble_s - before[0])
+            for k, t0 in zip(passes, before[2]):
+                rec.setdefault(k, []).append(getattr(ex.stats, k) - t0)
             if probe_memory:
                 rec.setdefault("act_bytes", []).append(peak[0] - before[1])
 
@@ -239,6 +276,13 @@ def _torch_pipelining(comm, p, m, kind, steps):
             finally:
                 clock["compute_s"] += time.perf_counter() - t0
 
+        def backward_weight_one_chunk(self, *args, **kwargs):  # zero bubble's W
+            t0 = time.perf_counter()
+            try:
+                return super().backward_weight_one_chunk(*args, **kwargs)
+            finally:
+                clock["compute_s"] += time.perf_counter() - t0
+
     def loss_fn(logits, target):  # our last chunk's loss, timed as forward compute
         t0 = time.perf_counter()
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), target.view(-1))
@@ -252,7 +296,8 @@ def _torch_pipelining(comm, p, m, kind, steps):
     stages = [TimedStage(chunk, c * p + grid.stage, p * virtual, torch.device("cpu"))
               for c, chunk in enumerate(chunks)]
     cls = getattr(pipelining, TORCH_SCHEDULES[kind])
-    sched = cls(stages if virtual > 1 else stages[0], m, loss_fn=loss_fn)
+    multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
+    sched = cls(stages if multi else stages[0], m, loss_fn=loss_fn)
 
     def step():
         opt.zero_grad(set_to_none=False)
@@ -335,6 +380,58 @@ def part_vs_torch(m: int, steps: int, rounds: int) -> list[dict]:
     return records
 
 
+def part_zero_bubble(steps: int, rounds: int) -> list[dict]:
+    from hpctrain.parallel.pipeline import schedules as S
+
+    records = []
+    for m in ZB_MICRO:
+        runs = {job: [] for job in ZB_JOBS}
+        for _ in range(rounds):
+            for impl, kind in ZB_JOBS:
+                runs[(impl, kind)].append(run_worker(ZB_P, __file__, [impl, kind, str(m),
+                                                                     str(steps)],
+                                                     retries=1 if impl == "torch" else 0))
+        rec = {"p": ZB_P, "m": m}
+        for (impl, kind), rs in runs.items():
+            rec[f"{impl} {kind}"] = {k: [statistics.median(r[k]) for r in rs]
+                                     for k in ("step_s", "efficiency")}
+        ours = rec["ours zb-h1"]["step_s"]
+        rec["speedup"] = {name: [t / o for t, o in zip(rec[name]["step_s"], ours)]
+                          for name in ZB_TARGETS}
+        for kind in ("zb-h1", "1f1b"):
+            rs = runs[("ours", kind)]
+            rec[f"bubble {kind}"] = {
+                "measured": [statistics.median(measured_idle(r["stages"], i)
+                                               for i in range(len(r["step_s"]))) for r in rs],
+                "predicted": [predicted_idle(kind, r["stages"], m) for r in rs],
+                "predicted_unit": S.predicted_bubble(kind, ZB_P, m)}
+        records.append(rec)
+        print(f"  p={ZB_P} m={m}: zb-h1 {fmt_spread(ours, 1e3)} ms, torch 1F1B "
+              f"{fmt_spread(rec['torch 1f1b']['step_s'], 1e3)} ms", flush=True)
+    return records
+
+
+def zero_bubble_rows(records: list[dict]) -> tuple[list[list], list[list]]:
+    speed, bubble = [], []
+    for r in records:
+        for name, target in ZB_TARGETS.items():
+            ratio = statistics.median(r["speedup"][name])
+            verdict = "-" if target is None else ("met" if ratio >= target else "MISSED")
+            speed.append([r["p"], r["m"], name, fmt_spread(r["ours zb-h1"]["step_s"], 1e3),
+                          fmt_spread(r[name]["step_s"], 1e3), fmt_spread(r["speedup"][name]),
+                          "-" if target is None else f"{fmt(target)}x {verdict}"])
+        for kind in ("zb-h1", "1f1b"):
+            b = r[f"bubble {kind}"]
+            bubble.append([r["p"], r["m"], kind, fmt_spread(b["measured"]),
+                           fmt_spread(b["predicted"]), fmt(b["predicted_unit"])])
+    return speed, bubble
+
+
+ZB_SPEED_COLUMNS = ["p", "m", "against", "zb-h1 ms", "their ms", "speedup", "target"]
+ZB_BUBBLE_COLUMNS = ["p", "m", "schedule", "measured idle", "predicted (measured passes)",
+                     "predicted (unit passes)"]
+
+
 def vs_torch_rows(records: list[dict]) -> list[list]:
     rows = []
     for r in records:
@@ -376,11 +473,23 @@ def main(argv: list[str]) -> None:
     worst = min(r["speedup"] for r in vs_torch if r["schedule"] == "1f1b")
     print(f"\ntarget: our 1F1B >= {fmt(TARGET_VS_TORCH)}x torch's Schedule1F1B: worst "
           f"{fmt(worst)}x -> {'MET' if worst >= TARGET_VS_TORCH else 'NOT MET'}")
+    print(f"\nD. zero bubble (p = {ZB_P}, m = {list(ZB_MICRO)}, {rounds} round(s))", flush=True)
+    zero_bubble = part_zero_bubble(steps, rounds)
+    speed, idle = zero_bubble_rows(zero_bubble)
+    print_table("D. our zb-h1 vs torch's 1F1B, torch's zero bubble and our 1F1B: step ms "
+                "(optimizer included), median [min, max] over rounds; speedup = theirs / "
+                "ours per round", ZB_SPEED_COLUMNS, speed)
+    print_table("D. bubble: idle share of all stages, measured vs the simulator's "
+                "prediction; median [min, max] over rounds", ZB_BUBBLE_COLUMNS, idle)
+    zb_met = all(statistics.median(r["speedup"][name]) >= target for r in zero_bubble
+                 for name, target in ZB_TARGETS.items() if target is not None)
     write_result("pipeline", {"quick": args.quick, "model": MODEL, "rows_per_micro": ROWS,
                               "steps": steps, "warmup": WARMUP, "rounds": rounds,
                               "virtual": VIRTUAL, "bubble": bubble, "vs_torch": vs_torch,
                               "target_vs_torch": TARGET_VS_TORCH,
-                              "met": worst >= TARGET_VS_TORCH}, smoke=args.quick)
+                              "met": worst >= TARGET_VS_TORCH, "zero_bubble": zero_bubble,
+                              "zero_bubble_targets": ZB_TARGETS,
+                              "zero_bubble_met": zb_met}, smoke=args.quick)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,16 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.train.trainer import Trainer
-from tests.helpers import (SGD, cpu_world, fit_against_reference,
+from tests.helpers import (LLAMA, SGD, cpu_world, fit_against_reference,
                            fit_bf16_against_reference, same_on_all_ranks, tiny_config)
 from tests.reference import plain_model_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
-SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)]
+FUSED = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)]
+SCHEDULES = FUSED + [("zb-h1", 1)]
+"""zb-h1's ZeRO-1, recompute and bf16 run in one test of their own, and plain SGD is left
+to the fused schedules (the MPI legs' time)."""
 
 
 def _pipeline_config(mpi_dataset, shared_tmp, pp, schedule, virtual, **extra):
@@ -57,7 +60,7 @@ def test_pipeline_matches_single_process(mpi_dataset, shared_tmp, pp, schedule, 
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("schedule,virtual", SCHEDULES)
+@pytest.mark.parametrize("schedule,virtual", FUSED)
 def test_zero1_along_dp_with_pipeline(mpi_dataset, shared_tmp, schedule, virtual):
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, schedule, virtual,
                            **{"parallel.zero": 1, "parallel.micro_batches": 2})
@@ -66,7 +69,7 @@ def test_zero1_along_dp_with_pipeline(mpi_dataset, shared_tmp, schedule, virtual
     _check(trainer, cfg)
 
 
-@pytest.mark.parametrize("schedule,virtual", SCHEDULES)
+@pytest.mark.parametrize("schedule,virtual", FUSED)
 def test_pipeline_with_plain_sgd_matches_single_process(mpi_dataset, shared_tmp, schedule,
                                                         virtual):
     """pp=2 (with dp=2 at 4 ranks), SGD without clipping: any gradient scale error or a
@@ -216,3 +219,19 @@ def test_bf16_pipeline_matches_the_bf16_single_process_run(mpi_dataset, shared_t
     fit_bf16_against_reference(trainer, cfg)
     if trainer.model.has_head:  # the head computes with the embedding's bf16 values
         assert trainer.model.head_weight.dtype == torch.bfloat16
+
+
+def test_zero_bubble_llama_in_bf16_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp):
+    """zb-h1 (B and W apart) on Llama (untied head, RMSNorm, SwiGLU) in bf16 with ZeRO-1
+    and recomputed blocks (B runs them again, W reads what B recomputed): pp=2, with
+    dp=2 at 4 ranks."""
+    if COMM.size % 2:
+        pytest.skip("needs an even number of ranks")
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "zb-h1", 1, **{
+        "train.dtype": "bf16", "parallel.zero": 1, "train.max_iters": 3,
+        "parallel.micro_batches": 2, "model.recompute": "block", **LLAMA})
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
+    assert all(block.recompute for block in trainer.model.h.values())
+    fit_bf16_against_reference(trainer, cfg)
+    stats = trainer.runner.stats
+    assert stats.weight_s > 0  # W ran apart from B

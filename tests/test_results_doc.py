@@ -11,7 +11,8 @@ import pytest
 from perf import make_results
 from perf.bench_convergence import seed_checks
 from perf.bench_long_context import longest_under
-from perf.bench_pipeline import bubble_theory, combine_stages, pipeline_efficiency
+from perf.bench_pipeline import (bubble_theory, combine_stages, measured_idle,
+                                 pipeline_efficiency, predicted_idle)
 from perf.common import (RESULTS, dirty_paths, fmt, fmt_spread, shakespeare_text, spread,
                          table_lines)
 
@@ -122,6 +123,38 @@ def test_pipeline_efficiency_cannot_exceed_one():
     assert pipeline_efficiency([1.0, 0.5], [1.0, 0.9]) == 1.0
     assert bubble_theory(4, 8) == pytest.approx(3 / 11)
     assert bubble_theory(4, 8, virtual=2) == pytest.approx(3 / 19)
+
+
+def test_zero_bubble_idle_measured_and_predicted_like_the_simulator():
+    # Two stages computing 3 s and 2 s of a 4 s phase: 1 - 5 / 8 idle.
+    stages = [{"pipe_s": [4.0], "compute_s": [3.0]}, {"pipe_s": [3.5], "compute_s": [2.0]}]
+    assert measured_idle(stages, 0) == pytest.approx(3 / 8)
+    # Passes of 1 s each per micro-batch (m = 4): the unit-time predictions.
+    timed = [{"forward_s": [4.0], "backward_s": [4.0], "weight_s": [4.0]}] * 2
+    assert predicted_idle("zb-h1", timed, 4) == pytest.approx(1 / 13)
+    fused = [{"forward_s": [4.0], "backward_s": [8.0], "weight_s": [0.0]}] * 2
+    assert predicted_idle("1f1b", fused, 4) == pytest.approx(1 / 5)
+
+
+def test_zero_bubble_section_renders_ratios_targets_and_bubbles():
+    from perf.render_parallel import _render_zero_bubble
+
+    rec = {"p": 2, "m": 4, "ours zb-h1": {"step_s": [1.0, 1.1]},
+           "torch 1f1b": {"step_s": [1.3, 1.3]}, "torch zb-h1": {"step_s": [1.2, 1.2]},
+           "ours 1f1b": {"step_s": [1.05, 1.05]},
+           "speedup": {"torch 1f1b": [1.3, 1.18], "torch zb-h1": [1.2, 1.09],
+                       "ours 1f1b": [1.05, 0.95]},
+           "bubble zb-h1": {"measured": [0.1, 0.12], "predicted": [0.08, 0.08],
+                            "predicted_unit": 1 / 13},
+           "bubble 1f1b": {"measured": [0.22, 0.2], "predicted": [0.2, 0.2],
+                           "predicted_unit": 0.2}}
+    text = "\n".join(_render_zero_bubble({"rounds": 2, "zero_bubble": [rec],
+                                          "zero_bubble_targets": {"torch 1f1b": 1.2,
+                                                                  "torch zb-h1": 1.0,
+                                                                  "ours 1f1b": None}}))
+    assert "| 2 | 4 | torch 1f1b |" in text and "1.200x met" in text  # median 1.24
+    assert "1.000x met" in text
+    assert "| 2 | 4 | zb-h1 | 0.110 [0.100, 0.120] | 0.080 [0.080, 0.080] | 0.077 |" in text
 
 
 def test_seed_checks_notice_a_seed_that_changes_nothing():

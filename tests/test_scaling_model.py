@@ -110,7 +110,9 @@ def test_group_link_inside_a_node_and_shared_nics():
 
 @pytest.mark.parametrize("p,m,sched,v,want", [(1, 8, "1f1b", 1, 0.0), (4, 8, "1f1b", 1, 3 / 11),
                                               (4, 8, "gpipe", 1, 3 / 11),
-                                              (4, 8, "interleaved", 2, 3 / 19)])
+                                              (4, 8, "interleaved", 2, 3 / 19),
+                                              (4, 8, "zb-h1", 1, 3 / 27),
+                                              (4, 2, "zb-h1", 1, 5 / 11)])
 def test_bubble_fraction(p, m, sched, v, want):
     assert pm.bubble_fraction(p, m, sched, v) == pytest.approx(want)
 
@@ -124,6 +126,7 @@ def test_activation_memory_korthikanti():
     assert pm.activation_bytes_per_layer(shape, 2, "fp32", True) == 2 * flash
     assert pm.micro_batches_in_flight(4, 8, "1f1b") == 4
     assert pm.micro_batches_in_flight(4, 8, "gpipe") == 8
+    assert pm.micro_batches_in_flight(4, 8, "zb-h1") == 7
 
 
 def _saved_activation_bytes(block, x) -> int:

@@ -5,7 +5,8 @@ import pytest
 from hpctrain.parallel.pipeline import schedules as S
 
 CASES = [(kind, p, m, v)
-         for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))
+         for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3),
+                         ("zb-h1", 1))
          for p in (1, 2, 3, 4)
          for m in (1, 2, 4, 8, 16)
          if kind != "interleaved" or m % p == 0]
@@ -34,9 +35,11 @@ def test_dependencies_hold_in_each_stage_order(kind, p, m, v):
                 assert (S.FORWARD, a.micro, a.chunk) in seen
             if a.op in (S.SEND_GRAD,):
                 assert (S.BACKWARD, a.micro, a.chunk) in seen
+            if a.op == S.WEIGHT:
+                assert (S.BACKWARD, a.micro, a.chunk) in seen, f"{a} before its B"
             seen.add((a.op, a.micro, a.chunk))
         compute = [a for a in actions if a.op in S.COMPUTE]
-        assert len(compute) == 2 * m * v
+        assert len(compute) == (3 if kind in S.SPLIT_BACKWARD else 2) * m * v
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
@@ -128,3 +131,70 @@ def test_a_broken_schedule_is_caught_as_a_deadlock(monkeypatch):
     monkeypatch.setattr(S, "schedule", broken)
     with pytest.raises(S.Deadlock):
         S.simulate("1f1b", 2, 2)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_zb_h1_holds_1f1b_activations_until_b_and_a_few_more_until_w(p, m):
+    """Between F and B stage s holds 1F1B's min(p - s, m) micro-batches (the paper's
+    memory term); with the W passes deferred to fill the cool-down it keeps at most
+    p - 1 more graphs until their W."""
+    sim = S.simulate("zb-h1", p, m, **S.unit_times(p))
+    assert sim.peak_before_input_grad == [min(p - s, m) for s in range(p)]
+    assert all(n <= min(2 * p - 1 - s, m) for s, n in enumerate(sim.peak_in_flight))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_zb_h1_bubble_is_a_third_of_1f1bs(p, m):
+    """With F = B = W the idle time is (p - 1) (F + B - W) per stage: (p - 1) / (3 m + p -
+    1) of the step, against 1F1B's (p - 1) / (m + p - 1) with the same passes."""
+    zb = S.predicted_bubble("zb-h1", p, m)
+    assert zb == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert S.predicted_bubble("1f1b", p, m) == pytest.approx((p - 1) / (m + p - 1))
+    # B slower than F, W cheaper, the first stage all W: still no deadlock, still less
+    # idle than 1F1B.
+    slow_b = {"t_forward": 1.0, "t_backward": [0.0] + [1.3] * (p - 1),
+              "t_weight": [2.0] + [0.7] * (p - 1)}
+    assert S.predicted_bubble("zb-h1", p, m, times=slow_b) < \
+        S.predicted_bubble("1f1b", p, m, times=slow_b)
+
+
+def test_the_picture_shows_w_filling_the_cool_down():
+    """The first stage's B is empty (nothing to show) and its W the whole backward."""
+    text = S.picture("zb-h1", 2, 4)
+    assert text.splitlines() == [
+        "stage 0: F0 F1 .  F2 W0 W0 F3 W1 W1 W2 W2 W3 W3",
+        "stage 1: .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"]
+    assert S.picture("1f1b", 2, 2).splitlines()[0] == "stage 0: F0 F1 .  .  B0 B0 .  B1 B1"
+
+
+def _broken_zb(monkeypatch, edit):
+    """Run the simulator on zb-h1 with stage 0's order changed by ``edit``."""
+    original = S.schedule
+
+    def broken(kind, p, m, s, v=1):
+        acts = original(kind, p, m, s, v)
+        return edit(acts) if s == 0 else acts
+
+    monkeypatch.setattr(S, "schedule", broken)
+    return lambda: S.simulate("zb-h1", 2, 4)
+
+
+def test_a_skipped_w_is_caught(monkeypatch):
+    def drop_w1(acts):
+        return [a for a in acts if not (a.op == S.WEIGHT and a.micro == 1)]
+
+    with pytest.raises(AssertionError, match="missed a pass"):
+        _broken_zb(monkeypatch, drop_w1)()
+
+
+def test_w_before_its_b_is_caught(monkeypatch):
+    def swap_b0_w0(acts):
+        i = next(k for k, a in enumerate(acts) if a.op == S.BACKWARD and a.micro == 0)
+        j = next(k for k, a in enumerate(acts) if a.op == S.WEIGHT and a.micro == 0)
+        acts[i], acts[j] = acts[j], acts[i]
+        return acts
+
+    with pytest.raises(AssertionError, match="out of order"):
+        _broken_zb(monkeypatch, swap_b0_w0)()

@@ -207,14 +207,19 @@ class Accelerator:
 
     def backward(self, tensor: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
         """``tensor.backward(gradient)``, marked as a backward pass (see ``stats``)."""
+        self.autograd(lambda: tensor.backward(gradient))
+
+    def autograd(self, passes) -> None:
+        """Run ``passes()`` (autograd work: a backward or a part of one, as a pipeline's
+        split B and W), marked as a backward pass."""
         self._backward_depth += 1
         try:
-            self._run_backward(tensor, gradient)
+            self._run_autograd(passes)
         finally:
             self._backward_depth -= 1
 
-    def _run_backward(self, tensor, gradient) -> None:
-        tensor.backward(gradient)
+    def _run_autograd(self, passes) -> None:
+        passes()
 
     def note_handoff(self, direct: bool, ready: Event | None) -> None:
         """A buffer of this device goes to MPI (``ready``: the event it had to pass)."""

@@ -133,12 +133,12 @@ class FakeAccelerator(Accelerator):
     def _synchronize(self):
         self.done_seq = self._seq
 
-    def _run_backward(self, tensor, gradient):
+    def _run_autograd(self, passes):
         failure: list[BaseException] = []
 
         def run():
             try:
-                tensor.backward(gradient)
+                passes()
             except BaseException as e:  # re-raised on the caller's thread
                 failure.append(e)
 

@@ -147,7 +147,9 @@ class ParallelConfig:
     schedule: str = opt("1f1b", "pipeline schedule (pp > 1): 1f1b (least activation "
                                 "memory), gpipe (all forwards, then all backwards), "
                                 "interleaved (virtual_stages chunks per rank: smaller "
-                                "bubble, more messages)", ("1f1b", "gpipe", "interleaved"))
+                                "bubble, more messages), zb-h1 (zero bubble: backward "
+                                "split into input and weight gradients, weights' passes "
+                                "fill the bubble)", ("1f1b", "gpipe", "interleaved", "zb-h1"))
     virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedule)",
                               bounds=AT_LEAST_1)
     tp: int = opt(1, "tensor-parallel ranks: every layer's weights and work are split over "

@@ -50,6 +50,7 @@ from hpctrain.scaling import comm_cost, tensor_cost
 from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
                                           llama_bytes_per_token, logits_bytes,
                                           micro_batches_in_flight, word_bytes)
+from hpctrain.parallel.pipeline.schedules import predicted_bubble
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.system_perf import SystemPerf
 
@@ -57,7 +58,7 @@ __all__ = ["Layout", "Prediction", "predict", "predict_memory", "fits", "describ
            "bubble_fraction", "activation_bytes", "activation_bytes_per_layer",
            "llama_bytes_per_token", "micro_batches_in_flight", "bucket_sizes"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "block")
 MIB = 1 << 20
 
@@ -175,11 +176,17 @@ class Prediction:
 def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float:
     """Idle share of a pipelined step (parallelism.md): (p-1)/(m+p-1) for GPipe and 1F1B;
     interleaved 1F1B with v chunks per rank: (p-1)/(v m) relative to the useful work,
-    i.e. (p-1)/(v m + p - 1) of the whole."""
+    i.e. (p-1)/(v m + p - 1) of the whole; zb-h1 (backward split into B and W, with
+    F = B = W): (p-1)/(3 m + p - 1) once m >= p, fewer micro-batches simulated
+    (docs/design/pipeline.md)."""
     if p <= 1:
         return 0.0
     if schedule == "interleaved":
         return (p - 1) / (v * m + p - 1)
+    if schedule == "zb-h1":
+        if m >= p:
+            return (p - 1) / (3 * m + p - 1)
+        return predicted_bubble("zb-h1", p, m)
     return (p - 1) / (m + p - 1)
 
 

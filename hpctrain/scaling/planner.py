@@ -83,7 +83,7 @@ def _layouts_of_tp(shape: ModelShape, ranks: int, tp: int, global_batch: int, dt
         if global_batch % dp:
             continue
         rows_per_rank = global_batch // dp
-        schedules = [("1f1b", 1)]
+        schedules = [("1f1b", 1)] + ([("zb-h1", 1)] if pp > 1 else [])
         if pp > 1 and shape.n_layer % (2 * pp) == 0:
             schedules.append(("interleaved", 2))
         b = 1

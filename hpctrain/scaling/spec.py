@@ -27,7 +27,7 @@
     zero = [0, 1, 2, 3]
     pp = [1]
     micro_batches = [1]
-    schedule = "1f1b"             # pp > 1: 1f1b | gpipe | interleaved
+    schedule = "1f1b"             # pp > 1: 1f1b | gpipe | interleaved | zb-h1
     virtual_stages = 1
     tp = [1]                      # tensor-parallel ranks (n_head must divide by tp)
     sequence_parallel = false     # with tp > 1: norms and residual split too

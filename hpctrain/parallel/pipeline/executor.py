@@ -6,7 +6,10 @@ The executor walks this stage's action list (``schedules.schedule``) once per st
   activation received from the previous stage; keep input and output for backward. The
   last chunk returns the loss.
 - ``backward``: backpropagate the scaled loss (last chunk) or the gradient received from
-  the next stage into this chunk; the input's gradient is what goes back.
+  the next stage into this chunk; the input's gradient is what goes back. In a
+  zero-bubble schedule this is B only (``split_backward.py``), and
+- ``weight``: W, the parameters' gradients of an earlier B, accumulated into ``.grad``
+  (the engines' hooks fire here, and ``before_backward`` is called before it).
 - ``send_*``: ``Isend`` straight from the tensor's memory (shapes are known on both
   sides, so nothing is pickled); the tensor is kept alive until the send completes.
 - ``recv_*``: wait for a receive that was posted earlier. Receives are posted
@@ -15,7 +18,8 @@ The executor walks this stage's action list (``schedules.schedule``) once per st
   per micro-batch (which would cost 1F1B its memory advantage).
 
 Time blocked in receives is the stage's pipeline bubble (``stats.bubble_s``); time in
-forward and backward passes is its compute (``stats.forward_s``, ``stats.backward_s``).
+forward and backward passes is its compute (``stats.forward_s``, ``stats.backward_s``,
+``stats.weight_s``).
 Tags name (direction, micro-batch, receiving chunk), so messages never match the wrong
 receive.
 """
@@ -34,6 +38,7 @@ from hpctrain.comm.watchdog import wait_all
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.pipeline.consolidate import gather_parameters
 from hpctrain.parallel.pipeline import schedules as S
+from hpctrain.parallel.pipeline.split_backward import backward_input
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.parallel.runner import assemble_gpt
 from hpctrain.profiling import profile_range
@@ -48,8 +53,9 @@ class PipelineStats:
     """Seconds blocked waiting for a neighbour's activation or gradient."""
     forward_s: float = 0.0
     backward_s: float = 0.0
-    """Seconds in this stage's forward and backward passes (host clock: on a GPU it
-    counts kernel launches, not kernels still running)."""
+    weight_s: float = 0.0
+    """Seconds in this stage's forward, backward (B when split) and W passes (host
+    clock: on a GPU it counts kernel launches, not kernels still running)."""
     messages: int = 0
     bytes_sent: int = 0
     sends_deferred: int = 0
@@ -61,7 +67,7 @@ class PipelineStats:
     @property
     def compute_s(self) -> float:
         """Seconds in forward and backward passes together."""
-        return self.forward_s + self.backward_s
+        return self.forward_s + self.backward_s + self.weight_s
 
 
 @dataclass
@@ -75,7 +81,8 @@ class _Walk:
     backward: bool
     before_backward: Callable[[bool], None] | None
     last_backward: int
-    """Index of this stage's last backward action (-1: none)."""
+    """Index of this stage's last action that accumulates parameter gradients: backward,
+    or weight in a split schedule (-1: none)."""
     tie_recv: tuple | None
     """The posted receive of the tied embedding's gradient (first stage, with backward)."""
     recv_at: list[int]
@@ -89,6 +96,8 @@ class _Walk:
     inputs: dict[tuple, torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple, torch.Tensor] = field(default_factory=dict)
     """(micro-batch, chunk) -> a forward's input and output, kept for its backward."""
+    weights: dict[tuple, object] = field(default_factory=dict)
+    """(micro-batch, chunk) -> what its B kept for its W (split schedules)."""
     received: dict[tuple, torch.Tensor] = field(default_factory=dict)
     """(receive op, micro-batch, chunk) -> a received activation or gradient."""
     sends: list = field(default_factory=list)
@@ -127,6 +136,9 @@ class PipelineExecutor:
         self.device = next(stage.parameters()).device
         self.dtype = next(stage.parameters()).dtype  # activations travel in it (bf16)
         self.actions = S.schedule(kind, self.p, n_micro, self.s, self.v)
+        self.split = kind in S.SPLIT_BACKWARD  # B and W apart
+        self._weights = [*stage.parameters()] + \
+            ([stage.head_copy] if stage.head_copy is not None else [])
         self.stats = PipelineStats()
         self.tie_tag = S.max_tag(self.p, max(n_micro, 1), self.v) + TIE_TAG_OFFSET
         # Called after every forward with no argument; the benchmark samples memory there.
@@ -191,13 +203,15 @@ class PipelineExecutor:
         pass, ``last`` true for this stage's last one (with the tied embedding's whole
         gradient in place)."""
         walk = _Walk(actions, xs, ys, loss_scale, backward, before_backward,
-                     last_backward=max((i for i, a in enumerate(actions)
-                                        if a.op == S.BACKWARD), default=-1),
+                     last_backward=max((i for i, a in enumerate(actions) if a.op ==
+                                        (S.WEIGHT if self.split else S.BACKWARD)),
+                                       default=-1),
                      tie_recv=self._post_tie_recv() if backward else None,
                      recv_at=[i for i, a in enumerate(actions) if a.op in S.RECVS])
         do = {S.RECV_ACT: self._receive, S.RECV_GRAD: self._receive,
               S.FORWARD: self._forward, S.SEND_ACT: self._send_activation,
-              S.BACKWARD: self._backward, S.SEND_GRAD: self._send_input_gradient}
+              S.BACKWARD: self._backward, S.SEND_GRAD: self._send_input_gradient,
+              S.WEIGHT: self._weight}
         self._sends = walk.sends
         for i, a in enumerate(actions):
             do[a.op](walk, i, a)
@@ -254,6 +268,8 @@ class PipelineExecutor:
         self._send(out, a.peer, self._tag(a), walk.sends)
 
     def _backward(self, walk: _Walk, i: int, a: S.Action) -> None:
+        if self.split:
+            return self._backward_input(walk, a)
         key = (a.micro, a.chunk)
         x, out = walk.inputs.pop(key), walk.outputs.pop(key)
         if i == walk.last_backward and walk.tie_recv is not None:
@@ -272,6 +288,45 @@ class PipelineExecutor:
             self._send_tied_gradient(walk.sends)
         if not self.stage.is_first_chunk(a.chunk):
             walk.inputs[key] = x  # its .grad goes back at the next send_grad
+
+    def _backward_input(self, walk: _Walk, a: S.Action) -> None:
+        """B: the input's gradient now; what W needs is kept in ``walk.weights``."""
+        key = (a.micro, a.chunk)
+        x, out = walk.inputs.pop(key), walk.outputs.pop(key)
+        if self.stage.is_last_chunk(a.chunk):
+            out, grad = out * walk.loss_scale, None
+        else:
+            grad = walk.received.pop((S.RECV_GRAD, *key))
+        kept = []
+        t0 = time.perf_counter()
+        with profile_range(f"backward-input m{a.micro} c{a.chunk}"):
+            self.accel.autograd(lambda: kept.append(backward_input(out, grad, x, self._weights)))
+        self.stats.backward_s += time.perf_counter() - t0
+        walk.weights[key] = kept[0]
+        if not self.stage.is_first_chunk(a.chunk):
+            walk.inputs[key] = x  # its .grad goes back at the next send_grad
+
+    def _weight(self, walk: _Walk, i: int, a: S.Action) -> None:
+        """W: the parameters' gradients of micro-batch ``a.micro``, into ``.grad``."""
+        weights = walk.weights.pop((a.micro, a.chunk))
+        tie = None
+        if i == walk.last_backward and walk.tie_recv is not None:
+            # Wait for the head's gradient only when autograd reaches the embedding (the
+            # end of this W), not before it: the last stage sends it after its own last W.
+            tie = self.stage.wte.weight.register_hook(self._tied_gradient_hook(walk.tie_recv))
+        if walk.before_backward is not None:
+            walk.before_backward(i == walk.last_backward)
+        t0 = time.perf_counter()
+        try:
+            with profile_range(f"backward-weight m{a.micro} c{a.chunk}"):
+                self.accel.autograd(lambda: weights.run(lambda: self._drop_finished(walk.sends)))
+        finally:
+            if tie is not None:
+                tie.remove()
+        self.stats.weight_s += time.perf_counter() - t0
+        walk.in_flight -= 1
+        if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
+            self._send_tied_gradient(walk.sends)
 
     def _send_input_gradient(self, walk: _Walk, i: int, a: S.Action) -> None:
         x = walk.inputs.pop((a.micro, a.chunk))
@@ -321,6 +376,15 @@ class PipelineExecutor:
             wte.grad = buf
         else:
             wte.grad.add_(buf)
+
+    def _tied_gradient_hook(self, tie_recv):
+        """A hook on the embedding's gradient that adds the head's, once it has come."""
+        def add(grad):
+            buf, mpi, req = tie_recv
+            self._wait([req], "receiving the tied-embedding gradient", bubble=False)
+            mpi.complete()
+            return grad + buf
+        return add
 
     def _send_tied_gradient(self, sends: list) -> None:
         st = self.stage

@@ -21,18 +21,26 @@ Schedules (p stages, m micro-batches; bubble with unit-time forward and backward
 - ``interleaved`` (Megatron-LM interleaved 1F1B): 1F1B over v chunks per stage, taking
   micro-batches in groups of p. Bubble (p - 1) / (v m + p - 1): v times smaller relative
   to the work, for v times more point-to-point messages. Needs m to be a multiple of p.
+- ``zb-h1`` (zero bubble, ``zero_bubble.py``): the backward split into B (the input's
+  gradient, sent at once) and W (the weights' gradients: ``weight`` actions, run where
+  the stage would wait). With F = B = W the bubble is (p - 1) / (3 m + p - 1), a third
+  of 1F1B's; 1F1B's p - s micro-batches between F and B on stage s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("1f1b", "gpipe", "interleaved")
+from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, FORWARD, WEIGHT, pass_units,
+                                                    zb_h1_orders)
 
-FORWARD, BACKWARD = "forward", "backward"
+KINDS = ("1f1b", "gpipe", "interleaved", "zb-h1")
+SPLIT_BACKWARD = ("zb-h1",)
+"""Schedules whose backward is B then W (``weight`` actions); the others' is fused."""
+
 RECV_ACT, SEND_ACT = "recv_act", "send_act"
 RECV_GRAD, SEND_GRAD = "recv_grad", "send_grad"
-COMPUTE = (FORWARD, BACKWARD)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)
 SENDS = (SEND_ACT, SEND_GRAD)
 RECVS = (RECV_ACT, RECV_GRAD)
 
@@ -40,7 +48,8 @@ RECVS = (RECV_ACT, RECV_GRAD)
 @dataclass(frozen=True)
 class Action:
     op: str
-    """forward, backward, send_act, recv_act, send_grad or recv_grad."""
+    """forward, backward (B only in a split schedule), weight (W), send_act, recv_act,
+    send_grad or recv_grad."""
     micro: int
     chunk: int = 0
     """This stage's local model chunk (0 unless interleaved)."""
@@ -76,6 +85,8 @@ def compute_order(kind: str, n_stages: int, n_micro: int, stage: int,
     """The forward and backward passes of ``stage`` in order: (op, micro, chunk)."""
     check_schedule_args(kind, n_stages, n_micro, virtual)
     p, m, s = n_stages, n_micro, stage
+    if kind in SPLIT_BACKWARD:
+        return zb_h1_orders(p, m)[s]
     if kind == "gpipe":
         return [(FORWARD, i, 0) for i in range(m)] + [(BACKWARD, i, 0) for i in range(m)]
     if kind == "1f1b" or virtual == 1:
@@ -115,6 +126,8 @@ def schedule(kind: str, n_stages: int, n_micro: int, stage: int,
             actions.append(Action(FORWARD, micro, chunk))
             if g < g_last:
                 actions.append(Action(SEND_ACT, micro, chunk, (stage + 1) % p))
+        elif op == WEIGHT:
+            actions.append(Action(WEIGHT, micro, chunk))
         else:
             if g < g_last:
                 actions.append(Action(RECV_GRAD, micro, chunk, (stage + 1) % p))
@@ -168,7 +181,14 @@ class Simulation:
     busy: list[float]
     """Compute time per stage."""
     peak_in_flight: list[int]
-    """Most micro-batch chunks forwarded but not yet backwarded, per stage."""
+    """Most micro-batch chunks forwarded but not yet through their whole backward (W
+    included), per stage: the graphs a stage holds at once."""
+    peak_before_input_grad: list[int]
+    """Most micro-batch chunks between their forward and their backward (B), per stage
+    (the count the papers' activation-memory terms use; as ``peak_in_flight`` when the
+    backward is fused)."""
+    timeline: list[list[tuple[float, float, str]]]
+    """Per stage, every pass as (start, end, label), label like ``F3`` (micro-batch 3)."""
 
     @property
     def bubble(self) -> float:
@@ -181,58 +201,108 @@ class Deadlock(RuntimeError):
 
 
 def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
-             t_forward: float = 1.0, t_backward: float = 1.0) -> Simulation:
+             t_forward: float = 1.0, t_backward: float = 1.0,
+             t_weight: float = 0.0) -> Simulation:
     """Run every stage's actions together: compute takes time, a send delivers at once
-    (MPI ``Isend``), a receive waits for its send. Checks each chunk sees each
-    micro-batch forward once and then backward once; raises ``Deadlock`` if no stage can
-    move."""
-    p = n_stages
+    (MPI ``Isend``), a receive waits for its send. ``t_backward`` is B, ``t_weight`` W:
+    a fused backward takes both (each time: one number, or a list with one per stage). Checks each chunk sees each micro-batch forward once,
+    then backward once, then (split schedules) W once; raises ``Deadlock`` if no stage
+    can move. A micro-batch is in flight from its forward to its last backward part."""
+    p, split = n_stages, kind in SPLIT_BACKWARD
     plans = [schedule(kind, p, n_micro, s, virtual) for s in range(p)]
     pos, clock = [0] * p, [0.0] * p
     busy = [0.0] * p
     in_flight, peak = [0] * p, [0] * p
+    before_b, peak_b = [0] * p, [0] * p
+    timeline: list[list] = [[] for _ in range(p)]
     sent: dict[tuple, float] = {}  # message key -> time it was sent
-    done_fwd: set[tuple] = set()
-    done_bwd: set[tuple] = set()
+    done: dict[str, set] = {FORWARD: set(), BACKWARD: set(), WEIGHT: set()}
+    before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}
+    f, b, w = (_per_stage(t, p) for t in (t_forward, t_backward, t_weight))
+    cost = [{FORWARD: f[s], WEIGHT: w[s], BACKWARD: b[s] + (0.0 if split else w[s])}
+            for s in range(p)]
     while any(pos[s] < len(plans[s]) for s in range(p)):
         moved = False
         for s in range(p):
             while pos[s] < len(plans[s]):
                 a = plans[s][pos[s]]
-                tag = (a.op in SENDS, message_tag(a.op, a.micro, a.chunk, s, p, virtual)) \
-                    if a.op not in COMPUTE else None
                 if a.op in RECVS:
                     key = (s, a.peer, message_tag(a.op, a.micro, a.chunk, s, p, virtual))
                     if key not in sent:
                         break
                     clock[s] = max(clock[s], sent.pop(key))
                 elif a.op in SENDS:
-                    sent[(a.peer, s, tag[1])] = clock[s]
+                    sent[(a.peer, s, message_tag(a.op, a.micro, a.chunk, s, p, virtual))] \
+                        = clock[s]
                 else:
                     key = (a.micro, a.chunk * p + s)
+                    if key in done[a.op] or (a.op in before and key not in done[before[a.op]]):
+                        raise AssertionError(f"stage {s}: {a} runs twice or out of order")
+                    done[a.op].add(key)
                     if a.op == FORWARD:
-                        if key in done_fwd:
-                            raise AssertionError(f"stage {s}: {a} runs twice")
-                        done_fwd.add(key)
                         in_flight[s] += 1
+                        before_b[s] += 1
                         peak[s] = max(peak[s], in_flight[s])
-                        cost = t_forward
-                    else:
-                        if key not in done_fwd or key in done_bwd:
-                            raise AssertionError(f"stage {s}: {a} before its forward or twice")
-                        done_bwd.add(key)
+                        peak_b[s] = max(peak_b[s], before_b[s])
+                    if a.op == BACKWARD:
+                        before_b[s] -= 1
+                    if a.op == WEIGHT or (a.op == BACKWARD and not split):
                         in_flight[s] -= 1
-                        cost = t_backward
-                    clock[s] += cost
-                    busy[s] += cost
+                    dt = cost[s][a.op]
+                    timeline[s].append((clock[s], clock[s] + dt, f"{a.op[0].upper()}{a.micro}"))
+                    clock[s] += dt
+                    busy[s] += dt
                 pos[s] += 1
                 moved = True
         if not moved:
             stuck = {s: str(plans[s][pos[s]]) for s in range(p) if pos[s] < len(plans[s])}
             raise Deadlock(f"{kind} p={p} m={n_micro} v={virtual}: every stage waits: {stuck}")
     expected = {(i, g) for i in range(n_micro) for g in range(p * virtual)}
-    if done_fwd != expected or done_bwd != expected:
-        raise AssertionError("some micro-batch missed a chunk")
+    if any(done[op] != expected for op in ((FORWARD, BACKWARD, WEIGHT) if split
+                                           else (FORWARD, BACKWARD))):
+        raise AssertionError("some micro-batch missed a pass of a chunk")
+    if not split and done[WEIGHT]:
+        raise AssertionError(f"{kind} runs a fused backward but lists weight passes")
     if sent:
         raise AssertionError(f"messages never received: {sorted(sent)[:3]}")
-    return Simulation(makespan=max(clock), busy=busy, peak_in_flight=peak)
+    return Simulation(makespan=max(clock), busy=busy, peak_in_flight=peak,
+                      peak_before_input_grad=peak_b, timeline=timeline)
+
+
+def _per_stage(t, n_stages: int) -> list[float]:
+    return list(t) if isinstance(t, (list, tuple)) else [t] * n_stages
+
+
+def unit_times(n_stages: int) -> dict[str, list[float]]:
+    """``simulate``'s times in units of a forward: B and W one each (a fused backward
+    two), but the first stage's B is empty and its W the whole backward (it has no input
+    gradient to compute)."""
+    units = [pass_units(s) for s in range(n_stages)]
+    return {"t_forward": [u[FORWARD] for u in units],
+            "t_backward": [u[BACKWARD] for u in units],
+            "t_weight": [u[WEIGHT] for u in units]}
+
+
+def predicted_bubble(kind: str, n_stages: int, n_micro: int, virtual: int = 1,
+                     times: dict | None = None) -> float:
+    """The simulator's idle share: ``times`` as ``simulate``'s keywords (default
+    ``unit_times``)."""
+    return simulate(kind, n_stages, n_micro, virtual,
+                    **(times if times is not None else unit_times(n_stages))).bubble
+
+
+def picture(kind: str, n_stages: int, n_micro: int) -> str:
+    """The schedule as text, one row per stage and one column per time unit
+    (``unit_times``): F, B, W and the micro-batch (a pass of two units shows twice), ``.``
+    where the stage idles."""
+    sim = simulate(kind, n_stages, n_micro, **unit_times(n_stages))
+    rows = []
+    for s, passes in enumerate(sim.timeline):
+        cells, t = [], 0.0
+        for start, end, label in passes:
+            cells += ["."] * round(start - t) + [label] * round(end - start)
+            t = end
+        rows.append(cells)
+    w = max(len(c) for row in rows for c in row)
+    return "\n".join(f"stage {s}: " + " ".join(c.ljust(w) for c in row)
+                     for s, row in enumerate(rows))

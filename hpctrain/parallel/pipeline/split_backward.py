@@ -1,0 +1,155 @@
+"""A stage's backward split in two: B (input gradient) now, W (weight gradients) later.
+
+Zero-bubble pipeline schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
+2024) need the gradient of a stage's input at once, because the previous stage waits for
+it, but the parameters' gradients only before the optimizer step. So a backward is run
+in two passes over the same autograd graph:
+
+- **B** (``backward_input``): ``backward(inputs=[x])`` from the stage's output. Autograd
+  runs only the nodes on the path from the output to the input ``x`` and, at each, only
+  the outputs that path needs: a linear layer computes ``dx = dy W`` and skips ``dW``.
+  Before it runs, a pre-hook is put on every node of that path where a branch towards a
+  parameter leaves it (the matmul whose other operand is a weight, the norm with its
+  scale); the hook keeps the gradient of that node's output.
+- **W** (``WeightGradients.run``): for each such node, ``backward`` from the node's kept
+  output gradient into the parameters of its branches only (``inputs=``). The path to
+  ``x`` is not walked again: no activation gradient is computed twice.
+
+W accumulates into ``.grad`` through autograd's own ``AccumulateGrad``, so the gradient
+engines' post-accumulate hooks fire as a parameter's W completes (bucketed reductions
+overlap as with a fused backward). The graph (with recompute, the checkpointed blocks'
+recomputed tensors) lives until W: memory between B and W is what the schedule counts
+as a micro-batch in flight.
+
+Nodes shared by two branch roots (a weight used twice in one chunk) put both roots in
+one group; their pre-hooks then pin each root's output gradient to the kept one, so the
+part of the path between them adds nothing twice (torch's ``stage_backward_weight`` does
+the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _grad_node(t: torch.Tensor) -> Node | None:
+    """A tensor's node in the graph: its ``grad_fn``, or a leaf's ``AccumulateGrad``."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return t.view_as(t).grad_fn.next_functions[0][0]
+    return None
+
+
+def _reaches(roots: list[Node], targets: set[Node]) -> dict[Node, bool]:
+    """For every node below ``roots``: whether some node of ``targets`` is reachable."""
+    memo: dict[Node, bool] = {}
+    for root in roots:
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in memo and not expanded:
+                continue
+            children = [n for n, _ in node.next_functions if n is not None]
+            if expanded:
+                memo[node] = node in targets or any(memo[c] for c in children)
+                continue
+            memo.setdefault(node, node in targets)  # a cycle guard; overwritten below
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if c not in memo)
+    return memo
+
+
+@dataclass
+class _Group:
+    roots: list[Node]
+    """Nodes on the input path where a branch towards these parameters leaves."""
+    params: list[torch.Tensor]
+    grads: dict[Node, tuple] = field(default_factory=dict)
+    """root -> the gradients of its outputs, kept by B's pre-hook."""
+
+
+class WeightGradients:
+    """What B kept for W: run once, then the graph is released."""
+
+    def __init__(self, groups: list[_Group], fallback: tuple | None):
+        self._groups = groups
+        self._fallback = fallback  # (output, gradient, params): no input path, W does all
+
+    def run(self, progress=None) -> None:
+        """Accumulate every parameter's gradient of this micro-batch into ``.grad``.
+        ``progress()`` is called between the groups (the executor tests its messages
+        there, so a send posted after B moves while W computes)."""
+        if self._fallback is not None:
+            out, grad, params = self._fallback
+            torch.autograd.backward(out, grad, inputs=params)
+        for g in self._groups:
+            edges, grads = [], []
+            for root in g.roots:
+                for i, grad in enumerate(g.grads.get(root, ())):
+                    if grad is not None:
+                        edges.append(GradientEdge(root, i))
+                        grads.append(grad)
+            if not edges:
+                continue
+            pins = [root.register_prehook(lambda _g, kept=g.grads[root]: kept)
+                    for root in g.roots if root in g.grads] if len(g.roots) > 1 else []
+            try:
+                torch.autograd.backward(edges, grads, retain_graph=True, inputs=g.params)
+            finally:
+                for h in pins:
+                    h.remove()
+            if progress is not None:
+                progress()
+        self._groups, self._fallback = [], None
+
+
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
+                   params: list[torch.Tensor]) -> WeightGradients:
+    """B: set ``x.grad`` (``x``: a leaf that requires grad, or the token ids of the first
+    chunk, which have none) and return what W needs for ``params``' gradients."""
+    params = [p for p in params if p.requires_grad]
+    x_node = _grad_node(x) if x.requires_grad else None
+    root = out.grad_fn
+    if x_node is None or root is None:
+        return WeightGradients([], (out, grad, params))
+    param_nodes = {_grad_node(p): p for p in params}
+    on_path = _reaches([root], {x_node})
+    to_param = _reaches([root], set(param_nodes))
+    groups: dict[Node, _Group] = {}  # branch root or parameter node -> its group
+    for node, on in on_path.items():
+        if not on:
+            continue
+        branches = [n for n, _ in node.next_functions
+                    if n is not None and not on_path[n] and to_param[n]]
+        if not branches:
+            continue
+        reached = [param_nodes[n] for n, hit in _reaches(branches, set(param_nodes)).items()
+                   if hit and n in param_nodes]
+        group = next((groups[p] for p in map(_grad_node, reached) if p in groups), None)
+        if group is None:
+            group = _Group([], [])
+        group.roots.append(node)
+        for p in reached:
+            if all(p is not q for q in group.params):
+                group.params.append(p)
+            groups[_grad_node(p)] = group
+        groups[node] = group
+    unique = list({id(g): g for g in groups.values()}.values())
+    hooks = []
+    for g in unique:
+        for r in g.roots:
+            hooks.append(r.register_prehook(
+                lambda grads, g=g, r=r: g.grads.__setitem__(r, tuple(grads))))
+    try:
+        torch.autograd.backward(out, grad, retain_graph=True, inputs=[x])
+    finally:
+        for h in hooks:
+            h.remove()
+    covered = {id(p) for g in unique for p in g.params}
+    rest = [p for p in params if id(p) not in covered and _grad_node(p) in to_param
+            and to_param[_grad_node(p)]]
+    return WeightGradients(unique, (out, grad, rest) if rest else None)
