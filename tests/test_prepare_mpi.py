@@ -100,30 +100,42 @@ def _untouched(path: Path, before: bytes) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name], "temporaries left"
 
 
-@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "filled-after"])
+@pytest.mark.parametrize("where", ["reserved", "filled-after", "spill"])
 def test_parallel_prepare_on_a_full_disk_fails_and_keeps_the_earlier_file(
-        full_disk, shared_tmp, monkeypatch, reserved):
+        full_disk, shared_tmp, monkeypatch, where):
     """ROMIO's nonblocking collective write reports the full count, and no error, for
     bytes a full file system did not take: before the checks, prepare exited 0 with
     zeros in the file, and --overwrite had replaced the good one with it. Rank 0 now
     makes sure of the room first (``reserved``); where the disk fills after that (or
     the file system has no ``fallocate``: ``filled-after``), the MPI-IO writes' checks
-    catch it."""
+    catch it. In those two cases the ranks' token spills go to another file system, so
+    the write is what meets the full disk; with them beside the output (``spill``, as
+    ``prepare`` does), the spill does, and says so."""
     import hpctrain.data.prepare as prepare_module
+    import hpctrain.data.prepare_tokenize as tokenize_module
     from hpctrain.data.mpiio import mpiio_component
+    from hpctrain.data.spill import TokenSpill
 
-    if not reserved and mpiio_component()[0] == "OMPIO":
+    if where == "filled-after" and mpiio_component()[0] == "OMPIO":
         # Open MPI 4.1's OMPIO crashes (SIGSEGV in the request's progress) when a
         # nonblocking write meets a full file system: only the room check helps there.
         pytest.skip("OMPIO segfaults on a nonblocking write to a full file system")
-    if not reserved:
+    if where == "filled-after":
         monkeypatch.setattr(prepare_module, "reserve_space", lambda folder, nbytes: None)
     out = full_disk / "d.h5"
     prepare([_text_files(Path(shared_tmp) / "small", 16 << 10)], out, tokenizer="byte",
             show_progress=False, comm=COMM)
     before = out.read_bytes()
     big = _text_files(Path(shared_tmp) / "big", 1 << 20)  # 2 MiB of uint16 tokens
-    with pytest.raises(DataError, match=r"writing .*d.h5 failed: .*make room") as e:
+    expected = r"writing .*d.h5 failed: .*make room"
+    if where == "spill":
+        expected = r"writing .*\.d\.h5\.tokens\..*tmp failed: .*keeps its tokens beside"
+    else:
+        spills = Path(shared_tmp) / "spills"
+        spills.mkdir(exist_ok=True)
+        monkeypatch.setattr(tokenize_module, "TokenSpill",
+                            lambda beside, dtype: TokenSpill(spills / beside.name, dtype))
+    with pytest.raises(DataError, match=expected) as e:
         prepare([big], out, tokenizer="byte", show_progress=False, comm=COMM,
                 overwrite=True)
     assert "\n" not in str(e.value)

@@ -166,9 +166,9 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
         gathered = group.allgather(split.pieces, "checksums")  # 5 (rank 0 joins them), 6
         _write_token_file(group, output, hints, split, lambda tmp: _create_header(
             tmp, split, gathered, tok.meta(), plan.names, val_fraction))
-        group.barrier("barrier after publishing the file")
     finally:
         spill.remove()
+    group.barrier("barrier after publishing the file")  # and removing every spill
     n_train, n_val = split.n_tokens["train"], split.n_tokens["val"]
     return {"output": str(output), "files": len(plan.names), "tokens": n_train + n_val,
             "train_tokens": n_train, "val_tokens": n_val, "vocab_size": tok.vocab_size,
