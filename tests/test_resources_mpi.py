@@ -35,9 +35,12 @@ def recorded(monkeypatch):
     return objects
 
 
-def test_a_hundred_trainers_leave_nothing_behind(mpi_dataset, shared_tmp, recorded):
+def test_trainers_of_every_layout_leave_nothing_behind(mpi_dataset, shared_tmp, recorded):
+    """Five trainers of each layout, one after another (a leak that only shows once a
+    cache is reused shows from the second); how many communicators a leak would use up
+    is the next test's business."""
     world = cpu_world(COMM)
-    for i in range(100):
+    for i in range(5 * len(LAYOUTS)):
         layout = LAYOUTS[i % len(LAYOUTS)]
         if layout.get("parallel.pp", 1) > COMM.size:
             continue
