@@ -53,6 +53,17 @@ def test_overrides_are_typed_in_both_spellings():
     assert cfg.optim.lr == 5e-4 and cfg.train.out_dir == "x/y"
 
 
+def test_an_on_off_or_path_option_takes_a_toml_boolean_in_a_recipe():
+    recipe = {"train": {"tensorboard": True}}
+    assert build_config(recipe).train.tensorboard == "true"
+    assert build_config({"train": {"tensorboard": False}}).train.tensorboard == "false"
+    assert build_config({"train": {"tensorboard": "tb"}}).train.tensorboard == "tb"
+    with pytest.raises(ConfigError, match=r"tensorboard expects true, false or a path, got 3"):
+        build_config({"train": {"tensorboard": 3}})
+    with pytest.raises(ConfigError, match=r"out_dir expects str, got True"):
+        build_config({"train": {"out_dir": True}})  # a plain text option does not
+
+
 def test_unknown_option_suggests_the_close_one():
     with pytest.raises(ConfigError, match=r"did you mean --train.max_iters\?"):
         load_config("default", ["--train.max_iter=5"])

@@ -83,6 +83,11 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+class SwitchOrPath(str):
+    """The type of an option that is on, off or a path (``--train.tensorboard``): text,
+    and in a recipe also a TOML boolean (``true`` is "true")."""
+
+
 def coerce(key: str, value, typ):
     """``value`` (from a recipe, or text from the command line) as the option's type
     ``typ``; ``key`` names the option in the message when it is not one."""
@@ -100,7 +105,10 @@ def coerce(key: str, value, typ):
                 return typ(value)
             except ValueError:
                 pass
-    elif typ is str:
+    elif typ is SwitchOrPath and isinstance(value, bool):
+        return "true" if value else "false"
+    elif typ in (str, SwitchOrPath):
         if isinstance(value, str):
             return value
-    raise ConfigError(f"--{key} expects {typ.__name__}, got {value!r}")
+    wanted = "true, false or a path" if typ is SwitchOrPath else typ.__name__
+    raise ConfigError(f"--{key} expects {wanted}, got {value!r}")

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 
 from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Bounds,
-                                     check_fields, opt, require)
+                                     SwitchOrPath, check_fields, opt, require)
 from hpctrain.errors import ConfigError
 from hpctrain.model.shape import ARCHS, GPTConfig
 from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT
@@ -212,7 +212,7 @@ class TrainConfig:
     final_eval: bool = opt(True, "evaluate on the whole validation split at the end")
     out_dir: str = opt("runs/default", "where metrics.jsonl, the checkpoint and the "
                                        "sample are written")
-    tensorboard: str = opt("false", "also write metrics.jsonl's numbers as TensorBoard "
+    tensorboard: SwitchOrPath = opt("false", "also write metrics.jsonl's numbers as TensorBoard "
                                     "scalars, from rank 0 (needs `pip install "
                                     "tensorboard`): 'true' into <out_dir>/tensorboard, a "
                                     "path into that folder, 'false' not at all")
