@@ -114,6 +114,18 @@ def place(kind: str, g: int, n_stages: int) -> tuple[int, int]:
     return v_place(g, n_stages) if kind in V_PLACED else (g % n_stages, g // n_stages)
 
 
+def local_neighbour(kind: str, stage: int, chunk: int, n_stages: int, virtual: int,
+                    step: int) -> int | None:
+    """The local chunk of ``stage`` that holds model chunk g + ``step`` (g: the one held as
+    ``chunk``), or None when another stage holds it or there is none: where a forward
+    hands its output, or a backward its input's gradient, over without a message."""
+    g = global_chunk(kind, stage, chunk, n_stages) + step
+    if not 0 <= g < n_stages * chunks_per_stage(kind, virtual):
+        return None
+    where, local = place(kind, g, n_stages)
+    return local if where == stage else None
+
+
 def compute_order(kind: str, n_stages: int, n_micro: int, stage: int,
                   virtual: int = 1) -> list[tuple[str, int, int]]:
     """The forward and backward passes of ``stage`` in order: (op, micro, chunk)."""
