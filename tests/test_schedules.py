@@ -257,8 +257,8 @@ def test_zbv_holds_1f1b_activations_on_every_stage_and_idles_less_than_zb_h1(p, 
     sim = S.simulate("zbv", p, m, **S.unit_times(p, "zbv"))
     assert sim.peak_before_input_grad == [2 * p] * p
     assert sim.peak_in_flight == [2 * p + 2] * p
+    assert sim.bubble == pytest.approx((p - 1) / (6 * m + p - 1))
     assert sim.bubble < S.predicted_bubble("zb-h1", p, m) < S.predicted_bubble("1f1b", p, m)
-    assert sim.bubble <= 0.06
     # B slower than F, W cheaper: the order (built for equal times) still completes.
     slow_b = {"t_forward": 1.0, "t_backward": 1.3, "t_weight": 0.7}
     assert 0 < S.predicted_bubble("zbv", p, m, times=slow_b) < 0.5

@@ -27,9 +27,9 @@ Schedules (p stages, m micro-batches; bubble with unit-time forward and backward
   of 1F1B's; 1F1B's p - s micro-batches between F and B on stage s.
 - ``zbv`` (zero bubble in a V, ``zero_bubble_v.py``): two chunks per stage placed in a V
   (stage s holds chunks s and 2p - 1 - s, whatever ``virtual`` says), B and W split.
-  With F = B = W per chunk the bubble is a few per cent at m = 2p and shrinks with m; at
-  most 2p micro-batch chunks (1F1B's p whole-stage micro-batches) between F and B on
-  every stage. Needs m >= 2p.
+  With F = B = W per chunk the bubble is (p - 1) / (6 m + p - 1): half a stage pass of
+  idle per stage boundary, half zb-h1's; at most 2p micro-batch chunks (1F1B's p
+  whole-stage micro-batches) between F and B on every stage. Needs m >= 2p.
 """
 
 from __future__ import annotations
