@@ -53,6 +53,8 @@ def test_pipeline_matches_single_process(mpi_dataset, shared_tmp, pp, schedule, 
         pytest.skip(f"pp={pp} needs a multiple of {pp} ranks")
     if pp * virtual > 8:
         pytest.skip("more chunks than layers")
+    if schedule == "zbv" and COMM.size // pp > 1:
+        pytest.skip("zbv's dp=2 x pp=2 runs in the Llama bf16 test (the 4-rank leg's time)")
     # zbv fills its V with 2 pp micro-batches; its head sits on stage 0 (no tied copy).
     micro = {"parallel.micro_batches": 2 * pp} if schedule == "zbv" else {}
     cfg = _pipeline_config(mpi_dataset, shared_tmp, pp, schedule, virtual, **micro)
