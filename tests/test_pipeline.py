@@ -7,6 +7,7 @@ import torch
 from hpctrain.config import check_layout
 from hpctrain.errors import ConfigError
 from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.parallel.pipeline import schedules as S
 from hpctrain.parallel.pipeline.stage import PipelineStage, layer_split
 from tests.helpers import cpu_world, tiny_config
 
@@ -18,9 +19,14 @@ def test_layer_split_is_contiguous_and_even():
         layer_split(2, 3)
 
 
-@pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (2, 2), (3, 2)])
-def test_stages_chained_in_one_process_give_the_model_loss_and_gradients(p, v):
+@pytest.mark.parametrize("p,v,kind", [(2, 1, "1f1b"), (4, 1, "1f1b"), (2, 2, "interleaved"),
+                                      (3, 2, "interleaved"), (2, 1, "zbv"), (3, 1, "zbv")])
+def test_stages_chained_in_one_process_give_the_model_loss_and_gradients(p, v, kind):
+    """zbv: placed in a V, the head sits on stage 0 beside the embedding and uses it
+    directly (no copy)."""
     cfg = GPTConfig(vocab_size=40, block_size=12, n_layer=6, n_head=2, n_embd=16)
+    v_shape = kind in S.V_PLACED
+    v = S.chunks_per_stage(kind, v)
     torch.manual_seed(0)
     ref = GPT(cfg)
     x, y = torch.randint(0, 40, (3, 12)), torch.randint(0, 40, (3, 12))
@@ -29,15 +35,20 @@ def test_stages_chained_in_one_process_give_the_model_loss_and_gradients(p, v):
     stages = []
     for s in range(p):
         torch.manual_seed(0)  # every rank builds the same model and keeps its stage
-        stages.append(PipelineStage(GPT(cfg), s, p, v))
-    # Chunk g lives on stage g % p as its local chunk g // p; activations are cut from
-    # the graph between chunks, as they are between ranks.
+        stages.append(PipelineStage(GPT(cfg), s, p, v_shape=v_shape) if v_shape else
+                      PipelineStage(GPT(cfg), s, p, v))
+    assert sorted(i for st in stages for layers in st.chunk_layers for i in layers) == \
+        list(range(cfg.n_layer))
+    # Chunk g lives where the schedule places it; activations are cut from the graph
+    # between chunks, as they are between ranks.
     inputs, outputs, h = [], [], x
     for g in range(p * v):
         if g > 0:
             h = h.detach().requires_grad_(True)
         inputs.append(h)
-        h = stages[g % p].chunk_forward(g // p, h, y if g == p * v - 1 else None)
+        s, c = S.place(kind, g, p)
+        assert stages[s].chunk_layers[c] == list(layer_split(cfg.n_layer, p * v)[g])
+        h = stages[s].chunk_forward(c, h, y if g == p * v - 1 else None)
         outputs.append(h)
     torch.testing.assert_close(h, ref_loss, atol=1e-6, rtol=0)
     grad = None
@@ -46,8 +57,11 @@ def test_stages_chained_in_one_process_give_the_model_loss_and_gradients(p, v):
         grad = inputs[g].grad if g > 0 else None
     named = {n: t for st in stages for n, t in st.named_parameters()}
     assert sorted(named) == sorted(n for n, _ in ref.named_parameters())
-    # The tied embedding: the head's gradient lives on the last stage's copy.
-    tied = named["wte.weight"].grad + stages[-1].head_weight.grad
+    # The tied embedding: the head's gradient lives on the last stage's copy (in a V
+    # the head uses the embedding itself).
+    head = stages[0] if v_shape else stages[-1]
+    assert (head.head_copy is None) == v_shape
+    tied = named["wte.weight"].grad + (0 if v_shape else head.head_weight.grad)
     torch.testing.assert_close(tied, ref.wte.weight.grad, atol=1e-6, rtol=0)
     for n, t in named.items():
         if n != "wte.weight":
@@ -62,6 +76,10 @@ def test_stages_chained_in_one_process_give_the_model_loss_and_gradients(p, v):
     ({"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,
       "parallel.micro_batches": 3}, "multiple of --parallel.pp=2"),
     ({"parallel.pp": 0}, "at least 1"),
+    ({"parallel.pp": 2, "parallel.schedule": "zbv", "parallel.micro_batches": 3},
+     "raise --parallel.micro_batches \\(now 3\\) to 4"),
+    ({"parallel.pp": 2, "parallel.schedule": "zbv", "parallel.micro_batches": 4,
+      "model.n_layer": 3}, "2 chunk"),
 ])
 def test_pipeline_config_errors_name_the_fix(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -532,3 +532,13 @@ def test_the_collective_library_has_its_own_links_and_overlap():
     faster, slower = pm.predict(lib, shape, lay), pm.predict(mpi, shape, lay)
     assert faster.grad_comm_s < slower.grad_comm_s
     assert faster.compute_s == slower.compute_s  # only the network changed
+
+
+def test_zbv_terms_come_from_its_simulation():
+    """zbv: the simulator's bubble (below zb-h1's with equal pass times), p + 1
+    whole-stage micro-batches held until W; fewer than 2 p micro-batches refused."""
+    from hpctrain.parallel.pipeline.schedules import predicted_bubble
+    for p, m in ((2, 4), (4, 8), (4, 16)):
+        assert pm.bubble_fraction(p, m, "zbv") == pytest.approx(predicted_bubble("zbv", p, m))
+    assert pm.bubble_fraction(4, 8, "zbv") < pm.bubble_fraction(4, 8, "zb-h1")
+    assert pm.micro_batches_in_flight(4, 8, "zbv") == 5

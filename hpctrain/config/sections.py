@@ -149,7 +149,10 @@ class ParallelConfig:
                                 "interleaved (virtual_stages chunks per rank: smaller "
                                 "bubble, more messages), zb-h1 (zero bubble: backward "
                                 "split into input and weight gradients, weights' passes "
-                                "fill the bubble)", ("1f1b", "gpipe", "interleaved", "zb-h1"))
+                                "fill the bubble), zbv (zero bubble in a V: two chunks "
+                                "per rank, rank 0 holding the first and the last; needs "
+                                "micro_batches >= 2 pp)",
+                    ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv"))
     virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedule)",
                               bounds=AT_LEAST_1)
     tp: int = opt(1, "tensor-parallel ranks: every layer's weights and work are split over "
@@ -168,6 +171,11 @@ class ParallelConfig:
                  f"the interleaved schedule takes micro-batches in groups of the {self.pp} "
                  f"stages; make --parallel.micro_batches (now {self.micro_batches}) a "
                  f"multiple of --parallel.pp={self.pp}")
+        require(self.schedule != "zbv" or self.pp == 1 or self.micro_batches >= 2 * self.pp,
+                f"the zbv schedule needs at least 2 x --parallel.pp = {2 * self.pp} "
+                f"micro-batches to fill its V; raise --parallel.micro_batches (now "
+                f"{self.micro_batches}) to {2 * self.pp} or more, or use "
+                "--parallel.schedule=zb-h1")
         require(self.tp > 1 or not self.sequence_parallel,
                 "--parallel.sequence_parallel splits the sequence over the tensor-parallel "
                 "ranks: it needs --parallel.tp > 1")
@@ -331,9 +339,10 @@ class Config:
         require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO stage 0 or 1 along "
                  "the data-parallel axis; use --parallel.zero=0 or 1 (stages 2-3 shard "
                  "gradients per micro-batch, which the pipeline does not support)")
-        require(self.model.n_layer >= p.pp * p.virtual_stages,
+        chunks = 2 if p.schedule == "zbv" else p.virtual_stages
+        require(self.model.n_layer >= p.pp * chunks,
                  f"model.n_layer={self.model.n_layer} cannot fill {p.pp} stage(s) x "
-                 f"{p.virtual_stages} virtual stage(s); lower --parallel.pp or "
+                 f"{chunks} chunk(s) each; lower --parallel.pp or "
                  "--parallel.virtual_stages, or use more layers")
 
     def to_dict(self) -> dict:

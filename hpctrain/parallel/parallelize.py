@@ -34,6 +34,7 @@ from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
+from hpctrain.parallel.pipeline.schedules import V_PLACED
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.parallel.runner import LocalRunner, Runner
 from hpctrain.parallel.tensor.apply import tensor_parallelize
@@ -59,7 +60,8 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
         tensor_parallelize(gpt, TensorParallelGroup(grid.tp_comm, world),
                            sequence_parallel=par.sequence_parallel)
     if pipelined:
-        model = PipelineStage(gpt, grid.stage, par.pp, par.virtual_stages, device=device)
+        model = PipelineStage(gpt, grid.stage, par.pp, par.virtual_stages, device=device,
+                              v_shape=par.schedule in V_PLACED)
     else:
         model = gpt.to(device)
     norms = {"norm_comms": (grid.pp_comm,) if pipelined else (), "tp_comm": grid.tp_comm}

@@ -83,9 +83,12 @@ def layer_input_bytes(shape: ModelShape, rows: int, dtype: str, tp: int = 1,
 def micro_batches_in_flight(p: int, m: int, schedule: str) -> int:
     """Activations a stage holds at once: all m for GPipe, at most p for 1F1B (stage 0);
     zb-h1 keeps a micro-batch's graph until its W, up to 2 p - 1 (stage 0, bounded by
-    the simulator's test)."""
+    the simulator's test); zbv holds up to 2 p + 2 micro-batch chunks of half a stage
+    until W on every stage, p + 1 whole-stage micro-batches (the simulator's test)."""
     if p <= 1:
         return 1
+    if schedule == "zbv":
+        return min(p + 1, m)
     if schedule == "zb-h1":
         return min(2 * p - 1, m)
     return m if schedule == "gpipe" else min(p, m)

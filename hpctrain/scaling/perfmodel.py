@@ -58,7 +58,7 @@ __all__ = ["Layout", "Prediction", "predict", "predict_memory", "fits", "describ
            "bubble_fraction", "activation_bytes", "activation_bytes_per_layer",
            "llama_bytes_per_token", "micro_batches_in_flight", "bucket_sizes"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 RECOMPUTE = ("none", "block")
 MIB = 1 << 20
 
@@ -111,6 +111,10 @@ class Layout:
         check_splittable(shape.gpt, self.tp)
         if self.pp > shape.n_layer * self.virtual_stages:
             raise UserError(f"pp={self.pp} is more stages than the {shape.n_layer} layers")
+        if self.schedule == "zbv" and self.pp > 1 and (
+                self.micro_batches < 2 * self.pp or shape.n_layer < 2 * self.pp):
+            raise UserError(f"zbv at pp={self.pp} needs at least {2 * self.pp} micro-batches "
+                            f"and layers (two chunks per stage); use more, or zb-h1")
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"zero={self.zero}: use 0, 1, 2 or 3")
         if self.pp > 1 and self.zero > 1:  # the trainer's rule (parallel/pipeline)
@@ -177,12 +181,15 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
     """Idle share of a pipelined step (parallelism.md): (p-1)/(m+p-1) for GPipe and 1F1B;
     interleaved 1F1B with v chunks per rank: (p-1)/(v m) relative to the useful work,
     i.e. (p-1)/(v m + p - 1) of the whole; zb-h1 (backward split into B and W, with
-    F = B = W): (p-1)/(3 m + p - 1) once m >= p, fewer micro-batches simulated
+    F = B = W): (p-1)/(3 m + p - 1) once m >= p, fewer micro-batches simulated; zbv
+    (two chunks per stage in a V, m >= 2p): (p-1)/(6 m + p - 1), half zb-h1's idle time
     (docs/design/pipeline.md)."""
     if p <= 1:
         return 0.0
     if schedule == "interleaved":
         return (p - 1) / (v * m + p - 1)
+    if schedule == "zbv":
+        return (p - 1) / (6 * m + p - 1)
     if schedule == "zb-h1":
         if m >= p:
             return (p - 1) / (3 * m + p - 1)
@@ -332,14 +339,16 @@ def predict(system: SystemPerf, shape: ModelShape, layout: Layout) -> Prediction
     bubble = (compute + tp_comm) * bubble_share / (1.0 - bubble_share) if p > 1 else 0.0
 
     # Activations between stages: one transfer forward and one back per micro-batch slot,
-    # v times as many with interleaving; a tp rank sends its sequence slice under
-    # sequence parallelism. Stage neighbours are tp ranks apart.
+    # v times as many with interleaving, twice as many with zbv's V (its tip hands over
+    # locally); a tp rank sends its sequence slice under sequence parallelism. Stage
+    # neighbours are tp ranks apart.
     act_bytes = layer_input_bytes(shape, layout.micro_rows, layout.dtype, layout.tp,
                                   layout.sequence_parallel)
     p2p = 0.0
     if p > 1:
         per_node = min(p, max(1, rpn // layout.tp))
-        p2p = 2 * v * (m + p - 1) * collective(system, "p2p", 2, act_bytes, per_node)
+        chunks = 2 if layout.schedule == "zbv" else v
+        p2p = 2 * chunks * (m + p - 1) * collective(system, "p2p", 2, act_bytes, per_node)
 
     params = tensor_cost.rank_params(shape, p, layout.tp)
     grad_exposed, grad_total, gather = gradient_terms(system, layout, params, layers, t_micro)

@@ -92,7 +92,8 @@ def _layouts_of_tp(shape: ModelShape, ranks: int, tp: int, global_batch: int, dt
                 m = rows_per_rank // b
                 if pp == 1 or m >= pp:
                     for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
-                        for sched, v in schedules:
+                        for sched, v in schedules + ([("zbv", 1)] if pp > 1 and m >= 2 * pp
+                                                     and shape.n_layer >= 2 * pp else []):
                             out.append(Layout(ranks=ranks, pp=pp, zero=zero, micro_batches=m,
                                               global_batch=global_batch, dtype=dtype,
                                               schedule=sched, virtual_stages=v,

@@ -140,13 +140,23 @@ class PipelineExecutor:
         self._weights = [*stage.parameters()] + \
             ([stage.head_copy] if stage.head_copy is not None else [])
         self.stats = PipelineStats()
-        self.tie_tag = S.max_tag(self.p, max(n_micro, 1), self.v) + TIE_TAG_OFFSET
+        self.tie_tag = S.max_tag(self.p, max(n_micro, 1), self.v, kind) + TIE_TAG_OFFSET
         # Called after every forward with no argument; the benchmark samples memory there.
         self.memory_probe = memory_probe
 
     # ------------------------------------------------------------------ messages
     def _tag(self, a: S.Action) -> int:
-        return S.message_tag(a.op, a.micro, a.chunk, self.s, self.p, self.v)
+        return S.message_tag(a.op, a.micro, a.chunk, self.s, self.p, self.v, self.kind)
+
+    def _hand_over(self, walk: _Walk, a: S.Action, tensor: torch.Tensor, step: int) -> bool:
+        """Where model chunk g + ``step`` is this stage's too (the tip of zbv's V), leave
+        ``tensor`` (an output, or an input's gradient) for it as if received; true if so."""
+        local = S.local_neighbour(self.kind, self.s, a.chunk, self.p, self.v, step)
+        if local is None:
+            return False
+        op = S.RECV_ACT if step > 0 else S.RECV_GRAD
+        walk.received[(op, a.micro, local)] = tensor.detach()
+        return True
 
     def _post_recv(self, a: S.Action, rows: int):
         buf = torch.empty(self.stage.activation_shape(rows, self.seq), dtype=self.dtype,
@@ -253,11 +263,12 @@ class PipelineExecutor:
         self.stats.forward_s += time.perf_counter() - t0
         if last:
             walk.loss_sum = out.detach() if walk.loss_sum is None else walk.loss_sum + out.detach()
+        handed = not last and self._hand_over(walk, a, out, +1)
         if walk.backward:
             walk.inputs[key], walk.outputs[key] = x, out
             walk.in_flight += 1
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, walk.in_flight)
-        else:
+        elif not handed:  # kept for its send
             walk.outputs[key] = out
         if self.memory_probe is not None:
             self.memory_probe()
@@ -303,7 +314,7 @@ class PipelineExecutor:
             self.accel.autograd(lambda: kept.append(backward_input(out, grad, x, self._weights)))
         self.stats.backward_s += time.perf_counter() - t0
         walk.weights[key] = kept[0]
-        if not self.stage.is_first_chunk(a.chunk):
+        if not self.stage.is_first_chunk(a.chunk) and not self._hand_over(walk, a, x.grad, -1):
             walk.inputs[key] = x  # its .grad goes back at the next send_grad
 
     def _weight(self, walk: _Walk, i: int, a: S.Action) -> None:
@@ -349,7 +360,8 @@ class PipelineExecutor:
     @torch.no_grad()
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """The loss of one batch through every stage (last stage; None elsewhere)."""
-        return self.run(S.forward_only(self.p, self.s, self.v), [x], [y], 1.0, backward=False)
+        return self.run(S.forward_only(self.p, self.s, self.v, self.kind), [x], [y], 1.0,
+                        backward=False)
 
     # ------------------------------------------------------------ tied embedding
     # The last stage sends the head's gradient of the tied embedding as soon as its
@@ -358,8 +370,9 @@ class PipelineExecutor:
     # is complete when its reduction starts (the hooks launch it during that pass).
     @property
     def tied(self) -> bool:
-        """Whether the first and the last stage share a tied embedding."""
-        return self.p > 1 and self.stage.cfg.tie_embeddings
+        """Whether the first and the last stage share a tied embedding (placed in a V,
+        the head is on the first stage)."""
+        return self.p > 1 and self.stage.cfg.tie_embeddings and self.kind not in S.V_PLACED
 
     def _post_tie_recv(self):
         if not self.stage.has_embedding or not self.tied:

@@ -25,6 +25,11 @@ Schedules (p stages, m micro-batches; bubble with unit-time forward and backward
   gradient, sent at once) and W (the weights' gradients: ``weight`` actions, run where
   the stage would wait). With F = B = W the bubble is (p - 1) / (3 m + p - 1), a third
   of 1F1B's; 1F1B's p - s micro-batches between F and B on stage s.
+- ``zbv`` (zero bubble in a V, ``zero_bubble_v.py``): two chunks per stage placed in a V
+  (stage s holds chunks s and 2p - 1 - s, whatever ``virtual`` says), B and W split.
+  With F = B = W per chunk the bubble is (p - 1) / (6 m + p - 1): half a stage pass of
+  idle per stage boundary, half zb-h1's; at most 2p micro-batch chunks (1F1B's p
+  whole-stage micro-batches) between F and B on every stage. Needs m >= 2p.
 """
 
 from __future__ import annotations
@@ -33,9 +38,14 @@ from dataclasses import dataclass
 
 from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, FORWARD, WEIGHT, pass_units,
                                                     zb_h1_orders)
+from hpctrain.parallel.pipeline.zero_bubble_v import (CHUNKS as ZBV_CHUNKS, v_global_chunk,
+                                                      v_pass_units, v_place, zbv_orders)
 
-KINDS = ("1f1b", "gpipe", "interleaved", "zb-h1")
-SPLIT_BACKWARD = ("zb-h1",)
+KINDS = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
+SPLIT_BACKWARD = ("zb-h1", "zbv")
+V_PLACED = ("zbv",)
+"""Schedules whose stage s holds model chunks s and 2p - 1 - s (the others: chunk c of
+stage s is model chunk c p + s)."""
 """Schedules whose backward is B then W (``weight`` actions); the others' is fused."""
 
 RECV_ACT, SEND_ACT = "recv_act", "send_act"
@@ -52,7 +62,7 @@ class Action:
     send_grad or recv_grad."""
     micro: int
     chunk: int = 0
-    """This stage's local model chunk (0 unless interleaved)."""
+    """This stage's local model chunk (0 unless interleaved or zbv)."""
     peer: int | None = None
     """The stage sent to or received from (None for compute)."""
 
@@ -71,7 +81,15 @@ def check_schedule_args(kind: str, n_stages: int, n_micro: int, virtual: int = 1
         raise ScheduleError(f"unknown pipeline schedule {kind!r}; choose one of {', '.join(KINDS)}")
     if n_stages < 1 or n_micro < 1 or virtual < 1:
         raise ScheduleError("pipeline stages, micro-batches and virtual stages must be >= 1")
-    if kind != "interleaved" and virtual != 1:
+    if kind in V_PLACED and n_micro < 2 * n_stages:
+        raise ScheduleError(
+            f"the {kind} schedule needs at least 2 x {n_stages} stages = {2 * n_stages} "
+            f"micro-batches to fill its V; raise --parallel.micro_batches from {n_micro} "
+            f"to {2 * n_stages} or more, or use --parallel.schedule=zb-h1")
+    if kind in V_PLACED and virtual not in (1, ZBV_CHUNKS):
+        raise ScheduleError(f"the {kind} schedule places {ZBV_CHUNKS} chunks per stage "
+                            "itself; leave --parallel.virtual_stages at 1")
+    if kind not in ("interleaved",) + V_PLACED and virtual != 1:
         raise ScheduleError(f"--parallel.virtual_stages={virtual} needs "
                             "--parallel.schedule=interleaved")
     if kind == "interleaved" and n_micro % n_stages:
@@ -80,11 +98,41 @@ def check_schedule_args(kind: str, n_stages: int, n_micro: int, virtual: int = 1
             f"stages; --parallel.micro_batches={n_micro} is not a multiple of {n_stages}")
 
 
+def chunks_per_stage(kind: str, virtual: int = 1) -> int:
+    """Model chunks each stage holds: 2 for the V-placed schedules, else ``virtual``."""
+    return ZBV_CHUNKS if kind in V_PLACED else virtual
+
+
+def global_chunk(kind: str, stage: int, chunk: int, n_stages: int) -> int:
+    """The model chunk that ``stage`` holds as its local ``chunk``."""
+    return v_global_chunk(stage, chunk, n_stages) if kind in V_PLACED else \
+        chunk * n_stages + stage
+
+
+def place(kind: str, g: int, n_stages: int) -> tuple[int, int]:
+    """(stage, local chunk) holding model chunk ``g``."""
+    return v_place(g, n_stages) if kind in V_PLACED else (g % n_stages, g // n_stages)
+
+
+def local_neighbour(kind: str, stage: int, chunk: int, n_stages: int, virtual: int,
+                    step: int) -> int | None:
+    """The local chunk of ``stage`` that holds model chunk g + ``step`` (g: the one held as
+    ``chunk``), or None when another stage holds it or there is none: where a forward
+    hands its output, or a backward its input's gradient, over without a message."""
+    g = global_chunk(kind, stage, chunk, n_stages) + step
+    if not 0 <= g < n_stages * chunks_per_stage(kind, virtual):
+        return None
+    where, local = place(kind, g, n_stages)
+    return local if where == stage else None
+
+
 def compute_order(kind: str, n_stages: int, n_micro: int, stage: int,
                   virtual: int = 1) -> list[tuple[str, int, int]]:
     """The forward and backward passes of ``stage`` in order: (op, micro, chunk)."""
     check_schedule_args(kind, n_stages, n_micro, virtual)
     p, m, s = n_stages, n_micro, stage
+    if kind in V_PLACED:
+        return zbv_orders(p, m)[s]
     if kind in SPLIT_BACKWARD:
         return zb_h1_orders(p, m)[s]
     if kind == "gpipe":
@@ -115,46 +163,55 @@ def compute_order(kind: str, n_stages: int, n_micro: int, stage: int,
 def schedule(kind: str, n_stages: int, n_micro: int, stage: int,
              virtual: int = 1) -> list[Action]:
     """Every action of ``stage`` for one step: each pass with its receive before it and
-    its send after it."""
-    p, g_last = n_stages, n_stages * virtual - 1
+    its send after it. Neighbouring chunks on the same stage (the tip of zbv's V) hand
+    over locally: no message."""
+    p = n_stages
+    g_last = p * chunks_per_stage(kind, virtual) - 1
     actions: list[Action] = []
     for op, micro, chunk in compute_order(kind, n_stages, n_micro, stage, virtual):
-        g = chunk * p + stage  # the global chunk index
+        g = global_chunk(kind, stage, chunk, p)
+        before = place(kind, g - 1, p)[0] if g > 0 else stage
+        after = place(kind, g + 1, p)[0] if g < g_last else stage
         if op == FORWARD:
-            if g > 0:
-                actions.append(Action(RECV_ACT, micro, chunk, (stage - 1) % p))
+            if before != stage:
+                actions.append(Action(RECV_ACT, micro, chunk, before))
             actions.append(Action(FORWARD, micro, chunk))
-            if g < g_last:
-                actions.append(Action(SEND_ACT, micro, chunk, (stage + 1) % p))
+            if after != stage:
+                actions.append(Action(SEND_ACT, micro, chunk, after))
         elif op == WEIGHT:
             actions.append(Action(WEIGHT, micro, chunk))
         else:
-            if g < g_last:
-                actions.append(Action(RECV_GRAD, micro, chunk, (stage + 1) % p))
+            if after != stage:
+                actions.append(Action(RECV_GRAD, micro, chunk, after))
             actions.append(Action(BACKWARD, micro, chunk))
-            if g > 0:
-                actions.append(Action(SEND_GRAD, micro, chunk, (stage - 1) % p))
+            if before != stage:
+                actions.append(Action(SEND_GRAD, micro, chunk, before))
     return actions
 
 
-def forward_only(n_stages: int, stage: int, virtual: int = 1) -> list[Action]:
+def forward_only(n_stages: int, stage: int, virtual: int = 1,
+                 kind: str = "1f1b") -> list[Action]:
     """One micro-batch forward through every chunk (evaluation): no backward, no grads."""
+    p, v = n_stages, chunks_per_stage(kind, virtual)
     actions = []
-    for chunk in range(virtual):
-        g = chunk * n_stages + stage
-        if g > 0:
-            actions.append(Action(RECV_ACT, 0, chunk, (stage - 1) % n_stages))
+    for chunk in range(v):
+        g = global_chunk(kind, stage, chunk, p)
+        before = place(kind, g - 1, p)[0] if g > 0 else stage
+        after = place(kind, g + 1, p)[0] if g < p * v - 1 else stage
+        if before != stage:
+            actions.append(Action(RECV_ACT, 0, chunk, before))
         actions.append(Action(FORWARD, 0, chunk))
-        if g < n_stages * virtual - 1:
-            actions.append(Action(SEND_ACT, 0, chunk, (stage + 1) % n_stages))
+        if after != stage:
+            actions.append(Action(SEND_ACT, 0, chunk, after))
     return actions
 
 
 def message_tag(op: str, micro: int, chunk: int, stage: int, n_stages: int,
-                virtual: int) -> int:
+                virtual: int, kind: str = "1f1b") -> int:
     """The MPI tag of the message a send or receive action moves, the same number on the
     sending and the receiving side: (direction, micro-batch, receiving global chunk)."""
-    g = chunk * n_stages + stage
+    virtual = chunks_per_stage(kind, virtual)
+    g = global_chunk(kind, stage, chunk, n_stages)
     if op == SEND_ACT:
         g_recv, direction = g + 1, 0
     elif op == RECV_ACT:
@@ -168,7 +225,8 @@ def message_tag(op: str, micro: int, chunk: int, stage: int, n_stages: int,
     return (micro * n_stages * virtual + g_recv) * 2 + direction
 
 
-def max_tag(n_stages: int, n_micro: int, virtual: int) -> int:
+def max_tag(n_stages: int, n_micro: int, virtual: int, kind: str = "1f1b") -> int:
+    virtual = chunks_per_stage(kind, virtual)
     return (n_micro * n_stages * virtual) * 2 + 1
 
 
@@ -205,10 +263,13 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
              t_weight: float = 0.0) -> Simulation:
     """Run every stage's actions together: compute takes time, a send delivers at once
     (MPI ``Isend``), a receive waits for its send. ``t_backward`` is B, ``t_weight`` W:
-    a fused backward takes both (each time: one number, or a list with one per stage). Checks each chunk sees each micro-batch forward once,
-    then backward once, then (split schedules) W once; raises ``Deadlock`` if no stage
-    can move. A micro-batch is in flight from its forward to its last backward part."""
+    a fused backward takes both (each time: one number, or a list with one per stage whose
+    items may be lists with one per local chunk). Checks each chunk sees each micro-batch
+    forward once, after the previous chunk's, then backward once, after the next chunk's,
+    then (split schedules) W once; raises ``Deadlock`` if no stage can move. A micro-batch
+    is in flight from its forward to its last backward part."""
     p, split = n_stages, kind in SPLIT_BACKWARD
+    v = chunks_per_stage(kind, virtual)
     plans = [schedule(kind, p, n_micro, s, virtual) for s in range(p)]
     pos, clock = [0] * p, [0.0] * p
     busy = [0.0] * p
@@ -218,8 +279,10 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
     sent: dict[tuple, float] = {}  # message key -> time it was sent
     done: dict[str, set] = {FORWARD: set(), BACKWARD: set(), WEIGHT: set()}
     before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}
-    f, b, w = (_per_stage(t, p) for t in (t_forward, t_backward, t_weight))
-    cost = [{FORWARD: f[s], WEIGHT: w[s], BACKWARD: b[s] + (0.0 if split else w[s])}
+    neighbour = {FORWARD: -1, BACKWARD: +1}  # the chunk whose same pass comes first
+    f, b, w = (_per_chunk(t, p, v) for t in (t_forward, t_backward, t_weight))
+    cost = [[{FORWARD: f[s][c], WEIGHT: w[s][c],
+              BACKWARD: b[s][c] + (0.0 if split else w[s][c])} for c in range(v)]
             for s in range(p)]
     while any(pos[s] < len(plans[s]) for s in range(p)):
         moved = False
@@ -227,16 +290,20 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
             while pos[s] < len(plans[s]):
                 a = plans[s][pos[s]]
                 if a.op in RECVS:
-                    key = (s, a.peer, message_tag(a.op, a.micro, a.chunk, s, p, virtual))
+                    key = (s, a.peer, message_tag(a.op, a.micro, a.chunk, s, p, v, kind))
                     if key not in sent:
                         break
                     clock[s] = max(clock[s], sent.pop(key))
                 elif a.op in SENDS:
-                    sent[(a.peer, s, message_tag(a.op, a.micro, a.chunk, s, p, virtual))] \
+                    sent[(a.peer, s, message_tag(a.op, a.micro, a.chunk, s, p, v, kind))] \
                         = clock[s]
                 else:
-                    key = (a.micro, a.chunk * p + s)
-                    if key in done[a.op] or (a.op in before and key not in done[before[a.op]]):
+                    g = global_chunk(kind, s, a.chunk, p)
+                    key = (a.micro, g)
+                    prior = (a.micro, g + neighbour.get(a.op, 0))
+                    if key in done[a.op] or (a.op in before and key not in done[before[a.op]]) \
+                            or (a.op in neighbour and 0 <= prior[1] < p * v
+                                and prior not in done[a.op]):
                         raise AssertionError(f"stage {s}: {a} runs twice or out of order")
                     done[a.op].add(key)
                     if a.op == FORWARD:
@@ -248,16 +315,16 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
                         before_b[s] -= 1
                     if a.op == WEIGHT or (a.op == BACKWARD and not split):
                         in_flight[s] -= 1
-                    dt = cost[s][a.op]
-                    timeline[s].append((clock[s], clock[s] + dt, f"{a.op[0].upper()}{a.micro}"))
+                    dt = cost[s][a.chunk][a.op]
+                    timeline[s].append((clock[s], clock[s] + dt, _label(a)))
                     clock[s] += dt
                     busy[s] += dt
                 pos[s] += 1
                 moved = True
         if not moved:
             stuck = {s: str(plans[s][pos[s]]) for s in range(p) if pos[s] < len(plans[s])}
-            raise Deadlock(f"{kind} p={p} m={n_micro} v={virtual}: every stage waits: {stuck}")
-    expected = {(i, g) for i in range(n_micro) for g in range(p * virtual)}
+            raise Deadlock(f"{kind} p={p} m={n_micro} v={v}: every stage waits: {stuck}")
+    expected = {(i, g) for i in range(n_micro) for g in range(p * v)}
     if any(done[op] != expected for op in ((FORWARD, BACKWARD, WEIGHT) if split
                                            else (FORWARD, BACKWARD))):
         raise AssertionError("some micro-batch missed a pass of a chunk")
@@ -269,14 +336,29 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
                       peak_before_input_grad=peak_b, timeline=timeline)
 
 
-def _per_stage(t, n_stages: int) -> list[float]:
-    return list(t) if isinstance(t, (list, tuple)) else [t] * n_stages
+def _per_chunk(t, n_stages: int, n_chunks: int) -> list[list[float]]:
+    """A time per stage and local chunk from one number, or one per stage (each a number
+    or a list per chunk)."""
+    per_stage = list(t) if isinstance(t, (list, tuple)) else [t] * n_stages
+    return [list(x) if isinstance(x, (list, tuple)) else [x] * n_chunks for x in per_stage]
 
 
-def unit_times(n_stages: int) -> dict[str, list[float]]:
+def _label(a: Action) -> str:
+    """``F3`` for a pass of micro-batch 3 on local chunk 0; lower case (``f3``) on chunk 1
+    and above."""
+    letter = a.op[0].upper() if a.chunk == 0 else a.op[0]
+    return f"{letter}{a.micro}"
+
+
+def unit_times(n_stages: int, kind: str = "1f1b") -> dict[str, list]:
     """``simulate``'s times in units of a forward: B and W one each (a fused backward
-    two), but the first stage's B is empty and its W the whole backward (it has no input
-    gradient to compute)."""
+    two), but the model's first chunk has an empty B and its W is the whole backward (it
+    has no input gradient to compute). For zbv the unit is a chunk's forward, per chunk."""
+    if kind in V_PLACED:
+        units = [[v_pass_units(s, c) for c in range(ZBV_CHUNKS)] for s in range(n_stages)]
+        return {name: [[u[op] for u in stage] for stage in units]
+                for name, op in (("t_forward", FORWARD), ("t_backward", BACKWARD),
+                                 ("t_weight", WEIGHT))}
     units = [pass_units(s) for s in range(n_stages)]
     return {"t_forward": [u[FORWARD] for u in units],
             "t_backward": [u[BACKWARD] for u in units],
@@ -288,14 +370,14 @@ def predicted_bubble(kind: str, n_stages: int, n_micro: int, virtual: int = 1,
     """The simulator's idle share: ``times`` as ``simulate``'s keywords (default
     ``unit_times``)."""
     return simulate(kind, n_stages, n_micro, virtual,
-                    **(times if times is not None else unit_times(n_stages))).bubble
+                    **(times if times is not None else unit_times(n_stages, kind))).bubble
 
 
 def picture(kind: str, n_stages: int, n_micro: int) -> str:
     """The schedule as text, one row per stage and one column per time unit
     (``unit_times``): F, B, W and the micro-batch (a pass of two units shows twice), ``.``
     where the stage idles."""
-    sim = simulate(kind, n_stages, n_micro, **unit_times(n_stages))
+    sim = simulate(kind, n_stages, n_micro, **unit_times(n_stages, kind))
     rows = []
     for s, passes in enumerate(sim.timeline):
         cells, t = [], 0.0

@@ -3,7 +3,9 @@
 With p stages and v chunks per stage, the model is G = v p chunks: the embeddings go
 with chunk 0, the transformer blocks are shared out as evenly as possible (earlier chunks
 take the remainder), and the final LayerNorm, the head and the loss go with chunk G - 1.
-Chunk g lives on stage g mod p (``schedules.py``).
+Chunk g lives on stage g mod p (``schedules.py``), or, placed in a V (``v_shape``, the
+zbv schedule: two chunks per stage), on stage g for g < p and 2p - 1 - g after: stage 0
+then holds both the embeddings and the head.
 
 A stage keeps its parts under the GPT's own attribute names (``wte``, ``wpe``,
 ``h.<layer>``, ``ln_f``, an untied ``lm_head``), so its ``named_parameters()`` are
@@ -17,7 +19,9 @@ is sent to the first stage and added to the embedding's gradient there (before t
 data-parallel reduction), the first stage updates the one real parameter, and the new
 values are copied back (``PipelineEngine.tie_*``). So the optimizer, the gradient norm
 and the checkpoint all see the embedding once. An untied head (``tie_embeddings=False``,
-as Llama 3 8B) is simply the last stage's own parameter ``lm_head.weight``.
+as Llama 3 8B) is simply the last stage's own parameter ``lm_head.weight``. Placed in a
+V, the head sits beside the embedding on stage 0 and uses it directly: no copy, no
+message.
 """
 
 from __future__ import annotations
@@ -45,16 +49,20 @@ class PipelineStage(EmbeddingAndHead, nn.Module):
     """One stage's chunks of a GPT. ``chunk_forward(c, x, targets)`` runs local chunk c."""
 
     def __init__(self, gpt: GPT, stage: int, n_stages: int, virtual: int = 1,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, v_shape: bool = False):
         super().__init__()
         self.cfg = gpt.cfg
         self.tensor_parallel = gpt.tensor_parallel  # its ends, when the layers are split
+        if v_shape:
+            virtual = 2
         self.stage, self.n_stages, self.virtual = stage, n_stages, virtual
         n_chunks = n_stages * virtual
         splits = layer_split(gpt.cfg.n_layer, n_chunks)
-        self.chunk_layers = [list(splits[c * n_stages + stage]) for c in range(virtual)]
+        chunks = [stage, n_chunks - 1 - stage] if v_shape else \
+            [c * n_stages + stage for c in range(virtual)]
+        self.chunk_layers = [list(splits[g]) for g in chunks]
         self.has_embedding = stage == 0
-        self.has_head = stage == n_stages - 1
+        self.has_head = stage == (0 if v_shape else n_stages - 1)
         if self.has_embedding:
             self.wte, self.drop = gpt.wte, gpt.drop
             if self.cfg.arch == "gpt":
@@ -68,14 +76,16 @@ class PipelineStage(EmbeddingAndHead, nn.Module):
         if device is not None:
             self.to(device)
         self.head_copy = None
-        if self.has_head and self.cfg.tie_embeddings:
+        if self.has_head and self.cfg.tie_embeddings and not self.has_embedding:
             # The head's copy of the tied embedding (see the module docstring).
             self.head_copy = gpt.wte.weight.detach().to(device).clone().requires_grad_(True)
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """The head's matrix: the copy of the tied embedding, or the own ``lm_head``."""
-        return self.head_copy if self.head_copy is not None else self.lm_head.weight
+        """The head's matrix: the tied embedding (or its copy), or the own ``lm_head``."""
+        if self.head_copy is not None:
+            return self.head_copy
+        return self.wte.weight if self.cfg.tie_embeddings else self.lm_head.weight
 
     def is_first_chunk(self, chunk: int) -> bool:
         return self.has_embedding and chunk == 0

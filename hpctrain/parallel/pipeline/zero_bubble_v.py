@@ -1,0 +1,121 @@
+"""The zero-bubble V schedule ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
+2024; "Pipeline Parallelism with Controllable Memory", 2024), built by playing the
+pipeline in unit time steps as ``zero_bubble.py`` does for ZB-H1.
+
+Placement. The model is cut into 2p chunks and stage s holds two of them in a V: chunk
+s (its local chunk 0) and chunk 2p - 1 - s (its local chunk 1). A forward runs down the
+stages on the first chunks and back up on the second; a backward the reverse. So stage
+0 holds both the embedding (chunk 0) and the head (chunk 2p - 1), and the last stage
+hands chunk p - 1's output to chunk p on the same rank, with no message.
+
+Order. Every pass of a chunk takes one time unit (a chunk is half a stage's layers),
+except that the very first chunk has no input gradient: its B is empty and its W the
+whole backward. At every step each stage takes the first of these it can run:
+
+1. B of its oldest forwarded micro-batch chunk whose output gradient is there (the
+   next chunk's B done, or the loss for chunk 2p - 1): it unblocks a neighbour; chunk 0
+   first when both wait (it finishes the micro-batch and frees its activations);
+2. F of the next micro-batch of its second chunk, then of its first, once the input is
+   there and fewer than 2p + 2 micro-batch chunks are between their F and their W; the
+   first chunk may run at most 2 (p - s) - 1 micro-batches ahead of the second (the
+   time the first micro-batch takes to come back up the V to stage s: more would only
+   hold memory, and would starve the second chunk of budget);
+3. W of its oldest B-done micro-batch chunk (filling what would be idle time, and
+   freeing budget when F may not run).
+
+The simulator then shows at most 2p micro-batch chunks between F and B on every stage:
+the paper's activation memory of ZB-V, 1F1B's p whole-stage micro-batches of its first
+stage, now on every stage alike; and at most 2p + 2 until W.
+
+With F = B = W the stages idle only a few units while the first forwards travel down the
+V and the last backwards come back, against 6 m units of work each (the simulator's
+``predicted_bubble``). The V needs m >= 2p micro-batches to fill; fewer are refused
+(``schedules.check_schedule_args`` names the fix) rather than run a schedule that is
+neither zero-bubble nor tested.
+"""
+
+from __future__ import annotations
+
+from hpctrain.parallel.pipeline.zero_bubble import BACKWARD, FORWARD, WEIGHT
+
+CHUNKS = 2
+"""Model chunks per stage."""
+
+
+def v_global_chunk(stage: int, chunk: int, n_stages: int) -> int:
+    """The model chunk (0 .. 2p - 1) held as local ``chunk`` by ``stage``."""
+    return stage if chunk == 0 else 2 * n_stages - 1 - stage
+
+
+def v_place(g: int, n_stages: int) -> tuple[int, int]:
+    """(stage, local chunk) holding model chunk ``g``."""
+    return (g, 0) if g < n_stages else (2 * n_stages - 1 - g, 1)
+
+
+def v_pass_units(stage: int, chunk: int) -> dict[str, int]:
+    """Time units of each pass of a chunk: one each, but the model's first chunk has no
+    input gradient, so its B is empty and its W the whole backward."""
+    return {FORWARD: 1, BACKWARD: 0, WEIGHT: 2} if (stage, chunk) == (0, 0) else \
+        {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
+
+
+def zbv_orders(n_stages: int, n_micro: int) -> list[list[tuple]]:
+    """Every stage's (op, micro, local chunk) in order, for one step."""
+    p, m = n_stages, n_micro
+    last = 2 * p - 1
+    f_done: dict[tuple, int] = {}  # (micro, model chunk) -> time step its pass finished
+    b_done: dict[tuple, int] = {}
+    next_f = [[0, 0] for _ in range(p)]
+    next_b = [[0, 0] for _ in range(p)]
+    pending_w: list[list[tuple]] = [[] for _ in range(p)]
+    free_at = [0] * p
+    orders: list[list[tuple]] = [[] for _ in range(p)]
+    t = 0
+    while any(len(o) < 3 * CHUNKS * m for o in orders):
+        if t > 12 * CHUNKS * m * p + 100:
+            raise RuntimeError(f"zbv order for p={p} m={m} does not finish: {orders}")
+        for s in range(p):
+            while free_at[s] <= t:  # a pass of no time lets the stage choose again
+                pick = _pick(s, p, m, t, last, next_f[s], next_b[s], pending_w[s],
+                             f_done, b_done)
+                if pick is None:
+                    break
+                op, micro, c = pick
+                orders[s].append(pick)
+                free_at[s] = t + v_pass_units(s, c)[op]
+                if op == FORWARD:
+                    next_f[s][c] += 1
+                    f_done[(micro, v_global_chunk(s, c, p))] = free_at[s]
+                elif op == BACKWARD:
+                    next_b[s][c] += 1
+                    pending_w[s].append((micro, c))
+                    b_done[(micro, v_global_chunk(s, c, p))] = free_at[s]
+        t += 1
+    return orders
+
+
+def _pick(s, p, m, t, last, next_f, next_b, pending_w, f_done, b_done):
+    """The pass stage ``s`` starts at step ``t`` (rules 1-3 of the module docstring)."""
+    ready_b = [(next_b[c], c) for c in (0, 1)
+               if next_b[c] < next_f[c]
+               and (v_global_chunk(s, c, p) == last
+                    or _done_by(b_done.get((next_b[c], v_global_chunk(s, c, p) + 1)), t))]
+    if ready_b:
+        micro, c = min(ready_b)
+        return BACKWARD, micro, c
+    held = sum(next_f) - sum(next_b) + len(pending_w)  # forwarded, W not done
+    for c in (1, 0):
+        g = v_global_chunk(s, c, p)
+        if c == 0 and next_f[0] - next_f[1] >= 2 * (p - s) - 1:
+            continue  # chunk 0 is as far ahead as the V's warm-up needs
+        if next_f[c] < m and held < CHUNKS * p + 2 and \
+                (g == 0 or _done_by(f_done.get((next_f[c], g - 1)), t)):
+            return FORWARD, next_f[c], c
+    if pending_w:
+        micro, c = pending_w.pop(0)
+        return WEIGHT, micro, c
+    return None
+
+
+def _done_by(finished: int | None, t: int) -> bool:
+    return finished is not None and finished <= t
