@@ -279,3 +279,21 @@ def test_a_missing_extra_is_one_line_naming_the_install(tmp_path, monkeypatch, n
         prepare([path], tmp_path / "o.h5", show_progress=False)
     assert str(err.value) == (f"reading {path} needs the {package} package: pip install "
                               f"'hpctrain[corpora]' (or pip install {package})")
+
+
+def test_a_spill_is_removed_even_when_its_last_bytes_find_no_room(tmp_path):
+    """Another rank's failure ends a rank whose spill still holds buffered bytes on a
+    full disk: closing it fails, and it must go all the same (the 4-rank full-disk test)."""
+    from hpctrain.data.spill import TokenSpill
+
+    spill = TokenSpill(tmp_path / "out.h5", np.dtype("<u2"))
+    spill.append([1, 2, 3])
+    buffered = spill._file
+
+    class NoRoom:
+        def close(self):
+            buffered.close()
+            raise OSError(28, "No space left on device")
+    spill._file = NoRoom()
+    spill.remove()
+    assert list(tmp_path.iterdir()) == []

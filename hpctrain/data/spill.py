@@ -75,8 +75,10 @@ class TokenSpill:
         """Close and delete the file, and the output's directory if it was made for the
         spill and nothing else is in it (safe to repeat)."""
         self._map = None
-        if not self._file.closed:
+        try:
             self._file.close()
+        except OSError:  # the buffered bytes had no room: the file goes anyway
+            pass
         Path(self.path).unlink(missing_ok=True)
         if self._made_dir:
             try:
