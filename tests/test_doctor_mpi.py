@@ -11,6 +11,7 @@ from mpi4py import MPI
 from hpctrain.comm.world import World
 from hpctrain.doctor.comm_checks import FAULT_ENV
 from hpctrain.doctor.run import run_doctor
+from tests.helpers import two_ranks_suffice
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -47,6 +48,7 @@ def test_doctor_passes(tmp_path, device):
         assert report["train"]["status"] == "ok"
 
 
+@two_ranks_suffice("a fault on one rank failing the other shows with two")
 @pytest.mark.parametrize("check", ["allreduce", "p2p"])
 def test_planted_fault_fails_every_rank(tmp_path, monkeypatch, check):
     monkeypatch.setenv(FAULT_ENV, check)
