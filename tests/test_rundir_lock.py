@@ -60,6 +60,7 @@ def _starter(out_dir, barrier, held, index, no_links):
         barrier.wait()  # released: the parent sets up the next trial
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("no_links", [False, True], ids=["link", "exclusive-create"])
 def test_many_starters_on_one_out_dir_exactly_one_holds_the_lock(tmp_path, no_links):
     ctx = multiprocessing.get_context("fork")

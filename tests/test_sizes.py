@@ -68,6 +68,7 @@ def _assert_one_line_refusal(p: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in p.stderr and "MemoryError" not in p.stderr
 
 
+@pytest.mark.slow  # starts processes
 def test_the_crafted_11kb_shard_fails_fast_from_the_command_line(tmp_path):
     """``ckpt inspect --verify`` reads every dataset: under an address-space limit a
     third of the 18.6 GiB declared, an allocation of it would end in a MemoryError

@@ -202,6 +202,7 @@ def test_ckpt_tools_on_a_full_disk_are_one_line_and_exit_2(checkpoint, full_disk
     _only(full_disk, "filler")
 
 
+@pytest.mark.slow  # starts processes
 def test_a_full_disk_exits_2_from_the_command_line(checkpoint, full_disk):
     fill(full_disk, leave=32 << 10)
     p = run(hpctrain_cmd("ckpt", "reshard", str(checkpoint), "--world", "2", "--zero", "1",
