@@ -83,6 +83,11 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+"""How a switch is spelled on the command line, either way."""
+
+
 class SwitchOrPath(str):
     """The type of an option that is on, off or a path (``--train.tensorboard``): text,
     and in a recipe also a TOML boolean (``true`` is "true")."""
@@ -94,9 +99,9 @@ def coerce(key: str, value, typ):
     if typ is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+        if isinstance(value, str) and value.lower() in TRUE_WORDS:
             return True
-        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+        if isinstance(value, str) and value.lower() in FALSE_WORDS:
             return False
     elif typ in (int, float):
         numbers = int if typ is int else (int, float)  # an int is a float's value too

@@ -39,7 +39,6 @@ RECORD_SUFFIXES = {".jsonl": JSONL, ".json": JSONL, ".jsonl.gz": JSONL_GZ,
                    ".parquet": PARQUET, ".arrow": ARROW}
 # JSON files a Hugging Face dataset directory keeps beside its data (not records).
 DATASET_METADATA = {"dataset_info.json", "dataset_dict.json", "state.json"}
-SPLITTABLE = {JSONL, PARQUET}
 MAX_UNIT_BYTES = 64 << 20
 """A byte range of JSON lines is at most this long (and about a quarter of a rank's share
 on small inputs, so that small corpora are shared out too)."""

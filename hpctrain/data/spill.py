@@ -10,6 +10,7 @@ removed when ``prepare`` ends, whether it succeeded or not.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ class TokenSpill:
         beside.parent.mkdir(parents=True, exist_ok=True)
         self.path = temp_name(beside.with_name(beside.name + ".tokens"))
         self._file = open(self.path, "wb")
-        self._written = 0
+        self._written = self._unit_start = 0
         self.counts: list[int] = []
         """Tokens of each unit, in the order they were appended."""
         self._map: np.ndarray | None = None
@@ -47,7 +48,8 @@ class TokenSpill:
         self._written += array.size
 
     def end_unit(self) -> None:
-        self.counts.append(self._written - sum(self.counts))
+        self.counts.append(self._written - self._unit_start)
+        self._unit_start = self._written
 
     def seal(self) -> None:
         """Finish appending; the tokens become readable."""
@@ -55,9 +57,9 @@ class TokenSpill:
             self._file.close()
         except OSError as e:  # the last buffered bytes
             raise write_failed(self.path, e, SPILL_FIX) from None
-        total = sum(self.counts)
-        self._map = (np.memmap(self.path, dtype=self.dtype, mode="r", shape=(total,))
-                     if total else np.zeros(0, self.dtype))
+        self._map = (np.memmap(self.path, dtype=self.dtype, mode="r",
+                               shape=(self._written,))
+                     if self._written else np.zeros(0, self.dtype))
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of everything appended (a view of the file)."""
@@ -65,11 +67,7 @@ class TokenSpill:
 
     def unit_starts(self) -> list[int]:
         """Where each unit's tokens begin."""
-        starts, pos = [], 0
-        for count in self.counts:
-            starts.append(pos)
-            pos += count
-        return starts
+        return list(accumulate(self.counts, initial=0))[:-1]
 
     def remove(self) -> None:
         """Close and delete the file, and the output's directory if it was made for the

@@ -136,7 +136,7 @@ def memory_rows(run: Run) -> list[tuple[str, dict]]:
 def memory(runs: list[Run], path: Path) -> Path:
     """One column per run: model-state MiB of each rank stacked by part (top), and each
     rank's peak resident memory (bottom; the process, torch and MPI included)."""
-    shown = [(run.label, memory_rows(run)) for run in runs if memory_rows(run)]
+    shown = [(run.label, rows) for run in runs if (rows := memory_rows(run))]
     n = max(1, len(shown))
     fig, axes = pyplot().subplots(2, n, figsize=(3.6 * n + 1, 5.5), squeeze=False)
     for col, (label, rows) in enumerate(shown):

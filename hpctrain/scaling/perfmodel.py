@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 
 from hpctrain.errors import UserError
 from hpctrain.parallel.memory import zero_formula
+from hpctrain.parallel.pipeline.schedules import chunks_per_stage
 from hpctrain.parallel.tensor.layout import check_splittable
 from hpctrain.scaling import comm_cost, tensor_cost
 from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
@@ -347,7 +348,7 @@ def predict(system: SystemPerf, shape: ModelShape, layout: Layout) -> Prediction
     p2p = 0.0
     if p > 1:
         per_node = min(p, max(1, rpn // layout.tp))
-        chunks = 2 if layout.schedule == "zbv" else v
+        chunks = chunks_per_stage(layout.schedule, v)
         p2p = 2 * chunks * (m + p - 1) * collective(system, "p2p", 2, act_bytes, per_node)
 
     params = tensor_cost.rank_params(shape, p, layout.tp)

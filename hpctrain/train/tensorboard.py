@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from hpctrain.config.options import FALSE_WORDS, TRUE_WORDS
 from hpctrain.errors import ConfigError
 
-OFF = ("false", "0", "no", "off")
-ON = ("true", "1", "yes", "on")
 NOT_SCALARS = ("step", "started_at", "start_step")
 """Record fields that say where a record is, not what was measured."""
 
@@ -24,9 +23,9 @@ def tensorboard_dir(setting: str, out_dir: str | Path) -> Path | None:
     """The folder ``--train.tensorboard`` names: None when off, ``<out_dir>/tensorboard``
     for ``true``, else the path given."""
     word = setting.strip()
-    if word.lower() in OFF:
+    if word.lower() in FALSE_WORDS:
         return None
-    return Path(out_dir) / "tensorboard" if word.lower() in ON else Path(word)
+    return Path(out_dir) / "tensorboard" if word.lower() in TRUE_WORDS else Path(word)
 
 
 def summary_writer_class():

@@ -373,7 +373,6 @@ class Trainer:
             self.batches.close()
             self.grid.close()
             self.metrics.close()
-            self.scalars.close()
         finally:
             self._release_own()
 

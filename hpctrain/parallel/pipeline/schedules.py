@@ -43,10 +43,10 @@ from hpctrain.parallel.pipeline.zero_bubble_v import (CHUNKS as ZBV_CHUNKS, v_gl
 
 KINDS = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 SPLIT_BACKWARD = ("zb-h1", "zbv")
+"""Schedules whose backward is B then W (``weight`` actions); the others' is fused."""
 V_PLACED = ("zbv",)
 """Schedules whose stage s holds model chunks s and 2p - 1 - s (the others: chunk c of
 stage s is model chunk c p + s)."""
-"""Schedules whose backward is B then W (``weight`` actions); the others' is fused."""
 
 RECV_ACT, SEND_ACT = "recv_act", "send_act"
 RECV_GRAD, SEND_GRAD = "recv_grad", "send_grad"

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from hpctrain.model.gpt import GPT, EmbeddingAndHead
+from hpctrain.parallel.pipeline.zero_bubble_v import CHUNKS as ZBV_CHUNKS, v_global_chunk
 
 
 def layer_split(n_layer: int, n_chunks: int) -> list[range]:
@@ -54,12 +55,11 @@ class PipelineStage(EmbeddingAndHead, nn.Module):
         self.cfg = gpt.cfg
         self.tensor_parallel = gpt.tensor_parallel  # its ends, when the layers are split
         if v_shape:
-            virtual = 2
+            virtual = ZBV_CHUNKS
         self.stage, self.n_stages, self.virtual = stage, n_stages, virtual
-        n_chunks = n_stages * virtual
-        splits = layer_split(gpt.cfg.n_layer, n_chunks)
-        chunks = [stage, n_chunks - 1 - stage] if v_shape else \
-            [c * n_stages + stage for c in range(virtual)]
+        splits = layer_split(gpt.cfg.n_layer, n_stages * virtual)
+        chunks = [v_global_chunk(stage, c, n_stages) if v_shape else c * n_stages + stage
+                  for c in range(virtual)]
         self.chunk_layers = [list(splits[g]) for g in chunks]
         self.has_embedding = stage == 0
         self.has_head = stage == (0 if v_shape else n_stages - 1)

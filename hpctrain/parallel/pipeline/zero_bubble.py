@@ -52,13 +52,13 @@ def zb_h1_orders(n_stages: int, n_micro: int) -> list[list[tuple]]:
         for s in range(p):
             while free_at[s] <= t:  # a pass of no time lets the stage choose again
                 b, f = next_b[s], next_f[s]
-                if b < f and (s == p - 1 or _done_by(b_done[s + 1][b], t)):
+                if b < f and (s == p - 1 or done_by(b_done[s + 1][b], t)):
                     op, micro = BACKWARD, b
                     next_b[s] += 1
                     pending_w[s].append(b)
                 elif len(pending_w[s]) > p - 1:
                     op, micro = WEIGHT, pending_w[s].pop(0)
-                elif f < m and f - b < p - s and (s == 0 or _done_by(f_done[s - 1][f], t)):
+                elif f < m and f - b < p - s and (s == 0 or done_by(f_done[s - 1][f], t)):
                     op, micro = FORWARD, f
                     next_f[s] += 1
                 elif pending_w[s]:
@@ -67,10 +67,11 @@ def zb_h1_orders(n_stages: int, n_micro: int) -> list[list[tuple]]:
                     break
                 orders[s].append((op, micro, 0))
                 free_at[s] = t + units[s][op]
-                (f_done if op == FORWARD else b_done)[s][micro] = free_at[s]
+                if op != WEIGHT:  # only F and B are waited for across stages
+                    (f_done if op == FORWARD else b_done)[s][micro] = free_at[s]
         t += 1
     return orders
 
 
-def _done_by(finished: int | None, t: int) -> bool:
+def done_by(finished: int | None, t: int) -> bool:
     return finished is not None and finished <= t

@@ -36,7 +36,8 @@ neither zero-bubble nor tested.
 
 from __future__ import annotations
 
-from hpctrain.parallel.pipeline.zero_bubble import BACKWARD, FORWARD, WEIGHT
+from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, FORWARD, WEIGHT, done_by,
+                                                   pass_units)
 
 CHUNKS = 2
 """Model chunks per stage."""
@@ -55,8 +56,7 @@ def v_place(g: int, n_stages: int) -> tuple[int, int]:
 def v_pass_units(stage: int, chunk: int) -> dict[str, int]:
     """Time units of each pass of a chunk: one each, but the model's first chunk has no
     input gradient, so its B is empty and its W the whole backward."""
-    return {FORWARD: 1, BACKWARD: 0, WEIGHT: 2} if (stage, chunk) == (0, 0) else \
-        {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
+    return pass_units(0 if (stage, chunk) == (0, 0) else 1)
 
 
 def zbv_orders(n_stages: int, n_micro: int) -> list[list[tuple]]:
@@ -99,7 +99,7 @@ def _pick(s, p, m, t, last, next_f, next_b, pending_w, f_done, b_done):
     ready_b = [(next_b[c], c) for c in (0, 1)
                if next_b[c] < next_f[c]
                and (v_global_chunk(s, c, p) == last
-                    or _done_by(b_done.get((next_b[c], v_global_chunk(s, c, p) + 1)), t))]
+                    or done_by(b_done.get((next_b[c], v_global_chunk(s, c, p) + 1)), t))]
     if ready_b:
         micro, c = min(ready_b)
         return BACKWARD, micro, c
@@ -109,13 +109,10 @@ def _pick(s, p, m, t, last, next_f, next_b, pending_w, f_done, b_done):
         if c == 0 and next_f[0] - next_f[1] >= 2 * (p - s) - 1:
             continue  # chunk 0 is as far ahead as the V's warm-up needs
         if next_f[c] < m and held < CHUNKS * p + 2 and \
-                (g == 0 or _done_by(f_done.get((next_f[c], g - 1)), t)):
+                (g == 0 or done_by(f_done.get((next_f[c], g - 1)), t)):
             return FORWARD, next_f[c], c
     if pending_w:
         micro, c = pending_w.pop(0)
         return WEIGHT, micro, c
     return None
 
-
-def _done_by(finished: int | None, t: int) -> bool:
-    return finished is not None and finished <= t
