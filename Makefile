@@ -118,6 +118,7 @@ bench: $(STAMP) $(GPT2_DATA)
 	$(PY) perf/bench_io.py
 	TIKTOKEN_CACHE_DIR=$(abspath $(VENV))/share/tiktoken $(PY) perf/bench_prepare.py
 	$(PY) perf/bench_pipeline.py
+	$(PY) perf/bench_zero_bubble.py
 	$(PY) perf/bench_tp.py
 	$(PY) perf/bench_long_context.py
 

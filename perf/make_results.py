@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import RESULTS, ROOT, fmt, fmt_spread  # noqa: E402
 from perf.render_data import render_prepare  # noqa: E402
-from perf.render_parallel import render_pipeline, render_tp, render_zero  # noqa: E402
+from perf.render_parallel import (render_pipeline, render_tp, render_zero,  # noqa: E402
+                                  render_zero_bubble)
 from perf.results_format import md_table, provenance, ratio_of  # noqa: E402
 
 DOC = ROOT / "perf" / "RESULTS.md"
@@ -341,6 +342,8 @@ SECTIONS = {
     "io": ("Data reading", "python perf/bench_io.py --shakespeare PATH", render_io),
     "prepare": ("Preparing corpora", "python perf/bench_prepare.py", render_prepare),
     "pipeline": ("Pipeline parallelism", "python perf/bench_pipeline.py", render_pipeline),
+    "zero_bubble": ("Zero-bubble pipelines", "python perf/bench_zero_bubble.py",
+                    render_zero_bubble),
     "tp": ("Tensor parallelism", "python perf/bench_tp.py --shakespeare PATH", render_tp),
     "long_context": ("Long context: chunked loss and recomputation",
                      "python perf/bench_long_context.py", render_long_context),

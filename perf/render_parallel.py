@@ -125,39 +125,31 @@ def render_pipeline(d: dict) -> list[str]:
                     if r["schedule"] == "1f1b")
         out += [f"Target: our 1F1B >= {fmt(d['target_vs_torch'])}x torch's Schedule1F1B: "
                 f"worst {fmt(worst)}x -> {'met' if d.get('met') else 'missed'}.", ""]
-    if d.get("zero_bubble"):
-        out += _render_zero_bubble(d)
     return out
 
 
-def _render_zero_bubble(d: dict) -> list[str]:
-    speed, idle = [], []
-    for r in d["zero_bubble"]:
-        for name, target in d["zero_bubble_targets"].items():
-            ratio = median_of(r["speedup"][name])
-            verdict = "-" if target is None else \
-                f"{fmt(target)}x {'met' if ratio >= target else 'missed'}"
-            speed.append([r["p"], r["m"], name, fmt_spread(r["ours zb-h1"]["step_s"], 1e3),
-                          fmt_spread(r[name]["step_s"], 1e3), fmt_spread(r["speedup"][name]),
-                          verdict])
-        for kind in ("zb-h1", "1f1b"):
-            b = r[f"bubble {kind}"]
-            idle.append([r["p"], r["m"], kind, fmt_spread(b["measured"]),
-                         fmt_spread(b["predicted"]), fmt(b["predicted_unit"])])
-    return [f"D. Zero bubble: our zb-h1 (backward split into B and W) against torch's "
-            f"Schedule1F1B, its zero-bubble schedule (ScheduleInterleavedZeroBubble, one "
-            f"stage per rank) and our 1F1B; step ms, optimizer included, median [min, max] "
-            f"over {d.get('rounds')} rounds; speedup = theirs / ours per round.", "",
-            *md_table(["p", "m", "against", "zb-h1 ms", "their ms", "speedup", "target"],
-                      speed),
+def render_zero_bubble(d: dict) -> list[str]:
+    from perf.bench_zero_bubble import (BUBBLE_COLUMNS, CEILING_COLUMNS, SPEED_COLUMNS,
+                                        bubble_rows, ceiling_rows, speed_rows)
+
+    records, rounds = d["records"], d.get("rounds")
+    return [f"Our zb-h1 and zbv (backward split into B and W) against torch's Schedule1F1B, "
+            f"its zero-bubble schedule of the same kind (ScheduleInterleavedZeroBubble with "
+            f"one stage per rank; ScheduleZBVZeroBubble) and our 1F1B; step ms, optimizer "
+            f"included, median [min, max] over {rounds} rounds; speedup = theirs / ours "
+            f"per round.", "", *md_table(SPEED_COLUMNS, speed_rows(records)),
             "Bubble: idle share of all stages (1 - compute summed / (p x pipeline phase)) "
             "measured, against the simulator's prediction for the same schedule with each "
-            "stage's passes (F, B, W) taking their measured time, and in units (F = B = W; "
-            "the first stage's B empty, its W two units).", "",
-            *md_table(["p", "m", "schedule", "measured idle", "predicted (measured passes)",
-                       "predicted (unit passes)"], idle)]
-
-
+            "stage's passes (F, B, W) taking their measured time (zbv: the mean of its two "
+            "chunks), and in units (F = B = W; the first chunk's B empty, its W two units).",
+            "", *md_table(BUBBLE_COLUMNS, bubble_rows(records)),
+            "Ceiling: torch's 1F1B step over a step without any bubble (the optimizer step "
+            "plus the busiest stage's compute, from the same job): the most a schedule "
+            "could gain with our split backward as measured, and with a free split (our "
+            "1F1B's fused backward). Split cost: zb-h1's busiest-stage compute over our "
+            "1F1B's.", "", *md_table(CEILING_COLUMNS, ceiling_rows(records)),
+            "Targets: " + "; ".join(f"{name} {'met' if ok else 'missed'}"
+                                    for name, ok in d["met"].items()) + ".", ""]
 
 
 def render_tp(d: dict) -> list[str]:

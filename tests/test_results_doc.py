@@ -11,8 +11,9 @@ import pytest
 from perf import make_results
 from perf.bench_convergence import seed_checks
 from perf.bench_long_context import longest_under
-from perf.bench_pipeline import (bubble_theory, combine_stages, measured_idle,
-                                 pipeline_efficiency, predicted_idle)
+from perf.bench_zero_bubble import ideal_step, summarize, targets_met
+from perf.pipeline_workers import (bubble_theory, combine_stages, measured_idle,
+                                   pipeline_efficiency, predicted_idle)
 from perf.common import (RESULTS, dirty_paths, fmt, fmt_spread, shakespeare_text, spread,
                          table_lines)
 
@@ -136,25 +137,45 @@ def test_zero_bubble_idle_measured_and_predicted_like_the_simulator():
     assert predicted_idle("1f1b", fused, 4) == pytest.approx(1 / 5)
 
 
-def test_zero_bubble_section_renders_ratios_targets_and_bubbles():
-    from perf.render_parallel import _render_zero_bubble
+def _zero_bubble_run(step, pipe, compute, stage_passes=None):
+    """A worker's result: two stages, one step, optionally the per-pass seconds."""
+    stages = [{"pipe_s": [pipe], "compute_s": [compute], **(stage_passes or {})}] * 2
+    return {"step_s": [step], "pipe_s": [pipe], "busiest_compute_s": [compute],
+            "efficiency": [compute / pipe], "stages": stages}
 
-    rec = {"p": 2, "m": 4, "ours zb-h1": {"step_s": [1.0, 1.1]},
-           "torch 1f1b": {"step_s": [1.3, 1.3]}, "torch zb-h1": {"step_s": [1.2, 1.2]},
-           "ours 1f1b": {"step_s": [1.05, 1.05]},
-           "speedup": {"torch 1f1b": [1.3, 1.18], "torch zb-h1": [1.2, 1.09],
-                       "ours 1f1b": [1.05, 0.95]},
-           "bubble zb-h1": {"measured": [0.1, 0.12], "predicted": [0.08, 0.08],
-                            "predicted_unit": 1 / 13},
-           "bubble 1f1b": {"measured": [0.22, 0.2], "predicted": [0.2, 0.2],
-                           "predicted_unit": 0.2}}
-    text = "\n".join(_render_zero_bubble({"rounds": 2, "zero_bubble": [rec],
-                                          "zero_bubble_targets": {"torch 1f1b": 1.2,
-                                                                  "torch zb-h1": 1.0,
-                                                                  "ours 1f1b": None}}))
-    assert "| 2 | 4 | torch 1f1b |" in text and "1.200x met" in text  # median 1.24
-    assert "1.000x met" in text
-    assert "| 2 | 4 | zb-h1 | 0.110 [0.100, 0.120] | 0.080 [0.080, 0.080] | 0.077 |" in text
+
+def test_zero_bubble_summary_gives_ratios_bubbles_and_the_ceiling():
+    from perf.bench_zero_bubble import JOBS
+
+    passes = {"forward_s": [4.0], "backward_s": [4.0], "weight_s": [4.0]}
+    fused = {"forward_s": [4.0], "backward_s": [8.0], "weight_s": [0.0]}
+    steps = {("ours", "zb-h1"): (1.05, 0.9, 0.8), ("ours", "zbv"): (0.95, 0.85, 0.8),
+             ("torch", "zb-h1"): (1.1, 1.0, 0.8), ("torch", "zbv"): (1.0, 0.9, 0.8),
+             ("torch", "1f1b"): (1.2, 1.1, 0.8), ("ours", "1f1b"): (1.15, 1.05, 0.75)}
+    runs = {job: [_zero_bubble_run(*steps[job], fused if job[1] == "1f1b" else passes)]
+            for job in JOBS}
+    rec = summarize(runs, 4)
+    assert rec["speedup"]["zbv"]["torch 1f1b"] == [pytest.approx(1.2 / 0.95)]
+    assert rec["speedup"]["zb-h1"]["torch zb-h1"] == [pytest.approx(1.1 / 1.05)]
+    # Without bubble: optimizer (step - pipe = 0.1) + busiest compute (0.8).
+    assert ideal_step(runs[("ours", "zbv")][0]) == pytest.approx(0.9)
+    assert rec["ceiling"]["zbv"] == [pytest.approx(1.2 / 0.9)]
+    assert rec["ceiling"]["free split"] == [pytest.approx(1.2 / 0.85)]
+    assert rec["ceiling"]["split cost"] == [pytest.approx(0.8 / 0.75)]
+    assert rec["bubble"]["zb-h1"]["predicted"] == [pytest.approx(1 / 13)]
+    assert rec["bubble"]["1f1b"]["predicted"] == [pytest.approx(1 / 5)]
+    assert rec["bubble"]["zb-h1"]["measured"] == [pytest.approx(1 - 0.8 / 0.9)]
+    met = targets_met([rec])
+    assert met["zbv vs torch 1f1b"] is True and met["zb-h1 vs torch 1f1b"] is False
+    assert met["zb-h1 vs torch zb-h1"] is True
+
+    from perf.render_parallel import render_zero_bubble
+    text = "\n".join(render_zero_bubble({"rounds": 1, "records": [rec], "met": met}))
+    assert "| 2 | 4 | zbv | torch 1f1b | 950 | 1,200 | 1.263 | 1.200x met |" in text
+    assert "| 2 | 4 | zb-h1 | torch 1f1b | 1,050 | 1,200 | 1.143 | 1.200x MISSED |" \
+        in text
+    assert "| 2 | 4 | zb-h1 | 0.111 | 0.077 | 0.077 |" in text
+    assert "zb-h1 vs torch 1f1b missed" in text
 
 
 def test_seed_checks_notice_a_seed_that_changes_nothing():
