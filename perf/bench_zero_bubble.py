@@ -5,7 +5,9 @@ the pass times measured here.
 
 In one run, p = 2 stages, m = 4 and 8 micro-batches (the model of
 ``perf/pipeline_workers.py``: 8-layer GPT, width 256, block 128, 2 rows per micro-batch,
-1 thread per rank), six jobs: our zb-h1, our zbv, torch's ``ScheduleInterleavedZeroBubble``
+1 thread per rank), seven jobs: our zb-h1 and zbv with their equal-time orders, our zbv
+with its order built for the pass times measured by the round's equal-time zbv run
+(``zbv timed``: ``--parallel.pass_times``), torch's ``ScheduleInterleavedZeroBubble``
 with one stage per rank (its ZB-H1), torch's ``ScheduleZBVZeroBubble`` (two stages per
 rank in a V, as ours), torch's ``Schedule1F1B`` and our 1F1B. Same stage modules (our
 ``PipelineStage``: zbv's are cut in a V for both), micro-batches, loss and fused AdamW step
@@ -39,21 +41,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf import pipeline_workers  # noqa: E402
 from perf.common import bench_parser, fmt, fmt_spread, print_table, run_worker, write_result  # noqa: E402
-from perf.pipeline_workers import (MODEL, ROUNDS, ROWS, STEPS, WARMUP, measured_idle,  # noqa: E402
-                                   predicted_idle)
+from perf.pipeline_workers import (MODEL, ROUNDS, ROWS, STEPS, WARMUP,  # noqa: E402
+                                   measured_idle, measured_pass_times, predicted_idle)
 
 P, MICRO = 2, (4, 8)
-OURS = ("zb-h1", "zbv")
-JOBS = tuple(("ours", k) for k in OURS) + tuple(("torch", k) for k in OURS) + \
-    (("torch", "1f1b"), ("ours", "1f1b"))
+OURS = ("zb-h1", "zbv", "zbv timed")
+"""Our zero-bubble jobs: a schedule, ``timed`` when its order is built for the pass times
+the round's equal-time run of it measured (after it in ``JOBS``)."""
+JOBS = tuple(("ours", k) for k in OURS) + (("torch", "zb-h1"), ("torch", "zbv"),
+                                           ("torch", "1f1b"), ("ours", "1f1b"))
 TARGET_VS_TORCH_1F1B, TARGET_VS_SAME_KIND = 1.2, 1.0
 WORKER = Path(pipeline_workers.__file__)
 
 
+def schedule_of(job: str) -> str:
+    return job.split()[0]
+
+
 def against(kind: str) -> dict[str, float | None]:
-    """What our ``kind`` is compared with, and the target speedup (None: none)."""
-    return {"torch 1f1b": TARGET_VS_TORCH_1F1B, f"torch {kind}": TARGET_VS_SAME_KIND,
-            "ours 1f1b": None}
+    """What our job ``kind`` is compared with, and the target speedup (None: none)."""
+    return {"torch 1f1b": TARGET_VS_TORCH_1F1B,
+            f"torch {schedule_of(kind)}": TARGET_VS_SAME_KIND, "ours 1f1b": None}
 
 
 def ideal_step(run: dict) -> float:
@@ -63,11 +71,12 @@ def ideal_step(run: dict) -> float:
                                                           run["busiest_compute_s"]))
 
 
-def summarize(runs: dict[tuple, list[dict]], m: int) -> dict:
-    """One record for (P, m) from every job's runs, one run per round."""
+def summarize(runs: dict[tuple, list[dict]], m: int, order_times: list[str]) -> dict:
+    """One record for (P, m) from every job's runs, one run per round; ``order_times``:
+    the pass times ``zbv timed`` was ordered for, per round."""
     from hpctrain.parallel.pipeline import schedules as S
 
-    rec: dict = {"p": P, "m": m, "jobs": {}}
+    rec: dict = {"p": P, "m": m, "jobs": {}, "zbv_timed_pass_times": order_times}
     for (impl, kind), rs in runs.items():
         rec["jobs"][f"{impl} {kind}"] = {
             **{k: [statistics.median(r[k]) for r in rs]
@@ -84,8 +93,11 @@ def summarize(runs: dict[tuple, list[dict]], m: int) -> dict:
         "measured": [statistics.median(measured_idle(r["stages"], i)
                                        for i in range(len(r["step_s"])))
                      for r in runs[("ours", kind)]],
-        "predicted": [predicted_idle(kind, r["stages"], m) for r in runs[("ours", kind)]],
-        "predicted_unit": S.predicted_bubble(kind, P, m)} for kind in (*OURS, "1f1b")}
+        "predicted": [predicted_idle(schedule_of(kind), r["stages"], m,
+                                     order_times[i] if kind.endswith("timed") else "")
+                      for i, r in enumerate(runs[("ours", kind)])],
+        "predicted_unit": S.predicted_bubble(schedule_of(kind), P, m)}
+        for kind in (*OURS, "1f1b")}
     torch_1f1b = jobs["torch 1f1b"]["step_s"]
     rec["ceiling"] = {
         **{kind: [t / i for t, i in zip(torch_1f1b, jobs[f"ours {kind}"]["ideal_s"])]
@@ -99,13 +111,18 @@ def measure(steps: int, rounds: int) -> list[dict]:
     records = []
     for m in MICRO:
         runs: dict[tuple, list[dict]] = {job: [] for job in JOBS}
+        order_times = []
         for r in range(rounds):
             for impl, kind in JOBS:
-                print(f"  m={m} round {r + 1}/{rounds}: {impl} {kind}", flush=True)
-                runs[(impl, kind)].append(run_worker(
-                    P, WORKER, [impl, kind, str(m), str(steps)],
-                    retries=1 if impl == "torch" else 0))
-        records.append(summarize(runs, m))
+                args = [impl, schedule_of(kind), str(m), str(steps)]
+                if kind.endswith("timed"):
+                    order_times.append(measured_pass_times(
+                        runs[(impl, schedule_of(kind))][-1]["stages"]))
+                    args.append(order_times[-1])
+                print(f"  m={m} round {r + 1}/{rounds}: {impl} {kind} {args[4:]}", flush=True)
+                runs[(impl, kind)].append(run_worker(P, WORKER, args,
+                                                     retries=1 if impl == "torch" else 0))
+        records.append(summarize(runs, m, order_times))
     return records
 
 

@@ -5,7 +5,7 @@ AdamW step; per step, the stage's whole step, its pipeline phase (without the op
 and the seconds of its compute passes. ``perf/bench_pipeline.py`` and
 ``perf/bench_zero_bubble.py`` start it under mpiexec (``run_worker``):
 
-    pipeline_workers.py --worker --out FILE ours|ours-memory|torch KIND M STEPS
+    pipeline_workers.py --worker --out FILE ours|ours-memory|torch KIND M STEPS [F,B,W]
 """
 
 from __future__ import annotations
@@ -82,16 +82,19 @@ def measured_idle(stages: list[dict], step: int) -> float:
     return 1.0 - sum(s["compute_s"][step] for s in stages) / (len(stages) * phase)
 
 
-def predicted_idle(kind: str, stages: list[dict], m: int) -> float:
+def predicted_idle(kind: str, stages: list[dict], m: int, order_times: str = "") -> float:
     """The simulator's bubble for ``kind`` with each stage's passes taking their measured
-    time (per micro-batch, median over steps)."""
+    time (per micro-batch, median over steps); the order built for ``order_times``
+    (``--parallel.pass_times``; empty: equal)."""
     from hpctrain.parallel.pipeline import schedules as S
+    from hpctrain.parallel.pipeline.zero_bubble import EQUAL, PassTimes
 
     def per_pass(key):  # one chunk's pass of one micro-batch (zbv: the stage's mean)
         return [statistics.median(s[key]) / (m * chunks_of(kind)) for s in stages]
 
     # A fused backward is backward_s alone (weight_s is 0): B, and W = 0.
-    return S.predicted_bubble(kind, len(stages), m, times={
+    order = PassTimes(*map(float, order_times.split(","))) if order_times else EQUAL
+    return S.predicted_bubble(kind, len(stages), m, order_times=order, times={
         "t_forward": per_pass("forward_s"), "t_backward": per_pass("backward_s"),
         "t_weight": per_pass("weight_s")})
 
@@ -153,8 +156,19 @@ def _timed_steps(comm, steps, run_pipeline, after, compute, extra=None) -> dict:
     return rec
 
 
-def _ours(comm, p, m, kind, steps, probe_memory):
-    """This stage's per-step times, receive waits and (optionally) peak activation bytes."""
+def measured_pass_times(stages: list[dict]) -> str:
+    """``--parallel.pass_times`` from a run of ours: F, B, W seconds of the stages after
+    the first (whose first chunk has no B), relative to F."""
+    from hpctrain.parallel.pipeline import pass_times
+
+    totals = [sum(sum(s[k]) for s in stages[1:]) for k in ("forward_s", "backward_s",
+                                                          "weight_s")]
+    return pass_times.text(pass_times.measured(*totals))
+
+
+def _ours(comm, p, m, kind, steps, probe_memory, order_times=""):
+    """This stage's per-step times, receive waits and (optionally) peak activation bytes.
+    ``order_times``: ``--parallel.pass_times`` for a zero-bubble order."""
     import torch
 
     from hpctrain.parallel.pipeline.executor import PipelineExecutor
@@ -165,7 +179,9 @@ def _ours(comm, p, m, kind, steps, probe_memory):
     probe = (lambda: peak.__setitem__(0, max(peak[0], heap_in_use()))) if probe_memory \
         else None
     ex = PipelineExecutor(stage, grid, kind=kind, n_micro=m, seq=MODEL["block_size"],
-                          timeout=120, memory_probe=probe)
+                          timeout=120, memory_probe=probe,
+                          pass_times=tuple(map(float, order_times.split(",")))
+                          if order_times else None)
     xs, ys = list(x.split(ROWS)), list(y.split(ROWS))
 
     passes = ("forward_s", "backward_s", "weight_s")
@@ -297,7 +313,8 @@ def worker(out: Path, args: list[str]) -> None:
     mode, kind, m, steps = args[0], args[1], int(args[2]), int(args[3])
     p = comm.size
     if mode in ("ours", "ours-memory"):
-        res = _ours(comm, p, m, kind, steps, probe_memory=mode == "ours-memory")
+        res = _ours(comm, p, m, kind, steps, probe_memory=mode == "ours-memory",
+                    order_times=args[4] if len(args) > 4 else "")
     else:
         res = _torch_pipelining(comm, p, m, kind, steps)
     everyone = comm.gather(res, root=0)

@@ -5,6 +5,7 @@ ZeRO-1 along dp). Every schedule; per-step losses and final parameters equal the
 single-process loop on the whole global batch.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,9 @@ pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
 FUSED = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)]
 SCHEDULES = FUSED + [("zb-h1", 1), ("zbv", 1)]
+TIMED = "1,1.5,0.7"
+"""Pass times F,B,W a zbv order is built for (tests/test_pass_times.py checks it differs
+from the equal-time order at pp = 2 and 4)."""
 """The zero-bubble schedules' ZeRO-1, recompute and bf16 run in one test of their own, and
 plain SGD is left to the fused schedules (the MPI legs' time)."""
 
@@ -56,14 +60,22 @@ def test_pipeline_matches_single_process(mpi_dataset, shared_tmp, pp, schedule, 
     if schedule == "zbv" and COMM.size // pp > 1:
         pytest.skip("zbv's dp=2 x pp=2 runs in the Llama bf16 test (the 4-rank leg's time)")
     # zbv fills its V with 2 pp micro-batches; its head sits on stage 0 (no tied copy).
-    micro = {"parallel.micro_batches": 2 * pp} if schedule == "zbv" else {}
-    cfg = _pipeline_config(mpi_dataset, shared_tmp, pp, schedule, virtual, **micro)
+    # Its order here is built for unequal pass times (the Llama bf16 test runs the
+    # equal-time order), which changes where each stage's F, B and W fall.
+    extra = {"parallel.micro_batches": 2 * pp, "parallel.pass_times": TIMED} \
+        if schedule == "zbv" else {}
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, pp, schedule, virtual, **extra)
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     assert (trainer.grid.dp, trainer.grid.pp) == (COMM.size // pp, pp)
     if schedule == "zbv":
         assert trainer.model.has_head == (trainer.grid.stage == 0)
         assert trainer.model.head_copy is None
     _check(trainer, cfg)
+    if schedule in ("zb-h1", "zbv") and COMM.rank == 0:  # the times measured, and used
+        passes = json.loads((Path(shared_tmp) / "summary.json").read_text())[
+            "pipeline_pass_times"]
+        assert passes["used"] == (TIMED if schedule == "zbv" else "1,1,1")
+        assert 0 <= passes["predicted_idle"] < 1
 
 
 @pytest.mark.mpi(min_size=4)

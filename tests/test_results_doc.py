@@ -150,19 +150,25 @@ def test_zero_bubble_summary_gives_ratios_bubbles_and_the_ceiling():
     passes = {"forward_s": [4.0], "backward_s": [4.0], "weight_s": [4.0]}
     fused = {"forward_s": [4.0], "backward_s": [8.0], "weight_s": [0.0]}
     steps = {("ours", "zb-h1"): (1.05, 0.9, 0.8), ("ours", "zbv"): (0.95, 0.85, 0.8),
+             ("ours", "zbv timed"): (0.9, 0.8, 0.78),
              ("torch", "zb-h1"): (1.1, 1.0, 0.8), ("torch", "zbv"): (1.0, 0.9, 0.8),
              ("torch", "1f1b"): (1.2, 1.1, 0.8), ("ours", "1f1b"): (1.15, 1.05, 0.75)}
     runs = {job: [_zero_bubble_run(*steps[job], fused if job[1] == "1f1b" else passes)]
             for job in JOBS}
-    rec = summarize(runs, 4)
+    rec = summarize(runs, 4, ["1,1.3,1"])
     assert rec["speedup"]["zbv"]["torch 1f1b"] == [pytest.approx(1.2 / 0.95)]
     assert rec["speedup"]["zb-h1"]["torch zb-h1"] == [pytest.approx(1.1 / 1.05)]
+    assert rec["speedup"]["zbv timed"]["torch zbv"] == [pytest.approx(1.0 / 0.9)]
+    assert rec["zbv_timed_pass_times"] == ["1,1.3,1"]
     # Without bubble: optimizer (step - pipe = 0.1) + busiest compute (0.8).
     assert ideal_step(runs[("ours", "zbv")][0]) == pytest.approx(0.9)
     assert rec["ceiling"]["zbv"] == [pytest.approx(1.2 / 0.9)]
     assert rec["ceiling"]["free split"] == [pytest.approx(1.2 / 0.85)]
     assert rec["ceiling"]["split cost"] == [pytest.approx(0.8 / 0.75)]
     assert rec["bubble"]["zb-h1"]["predicted"] == [pytest.approx(1 / 13)]
+    # The timed zbv's prediction plays the order built for its times, not the equal one.
+    assert rec["bubble"]["zbv timed"]["predicted"][0] != \
+        pytest.approx(rec["bubble"]["zbv"]["predicted"][0])
     assert rec["bubble"]["1f1b"]["predicted"] == [pytest.approx(1 / 5)]
     assert rec["bubble"]["zb-h1"]["measured"] == [pytest.approx(1 - 0.8 / 0.9)]
     met = targets_met([rec])

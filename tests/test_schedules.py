@@ -130,8 +130,8 @@ def test_a_broken_schedule_is_caught_as_a_deadlock(monkeypatch):
     # the simulation must report the cycle instead of passing.
     original = S.schedule
 
-    def broken(kind, p, m, s, v=1):
-        acts = original(kind, p, m, s, v)
+    def broken(kind, p, m, s, v=1, times=S.EQUAL):
+        acts = original(kind, p, m, s, v, times)
         if s == 0:
             first_send = next(i for i, a in enumerate(acts) if a.op == S.SEND_ACT)
             first_recv_grad = next(i for i, a in enumerate(acts) if a.op == S.RECV_GRAD)
@@ -183,8 +183,8 @@ def _broken_zb(monkeypatch, edit, kind="zb-h1", stage=0):
     """Run the simulator on ``kind`` with ``stage``'s order changed by ``edit``."""
     original = S.schedule
 
-    def broken(kind, p, m, s, v=1):
-        acts = original(kind, p, m, s, v)
+    def broken(kind, p, m, s, v=1, times=S.EQUAL):
+        acts = original(kind, p, m, s, v, times)
         return edit(acts) if s == stage else acts
 
     monkeypatch.setattr(S, "schedule", broken)

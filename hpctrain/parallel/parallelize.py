@@ -80,7 +80,8 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     if pipelined:
         model.sync_head_dtype()  # the engine may have turned the parameters into bf16
         runner = PipelineExecutor(model, grid, kind=par.schedule, n_micro=par.micro_batches,
-                                  seq=cfg.model.block_size, timeout=world.timeout)
+                                  seq=cfg.model.block_size, timeout=world.timeout,
+                                  pass_times=par.pass_time_ratios())
     else:
         runner = LocalRunner(model, world.accel, whole=grid.tp == 1)
     set_matmul_precision(device, cfg.train.tf32)

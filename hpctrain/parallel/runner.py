@@ -30,6 +30,9 @@ class RunnerStats(Protocol):
     forward_s: float
     backward_s: float
     """Seconds in forward and backward passes (host clock), gradient hooks included."""
+    weight_s: float
+    """Seconds in the weight-gradient passes of a backward split in two (zero-bubble
+    schedules; ``backward_s`` is then the input-gradient passes); 0 where it is fused."""
 
 
 @runtime_checkable
@@ -68,6 +71,8 @@ class LocalStats:
     forward_s: float = 0.0
     backward_s: float = 0.0
     """Seconds in backward passes, the gradient engine's hooks included."""
+    weight_s: float = 0.0
+    """Always zero: the backward is one pass."""
 
 
 def assemble_gpt(cfg, state: dict, device) -> GPT:

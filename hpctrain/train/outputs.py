@@ -17,6 +17,8 @@ from mpi4py import MPI
 
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.comm.small_collectives import allreduce_array
+from hpctrain.parallel.pipeline import pass_times
+from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD
 from hpctrain.train.metrics import finite_record
 from hpctrain.train.result import TrainResult
 from hpctrain.train.run_status import FINISHED, STOPPED
@@ -47,6 +49,7 @@ class RunOutputs:
         # Every rank's bytes; the largest peak is what has to fit on a node's share.
         by_rank = self._memory_by_rank(memory)
         timing = self._timing(result)
+        passes = self._pass_times()
         undone = ""
         # ZeRO-3 samples from gathered parameters (every rank gathers, rank 0 samples).
         with engine.gathered() if t.sample_tokens > 0 else contextlib.nullcontext():
@@ -55,7 +58,7 @@ class RunOutputs:
                     self._final_checkpoint(state)
                 if t.sample_tokens > 0 and not self._sample(state, should_stop):
                     undone = "the sample"
-                self._summary(result, memory, by_rank, timing, skipped, undone)
+                self._summary(result, memory, by_rank, timing, skipped, undone, passes)
         return undone
 
     def _sample(self, state: dict, should_stop) -> bool:
@@ -116,8 +119,26 @@ class RunOutputs:
                                    for k, v in zip(names, per_rank)}
         return timing
 
+    def _pass_times(self) -> dict | None:
+        """Zero-bubble schedules: the F, B, W times the stages measured against those the
+        order was built for (``pass_times.advice``). Stage 0 does not count: its first
+        chunk has no input gradient (B empty, W the whole backward). Collective."""
+        par = self.cfg.parallel
+        if self.grid.pp == 1 or par.schedule not in SPLIT_BACKWARD:
+            return None
+        stats = self.par.runner.stats
+        mine = [stats.forward_s, stats.backward_s, stats.weight_s] if self.grid.stage > 0 \
+            else [0.0, 0.0, 0.0]
+        seen = pass_times.measured(*self._sum(mine, "pass times"))
+        if seen is None:
+            return None
+        rec = pass_times.advice(par.schedule, self.grid.pp, par.micro_batches,
+                                self.par.runner.pass_times, seen)
+        self.log(pass_times.advice_line(par.schedule, rec))
+        return rec
+
     def _summary(self, result: TrainResult, memory, by_rank: list[dict], timing: dict,
-                 skipped: int, undone: str) -> None:
+                 skipped: int, undone: str, passes: dict | None) -> None:
         t = self.cfg.train
         steps = result.step_times
         summary = {
@@ -135,6 +156,7 @@ class RunOutputs:
             "grid": {"dp": self.grid.dp, "pp": self.grid.pp, "tp": self.grid.tp,
                      "sequence_parallel": self.cfg.parallel.sequence_parallel},
             "skipped_steps": skipped,
+            **({"pipeline_pass_times": passes} if passes else {}),
             "config": self.cfg.to_dict()}
         (self.out_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1))
         self.log(f"done: {t.max_iters} steps in {result.wall_s:.1f} s, "

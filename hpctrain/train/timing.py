@@ -69,7 +69,8 @@ class PhaseClock:
 
     def _counters(self) -> dict[str, float]:
         r, e = self.runner.stats, self.engine.stats
-        return {"forward": r.forward_s, "backward": r.backward_s, "bubble": r.bubble_s,
+        return {"forward": r.forward_s, "backward": r.backward_s + r.weight_s,
+                "bubble": r.bubble_s,
                 "hooks": e.hook_s, "wait": e.wait_s, **self.own}
 
     def start(self) -> None:

@@ -39,6 +39,7 @@ from hpctrain.model.gpt import GPT
 from hpctrain.parallel.pipeline.consolidate import gather_parameters
 from hpctrain.parallel.pipeline import schedules as S
 from hpctrain.parallel.pipeline.split_backward import backward_input
+from hpctrain.parallel.pipeline.zero_bubble import EQUAL, PassTimes
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.parallel.runner import assemble_gpt
 from hpctrain.profiling import profile_range
@@ -54,8 +55,9 @@ class PipelineStats:
     forward_s: float = 0.0
     backward_s: float = 0.0
     weight_s: float = 0.0
-    """Seconds in this stage's forward, backward (B when split) and W passes (host
-    clock: on a GPU it counts kernel launches, not kernels still running)."""
+    """Seconds in this stage's training forward, backward (B when split) and W passes
+    (host clock: on a GPU it counts kernel launches, not kernels still running);
+    evaluation's forwards are not counted."""
     messages: int = 0
     bytes_sent: int = 0
     sends_deferred: int = 0
@@ -121,7 +123,8 @@ class _Send:
 
 class PipelineExecutor:
     def __init__(self, stage: PipelineStage, grid: ProcessGrid, *, kind: str, n_micro: int,
-                 seq: int, timeout: float, memory_probe=None):
+                 seq: int, timeout: float, memory_probe=None,
+                 pass_times: tuple[float, float, float] | None = None):
         self.stage, self.grid = stage, grid
         self.kind, self.n_micro = kind, n_micro
         self.p, self.s, self.v = grid.pp, grid.stage, stage.virtual
@@ -135,7 +138,10 @@ class PipelineExecutor:
         """The sends of the schedule being run (posted before any blocking wait)."""
         self.device = next(stage.parameters()).device
         self.dtype = next(stage.parameters()).dtype  # activations travel in it (bf16)
-        self.actions = S.schedule(kind, self.p, n_micro, self.s, self.v)
+        # The zero-bubble orders are built for these relative F, B, W times (every rank
+        # of the run is given the same ones, so every stage builds the same order).
+        self.pass_times = PassTimes(*pass_times) if pass_times else EQUAL
+        self.actions = S.schedule(kind, self.p, n_micro, self.s, self.v, self.pass_times)
         self.split = kind in S.SPLIT_BACKWARD  # B and W apart
         self._weights = [*stage.parameters()] + \
             ([stage.head_copy] if stage.head_copy is not None else [])
@@ -260,7 +266,8 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         with profile_range(f"forward m{a.micro} c{a.chunk}"):
             out = self.stage.chunk_forward(a.chunk, x, walk.ys[a.micro] if last else None)
-        self.stats.forward_s += time.perf_counter() - t0
+        if walk.backward:
+            self.stats.forward_s += time.perf_counter() - t0
         if last:
             walk.loss_sum = out.detach() if walk.loss_sum is None else walk.loss_sum + out.detach()
         handed = not last and self._hand_over(walk, a, out, +1)

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, FORWARD, WEIGHT, pass_units,
-                                                    zb_h1_orders)
+from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, EQUAL, FORWARD, WEIGHT,
+                                                    PassTimes, pass_units, zb_h1_orders)
 from hpctrain.parallel.pipeline.zero_bubble_v import (CHUNKS as ZBV_CHUNKS, v_global_chunk,
                                                       v_pass_units, v_place, zbv_orders)
 
@@ -126,15 +126,16 @@ def local_neighbour(kind: str, stage: int, chunk: int, n_stages: int, virtual: i
     return local if where == stage else None
 
 
-def compute_order(kind: str, n_stages: int, n_micro: int, stage: int,
-                  virtual: int = 1) -> list[tuple[str, int, int]]:
-    """The forward and backward passes of ``stage`` in order: (op, micro, chunk)."""
+def compute_order(kind: str, n_stages: int, n_micro: int, stage: int, virtual: int = 1,
+                  times: PassTimes = EQUAL) -> list[tuple[str, int, int]]:
+    """The forward and backward passes of ``stage`` in order: (op, micro, chunk).
+    ``times``: the pass times a zero-bubble order is built for (the others ignore them)."""
     check_schedule_args(kind, n_stages, n_micro, virtual)
     p, m, s = n_stages, n_micro, stage
     if kind in V_PLACED:
-        return zbv_orders(p, m)[s]
+        return zbv_orders(p, m, times)[s]
     if kind in SPLIT_BACKWARD:
-        return zb_h1_orders(p, m)[s]
+        return zb_h1_orders(p, m, times)[s]
     if kind == "gpipe":
         return [(FORWARD, i, 0) for i in range(m)] + [(BACKWARD, i, 0) for i in range(m)]
     if kind == "1f1b" or virtual == 1:
@@ -160,15 +161,15 @@ def compute_order(kind: str, n_stages: int, n_micro: int, stage: int,
     return order
 
 
-def schedule(kind: str, n_stages: int, n_micro: int, stage: int,
-             virtual: int = 1) -> list[Action]:
+def schedule(kind: str, n_stages: int, n_micro: int, stage: int, virtual: int = 1,
+             times: PassTimes = EQUAL) -> list[Action]:
     """Every action of ``stage`` for one step: each pass with its receive before it and
     its send after it. Neighbouring chunks on the same stage (the tip of zbv's V) hand
-    over locally: no message."""
+    over locally: no message. ``times`` as ``compute_order``'s."""
     p = n_stages
     g_last = p * chunks_per_stage(kind, virtual) - 1
     actions: list[Action] = []
-    for op, micro, chunk in compute_order(kind, n_stages, n_micro, stage, virtual):
+    for op, micro, chunk in compute_order(kind, n_stages, n_micro, stage, virtual, times):
         g = global_chunk(kind, stage, chunk, p)
         before = place(kind, g - 1, p)[0] if g > 0 else stage
         after = place(kind, g + 1, p)[0] if g < g_last else stage
@@ -260,17 +261,18 @@ class Deadlock(RuntimeError):
 
 def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
              t_forward: float = 1.0, t_backward: float = 1.0,
-             t_weight: float = 0.0) -> Simulation:
+             t_weight: float = 0.0, order_times: PassTimes = EQUAL) -> Simulation:
     """Run every stage's actions together: compute takes time, a send delivers at once
     (MPI ``Isend``), a receive waits for its send. ``t_backward`` is B, ``t_weight`` W:
     a fused backward takes both (each time: one number, or a list with one per stage whose
     items may be lists with one per local chunk). Checks each chunk sees each micro-batch
     forward once, after the previous chunk's, then backward once, after the next chunk's,
     then (split schedules) W once; raises ``Deadlock`` if no stage can move. A micro-batch
-    is in flight from its forward to its last backward part."""
+    is in flight from its forward to its last backward part. ``order_times``: the pass
+    times the zero-bubble orders are built for (``schedule``'s ``times``)."""
     p, split = n_stages, kind in SPLIT_BACKWARD
     v = chunks_per_stage(kind, virtual)
-    plans = [schedule(kind, p, n_micro, s, virtual) for s in range(p)]
+    plans = [schedule(kind, p, n_micro, s, virtual, order_times) for s in range(p)]
     pos, clock = [0] * p, [0.0] * p
     busy = [0.0] * p
     in_flight, peak = [0] * p, [0] * p
@@ -350,26 +352,28 @@ def _label(a: Action) -> str:
     return f"{letter}{a.micro}"
 
 
-def unit_times(n_stages: int, kind: str = "1f1b") -> dict[str, list]:
-    """``simulate``'s times in units of a forward: B and W one each (a fused backward
-    two), but the model's first chunk has an empty B and its W is the whole backward (it
-    has no input gradient to compute). For zbv the unit is a chunk's forward, per chunk."""
+def unit_times(n_stages: int, kind: str = "1f1b", pass_times: PassTimes = EQUAL) -> dict:
+    """``simulate``'s times in forwards, from ``pass_times`` (default: B and W one each,
+    a fused backward two), but the model's first chunk has an empty B and its W is the
+    whole backward (it has no input gradient to compute). For zbv the unit is a chunk's
+    forward, per chunk."""
     if kind in V_PLACED:
-        units = [[v_pass_units(s, c) for c in range(ZBV_CHUNKS)] for s in range(n_stages)]
+        units = [[v_pass_units(s, c, pass_times) for c in range(ZBV_CHUNKS)]
+                 for s in range(n_stages)]
         return {name: [[u[op] for u in stage] for stage in units]
                 for name, op in (("t_forward", FORWARD), ("t_backward", BACKWARD),
                                  ("t_weight", WEIGHT))}
-    units = [pass_units(s) for s in range(n_stages)]
+    units = [pass_units(s, pass_times) for s in range(n_stages)]
     return {"t_forward": [u[FORWARD] for u in units],
             "t_backward": [u[BACKWARD] for u in units],
             "t_weight": [u[WEIGHT] for u in units]}
 
 
 def predicted_bubble(kind: str, n_stages: int, n_micro: int, virtual: int = 1,
-                     times: dict | None = None) -> float:
+                     times: dict | None = None, order_times: PassTimes = EQUAL) -> float:
     """The simulator's idle share: ``times`` as ``simulate``'s keywords (default
-    ``unit_times``)."""
-    return simulate(kind, n_stages, n_micro, virtual,
+    ``unit_times``), the order built for ``order_times``."""
+    return simulate(kind, n_stages, n_micro, virtual, order_times=order_times,
                     **(times if times is not None else unit_times(n_stages, kind))).bubble
 
 

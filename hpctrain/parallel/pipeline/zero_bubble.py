@@ -1,10 +1,10 @@
 """The zero-bubble order ZB-H1 of F, B and W (Qi et al., "Zero Bubble Pipeline
-Parallelism", ICLR 2024), built by playing the pipeline in unit time steps.
+Parallelism", ICLR 2024), built by playing the pipeline pass by pass.
 
 The backward is split into B (the input's gradient, which the previous stage waits for)
 and W (the weights' gradients, which only the optimizer waits for;
-``split_backward.py``). With F = B = W = one time unit, every stage at every step takes
-the first of these it can run:
+``split_backward.py``). Every pass takes its time (``PassTimes``: F = B = W unless the
+run says otherwise), and whenever a stage is free it takes the first of these it can run:
 
 1. B of its oldest forwarded micro-batch, once the gradient from the next stage is there
    (it unblocks the previous stage);
@@ -20,57 +20,114 @@ The price: a micro-batch whose W is deferred keeps its graph (here the whole of 
 W, so stage s holds up to p - s micro-batches between F and B, as 1F1B does, and a few
 more between F and W (the simulator's ``peak_in_flight`` counts those).
 
-The order is a property of (p, m) only; a stage runs it whatever the real times are (a
-slower pass delays, never deadlocks: the order was a valid execution of the whole
-pipeline, and the simulator in ``schedules.py`` checks it again).
+The order is a property of (p, m) and the pass times given, so every rank builds the
+same one; a stage runs it whatever the real times are (a slower pass delays, never
+deadlocks: the order was a valid execution of the whole pipeline, and the simulator in
+``schedules.py`` checks it again). Given the times a run measures, the order leaves less
+idle time when B, W and F differ (``--parallel.pass_times``; ``docs/design/pipeline.md``).
+W passes of one chunk always run in micro-batch order, whatever the times.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 FORWARD, BACKWARD, WEIGHT = "forward", "backward", "weight"
+GRID = 20
+"""Pass times are played in whole steps of 1/GRID of a forward: exact arithmetic, so every
+rank builds the same order."""
 
 
-def pass_units(stage: int) -> dict[str, int]:
-    """Time units of each pass on ``stage``: one each, but the first stage has no input
-    gradient to compute, so its B is empty and its W is the whole backward."""
-    return {FORWARD: 1, BACKWARD: 0, WEIGHT: 2} if stage == 0 else \
-        {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
+@dataclass(frozen=True)
+class PassTimes:
+    """Relative times of a model chunk's forward, input-gradient (B) and weight-gradient
+    (W) passes, which a zero-bubble order is built for."""
+    forward: float = 1.0
+    backward: float = 1.0
+    weight: float = 1.0
+
+    def __post_init__(self):
+        if min(self.forward, self.backward, self.weight) <= 0:
+            raise ValueError(f"pass times must be positive, not {self}")
+
+    def steps(self, first_chunk: bool = False) -> dict[str, int]:
+        """Whole time steps of each pass (F = GRID). The model's first chunk has no input
+        gradient to compute, so its B is empty and its W the whole backward."""
+        b, w = (max(1, round(GRID * t / self.forward)) for t in (self.backward, self.weight))
+        return {FORWARD: GRID, BACKWARD: 0, WEIGHT: b + w} if first_chunk else \
+            {FORWARD: GRID, BACKWARD: b, WEIGHT: w}
 
 
-def zb_h1_orders(n_stages: int, n_micro: int) -> list[list[tuple]]:
+EQUAL = PassTimes()
+
+
+def pass_units(stage: int, times: PassTimes = EQUAL) -> dict[str, float]:
+    """Each pass's time on ``stage`` in forwards (with EQUAL: one each, but the first
+    stage's B is empty and its W two)."""
+    return {op: n / GRID for op, n in times.steps(first_chunk=stage == 0).items()}
+
+
+def play(n_stages: int, passes_per_stage: int, pick: Callable, steps: Callable,
+         finished: Callable) -> list[list[tuple]]:
+    """Run the pipeline pass by pass: whenever stage s is free at time t, ``pick(s, t)``
+    gives its next (op, micro, chunk) or None (it waits), ``steps(s, pass)`` its length,
+    and ``finished(s, pass, end)`` records it. Stages are visited in order at each time,
+    and a pass of no length lets its stage pick again at once. Returns every stage's
+    passes in order; raises if the stages wait for each other with work left."""
+    free_at = [0] * n_stages
+    orders: list[list[tuple]] = [[] for _ in range(n_stages)]
+    t = 0
+    while any(len(o) < passes_per_stage for o in orders):
+        for s in range(n_stages):
+            while free_at[s] <= t:
+                chosen = pick(s, t)
+                if chosen is None:
+                    break
+                orders[s].append(chosen)
+                free_at[s] = t + steps(s, chosen)
+                finished(s, chosen, free_at[s])
+        later = [f for f in free_at if f > t]
+        if not later:
+            raise RuntimeError(f"the order for {n_stages} stages does not finish: {orders}")
+        t = min(later)
+    return orders
+
+
+def zb_h1_orders(n_stages: int, n_micro: int, times: PassTimes = EQUAL) -> list[list[tuple]]:
     """Every stage's (op, micro, chunk=0) in order, for one step."""
     p, m = n_stages, n_micro
-    units = [pass_units(s) for s in range(p)]
-    f_done = [[None] * m for _ in range(p)]  # time step each pass finished
+    units = [times.steps(first_chunk=s == 0) for s in range(p)]
+    f_done = [[None] * m for _ in range(p)]  # time each pass finished
     b_done = [[None] * m for _ in range(p)]
     next_f, next_b = [0] * p, [0] * p
     pending_w: list[list[int]] = [[] for _ in range(p)]
-    free_at = [0] * p
-    orders: list[list[tuple]] = [[] for _ in range(p)]
-    t = 0
-    while any(len(o) < 3 * m for o in orders):
-        for s in range(p):
-            while free_at[s] <= t:  # a pass of no time lets the stage choose again
-                b, f = next_b[s], next_f[s]
-                if b < f and (s == p - 1 or done_by(b_done[s + 1][b], t)):
-                    op, micro = BACKWARD, b
-                    next_b[s] += 1
-                    pending_w[s].append(b)
-                elif len(pending_w[s]) > p - 1:
-                    op, micro = WEIGHT, pending_w[s].pop(0)
-                elif f < m and f - b < p - s and (s == 0 or done_by(f_done[s - 1][f], t)):
-                    op, micro = FORWARD, f
-                    next_f[s] += 1
-                elif pending_w[s]:
-                    op, micro = WEIGHT, pending_w[s].pop(0)
-                else:
-                    break
-                orders[s].append((op, micro, 0))
-                free_at[s] = t + units[s][op]
-                if op != WEIGHT:  # only F and B are waited for across stages
-                    (f_done if op == FORWARD else b_done)[s][micro] = free_at[s]
-        t += 1
-    return orders
+
+    def pick(s, t):
+        b, f = next_b[s], next_f[s]
+        if b < f and (s == p - 1 or done_by(b_done[s + 1][b], t)):
+            return BACKWARD, b, 0
+        if len(pending_w[s]) > p - 1:
+            return WEIGHT, pending_w[s][0], 0
+        if f < m and f - b < p - s and (s == 0 or done_by(f_done[s - 1][f], t)):
+            return FORWARD, f, 0
+        if pending_w[s]:
+            return WEIGHT, pending_w[s][0], 0
+        return None
+
+    def finished(s, chosen, end):
+        op, micro, _ = chosen
+        if op == FORWARD:
+            next_f[s] += 1
+            f_done[s][micro] = end
+        elif op == BACKWARD:
+            next_b[s] += 1
+            pending_w[s].append(micro)
+            b_done[s][micro] = end
+        else:
+            pending_w[s].pop(0)
+
+    return play(p, 3 * m, pick, lambda s, chosen: units[s][chosen[0]], finished)
 
 
 def done_by(finished: int | None, t: int) -> bool:

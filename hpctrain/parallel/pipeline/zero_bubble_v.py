@@ -8,9 +8,10 @@ stages on the first chunks and back up on the second; a backward the reverse. So
 0 holds both the embedding (chunk 0) and the head (chunk 2p - 1), and the last stage
 hands chunk p - 1's output to chunk p on the same rank, with no message.
 
-Order. Every pass of a chunk takes one time unit (a chunk is half a stage's layers),
-except that the very first chunk has no input gradient: its B is empty and its W the
-whole backward. At every step each stage takes the first of these it can run:
+Order. Every pass of a chunk takes its time (``PassTimes``, per chunk: a chunk is half a
+stage's layers; F = B = W unless the run says otherwise), except that the very first
+chunk has no input gradient: its B is empty and its W the whole backward. Whenever a
+stage is free it takes the first of these it can run:
 
 1. B of its oldest forwarded micro-batch chunk whose output gradient is there (the
    next chunk's B done, or the loss for chunk 2p - 1): it unblocks a neighbour; chunk 0
@@ -36,8 +37,8 @@ neither zero-bubble nor tested.
 
 from __future__ import annotations
 
-from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, FORWARD, WEIGHT, done_by,
-                                                   pass_units)
+from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, EQUAL, FORWARD, GRID, WEIGHT,
+                                                   PassTimes, done_by, play)
 
 CHUNKS = 2
 """Model chunks per stage."""
@@ -53,45 +54,43 @@ def v_place(g: int, n_stages: int) -> tuple[int, int]:
     return (g, 0) if g < n_stages else (2 * n_stages - 1 - g, 1)
 
 
-def v_pass_units(stage: int, chunk: int) -> dict[str, int]:
-    """Time units of each pass of a chunk: one each, but the model's first chunk has no
-    input gradient, so its B is empty and its W the whole backward."""
-    return pass_units(0 if (stage, chunk) == (0, 0) else 1)
+def v_pass_units(stage: int, chunk: int, times: PassTimes = EQUAL) -> dict[str, float]:
+    """Each pass's time of a chunk in forwards (with EQUAL: one each, but the model's
+    first chunk has no input gradient, so its B is empty and its W the whole backward)."""
+    return {op: n / GRID for op, n in _steps(stage, chunk, times).items()}
 
 
-def zbv_orders(n_stages: int, n_micro: int) -> list[list[tuple]]:
+def _steps(stage: int, chunk: int, times: PassTimes) -> dict[str, int]:
+    return times.steps(first_chunk=(stage, chunk) == (0, 0))
+
+
+def zbv_orders(n_stages: int, n_micro: int, times: PassTimes = EQUAL) -> list[list[tuple]]:
     """Every stage's (op, micro, local chunk) in order, for one step."""
     p, m = n_stages, n_micro
     last = 2 * p - 1
-    f_done: dict[tuple, int] = {}  # (micro, model chunk) -> time step its pass finished
+    f_done: dict[tuple, int] = {}  # (micro, model chunk) -> time its pass finished
     b_done: dict[tuple, int] = {}
     next_f = [[0, 0] for _ in range(p)]
     next_b = [[0, 0] for _ in range(p)]
     pending_w: list[list[tuple]] = [[] for _ in range(p)]
-    free_at = [0] * p
-    orders: list[list[tuple]] = [[] for _ in range(p)]
-    t = 0
-    while any(len(o) < 3 * CHUNKS * m for o in orders):
-        if t > 12 * CHUNKS * m * p + 100:
-            raise RuntimeError(f"zbv order for p={p} m={m} does not finish: {orders}")
-        for s in range(p):
-            while free_at[s] <= t:  # a pass of no time lets the stage choose again
-                pick = _pick(s, p, m, t, last, next_f[s], next_b[s], pending_w[s],
-                             f_done, b_done)
-                if pick is None:
-                    break
-                op, micro, c = pick
-                orders[s].append(pick)
-                free_at[s] = t + v_pass_units(s, c)[op]
-                if op == FORWARD:
-                    next_f[s][c] += 1
-                    f_done[(micro, v_global_chunk(s, c, p))] = free_at[s]
-                elif op == BACKWARD:
-                    next_b[s][c] += 1
-                    pending_w[s].append((micro, c))
-                    b_done[(micro, v_global_chunk(s, c, p))] = free_at[s]
-        t += 1
-    return orders
+
+    def pick(s, t):
+        return _pick(s, p, m, t, last, next_f[s], next_b[s], pending_w[s], f_done, b_done)
+
+    def finished(s, chosen, end):
+        op, micro, c = chosen
+        if op == FORWARD:
+            next_f[s][c] += 1
+            f_done[(micro, v_global_chunk(s, c, p))] = end
+        elif op == BACKWARD:
+            next_b[s][c] += 1
+            pending_w[s].append((micro, c))
+            b_done[(micro, v_global_chunk(s, c, p))] = end
+        else:
+            pending_w[s].remove((micro, c))
+
+    return play(p, 3 * CHUNKS * m, pick,
+                lambda s, chosen: _steps(s, chosen[2], times)[chosen[0]], finished)
 
 
 def _pick(s, p, m, t, last, next_f, next_b, pending_w, f_done, b_done):
@@ -112,7 +111,7 @@ def _pick(s, p, m, t, last, next_f, next_b, pending_w, f_done, b_done):
                 (g == 0 or done_by(f_done.get((next_f[c], g - 1)), t)):
             return FORWARD, next_f[c], c
     if pending_w:
-        micro, c = pending_w.pop(0)
+        micro, c = pending_w[0]
         return WEIGHT, micro, c
     return None
 

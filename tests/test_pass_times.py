@@ -1,0 +1,108 @@
+"""Zero-bubble orders built for given pass times (``--parallel.pass_times``): valid for
+any times, the same as the equal-time order when the times are equal, idling less than
+it when they are not; the advice a run ends with; the phase clock counting W as
+backward. Pure data and one fake runner: no MPI."""
+
+import pytest
+
+from hpctrain.config import load_config
+from hpctrain.errors import ConfigError
+from hpctrain.parallel.pipeline import pass_times as PT
+from hpctrain.parallel.pipeline import schedules as S
+from hpctrain.parallel.pipeline.zero_bubble import EQUAL, PassTimes
+from hpctrain.train.timing import PhaseClock
+from tests.test_pipeline_mpi import TIMED
+
+TIMES = [PassTimes(1, 1, 1), PassTimes(1, 1.3, 1.05), PassTimes(1, 1.5, 0.7),
+         PassTimes(1, 0.5, 2), PassTimes(2, 1, 1), PassTimes(1, 3, 0.3)]
+SPLIT_CASES = [(kind, p, m) for kind in ("zb-h1", "zbv") for p in (2, 3, 4)
+               for m in ((2 * p, 2 * p + 1, 16) if kind == "zbv" else (1, p, 8, 16))]
+
+
+def _weights_in_order(kind, p, m, times):
+    """Every stage's W passes of each local chunk, as the micro-batches they run."""
+    out = {}
+    for s in range(p):
+        for op, micro, chunk in S.compute_order(kind, p, m, s, 1, times):
+            if op == S.WEIGHT:
+                out.setdefault((s, chunk), []).append(micro)
+    return out
+
+
+@pytest.mark.parametrize("times", TIMES, ids=str)
+@pytest.mark.parametrize("kind,p,m", SPLIT_CASES)
+def test_an_order_for_any_times_passes_the_simulator_and_keeps_w_in_micro_batch_order(
+        kind, p, m, times):
+    # simulate raises on a deadlock, a repeat, a missing pass or W before its B.
+    S.simulate(kind, p, m, order_times=times, **S.unit_times(p, kind, times))
+    for micros in _weights_in_order(kind, p, m, times).values():
+        assert micros == sorted(micros)  # a chunk's gradients add up in one order
+
+
+@pytest.mark.parametrize("kind,p,m", SPLIT_CASES)
+def test_equal_times_at_any_scale_give_the_equal_time_order(kind, p, m):
+    for s in range(p):
+        assert S.compute_order(kind, p, m, s, 1, PassTimes(3, 3, 3)) == \
+            S.compute_order(kind, p, m, s)
+
+
+@pytest.mark.parametrize("times", TIMES[1:4], ids=str)
+@pytest.mark.parametrize("p,m", [(2, 8), (3, 12), (4, 16)])
+def test_zbv_built_for_the_real_times_idles_less(p, m, times):
+    real = S.unit_times(p, "zbv", times)
+    equal = S.predicted_bubble("zbv", p, m, times=real)
+    timed = S.predicted_bubble("zbv", p, m, times=real, order_times=times)
+    assert timed < 0.6 * equal, (timed, equal)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_mpi_tests_timed_order_differs_from_the_equal_one(p):
+    times = PassTimes(*map(float, TIMED.split(",")))
+    orders = [S.compute_order("zbv", p, 2 * p, s, 1, times) for s in range(p)]
+    assert orders != [S.compute_order("zbv", p, 2 * p, s) for s in range(p)]
+
+
+def test_advice_suggests_the_measured_times_only_where_they_save_idle_time():
+    seen = PassTimes(1, 1.5, 0.7)
+    rec = PT.advice("zbv", 2, 8, EQUAL, seen)
+    assert rec["suggest"] == "1,1.5,0.7" and rec["used"] == "1,1,1"
+    assert rec["predicted_idle_for_measured"] < rec["predicted_idle"] - PT.IMPROVEMENT
+    line = PT.advice_line("zbv", rec)
+    assert "--parallel.pass_times=1,1.5,0.7 orders it for them" in line
+    same = PT.advice("zbv", 2, 8, seen, seen)
+    assert same["suggest"] is None
+    assert "--parallel.pass_times" not in PT.advice_line("zbv", same)
+    assert PT.measured(2.0, 3.0, 1.4) == PassTimes(1.0, 1.5, 0.7)
+    assert PT.measured(2.0, 0.0, 1.4) is None  # a stage without B says nothing
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parallel.schedule=zbv", "--parallel.pass_times=1,2"], "three positive numbers"),
+    (["--parallel.schedule=zb-h1", "--parallel.pass_times=1,0,1"], "three positive numbers"),
+    (["--parallel.schedule=zbv", "--parallel.pass_times=a,b,c"], "three positive numbers"),
+    (["--parallel.pass_times=1,1.3,1"], "leave it empty"),
+])
+def test_bad_pass_times_name_the_fix(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("default", args)
+
+
+def test_pass_times_reach_the_config_as_three_numbers():
+    cfg = load_config("default", ["--parallel.schedule=zbv", "--parallel.pass_times=1,1.3,0.7"])
+    assert cfg.parallel.pass_time_ratios() == (1.0, 1.3, 0.7)
+    assert load_config("default").parallel.pass_time_ratios() is None
+
+
+def test_the_phase_clock_counts_w_passes_as_backward():
+    class Stats:
+        forward_s = backward_s = weight_s = bubble_s = hook_s = wait_s = 0.0
+
+    class Part:
+        stats = Stats()
+
+    runner, engine = Part(), Part()
+    clock = PhaseClock(runner, engine)
+    clock.start()
+    runner.stats.backward_s, runner.stats.weight_s = 0.25, 0.5
+    phases = clock.stop()
+    assert phases["backward"] == pytest.approx(0.75)
