@@ -90,6 +90,31 @@ def test_b_computes_no_weight_gradient_and_w_accumulates():
     assert all(w.grad is views[id(w)] for w in _weights(st))  # accumulated in place
 
 
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_w_never_walks_the_input_path_again(arch):
+    """Every weight is in a group whose W starts where its branch leaves the path to the
+    input: the gradient of no block's output is computed again in W (a W that fell
+    back to a whole backward would compute each once more, and be correct, and slow)."""
+    st = _stage(arch, "none", 1)
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    y = torch.randint(0, 40, (2, 12))
+    seen, phase = {"B": 0, "W": 0}, ["B"]
+
+    def count(_grad):
+        seen[phase[0]] += 1
+
+    def watch(_module, _inputs, out):
+        out.register_hook(count)  # returns None: the output stays as it is
+
+    handles = [block.register_forward_hook(watch) for block in st.h.values()]
+    kept = backward_input(st.chunk_forward(0, x, y), None, x, _weights(st))
+    for h in handles:
+        h.remove()
+    phase[0] = "W"
+    kept.run()
+    assert seen == {"B": len(st.h), "W": 0}
+
+
 def test_bf16_split_matches_the_fused_bf16_backward():
     st = _stage("llama", "block", 1, torch.bfloat16)
     x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(2)).bfloat16()

@@ -44,6 +44,36 @@ def _grad_node(t: torch.Tensor) -> Node | None:
     return None
 
 
+ON_PATH, TO_PARAM = 1, 2
+"""Bits of ``_reach_flags``: the node reaches the stage input's node / a parameter's."""
+
+
+def _reach_flags(root: Node, x_node: Node, param_nodes) -> tuple[dict, dict]:
+    """One walk of the graph below ``root``: every node's ``ON_PATH | TO_PARAM`` bits, and
+    its children (``next_functions`` without the empty ones)."""
+    flags: dict[Node, int] = {}
+    children: dict[Node, list[Node]] = {}
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        if node in flags:
+            stack.pop()
+            continue
+        kids = children.get(node)
+        if kids is None:  # first visit: the children go first
+            kids = children[node] = [n for n, _ in node.next_functions if n is not None]
+            todo = [c for c in kids if c not in flags]
+            if todo:
+                stack.extend(todo)
+                continue
+        bits = (ON_PATH if node is x_node else 0) | (TO_PARAM if node in param_nodes else 0)
+        for c in kids:
+            bits |= flags.get(c, 0)
+        flags[node] = bits
+        stack.pop()
+    return flags, children
+
+
 def _reaches(roots: list[Node], targets: set[Node]) -> dict[Node, bool]:
     """For every node below ``roots``: whether some node of ``targets`` is reachable."""
     memo: dict[Node, bool] = {}
@@ -117,26 +147,27 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     if x_node is None or root is None:
         return WeightGradients([], (out, grad, params))
     param_nodes = {_grad_node(p): p for p in params}
-    on_path = _reaches([root], {x_node})
-    to_param = _reaches([root], set(param_nodes))
+    node_of = {id(p): n for n, p in param_nodes.items()}
+    flags, children = _reach_flags(root, x_node, param_nodes)
     groups: dict[Node, _Group] = {}  # branch root or parameter node -> its group
-    for node, on in on_path.items():
-        if not on:
+    for node, bits in flags.items():
+        if not bits & ON_PATH:
             continue
-        branches = [n for n, _ in node.next_functions
-                    if n is not None and not on_path[n] and to_param[n]]
+        branches = [n for n in children[node]
+                    if flags[n] & (ON_PATH | TO_PARAM) == TO_PARAM]
         if not branches:
             continue
-        reached = [param_nodes[n] for n, hit in _reaches(branches, set(param_nodes)).items()
+        reached = [param_nodes[n] for n, hit in _reaches(branches, param_nodes.keys()).items()
                    if hit and n in param_nodes]
-        group = next((groups[p] for p in map(_grad_node, reached) if p in groups), None)
+        group = next((groups[node_of[id(p)]] for p in reached if node_of[id(p)] in groups),
+                     None)
         if group is None:
             group = _Group([], [])
         group.roots.append(node)
         for p in reached:
             if all(p is not q for q in group.params):
                 group.params.append(p)
-            groups[_grad_node(p)] = group
+            groups[node_of[id(p)]] = group
         groups[node] = group
     unique = list({id(g): g for g in groups.values()}.values())
     hooks = []
@@ -150,6 +181,6 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
         for h in hooks:
             h.remove()
     covered = {id(p) for g in unique for p in g.params}
-    rest = [p for p in params if id(p) not in covered and _grad_node(p) in to_param
-            and to_param[_grad_node(p)]]
+    rest = [p for p in params if id(p) not in covered
+            and flags.get(node_of[id(p)], 0) & TO_PARAM]
     return WeightGradients(unique, (out, grad, rest) if rest else None)
