@@ -291,7 +291,7 @@ class PipelineExecutor:
         key = (a.micro, a.chunk)
         x, out = walk.inputs.pop(key), walk.outputs.pop(key)
         if i == walk.last_backward and walk.tie_recv is not None:
-            self._add_tied_gradient(*walk.tie_recv)
+            self._add_tied_gradient(walk.tie_recv)
         if walk.before_backward is not None:
             walk.before_backward(i == walk.last_backward)
         t0 = time.perf_counter()
@@ -388,9 +388,15 @@ class PipelineExecutor:
         mpi = self.p2p.buffer(buf)
         return buf, mpi, self.p2p.recv(mpi, self.p - 1, self.tie_tag)
 
-    def _add_tied_gradient(self, buf, mpi, req) -> None:
+    def _tied_gradient(self, tie_recv) -> torch.Tensor:
+        """The head's gradient of the tied embedding, once it has come."""
+        buf, mpi, req = tie_recv
         self._wait([req], "receiving the tied-embedding gradient", bubble=False)
         mpi.complete()
+        return buf
+
+    def _add_tied_gradient(self, tie_recv) -> None:
+        buf = self._tied_gradient(tie_recv)
         wte = self.stage.wte.weight
         if wte.grad is None:
             wte.grad = buf
@@ -399,12 +405,7 @@ class PipelineExecutor:
 
     def _tied_gradient_hook(self, tie_recv):
         """A hook on the embedding's gradient that adds the head's, once it has come."""
-        def add(grad):
-            buf, mpi, req = tie_recv
-            self._wait([req], "receiving the tied-embedding gradient", bubble=False)
-            mpi.complete()
-            return grad + buf
-        return add
+        return lambda grad: grad + self._tied_gradient(tie_recv)
 
     def _send_tied_gradient(self, sends: list) -> None:
         st = self.stage
