@@ -14,7 +14,8 @@ from mpi4py import MPI
 
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (LLAMA, SGD, cpu_world, fit_against_reference,
-                           fit_bf16_against_reference, same_on_all_ranks, tiny_config)
+                           fit_bf16_against_reference, same_on_all_ranks, tiny_config,
+                           two_ranks_suffice)
 from tests.reference import plain_model_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -247,3 +248,22 @@ def test_zero_bubble_llama_in_bf16_matches_the_bf16_single_process_run(mpi_datas
     fit_bf16_against_reference(trainer, cfg)
     stats = trainer.runner.stats
     assert stats.weight_s > 0  # W ran apart from B
+
+
+@pytest.mark.slow
+@two_ranks_suffice("the split backward of a compiled block is the same on every stage; "
+                   "dp=2 x pp=2 of the zero-bubble schedules is the Llama bf16 test's")
+@pytest.mark.parametrize("schedule,micro", [("zb-h1", 2), ("zbv", 4)])
+def test_zero_bubble_with_compiled_blocks_matches_single_process(mpi_dataset, shared_tmp,
+                                                                 schedule, micro):
+    """zb-h1 and zbv with ``--train.compile``: a compiled block's backward is one autograd
+    node, so B keeps the gradient of that node's output and W runs it again into the
+    block's parameters only; B keeps the graph, which AOTAutograd's donated buffers
+    refuse (``compile_model(backward_twice=True)`` turns them off)."""
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, schedule, 1, **{
+        "model.n_layer": 4, "parallel.micro_batches": micro, "train.max_iters": 3,
+        "train.compile": True})
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
+    assert all(block.compiled_body is not None for block in trainer.model.h.values())
+    _check(trainer, plain_model_config(cfg))
+    assert trainer.runner.stats.weight_s > 0  # W ran apart from B
