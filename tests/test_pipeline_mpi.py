@@ -102,8 +102,13 @@ def test_recompute_in_pipeline_stages_matches_the_plain_model(mpi_dataset, share
     _check(trainer, plain_model_config(cfg))
 
 
-def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):
+@pytest.mark.parametrize("schedule", [
+    pytest.param("1f1b", marks=two_ranks_suffice(
+        "the average over replicas is the same code as zbv's, which the 4-rank leg runs")),
+    "zbv"])
+def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp, schedule):
     """Validation losses averaged over replicas, and final.h5 put together from the stages.
+    1F1B: evaluation's activations go down the stages and the loss comes from the last.
     zbv: its V places stage 1's layers in two chunks and the head on stage 0, evaluation
     hands the activation over locally at the V's tip, and final.h5 still holds every
     layer under its own name."""
@@ -113,7 +118,7 @@ def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):
     common = {"train.eval_interval": 5, "train.eval_iters": 2, "train.final_eval": True,
               "train.save_checkpoint": True, "train.max_iters": 10}
     out = Path(shared_tmp)
-    cfg = _pipeline_config(mpi_dataset, out / "pp", 2, "zbv", 1, **common)
+    cfg = _pipeline_config(mpi_dataset, out / "pp", 2, schedule, 1, **common)
     result = Trainer(cfg, cpu_world(COMM), verbose=False).fit()
     assert result.val_losses.keys() == {5, 10}
     assert same_on_all_ranks(COMM, torch.tensor([result.final_val_loss, *result.val_losses.values()]))
