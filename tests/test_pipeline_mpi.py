@@ -223,6 +223,35 @@ def test_pipeline_checkpoint_reshards_to_plain_data_parallelism_and_back(mpi_dat
     np.testing.assert_allclose(back.losses, full.losses[8:], atol=1e-5, rtol=0)
 
 
+@two_ranks_suffice("the V places chunks by stage, the same for every replica; dp=2 x "
+                   "pp=2's shards and owners are the 1F1B test's")
+def test_zbv_checkpoint_reshards_to_plain_data_parallelism_to_1f1b_and_back(mpi_dataset,
+                                                                            shared_tmp):
+    """zbv at pp=2 (stage 0 holds chunk 0, chunk 3 and the head; stage 1 chunks 1 and 2)
+    -> pp=1 (ZeRO-1) -> zbv pp=2, and zbv -> 1F1B pp=2 (chunk g on stage g, the head on
+    stage 1 with its copy of the tied embedding): the losses continue the uninterrupted
+    zbv run's to fp32 round-off (the runs that stop at step 8 keep its learning rates)."""
+    out = Path(shared_tmp)
+    short = {"train.max_iters": 8, "optim.lr_decay_iters": 10}
+    zbv = {"parallel.schedule": "zbv", "parallel.micro_batches": 4}
+    full = Trainer(_ckpt_config(mpi_dataset, out / "zbv", 2, 0, **zbv), cpu_world(COMM),
+                   verbose=False).fit()
+    step5 = str(out / "zbv" / "checkpoints" / "step_000005")
+    flat_cfg = tiny_config(mpi_dataset, out / "flat", **{
+        "model.n_layer": 8, "parallel.micro_batches": 2, "parallel.zero": 1, **short,
+        "train.ckpt_interval": 3, "train.save_checkpoint": True, "train.resume": step5})
+    flat = Trainer(flat_cfg, cpu_world(COMM), verbose=False).fit()
+    np.testing.assert_allclose(flat.losses, full.losses[5:8], atol=1e-5, rtol=0)
+    back = Trainer(_ckpt_config(mpi_dataset, out / "back", 2, 0, **zbv, **{
+        "train.resume": str(out / "flat" / "checkpoints" / "step_000008")}),
+        cpu_world(COMM), verbose=False).fit()
+    np.testing.assert_allclose(back.losses, full.losses[8:], atol=1e-5, rtol=0)
+    other = Trainer(_ckpt_config(mpi_dataset, out / "1f1b", 2, 0, **short,
+                                 **{"train.resume": step5}), cpu_world(COMM), verbose=False)
+    assert other.model.has_head == (other.grid.stage == 1)
+    np.testing.assert_allclose(other.fit().losses, full.losses[5:8], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("zero", [0, 1])
 def test_bf16_pipeline_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, zero):
     """bf16 compute, fp32 master weights and moments, activations sent in bf16."""
