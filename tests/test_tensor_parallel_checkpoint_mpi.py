@@ -48,11 +48,15 @@ def _assert_same_state(a: dict, b: dict, keys=KEYS) -> None:
 
 
 def _tensor_parallel_layouts():
-    """tp=2 with ZeRO-1 over the rest of the ranks; at 4 ranks also tp=2 x pp=2."""
+    """tp=2 with ZeRO-1 over the rest of the ranks; at 4 ranks also tp=2 x pp=2 under
+    1F1B (layers cut in order, the head and its copy of the embedding slice on stage 1)
+    and under zbv (stage 0 holds layers 0 and 3 and the head beside the embedding)."""
     layouts = [{"parallel.tp": 2, "parallel.zero": 1}]
     if COMM.size % 4 == 0:
-        layouts.append({"parallel.tp": 2, "parallel.pp": 2, "model.n_layer": 4,
-                        "parallel.micro_batches": 2, "parallel.sequence_parallel": True})
+        pipeline = {"parallel.tp": 2, "parallel.pp": 2, "model.n_layer": 4,
+                    "parallel.micro_batches": 2, "parallel.sequence_parallel": True}
+        layouts += [pipeline, {**pipeline, "parallel.schedule": "zbv",
+                               "parallel.micro_batches": 4}]
     return layouts
 
 
