@@ -15,7 +15,8 @@ from mpi4py import MPI
 
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (LLAMA, SGD, cpu_world, fit_against_reference,
-                           fit_bf16_against_reference, same_on_all_ranks, tiny_config)
+                           fit_bf16_against_reference, same_on_all_ranks, tiny_config,
+                           two_ranks_suffice)
 from tests.reference import plain_model_config
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -113,8 +114,13 @@ def test_recompute_in_pipeline_stages_matches_the_plain_model(mpi_dataset, share
     _check(trainer, plain_model_config(cfg))
 
 
-def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):
+@pytest.mark.parametrize("schedule", [
+    pytest.param("1f1b", marks=two_ranks_suffice(
+        "the average over replicas is the same code as zbv's, which the 4-rank leg runs")),
+    "zbv"])
+def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp, schedule):
     """Validation losses averaged over replicas, and final.h5 put together from the stages.
+    1F1B: evaluation's activations go down the stages and the loss comes from the last.
     zbv: its V places stage 1's layers in two chunks and the head on stage 0, evaluation
     hands the activation over locally at the V's tip, and final.h5 still holds every
     layer under its own name."""
@@ -124,7 +130,7 @@ def test_pipeline_eval_and_final_outputs(mpi_dataset, shared_tmp):
     common = {"train.eval_interval": 5, "train.eval_iters": 2, "train.final_eval": True,
               "train.save_checkpoint": True, "train.max_iters": 10}
     out = Path(shared_tmp)
-    cfg = _pipeline_config(mpi_dataset, out / "pp", 2, "zbv", 1, **common)
+    cfg = _pipeline_config(mpi_dataset, out / "pp", 2, schedule, 1, **common)
     result = Trainer(cfg, cpu_world(COMM), verbose=False).fit()
     assert result.val_losses.keys() == {5, 10}
     assert same_on_all_ranks(COMM, torch.tensor([result.final_val_loss, *result.val_losses.values()]))
@@ -229,6 +235,35 @@ def test_pipeline_checkpoint_reshards_to_plain_data_parallelism_and_back(mpi_dat
     np.testing.assert_allclose(back.losses, full.losses[8:], atol=1e-5, rtol=0)
 
 
+@two_ranks_suffice("the V places chunks by stage, the same for every replica; dp=2 x "
+                   "pp=2's shards and owners are the 1F1B test's")
+def test_zbv_checkpoint_reshards_to_plain_data_parallelism_to_1f1b_and_back(mpi_dataset,
+                                                                            shared_tmp):
+    """zbv at pp=2 (stage 0 holds chunk 0, chunk 3 and the head; stage 1 chunks 1 and 2)
+    -> pp=1 (ZeRO-1) -> zbv pp=2, and zbv -> 1F1B pp=2 (chunk g on stage g, the head on
+    stage 1 with its copy of the tied embedding): the losses continue the uninterrupted
+    zbv run's to fp32 round-off (the runs that stop at step 8 keep its learning rates)."""
+    out = Path(shared_tmp)
+    short = {"train.max_iters": 8, "optim.lr_decay_iters": 10}
+    zbv = {"parallel.schedule": "zbv", "parallel.micro_batches": 4}
+    full = Trainer(_ckpt_config(mpi_dataset, out / "zbv", 2, 0, **zbv), cpu_world(COMM),
+                   verbose=False).fit()
+    step5 = str(out / "zbv" / "checkpoints" / "step_000005")
+    flat_cfg = tiny_config(mpi_dataset, out / "flat", **{
+        "model.n_layer": 8, "parallel.micro_batches": 2, "parallel.zero": 1, **short,
+        "train.ckpt_interval": 3, "train.save_checkpoint": True, "train.resume": step5})
+    flat = Trainer(flat_cfg, cpu_world(COMM), verbose=False).fit()
+    np.testing.assert_allclose(flat.losses, full.losses[5:8], atol=1e-5, rtol=0)
+    back = Trainer(_ckpt_config(mpi_dataset, out / "back", 2, 0, **zbv, **{
+        "train.resume": str(out / "flat" / "checkpoints" / "step_000008")}),
+        cpu_world(COMM), verbose=False).fit()
+    np.testing.assert_allclose(back.losses, full.losses[8:], atol=1e-5, rtol=0)
+    other = Trainer(_ckpt_config(mpi_dataset, out / "1f1b", 2, 0, **short,
+                                 **{"train.resume": step5}), cpu_world(COMM), verbose=False)
+    assert other.model.has_head == (other.grid.stage == 1)
+    np.testing.assert_allclose(other.fit().losses, full.losses[5:8], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("zero", [0, 1])
 def test_bf16_pipeline_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, zero):
     """bf16 compute, fp32 master weights and moments, activations sent in bf16."""
@@ -259,3 +294,22 @@ def test_zero_bubble_llama_in_bf16_matches_the_bf16_single_process_run(mpi_datas
     fit_bf16_against_reference(trainer, cfg)
     stats = trainer.runner.stats
     assert stats.weight_s > 0  # W ran apart from B
+
+
+@pytest.mark.slow
+@two_ranks_suffice("the split backward of a compiled block is the same on every stage; "
+                   "dp=2 x pp=2 of the zero-bubble schedules is the Llama bf16 test's")
+@pytest.mark.parametrize("schedule,micro", [("zb-h1", 2), ("zbv", 4)])
+def test_zero_bubble_with_compiled_blocks_matches_single_process(mpi_dataset, shared_tmp,
+                                                                 schedule, micro):
+    """zb-h1 and zbv with ``--train.compile``: a compiled block's backward is one autograd
+    node, so B keeps the gradient of that node's output and W runs it again into the
+    block's parameters only; B keeps the graph, which AOTAutograd's donated buffers
+    refuse (``compile_model(backward_twice=True)`` turns them off)."""
+    cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, schedule, 1, **{
+        "model.n_layer": 4, "parallel.micro_batches": micro, "train.max_iters": 3,
+        "train.compile": True})
+    trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
+    assert all(block.compiled_body is not None for block in trainer.model.h.values())
+    _check(trainer, plain_model_config(cfg))
+    assert trainer.runner.stats.weight_s > 0  # W ran apart from B

@@ -48,17 +48,25 @@ def _assert_same_state(a: dict, b: dict, keys=KEYS) -> None:
 
 
 def _tensor_parallel_layouts():
-    """tp=2 with ZeRO-1 over the rest of the ranks; at 4 ranks also tp=2 x pp=2."""
+    """tp=2 with ZeRO-1 over the rest of the ranks; at 4 ranks also tp=2 x pp=2 under
+    1F1B (layers cut in order, the head and its copy of the embedding slice on stage 1)
+    and under zbv (stage 0 holds layers 0 and 3 and the head beside the embedding;
+    ``slow``, the 4-rank leg's time: the 2-rank leg reshards a zbv checkpoint without tp)."""
     layouts = [{"parallel.tp": 2, "parallel.zero": 1}]
     if COMM.size % 4 == 0:
-        layouts.append({"parallel.tp": 2, "parallel.pp": 2, "model.n_layer": 4,
-                        "parallel.micro_batches": 2, "parallel.sequence_parallel": True})
+        pipeline = {"parallel.tp": 2, "parallel.pp": 2, "model.n_layer": 4,
+                    "parallel.micro_batches": 2, "parallel.sequence_parallel": True}
+        zbv = {**pipeline, "parallel.schedule": "zbv", "parallel.micro_batches": 4}
+        layouts += [pipeline, pytest.param(zbv, marks=pytest.mark.slow, id=_layout_id(zbv))]
     return layouts
 
 
-@pytest.mark.parametrize("layout", _tensor_parallel_layouts(),
-                         ids=lambda d: "-".join(f"{k.split('.')[1]}{v}" for k, v in d.items()
-                                                if k.startswith("parallel.")))
+def _layout_id(layout: dict) -> str:
+    return "-".join(f"{k.split('.')[1]}{v}" for k, v in layout.items()
+                    if k.startswith("parallel."))
+
+
+@pytest.mark.parametrize("layout", _tensor_parallel_layouts(), ids=_layout_id)
 def test_a_tensor_parallel_checkpoint_moves_to_one_rank_and_back(mpi_dataset, shared_tmp,
                                                                   layout):
     """Saved at tp=2: the checkpoint's whole tensors are the live model's (joined over the

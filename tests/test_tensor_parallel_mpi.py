@@ -81,19 +81,25 @@ def test_tensor_parallel_with_data_parallel_and_zero(mpi_dataset, shared_tmp, st
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
+                                              ("zbv", 1)])
 def test_tensor_parallel_with_a_pipeline(mpi_dataset, shared_tmp, schedule, virtual):
     """tp=2 x pp=2: each stage's layers split over its pair of ranks; the stages pass
     this rank's tokens of the residual stream (sequence parallelism), and the tied head's
     copy of the embedding slice crosses the pipeline. zb-h1: the group's collectives of
     the input gradient run in B, the norms' gradient sums in W (GPipe's fused backward
-    is 1F1B's, in another order)."""
+    is 1F1B's, in another order). zbv (4 micro-batches fill its V at pp=2): the head
+    sits on stage 0 beside the embedding slice it uses (no copy crosses), and the last
+    stage hands its sequence-parallel slice from one chunk to the other locally."""
     trainer = _fit(_config(mpi_dataset, shared_tmp, **{
         "model.n_layer": 4, "parallel.tp": 2, "parallel.pp": 2,
         "parallel.micro_batches": 4, "parallel.schedule": schedule,
         "parallel.virtual_stages": virtual, "parallel.sequence_parallel": True,
         "train.max_iters": 6}))
     assert (trainer.grid.pp, trainer.grid.tp) == (2, 2)
+    if schedule == "zbv":
+        assert trainer.model.has_head == (trainer.grid.stage == 0)
+        assert trainer.model.head_copy is None
 
 
 def test_tensor_parallel_in_bf16(mpi_dataset, shared_tmp):

@@ -203,13 +203,24 @@ def full_cross_entropy(h: torch.Tensor, norm: nn.Module, weight: torch.Tensor,
                            ignore_index=-1)
 
 
-def compile_model(model: nn.Module) -> int:
+def compile_model(model: nn.Module, backward_twice: bool = False) -> int:
     """Compile, with ``torch.compile``, the body of every ``Block`` in ``model`` (a GPT or
     a pipeline stage) and, where ``model`` holds the head, the head with its loss;
     returns how many blocks. Per block, as torchtitan does: the blocks share one code
     object, so one compilation serves them all, and the hooks around a block stay eager
     (the compiler never traces an MPI call). The head and loss are compiled apart from
-    the blocks, so that ZeRO-3's gather hooks on the model still run around them."""
+    the blocks, so that ZeRO-3's gather hooks on the model still run around them.
+
+    ``backward_twice``: the graph is walked by two backward passes (a zero-bubble
+    pipeline's B and W, ``split_backward.py``, the first with ``retain_graph=True``).
+    AOTAutograd otherwise lets a compiled backward reuse the memory of the tensors the
+    forward saved ("donated buffers") and refuses, at the first backward, any backward
+    that keeps the graph. The switch is process-wide: AOTAutograd reads it when it
+    compiles a graph, which may be at any later call (a recompilation for new shapes),
+    and again at the backward; it only gives up that memory reuse."""
+    if backward_twice:
+        from torch._functorch import config as functorch_config
+        functorch_config.donated_buffer = False
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for blk in blocks:
         blk.compiled_body = torch.compile(blk.body)

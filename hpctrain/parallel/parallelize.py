@@ -34,7 +34,7 @@ from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
-from hpctrain.parallel.pipeline.schedules import V_PLACED
+from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD, V_PLACED
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.parallel.runner import LocalRunner, Runner
 from hpctrain.parallel.tensor.apply import tensor_parallelize
@@ -86,7 +86,7 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
         runner = LocalRunner(model, world.accel, whole=grid.tp == 1)
     set_matmul_precision(device, cfg.train.tf32)
     if cfg.train.compile:
-        compile_model(model)
+        compile_model(model, backward_twice=pipelined and par.schedule in SPLIT_BACKWARD)
     return Parallel(model, engine, runner)
 
 
