@@ -26,6 +26,7 @@ from hpctrain.data.mpiio import describe_reader
 from hpctrain.errors import CommTimeout
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.parallelize import parallelize
+from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD
 from hpctrain.progress import Progress
 from hpctrain.train.deadline import Deadline
 from hpctrain.train.evaluate import Evaluator
@@ -180,6 +181,10 @@ class Trainer:
         for part in (self.model.tensor_parallel, self.runner):
             if part is not None and part.describe():
                 self._log(part.describe())
+        if t.compile and self.grid.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD:
+            self._log("note: a compiled block's backward is one autograd node that B and W "
+                      "cannot split: B runs it whole and W again (about twice the blocks' "
+                      "backward); zero-bubble schedules gain most without --train.compile")
         rows = t.batch_size // self.grid.dp
         self._log(f"model: {self.gpt_cfg.num_params() / 1e6:.2f}M parameters, "
                   f"{self.engine.describe()}, {t.dtype}; global batch {t.batch_size} x "
