@@ -247,29 +247,20 @@ def _torch_pipelining(comm, p, m, kind, steps):
                 return F.linear(self.ln_f(h), self.head_weight)
             return h
 
-    class TimedStage(pipelining.PipelineStage):
-        """torch's stage with its forward and backward passes timed."""
-
-        def forward_one_chunk(self, *args, **kwargs):
+    def timed(method):
+        """``method`` of torch's stage, its seconds added to the compute clock."""
+        def run(self, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return super().forward_one_chunk(*args, **kwargs)
+                return getattr(pipelining.PipelineStage, method)(self, *args, **kwargs)
             finally:
                 clock["compute_s"] += time.perf_counter() - t0
+        return run
 
-        def backward_one_chunk(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return super().backward_one_chunk(*args, **kwargs)
-            finally:
-                clock["compute_s"] += time.perf_counter() - t0
-
-        def backward_weight_one_chunk(self, *args, **kwargs):  # zero bubble's W
-            t0 = time.perf_counter()
-            try:
-                return super().backward_weight_one_chunk(*args, **kwargs)
-            finally:
-                clock["compute_s"] += time.perf_counter() - t0
+    # torch's stage with its forward, backward and (zero bubble) W passes timed.
+    TimedStage = type("TimedStage", (pipelining.PipelineStage,), {
+        m: timed(m) for m in ("forward_one_chunk", "backward_one_chunk",
+                              "backward_weight_one_chunk")})
 
     def loss_fn(logits, target):  # our last chunk's loss, timed as forward compute
         t0 = time.perf_counter()
