@@ -105,4 +105,6 @@ def test_the_phase_clock_counts_w_passes_as_backward():
     clock.start()
     runner.stats.backward_s, runner.stats.weight_s = 0.25, 0.5
     phases = clock.stop()
-    assert phases["backward"] == pytest.approx(0.75)
+    assert phases["backward"] == pytest.approx(0.75) and phases["weight"] == 0.5
+    # W is a part of backward: the rest of the step does not lose it twice.
+    assert phases["other"] == pytest.approx(phases["step"] - 0.75)

@@ -22,7 +22,8 @@ from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD
 from hpctrain.train.metrics import finite_record
 from hpctrain.train.result import TrainResult
 from hpctrain.train.run_status import FINISHED, STOPPED
-from hpctrain.train.timing import PHASES, peak_rss_bytes, phase_medians, summarize
+from hpctrain.train.timing import (PHASES, peak_rss_bytes, phase_medians, summarize,
+                                   warmup_steps)
 
 
 class RunOutputs:
@@ -49,7 +50,7 @@ class RunOutputs:
         # Every rank's bytes; the largest peak is what has to fit on a node's share.
         by_rank = self._memory_by_rank(memory)
         timing = self._timing(result)
-        passes = self._pass_times()
+        passes = self._pass_times(result)
         undone = ""
         # ZeRO-3 samples from gathered parameters (every rank gathers, rank 0 samples).
         with engine.gathered() if t.sample_tokens > 0 else contextlib.nullcontext():
@@ -119,16 +120,17 @@ class RunOutputs:
                                    for k, v in zip(names, per_rank)}
         return timing
 
-    def _pass_times(self) -> dict | None:
-        """Zero-bubble schedules: the F, B, W times the stages measured against those the
-        order was built for (``pass_times.advice``). Stage 0 does not count: its first
-        chunk has no input gradient (B empty, W the whole backward). Collective."""
+    def _pass_times(self, result: TrainResult) -> dict | None:
+        """Zero-bubble schedules: the F, B, W times the stages measured after the warm-up
+        steps (allocation, compilation) against those the order was built for
+        (``pass_times.advice``). Stage 0 does not count: its first chunk has no input
+        gradient (B empty, W the whole backward). Collective."""
         par = self.cfg.parallel
         if self.grid.pp == 1 or par.schedule not in SPLIT_BACKWARD:
             return None
-        stats = self.par.runner.stats
-        mine = [stats.forward_s, stats.backward_s, stats.weight_s] if self.grid.stage > 0 \
-            else [0.0, 0.0, 0.0]
+        kept = result.phases[warmup_steps(len(result.phases)):]
+        f, fused, w = (sum(p[k] for p in kept) for k in ("forward", "backward", "weight"))
+        mine = [f, fused - w, w] if self.grid.stage > 0 else [0.0, 0.0, 0.0]
         seen = pass_times.measured(*self._sum(mine, "pass times"))
         if seen is None:
             return None

@@ -19,6 +19,9 @@ spend on reductions (launching, polling; the shared-memory sums across nodes); `
 is ``finish()`` completing them after backward (on one node with shared memory, all the
 sums: there are no hooks there); ``other`` is the rest of the step (loss bookkeeping,
 zero_grad)."""
+PARTS_OF_BACKWARD = ("hooks", "weight")
+"""Per-step entries that are a part of ``backward``, not beside it: the hooks, and a
+zero-bubble schedule's W passes (``weight``; recorded per step, not in ``PHASES``)."""
 
 
 def warmup_steps(n_steps: int) -> int:
@@ -70,7 +73,7 @@ class PhaseClock:
     def _counters(self) -> dict[str, float]:
         r, e = self.runner.stats, self.engine.stats
         return {"forward": r.forward_s, "backward": r.backward_s + r.weight_s,
-                "bubble": r.bubble_s,
+                "weight": r.weight_s, "bubble": r.bubble_s,
                 "hooks": e.hook_s, "wait": e.wait_s, **self.own}
 
     def start(self) -> None:
@@ -81,7 +84,8 @@ class PhaseClock:
         step = time.perf_counter() - self._t0
         now = self._counters()
         phases = {k: now[k] - self._c0[k] for k in now}
-        phases["other"] = step - sum(v for k, v in phases.items() if k != "hooks")
+        phases["other"] = step - sum(v for k, v in phases.items()
+                                     if k not in PARTS_OF_BACKWARD)
         return {**phases, "step": step}
 
 
