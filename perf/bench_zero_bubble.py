@@ -22,6 +22,11 @@ theirs / ours.
   pipeline phase), per step, against the simulator's prediction for the same schedule
   with each stage's passes taking their measured time (forward, B, W per micro-batch;
   zbv: the mean of its two chunks) and in units (``schedules.unit_times``).
+- **Memory.** Once, at m = 8: the peak activation bytes of each stage within a step
+  (the heap in use after every forward, less the heap at the step's start, as
+  ``bench_pipeline.py`` part B) for 1F1B, zb-h1 and zbv, worst stage against 1F1B's,
+  beside the simulator's most micro-batches a stage holds until their last backward pass
+  (W; a zbv chunk counts half: it holds half a stage's layers).
 - **Ceiling.** A schedule without any bubble takes the optimizer step plus its busiest
   stage's compute (``ideal``, per step from the same job). torch's 1F1B step over that is
   the most the schedule could reach: with our split backward as measured (per zero-bubble
@@ -107,6 +112,44 @@ def summarize(runs: dict[tuple, list[dict]], m: int, order_times: list[str]) -> 
     return rec
 
 
+MEMORY_M = 8
+MEMORY_KINDS = ("1f1b", "zb-h1", "zbv")
+
+
+def held_per_stage(kind: str, m: int) -> list[float]:
+    """The simulator's most micro-batches each stage holds until their last backward
+    pass, in whole-stage micro-batches (a zbv chunk is half a stage)."""
+    from hpctrain.parallel.pipeline import schedules as S
+
+    sim = S.simulate(kind, P, m)
+    return [n / S.chunks_per_stage(kind) for n in sim.peak_in_flight]
+
+
+def measure_memory(steps: int) -> dict:
+    """Worst stage's peak activation bytes of each schedule at ``MEMORY_M``."""
+    out = {}
+    for kind in MEMORY_KINDS:
+        print(f"  memory: {kind}", flush=True)
+        r = run_worker(P, WORKER, ["ours-memory", kind, str(MEMORY_M), str(steps)])
+        per_stage = [max(s["act_bytes"]) for s in r["stages"]]
+        out[kind] = {"act_bytes": per_stage, "held": held_per_stage(kind, MEMORY_M)}
+    base = out["1f1b"]
+    for rec in out.values():
+        rec["vs_1f1b"] = max(rec["act_bytes"]) / max(base["act_bytes"])
+        rec["predicted_vs_1f1b"] = max(rec["held"]) / max(base["held"])
+    return out
+
+
+def memory_rows(memory: dict) -> list[list]:
+    return [[kind, " / ".join(fmt(b / 2**20) for b in r["act_bytes"]),
+             " / ".join(fmt(h) for h in r["held"]), fmt(r["vs_1f1b"]),
+             fmt(r["predicted_vs_1f1b"])] for kind, r in memory.items()]
+
+
+MEMORY_COLUMNS = ["schedule", "peak activations per stage (MiB)",
+                  "held per stage (simulator)", "worst vs 1F1B", "predicted"]
+
+
 def measure(steps: int, rounds: int) -> list[dict]:
     records = []
     for m in MICRO:
@@ -176,6 +219,7 @@ def main(argv: list[str]) -> None:
     print(f"zero bubble: p = {P}, m = {list(MICRO)}, {rounds} round(s) of {len(JOBS)} jobs",
           flush=True)
     records = measure(steps, rounds)
+    memory = measure_memory(steps)
     print_table("speed: step ms (optimizer included), median [min, max] over rounds; "
                 "speedup = theirs / ours per round", SPEED_COLUMNS, speed_rows(records))
     print_table("bubble: idle share of all stages, measured vs the simulator's prediction",
@@ -184,12 +228,16 @@ def main(argv: list[str]) -> None:
                 "stage's compute), with our split as measured and with a free split; split "
                 "cost = zb-h1's busiest compute / our 1F1B's", CEILING_COLUMNS,
                 ceiling_rows(records))
+    print_table(f"memory (m = {MEMORY_M}): peak activation bytes per stage within a step, "
+                "and the simulator's most micro-batches held until W", MEMORY_COLUMNS,
+                memory_rows(memory))
     met = targets_met(records)
     for name, ok in met.items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")
     write_result("zero_bubble", {"quick": args.quick, "model": MODEL, "rows_per_micro": ROWS,
                                  "p": P, "steps": steps, "warmup": WARMUP, "rounds": rounds,
-                                 "records": records, "targets": {
+                                 "records": records, "memory": memory,
+                                 "memory_m": MEMORY_M, "targets": {
                                      "torch 1f1b": TARGET_VS_TORCH_1F1B,
                                      "torch same kind": TARGET_VS_SAME_KIND},
                                  "met": met}, smoke=args.quick)

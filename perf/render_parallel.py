@@ -129,8 +129,9 @@ def render_pipeline(d: dict) -> list[str]:
 
 
 def render_zero_bubble(d: dict) -> list[str]:
-    from perf.bench_zero_bubble import (BUBBLE_COLUMNS, CEILING_COLUMNS, SPEED_COLUMNS,
-                                        bubble_rows, ceiling_rows, speed_rows)
+    from perf.bench_zero_bubble import (BUBBLE_COLUMNS, CEILING_COLUMNS, MEMORY_COLUMNS,
+                                        SPEED_COLUMNS, bubble_rows, ceiling_rows,
+                                        memory_rows, speed_rows)
 
     records, rounds = d["records"], d.get("rounds")
     return [f"Our zb-h1 and zbv (backward split into B and W) against torch's Schedule1F1B, "
@@ -148,6 +149,12 @@ def render_zero_bubble(d: dict) -> list[str]:
             "could gain with our split backward as measured, and with a free split (our "
             "1F1B's fused backward). Split cost: zb-h1's busiest-stage compute over our "
             "1F1B's.", "", *md_table(CEILING_COLUMNS, ceiling_rows(records)),
+            *([f"Memory at m = {d.get('memory_m', 8)}: each stage's peak activation bytes "
+               "within a step (heap in use after every forward, less the heap at the "
+               "step's start), worst stage against 1F1B's, beside the simulator's most "
+               "micro-batches a stage holds until their last backward pass (W; a zbv chunk "
+               "counts half).", "", *md_table(MEMORY_COLUMNS, memory_rows(d["memory"]))]
+              if d.get("memory") else []),
             "Targets: " + "; ".join(f"{name} {'met' if ok else 'missed'}"
                                     for name, ok in d["met"].items()) + ".", ""]
 

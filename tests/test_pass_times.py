@@ -81,6 +81,8 @@ def test_advice_suggests_the_measured_times_only_where_they_save_idle_time():
     (["--parallel.schedule=zb-h1", "--parallel.pass_times=1,0,1"], "three positive numbers"),
     (["--parallel.schedule=zbv", "--parallel.pass_times=a,b,c"], "three positive numbers"),
     (["--parallel.pass_times=1,1.3,1"], "leave it empty"),
+    (["--parallel.schedule=zb-h1", "--parallel.virtual_stages=2"],
+     "zbv places two per rank itself"),
 ])
 def test_bad_pass_times_name_the_fix(args, message):
     with pytest.raises(ConfigError, match=message):

@@ -11,7 +11,7 @@ import pytest
 from perf import make_results
 from perf.bench_convergence import seed_checks
 from perf.bench_long_context import longest_under
-from perf.bench_zero_bubble import ideal_step, summarize, targets_met
+from perf.bench_zero_bubble import held_per_stage, ideal_step, summarize, targets_met
 from perf.pipeline_workers import (bubble_theory, combine_stages, measured_idle,
                                    pipeline_efficiency, predicted_idle)
 from perf.common import (RESULTS, dirty_paths, fmt, fmt_spread, shakespeare_text, spread,
@@ -176,7 +176,13 @@ def test_zero_bubble_summary_gives_ratios_bubbles_and_the_ceiling():
     assert met["zb-h1 vs torch zb-h1"] is True
 
     from perf.render_parallel import render_zero_bubble
-    text = "\n".join(render_zero_bubble({"rounds": 1, "records": [rec], "met": met}))
+    memory = {kind: {"act_bytes": [2**20 * n, 2**20], "held": held_per_stage(kind, 8),
+                     "vs_1f1b": n / 2, "predicted_vs_1f1b": 1.5 if kind != "1f1b" else 1.0}
+              for kind, n in (("1f1b", 2), ("zb-h1", 3), ("zbv", 3))}
+    assert memory["zb-h1"]["held"] == [3, 2] and memory["zbv"]["held"] == [3, 3]
+    text = "\n".join(render_zero_bubble({"rounds": 1, "records": [rec], "met": met,
+                                          "memory": memory, "memory_m": 8}))
+    assert "| zbv | 3.000 / 1.000 | 3.000 / 3.000 | 1.500 | 1.500 |" in text
     assert "| 2 | 4 | zbv | torch 1f1b | 950 | 1,200 | 1.263 | 1.200x met |" in text
     assert "| 2 | 4 | zb-h1 | torch 1f1b | 1,050 | 1,200 | 1.143 | 1.200x MISSED |" \
         in text

@@ -170,7 +170,9 @@ class ParallelConfig:
         _check_fields(self)
         require(self.schedule == "interleaved" or self.virtual_stages == 1,
                  f"--parallel.virtual_stages={self.virtual_stages} needs "
-                 "--parallel.schedule=interleaved")
+                 "--parallel.schedule=interleaved" + (
+                     " (zb-h1 runs one chunk per rank; --parallel.schedule=zbv places two "
+                     "per rank itself)" if self.schedule in ("zb-h1", "zbv") else ""))
         require(self.schedule != "interleaved" or self.micro_batches % self.pp == 0,
                  f"the interleaved schedule takes micro-batches in groups of the {self.pp} "
                  f"stages; make --parallel.micro_batches (now {self.micro_batches}) a "
