@@ -87,16 +87,15 @@ def predicted_idle(kind: str, stages: list[dict], m: int, order_times: str = "")
     time (per micro-batch, median over steps); the order built for ``order_times``
     (``--parallel.pass_times``; empty: equal)."""
     from hpctrain.parallel.pipeline import schedules as S
-    from hpctrain.parallel.pipeline.zero_bubble import EQUAL, PassTimes
 
     def per_pass(key):  # one chunk's pass of one micro-batch (zbv: the stage's mean)
         return [statistics.median(s[key]) / (m * chunks_of(kind)) for s in stages]
 
     # A fused backward is backward_s alone (weight_s is 0): B, and W = 0.
-    order = PassTimes(*map(float, order_times.split(","))) if order_times else EQUAL
-    return S.predicted_bubble(kind, len(stages), m, order_times=order, times={
-        "t_forward": per_pass("forward_s"), "t_backward": per_pass("backward_s"),
-        "t_weight": per_pass("weight_s")})
+    times = {"t_forward": per_pass("forward_s"), "t_backward": per_pass("backward_s"),
+             "t_weight": per_pass("weight_s")}
+    return S.predicted_bubble(kind, len(stages), m, times=times,
+                              order_times=parse_order_times(order_times))
 
 
 def bubble_theory(p: int, m: int, virtual: int = 1) -> float:
@@ -156,6 +155,13 @@ def _timed_steps(comm, steps, run_pipeline, after, compute, extra=None) -> dict:
     return rec
 
 
+def parse_order_times(text: str):
+    """``--parallel.pass_times`` text -> PassTimes (empty: equal times)."""
+    from hpctrain.parallel.pipeline.zero_bubble import EQUAL, PassTimes
+
+    return PassTimes(*map(float, text.split(","))) if text else EQUAL
+
+
 def measured_pass_times(stages: list[dict]) -> str:
     """``--parallel.pass_times`` from a run of ours: F, B, W seconds of the stages after
     the first (whose first chunk has no B), relative to F."""
@@ -180,8 +186,7 @@ def _ours(comm, p, m, kind, steps, probe_memory, order_times=""):
         else None
     ex = PipelineExecutor(stage, grid, kind=kind, n_micro=m, seq=MODEL["block_size"],
                           timeout=120, memory_probe=probe,
-                          pass_times=tuple(map(float, order_times.split(",")))
-                          if order_times else None)
+                          order_times=parse_order_times(order_times))
     xs, ys = list(x.split(ROWS)), list(y.split(ROWS))
 
     passes = ("forward_s", "backward_s", "weight_s")

@@ -61,6 +61,10 @@ def tiny_config(data_path, out_dir, **overrides):
     return build_config(recipe)
 
 
+TIMED = "1,1.5,0.7"
+"""Pass times F,B,W a zbv order is built for in the MPI tests (tests/test_pass_times.py
+checks it differs from the equal-time order at pp = 2 and 4)."""
+
 LLAMA = {"model.arch": "llama", "model.n_kv_head": 1, "model.ffn_hidden": 48,
          "model.tie_embeddings": False, "model.rope_theta": 500.0}
 """``tiny_config`` overrides for a tiny Llama: grouped-query attention, an untied head."""

@@ -14,7 +14,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.train.trainer import Trainer
-from tests.helpers import (LLAMA, SGD, cpu_world, fit_against_reference,
+from tests.helpers import (LLAMA, SGD, TIMED, cpu_world, fit_against_reference,
                            fit_bf16_against_reference, same_on_all_ranks, tiny_config,
                            two_ranks_suffice)
 from tests.reference import plain_model_config
@@ -23,9 +23,6 @@ pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
 FUSED = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)]
 SCHEDULES = FUSED + [("zb-h1", 1), ("zbv", 1)]
-TIMED = "1,1.5,0.7"
-"""Pass times F,B,W a zbv order is built for (tests/test_pass_times.py checks it differs
-from the equal-time order at pp = 2 and 4)."""
 """The zero-bubble schedules' ZeRO-1, recompute and bf16 run in one test of their own, and
 plain SGD is left to the fused schedules (the MPI legs' time)."""
 

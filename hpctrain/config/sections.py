@@ -157,8 +157,10 @@ class ParallelConfig:
                               bounds=AT_LEAST_1)
     pass_times: str = opt("", "relative times F,B,W of a model chunk's forward, "
                               "input-gradient and weight-gradient passes (e.g. 1,1.3,1.05), "
-                              "which the zb-h1 and zbv orders are built for; empty: equal. "
-                              "A zero-bubble run ends by printing the times it measured")
+                              "which the zb-h1 and zbv orders are built for (unless the "
+                              "equal-time order idles less with them); empty: equal. A "
+                              "zero-bubble run on CPUs ends by printing the times it "
+                              "measured")
     tp: int = opt(1, "tensor-parallel ranks: every layer's weights and work are split over "
                      "tp adjacent ranks (keep them on one node); the ranks are dp x pp x tp",
                   bounds=AT_LEAST_1)
@@ -182,8 +184,7 @@ class ParallelConfig:
                 f"micro-batches to fill its V; raise --parallel.micro_batches (now "
                 f"{self.micro_batches}) to {2 * self.pp} or more, or use "
                 "--parallel.schedule=zb-h1")
-        self.pass_time_ratios()
-        require(not self.pass_times or self.schedule in ("zb-h1", "zbv"),
+        require(self.pass_time_ratios() is None or self.schedule in ("zb-h1", "zbv"),
                 f"--parallel.pass_times orders the zero-bubble schedules (zb-h1, zbv); "
                 f"the {self.schedule} schedule has no such order: leave it empty")
         require(self.tp > 1 or not self.sequence_parallel,
@@ -198,10 +199,11 @@ class ParallelConfig:
             values = tuple(float(x) for x in self.pass_times.split(","))
         except ValueError:
             values = ()
-        require(len(values) == 3 and all(0 < v < float("inf") for v in values),
-                f"--parallel.pass_times takes three positive numbers F,B,W (a chunk's "
-                f"forward, input-gradient and weight-gradient pass, e.g. 1,1.3,1.05), not "
-                f"{self.pass_times!r}")
+        require(len(values) == 3 and all(0 < v < float("inf") for v in values)
+                and max(values) <= 1000 * min(values),
+                f"--parallel.pass_times takes three positive numbers F,B,W within 1000x of "
+                f"each other (a chunk's forward, input-gradient and weight-gradient pass, "
+                f"e.g. 1,1.3,1.05), not {self.pass_times!r}")
         return values
 
 

@@ -36,6 +36,7 @@ from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD, V_PLACED
 from hpctrain.parallel.pipeline.stage import PipelineStage
+from hpctrain.parallel.pipeline.zero_bubble import PassTimes
 from hpctrain.parallel.runner import LocalRunner, Runner
 from hpctrain.parallel.tensor.apply import tensor_parallelize
 from hpctrain.parallel.tensor.group import TensorParallelGroup
@@ -81,7 +82,7 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
         model.sync_head_dtype()  # the engine may have turned the parameters into bf16
         runner = PipelineExecutor(model, grid, kind=par.schedule, n_micro=par.micro_batches,
                                   seq=cfg.model.block_size, timeout=world.timeout,
-                                  pass_times=par.pass_time_ratios())
+                                  order_times=PassTimes(*(par.pass_time_ratios() or ())))
     else:
         runner = LocalRunner(model, world.accel, whole=grid.tp == 1)
     set_matmul_precision(device, cfg.train.tf32)

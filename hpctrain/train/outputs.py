@@ -128,14 +128,21 @@ class RunOutputs:
         par = self.cfg.parallel
         if self.grid.pp == 1 or par.schedule not in SPLIT_BACKWARD:
             return None
+        if not self.world.accel.host_clock_times_work:  # the same answer on every rank
+            self.log(f"{par.schedule} pass times not measured: on {self.world.accel.kind} "
+                     "the host clock counts kernel launches; time F, B and W with the "
+                     "device's profiler to set --parallel.pass_times")
+            return None
         kept = result.phases[warmup_steps(len(result.phases)):]
-        f, fused, w = (sum(p[k] for p in kept) for k in ("forward", "backward", "weight"))
-        mine = [f, fused - w, w] if self.grid.stage > 0 else [0.0, 0.0, 0.0]
+        # W's seconds hold the gradient hooks' reductions (they fire as W accumulates).
+        f, fused, w, hooks = (sum(p[k] for p in kept)
+                              for k in ("forward", "backward", "weight", "hooks"))
+        mine = [f, fused - w, w - hooks] if self.grid.stage > 0 else [0.0, 0.0, 0.0]
         seen = pass_times.measured(*self._sum(mine, "pass times"))
         if seen is None:
             return None
         rec = pass_times.advice(par.schedule, self.grid.pp, par.micro_batches,
-                                self.par.runner.pass_times, seen)
+                                self.par.runner.order_times, seen)
         self.log(pass_times.advice_line(par.schedule, rec))
         return rec
 

@@ -124,7 +124,7 @@ class _Send:
 class PipelineExecutor:
     def __init__(self, stage: PipelineStage, grid: ProcessGrid, *, kind: str, n_micro: int,
                  seq: int, timeout: float, memory_probe=None,
-                 pass_times: tuple[float, float, float] | None = None):
+                 order_times: PassTimes = EQUAL):
         self.stage, self.grid = stage, grid
         self.kind, self.n_micro = kind, n_micro
         self.p, self.s, self.v = grid.pp, grid.stage, stage.virtual
@@ -140,8 +140,8 @@ class PipelineExecutor:
         self.dtype = next(stage.parameters()).dtype  # activations travel in it (bf16)
         # The zero-bubble orders are built for these relative F, B, W times (every rank
         # of the run is given the same ones, so every stage builds the same order).
-        self.pass_times = PassTimes(*pass_times) if pass_times else EQUAL
-        self.actions = S.schedule(kind, self.p, n_micro, self.s, self.v, self.pass_times)
+        self.order_times = order_times
+        self.actions = S.schedule(kind, self.p, n_micro, self.s, self.v, order_times)
         self.split = kind in S.SPLIT_BACKWARD  # B and W apart
         self._weights = [*stage.parameters()] + \
             ([stage.head_copy] if stage.head_copy is not None else [])

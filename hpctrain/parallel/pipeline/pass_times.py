@@ -5,11 +5,11 @@ less.
 The orders (``zero_bubble.py``, ``zero_bubble_v.py``) are played with given relative
 times of a chunk's forward (F), input-gradient (B) and weight-gradient (W) passes. They
 default to F = B = W; where a run's passes differ (B slower than F on most hardware: the
-attention's backward sits wholly in B), zbv's equal-time order idles several times what
-an order built for the real times does (``docs/design/pipeline.md``). The times are a
-setting (the config's ``pass_times``), not measured on the fly: the order can change the
-sequence in which gradients add up (zbv's embedding and head share one), so a run and its
-resumption must use the same one.
+attention's backward sits wholly in B), zbv's equal-time order idles more than one built
+for the real times (``docs/design/pipeline.md``). The times are a setting (the config's
+``pass_times``), not measured on the fly: every rank must build the same order, and an
+order can change the sequence in which gradients add up (zbv's embedding and head share
+one), so a run is reproduced, or resumed, bit for bit only with the same one.
 """
 
 from __future__ import annotations

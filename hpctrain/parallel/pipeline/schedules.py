@@ -29,11 +29,13 @@ Schedules (p stages, m micro-batches; bubble with unit-time forward and backward
   (stage s holds chunks s and 2p - 1 - s, whatever ``virtual`` says), B and W split.
   With F = B = W per chunk the bubble is (p - 1) / (6 m + p - 1): half a stage pass of
   idle per stage boundary, half zb-h1's; at most 2p micro-batch chunks (1F1B's p
-  whole-stage micro-batches) between F and B on every stage. Needs m >= 2p.
+  whole-stage micro-batches) between F and B on every stage, 2p + 2 until W. Needs
+  m >= 2p.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, EQUAL, FORWARD, WEIGHT,
@@ -127,15 +129,14 @@ def local_neighbour(kind: str, stage: int, chunk: int, n_stages: int, virtual: i
 
 
 def compute_order(kind: str, n_stages: int, n_micro: int, stage: int, virtual: int = 1,
-                  times: PassTimes = EQUAL) -> list[tuple[str, int, int]]:
+                  order_times: PassTimes = EQUAL) -> list[tuple[str, int, int]]:
     """The forward and backward passes of ``stage`` in order: (op, micro, chunk).
-    ``times``: the pass times a zero-bubble order is built for (the others ignore them)."""
+    ``order_times``: the pass times a zero-bubble order is built for (the others ignore
+    them)."""
     check_schedule_args(kind, n_stages, n_micro, virtual)
     p, m, s = n_stages, n_micro, stage
-    if kind in V_PLACED:
-        return zbv_orders(p, m, times)[s]
     if kind in SPLIT_BACKWARD:
-        return zb_h1_orders(p, m, times)[s]
+        return list(_zero_bubble_orders(kind, p, m, order_times)[s])
     if kind == "gpipe":
         return [(FORWARD, i, 0) for i in range(m)] + [(BACKWARD, i, 0) for i in range(m)]
     if kind == "1f1b" or virtual == 1:
@@ -161,15 +162,39 @@ def compute_order(kind: str, n_stages: int, n_micro: int, stage: int, virtual: i
     return order
 
 
+@functools.lru_cache(maxsize=64)
+def _zero_bubble_orders(kind: str, p: int, m: int, order_times: PassTimes) -> list:
+    """Every stage's zero-bubble order for ``order_times``: the one built for them, or the
+    equal-time one where the simulator, with the passes taking those times, finds that
+    one idles less (a greedy order for unequal times is not always better; zb-h1's at
+    p >= 3 often is not). Pure and cached: every rank gets the same orders."""
+    build = zbv_orders if kind in V_PLACED else zb_h1_orders
+    if order_times == EQUAL:
+        return build(p, m)
+    candidates = [build(p, m, order_times), build(p, m)]
+    times = unit_times(p, kind, order_times)
+
+    def makespan(orders):
+        plans = [_actions(kind, p, s, 1, orders[s]) for s in range(p)]
+        return _simulate_plans(kind, p, m, 1, plans, **times).makespan
+
+    return min(candidates, key=makespan)  # the timed order when both take as long
+
+
 def schedule(kind: str, n_stages: int, n_micro: int, stage: int, virtual: int = 1,
-             times: PassTimes = EQUAL) -> list[Action]:
+             order_times: PassTimes = EQUAL) -> list[Action]:
     """Every action of ``stage`` for one step: each pass with its receive before it and
     its send after it. Neighbouring chunks on the same stage (the tip of zbv's V) hand
-    over locally: no message. ``times`` as ``compute_order``'s."""
-    p = n_stages
+    over locally: no message. ``order_times`` as ``compute_order``'s."""
+    return _actions(kind, n_stages, stage, virtual,
+                    compute_order(kind, n_stages, n_micro, stage, virtual, order_times))
+
+
+def _actions(kind: str, p: int, stage: int, virtual: int, order: list) -> list[Action]:
+    """``schedule``'s actions for a stage's passes in ``order``."""
     g_last = p * chunks_per_stage(kind, virtual) - 1
     actions: list[Action] = []
-    for op, micro, chunk in compute_order(kind, n_stages, n_micro, stage, virtual, times):
+    for op, micro, chunk in order:
         g = global_chunk(kind, stage, chunk, p)
         before = place(kind, g - 1, p)[0] if g > 0 else stage
         after = place(kind, g + 1, p)[0] if g < g_last else stage
@@ -269,10 +294,18 @@ def simulate(kind: str, n_stages: int, n_micro: int, virtual: int = 1, *,
     forward once, after the previous chunk's, then backward once, after the next chunk's,
     then (split schedules) W once; raises ``Deadlock`` if no stage can move. A micro-batch
     is in flight from its forward to its last backward part. ``order_times``: the pass
-    times the zero-bubble orders are built for (``schedule``'s ``times``)."""
+    times the zero-bubble orders are built for (``schedule``'s)."""
+    plans = [schedule(kind, n_stages, n_micro, s, virtual, order_times)
+             for s in range(n_stages)]
+    return _simulate_plans(kind, n_stages, n_micro, virtual, plans, t_forward=t_forward,
+                           t_backward=t_backward, t_weight=t_weight)
+
+
+def _simulate_plans(kind: str, n_stages: int, n_micro: int, virtual: int, plans: list, *,
+                    t_forward, t_backward, t_weight) -> Simulation:
+    """``simulate`` with every stage's actions given."""
     p, split = n_stages, kind in SPLIT_BACKWARD
     v = chunks_per_stage(kind, virtual)
-    plans = [schedule(kind, p, n_micro, s, virtual, order_times) for s in range(p)]
     pos, clock = [0] * p, [0.0] * p
     busy = [0.0] * p
     in_flight, peak = [0] * p, [0] * p

@@ -23,17 +23,21 @@ more between F and W (the simulator's ``peak_in_flight`` counts those).
 The order is a property of (p, m) and the pass times given, so every rank builds the
 same one; a stage runs it whatever the real times are (a slower pass delays, never
 deadlocks: the order was a valid execution of the whole pipeline, and the simulator in
-``schedules.py`` checks it again). Given the times a run measures, the order leaves less
-idle time when B, W and F differ (``--parallel.pass_times``; ``docs/design/pipeline.md``).
+``schedules.py`` checks it again). ``schedules.compute_order`` keeps the order built for
+the times a run gives (``--parallel.pass_times``) unless the equal-time order, with the
+passes taking those times, idles less: a greedy order is not always the better one.
 W passes of one chunk always run in micro-batch order, whatever the times.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 FORWARD, BACKWARD, WEIGHT = "forward", "backward", "weight"
+MAX_RATIO = 1000
+"""Pass times further apart than this are refused (a slip, not a measurement)."""
 GRID = 20
 """Pass times are played in whole steps of 1/GRID of a forward: exact arithmetic, so every
 rank builds the same order."""
@@ -48,8 +52,11 @@ class PassTimes:
     weight: float = 1.0
 
     def __post_init__(self):
-        if min(self.forward, self.backward, self.weight) <= 0:
-            raise ValueError(f"pass times must be positive, not {self}")
+        times = (self.forward, self.backward, self.weight)
+        if not all(math.isfinite(t) and t > 0 for t in times) or \
+                max(times) > MAX_RATIO * min(times):
+            raise ValueError(f"pass times are positive and within {MAX_RATIO}x of each "
+                             f"other, not {self}")
 
     def steps(self, first_chunk: bool = False) -> dict[str, int]:
         """Whole time steps of each pass (F = GRID). The model's first chunk has no input
@@ -73,8 +80,10 @@ def play(n_stages: int, passes_per_stage: int, pick: Callable, steps: Callable,
     """Run the pipeline pass by pass: whenever stage s is free at time t, ``pick(s, t)``
     gives its next (op, micro, chunk) or None (it waits), ``steps(s, pass)`` its length,
     and ``finished(s, pass, end)`` records it. Stages are visited in order at each time,
-    and a pass of no length lets its stage pick again at once. Returns every stage's
-    passes in order; raises if the stages wait for each other with work left."""
+    and a pass of no length lets its stage pick again at once; another stage sees its end
+    at the next time a pass ends (the only such pass, the model's first chunk's empty B,
+    is waited for by none). Returns every stage's passes in order; raises if the stages
+    wait for each other with work left."""
     free_at = [0] * n_stages
     orders: list[list[tuple]] = [[] for _ in range(n_stages)]
     t = 0

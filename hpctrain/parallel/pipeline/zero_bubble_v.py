@@ -1,6 +1,6 @@
 """The zero-bubble V schedule ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
 2024; "Pipeline Parallelism with Controllable Memory", 2024), built by playing the
-pipeline in unit time steps as ``zero_bubble.py`` does for ZB-H1.
+pipeline pass by pass as ``zero_bubble.py`` does for ZB-H1.
 
 Placement. The model is cut into 2p chunks and stage s holds two of them in a V: chunk
 s (its local chunk 0) and chunk 2p - 1 - s (its local chunk 1). A forward runs down the
@@ -24,9 +24,10 @@ stage is free it takes the first of these it can run:
 3. W of its oldest B-done micro-batch chunk (filling what would be idle time, and
    freeing budget when F may not run).
 
-The simulator then shows at most 2p micro-batch chunks between F and B on every stage:
-the paper's activation memory of ZB-V, 1F1B's p whole-stage micro-batches of its first
-stage, now on every stage alike; and at most 2p + 2 until W.
+With equal times the simulator then shows at most 2p micro-batch chunks between F and B
+on every stage: the paper's activation memory of ZB-V, 1F1B's p whole-stage micro-batches
+of its first stage, now on every stage alike; and at most 2p + 2 until W, whatever the
+times (an order for unequal times may hold up to 2p + 2 before B too).
 
 With F = B = W the stages idle only a few units while the first forwards travel down the
 V and the last backwards come back, against 6 m units of work each (the simulator's
