@@ -71,3 +71,28 @@ def test_the_agreement_reads_a_flag_one_agreement_later_on_every_rank(monkeypatc
     agreement.close()
     assert answers == [False, False, False, True, True]
     assert COMM.allgather(answers) == [answers] * COMM.size
+
+
+@pytest.mark.parametrize("cause", ["the time limit", "SIGUSR1"])
+def test_every_rank_names_the_cause_the_stopping_rank_had(cause):
+    """The last rank alone has a reason (its deadline passed first, or a signal came):
+    after the agreement every rank stops for that reason, so rank 0's log and the job's
+    exit message name it (a rank without one of its own once said 'a signal')."""
+    flag = SignalFlag()
+    agreement = StopAgreement(COMM, flag, timeout=60)
+    if COMM.rank == COMM.size - 1:
+        if cause == "SIGUSR1":
+            flag.received = signal.SIGUSR1
+        else:
+            flag.trip("the time limit", "its own deadline")
+    answers = [agreement.agreed(step) for step in (1, 2)]
+    agreement.close()
+    assert answers == [False, True]
+    assert COMM.allgather(flag.cause) == [cause] * COMM.size
+    later = SignalFlag()  # the blocking agreement outside the loop, likewise
+    if COMM.rank == COMM.size - 1:
+        later.trip("the time limit", "its own deadline")
+    blocking = StopAgreement(COMM, later, timeout=60)
+    assert blocking.now("a test") is True
+    blocking.close()
+    assert later.cause == "the time limit"

@@ -12,7 +12,9 @@ after every token (``local_stop``).
 
 Ranks may see the signal at different steps, so they agree before acting
 (``StopAgreement``): every ``every`` steps each rank starts a nonblocking allreduce (MAX)
-of "a signal arrived here", and the next agreement reads it. Every rank reads the same
+of why it would stop (``REASON_CODES``: none, its deadline, or the signal it had), and
+the next agreement reads it; a rank with no reason of its own takes the agreed one, so
+every rank, rank 0's log and the job's exit message included, names the same cause. Every rank reads the same
 reduction, so all stop after the same step, save the same checkpoint, and exit 0. With
 ``every=1`` (``--train.stop_check_steps``, the default) a signal is acted on within 2
 steps; the allreduce of one integer overlaps a whole step. Its buffers never change, so
@@ -31,12 +33,16 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from hpctrain.comm.small_collectives import any_true
+from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.watchdog import wait_all
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+TIME_LIMIT = "the time limit"
+NO_STOP, DEADLINE_CODE, SIGNAL_BASE = 0, 1, 2
+"""REASON_CODES, reduced with MAX: no reason, the deadline passed, or SIGNAL_BASE plus a
+signal's number (a signal a rank received outranks another rank's deadline)."""
 
 
 class SignalFlag:
@@ -120,7 +126,7 @@ class StopAgreement:
         if step % self.every:
             return False
         stop = self._finish_pending()
-        self._send[0] = int(self.local_stop())
+        self._send[0] = self._reason_code()
         if self._persistent is not None:
             self._persistent.Start()
             self._req = self._persistent
@@ -131,23 +137,42 @@ class StopAgreement:
     def now(self, what: str) -> bool:
         """Blocking agreement (every rank calls it at the same point): True when some
         rank has had a signal."""
-        pending = self._finish_pending()
-        return any_true(self.comm, pending or self.local_stop(),
-                        timeout=self.timeout, what=f"stop-signal agreement ({what})")
+        self._finish_pending()
+        code = int(allreduce_array(self.comm, [self._reason_code()], op=MPI.MAX,
+                                   timeout=self.timeout,
+                                   what=f"stop-signal agreement ({what})")[0])
+        self._adopt(code)
+        return code != NO_STOP
 
     def local_stop(self) -> bool:
         """Whether this rank has a reason to stop (a signal, or its deadline has passed),
         without asking the others: for work only one rank does (the sample)."""
         if self.deadline is not None and not self.flag.stopping and self.deadline.passed():
-            self.flag.trip("the time limit", self.deadline.describe())
+            self.flag.trip(TIME_LIMIT, self.deadline.describe())
         return self.flag.stopping
+
+    def _reason_code(self) -> int:
+        """This rank's ``REASON_CODES`` entry (asks the deadline, as ``local_stop``)."""
+        if not self.local_stop():
+            return NO_STOP
+        return SIGNAL_BASE + self.flag.received if self.flag.received else DEADLINE_CODE
+
+    def _adopt(self, code: int) -> None:
+        """Take the agreed reason where this rank has none of its own."""
+        if code == NO_STOP or self.flag.stopping:
+            return
+        if code == DEADLINE_CODE:
+            self.flag.trip(TIME_LIMIT, "another rank's deadline passed first")
+        else:
+            self.flag.received = code - SIGNAL_BASE
 
     def _finish_pending(self) -> bool:
         if self._req is None:
             return False
         wait_all([self._req], timeout=self.timeout, what="stop-signal agreement")
         self._req = None
-        return bool(self._recv[0])
+        self._adopt(int(self._recv[0]))
+        return self._recv[0] != NO_STOP
 
     def _free(self) -> None:
         # Still active only after an error elsewhere (close() completes it): MPI may not
