@@ -12,10 +12,11 @@ after every token (``local_stop``).
 
 Ranks may see the signal at different steps, so they agree before acting
 (``StopAgreement``): every ``every`` steps each rank starts a nonblocking allreduce (MAX)
-of why it would stop (``REASON_CODES``: none, its deadline, or the signal it had), and
-the next agreement reads it; a rank with no reason of its own takes the agreed one, so
-every rank, rank 0's log and the job's exit message included, names the same cause. Every rank reads the same
-reduction, so all stop after the same step, save the same checkpoint, and exit 0. With
+of why it would stop (``NO_STOP``, ``DEADLINE_CODE`` or ``SIGNAL_BASE`` plus the signal
+it had), and the next agreement reads it; a rank with no reason of its own takes the
+agreed one, so every rank, rank 0's log and the job's exit message included, names the
+same cause. Every rank reads the same reduction, so all stop after the same step, save
+the same checkpoint, and exit 0. With
 ``every=1`` (``--train.stop_check_steps``, the default) a signal is acted on within 2
 steps; the allreduce of one integer overlaps a whole step. Its buffers never change, so
 where the library has MPI-4 persistent collectives it is built once (``Allreduce_init``)
@@ -41,8 +42,8 @@ from hpctrain.comm.watchdog import wait_all
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 TIME_LIMIT = "the time limit"
 NO_STOP, DEADLINE_CODE, SIGNAL_BASE = 0, 1, 2
-"""REASON_CODES, reduced with MAX: no reason, the deadline passed, or SIGNAL_BASE plus a
-signal's number (a signal a rank received outranks another rank's deadline)."""
+"""Why a rank would stop, reduced with MAX: no reason, the deadline passed, or SIGNAL_BASE
+plus a signal's number (a signal a rank received outranks another rank's deadline)."""
 
 
 class SignalFlag:

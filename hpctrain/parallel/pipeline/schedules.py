@@ -218,18 +218,8 @@ def _actions(kind: str, p: int, stage: int, virtual: int, order: list) -> list[A
 def forward_only(n_stages: int, stage: int, virtual: int = 1,
                  kind: str = "1f1b") -> list[Action]:
     """One micro-batch forward through every chunk (evaluation): no backward, no grads."""
-    p, v = n_stages, chunks_per_stage(kind, virtual)
-    actions = []
-    for chunk in range(v):
-        g = global_chunk(kind, stage, chunk, p)
-        before = place(kind, g - 1, p)[0] if g > 0 else stage
-        after = place(kind, g + 1, p)[0] if g < p * v - 1 else stage
-        if before != stage:
-            actions.append(Action(RECV_ACT, 0, chunk, before))
-        actions.append(Action(FORWARD, 0, chunk))
-        if after != stage:
-            actions.append(Action(SEND_ACT, 0, chunk, after))
-    return actions
+    order = [(FORWARD, 0, c) for c in range(chunks_per_stage(kind, virtual))]
+    return _actions(kind, n_stages, stage, virtual, order)
 
 
 def message_tag(op: str, micro: int, chunk: int, stage: int, n_stages: int,
