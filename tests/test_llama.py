@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from hpctrain.model.gpt import GPT, RMSNorm
-from hpctrain.model.rope import Rotary, inverse_frequencies
+from hpctrain.model.gpt import GPT
+from hpctrain.model.llama.layers import RMSNorm
+from hpctrain.model.llama.rope import Rotary, inverse_frequencies
 from hpctrain.model.shape import GPTConfig, default_ffn_hidden
 
 

@@ -153,7 +153,7 @@ def test_llama_activation_bytes_are_what_a_real_block_keeps(dtype, kv):
     (with grouped-query attention and without), CPU flash attention."""
     import torch
 
-    from hpctrain.model.gpt import Block
+    from hpctrain.model.common.layers import Block
 
     shape = ModelShape(1, 8, 128, 64, 50, arch="llama", n_kv_head=kv)
     dt = torch.float32 if dtype == "fp32" else torch.bfloat16

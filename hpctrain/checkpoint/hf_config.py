@@ -27,7 +27,7 @@ def to_hf_config(model: dict) -> dict:
     cfg = GPTConfig.from_shape(model)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "torch_dtype": "float32"}
-    if cfg.arch == "gpt":
+    if cfg.family.hugging_face == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
                 "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
                 "n_head": cfg.n_head, "n_inner": cfg.ffn_hidden, "activation_function": "gelu",

@@ -9,7 +9,7 @@ apart. Three things differ between the layouts:
   several: ``c_attn`` is the rows of ``q_proj``, ``k_proj`` and ``v_proj`` stacked (nkv
   key/value heads each, grouped-query attention), ``mlp.c_fc`` the rows of
   ``gate_proj`` and ``up_proj`` (the gate first, as ``gpt.MLP`` splits it). The rotary
-  pairing is the same ("rotate half", ``model/rope.py``), so queries and keys need no
+  pairing is the same ("rotate half", ``model/llama/rope.py``), so queries and keys need no
   permutation.
 - **GPT-2's ``Conv1D``** stores its weights (in, out), transposed from ``nn.Linear``.
   GPT-2 has every bias; a model without them (``bias=False``) exports zeros there, and
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hpctrain.checkpoint.format import CheckpointError
 from hpctrain.model.gpt import GPT
 from hpctrain.model.shape import GPTConfig
 
@@ -56,7 +57,11 @@ IGNORED = (re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias"),  # GPT-2's 
 def rules(model: dict) -> list[Rule]:
     """Every parameter of the model ``model`` records, in ``GPT.named_parameters`` order."""
     cfg = GPTConfig.from_shape(model)
-    return _llama(cfg) if cfg.arch == "llama" else _gpt2(cfg)
+    layout = cfg.family.hugging_face
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"model family {cfg.arch!r} has no Hugging Face layout: "
+                              "export its tensors with --format safetensors")
+    return LAYOUTS[layout](cfg)
 
 
 def _gpt2(cfg: GPTConfig) -> list[Rule]:
@@ -167,3 +172,7 @@ def from_hf(tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Te
             t = torch.cat([t, t.new_zeros(want[0] - t.shape[0], *t.shape[1:])])
         out[r.ours] = t.contiguous()
     return out
+
+
+LAYOUTS = {"gpt2": _gpt2, "llama": _llama}
+"""The Hugging Face layouts, by ``Family.hugging_face``."""

@@ -1,33 +1,14 @@
-"""A GPT of the nanoGPT family, and the Llama family, in one readable file.
+"""The skeleton every model family shares (after nanoGPT's ``model.py``): token
+embedding, blocks, final norm, head, and the loss.
 
-``arch="gpt"`` (GPT-2): learned position embeddings, pre-LayerNorm blocks, GELU MLP,
-causal scaled-dot-product attention, input and output embeddings tied, residual
-projections initialized with std 0.02 / sqrt(2 n_layer) (GPT-2 paper, section 2.3).
-``arch="llama"`` changes four parts and keeps the rest: rotary position embeddings in
-the attention instead of ``wpe`` (``rope.py``), RMSNorm instead of LayerNorm, a SwiGLU
-MLP (Shazeer 2020), grouped-query attention (``n_kv_head`` key/value heads; Ainslie et
-al. 2023), and usually a head of its own (``tie_embeddings=False``). Parameter names are
-the same for both (``wte``, ``h.<i>.attn.c_attn``, ``h.<i>.mlp.c_fc``, ``ln_f``, and
-``lm_head`` when untied), so pipeline stages, ZeRO and checkpoints treat them alike.
-
-The model is three parts that pipeline stages reuse: ``embed`` (tokens -> residual
-stream), the blocks ``h``, and ``head_loss`` (final norm, head, cross-entropy); a stage
-runs the first and the last through the same ``EmbeddingAndHead`` code. The shape, with
-its parameter count and FLOPs, is ``GPTConfig`` (``shape.py``).
-
-Two options change how a block runs, never what it computes: ``recompute="block"`` keeps
-only each block's input and runs the block again in backward (``torch.utils.checkpoint``;
-Chen et al. 2016, "Training deep nets with sublinear memory cost"), and ``compile_model``
-puts each block's body, and the head with its loss, through ``torch.compile``. Both act inside ``Block.forward``, so
-the module hooks on a block (ZeRO-3 gathers its parameters before it and frees them
-after) run once per forward, as without them. A checkpoint around the whole module would
-run them again in backward's recomputation, and the freeing hook would take away the
-parameters that the recomputed graph then needs (docs/design/compute-options.md).
-``loss_chunk`` changes how the head runs, never what it computes (``chunked_loss.py``).
-
-Shapes: B batch, T time (tokens), C channels (n_embd), nh heads, nkv key/value heads,
-hs head size, H the MLP's hidden width, V vocab, Vp the padded vocabulary
-(``GPTConfig.padded_vocab_size``).
+The family (``--model.arch``, ``families.py``) supplies the parts: GPT-2's learned
+positions, LayerNorm and GELU MLP (``gpt2/``), Llama's rotary positions, RMSNorm and
+SwiGLU (``llama/``). Parameter names are the same for every family built in (``wte``,
+``h.<i>.attn.c_attn``, ``h.<i>.mlp.c_fc``, ``ln_f``, ``lm_head`` when untied); the
+family's parallel plan (``plan.py``) names them for ``parallel/``. Pipeline stages run
+the two ends through the same ``EmbeddingAndHead`` code. Recomputation, compilation and
+the chunked loss change how the model runs, never what it computes
+(docs/design/compute-options.md, docs/design/models.md).
 """
 
 from __future__ import annotations
@@ -37,116 +18,21 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from hpctrain.model.chunked_loss import chunked_cross_entropy
-from hpctrain.model.rope import Rotary
 from hpctrain.errors import UserError
+from hpctrain.model.chunked_loss import chunked_cross_entropy
+from hpctrain.model.common.layers import Block
+from hpctrain.model.families import family_of
+from hpctrain.model.plan import ParallelPlan
 from hpctrain.model.shape import GPTConfig
 from hpctrain.sizes import MAX_CONTEXT, MAX_VOCAB, finite, whole
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight (Zhang & Sennrich 2019), in fp32 whatever the input's dtype,
-    as Llama's reference code does."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def make_norm(cfg: GPTConfig) -> nn.Module:
-    if cfg.arch == "llama":
-        return RMSNorm(cfg.n_embd, cfg.norm_eps)
-    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
-
-
-class CausalSelfAttention(nn.Module):
-    """One projection ``c_attn`` makes the queries (nh heads), keys and values (nkv heads
-    each); with nkv < nh each key/value head serves nh / nkv query heads."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.n_head, self.n_kv_head, hs = cfg.n_head, cfg.n_kv_head, cfg.head_size
-        self.head_size = hs
-        self.widths = [cfg.n_head * hs, cfg.n_kv_head * hs, cfg.n_kv_head * hs]
-        self.c_attn = nn.Linear(cfg.n_embd, sum(self.widths), bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.rotary = (Rotary(hs, cfg.rope_theta, cfg.rope_scaling)
-                       if cfg.arch == "llama" else None)
-        self.dropout = cfg.dropout
-        self.resid_drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.c_attn(x)  # whole sequences even where x holds a rank's tokens
-        B, T, _ = qkv.shape
-        q, k, v = qkv.split(self.widths, dim=2)
-        # (B, T, heads * hs) -> (B, heads, T, hs)
-        q, k, v = (t.view(B, T, -1, self.head_size).transpose(1, 2) for t in (q, k, v))
-        if self.rotary is not None:
-            q, k = self.rotary.rotate(q), self.rotary.rotate(k)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
-            enable_gqa=self.n_kv_head != self.n_head)
-        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, nh, T, hs) -> (B, T, nh hs)
-        return self.resid_drop(self.c_proj(y))
-
-
-class MLP(nn.Module):
-    """GPT-2: c_proj(gelu(c_fc(x))). Llama (SwiGLU): ``c_fc`` holds the gate and the up
-    projection in one matrix (2H rows: gate first), c_proj(silu(gate) * up)."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.gated = cfg.arch == "llama"
-        h = cfg.ffn_hidden
-        self.c_fc = nn.Linear(cfg.n_embd, 2 * h if self.gated else h, bias=cfg.bias)
-        self.c_proj = nn.Linear(h, cfg.n_embd, bias=cfg.bias)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = self.c_fc(x).chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(self.c_fc(x))
-        return self.drop(self.c_proj(h))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.ln_1 = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = make_norm(cfg)
-        self.mlp = MLP(cfg)
-        self.recompute = cfg.recompute == "block"
-        self.compiled_body = None  # torch.compile(self.body), set by compile_model
-
-    def body(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        body = self.body if self.compiled_body is None else self.compiled_body
-        if self.recompute and torch.is_grad_enabled():
-            # Saves only x; the first saved tensor backward asks for runs body(x) again,
-            # with the same dropout masks (the RNG state is restored).
-            return checkpoint(body, x, use_reentrant=False)
-        return body(x)
 
 
 class EmbeddingAndHead:
     """The two ends of the GPT, shared with the pipeline stages that hold them.
 
-    A class with this mixin keeps the GPT's parts under the GPT's names (``cfg``, ``wte``,
-    ``wpe`` (gpt only), ``drop``, ``ln_f``) and its head's weight as ``head_weight``: the
+    A class with this mixin keeps the GPT's parts under the GPT's names (``cfg``, the
+    plan's embedding modules, ``ln_f``) and its head's weight as ``head_weight``: the
     GPT's is ``lm_head.weight`` (the token embedding when tied), a last pipeline stage's
     is its copy of the tied embedding or its own ``lm_head`` (``stage.py``). So a stage
     runs the very code the GPT runs, block_size check included.
@@ -158,10 +44,15 @@ class EmbeddingAndHead:
         if T > self.cfg.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx)  # (B, T, C)
-        if self.cfg.arch == "gpt":  # llama's positions are rotations inside attention
+        if "wpe" in self._modules:  # learned positions; rotary ones act inside attention
             x = x + self.wpe(torch.arange(T, device=idx.device))
         x = self.drop(x)
         return x if self.tensor_parallel is None else self.tensor_parallel.enter_blocks(x)
+
+    @property
+    def plan(self) -> ParallelPlan:
+        """The family's parallel plan: what ``parallel/`` may split, cut and tie."""
+        return family_of(self.cfg.arch).plan
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(B, T, C) -> (B, T, V). The head computes Vp columns, the width the matmul wants;
@@ -233,12 +124,14 @@ class GPT(EmbeddingAndHead, nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
+        layers = family_of(cfg.arch).layers()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        if cfg.arch == "gpt":
-            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        positions = layers.positions(cfg)
+        if positions is not None:
+            self.wpe = positions
         self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = make_norm(cfg)
+        self.h = nn.ModuleList(layers.block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = layers.norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self._pad_vocabulary()  # wte (and an untied lm_head): (V, C) -> (Vp, C)
         if cfg.tie_embeddings:
@@ -250,8 +143,9 @@ class GPT(EmbeddingAndHead, nn.Module):
         gradient, stay there; the real rows draw the very numbers an unpadded model
         draws, so padding changes no value the model computes."""
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        residual = tuple(f"{path}.weight" for path in self.plan.residual_outputs())
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith(residual):
                 nn.init.normal_(p, mean=0.0, std=residual_std)
             elif name in ("wte.weight", "lm_head.weight"):
                 nn.init.normal_(p[:self.cfg.vocab_size], mean=0.0, std=0.02)

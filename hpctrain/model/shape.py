@@ -12,22 +12,21 @@ that GPU kernels tile without a ragged edge (as nanoGPT pads its GPT-2). The
 padded rows are parameters (memory, optimizer state, checkpoints count them) but never
 a token: ``gpt.py`` cuts their logits off, so they get no gradient and are never sampled.
 
-Two architectures share the skeleton (embedding, blocks, final norm, head):
-``arch="gpt"`` is GPT-2 (learned positions, LayerNorm, GELU MLP of 4C), and
-``arch="llama"`` the Llama family (rotary positions, RMSNorm, SwiGLU MLP, grouped-query
-attention with ``n_kv_head`` key/value heads, usually an untied head). ``n_kv_head=0``
-and ``ffn_hidden=0`` mean the architecture's default; a ``GPTConfig`` always holds the
-resolved numbers, so a checkpoint records what was built.
+The families (``families.py``: GPT-2 as ``arch="gpt"``, Llama as ``arch="llama"``)
+share the skeleton; each family's traits (``family.py``) decide its parameter count.
+``n_kv_head=0`` and ``ffn_hidden=0`` mean the family's default; a ``GPTConfig`` always
+holds the resolved numbers, so a checkpoint records what was built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from hpctrain.model.families import ARCHS, family_of
+from hpctrain.model.family import LAYER_NORM, LEARNED, ROTARY, Family
 from hpctrain.sizes import (MAX_CONTEXT, MAX_ELEMENTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
                             finite, whole)
 
-ARCHS = ("gpt", "llama")
 SIZE_LIMITS = {"vocab_size": (1, MAX_VOCAB), "block_size": (1, MAX_CONTEXT),
                "n_layer": (1, MAX_LAYERS), "n_head": (1, MAX_WIDTH), "n_embd": (1, MAX_WIDTH),
                "vocab_multiple": (1, MAX_WIDTH), "n_kv_head": (0, MAX_WIDTH),
@@ -52,7 +51,7 @@ class GPTConfig:
     """'block': keep only each block's input in forward and run the block again in
     backward (activation recomputation); 'none' keeps every activation."""
     arch: str = "gpt"
-    """'gpt' (GPT-2) or 'llama' (the Llama family), see the module docstring."""
+    """The model family (``families.py``): 'gpt' (GPT-2), 'llama', or a registered one."""
     n_kv_head: int = 0
     """Key/value heads (grouped-query attention: n_head / n_kv_head query heads share
     one); 0 = n_head (multi-head attention)."""
@@ -75,18 +74,18 @@ class GPTConfig:
 
     def __post_init__(self):
         self._check_sizes()
-        if self.arch not in ARCHS:
-            raise ValueError(f"model arch {self.arch!r} is not one of {', '.join(ARCHS)}")
+        family = family_of(self.arch)
         if self.n_kv_head == 0:
             self.n_kv_head = self.n_head
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be a multiple of "
                              f"n_kv_head={self.n_kv_head}")
-        if self.arch == "gpt" and self.n_kv_head != self.n_head:
-            raise ValueError("grouped-query attention (n_kv_head < n_head) needs arch=llama")
+        if not family.grouped_query and self.n_kv_head != self.n_head:
+            raise ValueError(f"grouped-query attention (n_kv_head < n_head) needs arch=llama "
+                             f"(a family that has it), not arch={self.arch}")
         if self.ffn_hidden == 0:
-            self.ffn_hidden = default_ffn_hidden(self.arch, self.n_embd)
-        if self.arch == "llama" and self.head_size % 2:
+            self.ffn_hidden = family.default_ffn_hidden(self.n_embd)
+        if family.positions == ROTARY and self.head_size % 2:
             raise ValueError(f"rotary embeddings turn pairs of channels: the head size "
                              f"n_embd / n_head = {self.head_size} must be even")
         parse_scaling(self.rope_scaling)
@@ -102,6 +101,10 @@ class GPTConfig:
         finite(self.dropout, "dropout", 0.0, 1.0)
         finite(self.rope_theta, "rope_theta", 0.0, low_open=True)
         finite(self.norm_eps, "norm_eps", 0.0, low_open=True)
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.arch)
 
     @property
     def head_size(self) -> int:
@@ -134,16 +137,17 @@ class GPTConfig:
     def norm_params(self) -> int:
         """One LayerNorm (weight, and bias with ``bias``) or RMSNorm (weight only)."""
         c = self.n_embd
-        return 2 * c if self.bias and self.arch == "gpt" else c
+        return 2 * c if self.bias and self.family.norm == LAYER_NORM else c
 
     def block_params(self) -> int:
         """Parameters of one transformer block."""
         c, h, kv = self.n_embd, self.ffn_hidden, self.n_kv_head * self.head_size
         attn = c * (c + 2 * kv) + c * c  # q, k, v and the output projection
-        mlp = (3 if self.arch == "llama" else 2) * c * h  # SwiGLU: gate, up, down
+        matrices = self.family.mlp_matrices  # 3: gate, up, down
+        mlp = matrices * c * h
         n = attn + mlp + 2 * self.norm_params()
         if self.bias:  # Linear biases
-            n += (c + 2 * kv) + c + (2 * h if self.arch == "llama" else h) + c
+            n += (c + 2 * kv) + c + (matrices - 1) * h + c
         return n
 
     def num_params(self, non_embedding: bool = True) -> int:
@@ -155,8 +159,11 @@ class GPTConfig:
         n = self.n_layer * self.block_params() + rows + self.norm_params()  # head: wte or lm_head
         if non_embedding:
             return n
-        positions = self.block_size * c if self.arch == "gpt" else 0
-        return n + positions + (0 if self.tie_embeddings else rows)
+        return n + self.position_params() + (0 if self.tie_embeddings else rows)
+
+    def position_params(self) -> int:
+        """A learned position embedding's parameters (0 for rotary positions)."""
+        return self.block_size * self.n_embd if self.family.positions == LEARNED else 0
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N for the weights (forward 2N, backward 4N) plus
@@ -189,12 +196,8 @@ def parse_scaling(spec: str) -> tuple[str, list[float]]:
 
 
 def default_ffn_hidden(arch: str, n_embd: int) -> int:
-    """GPT-2: 4C. Llama: two thirds of 4C (SwiGLU has three matrices where GELU has two,
-    so the parameters stay 8C^2), rounded up to a multiple of 256 (Llama's
-    ``multiple_of``)."""
-    if arch == "gpt":
-        return 4 * n_embd
-    return -(-int(2 * 4 * n_embd / 3) // 256) * 256
+    """The MLP's hidden width family ``arch`` gives a residual width of ``n_embd``."""
+    return family_of(arch).default_ffn_hidden(n_embd)
 
 
 SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig)

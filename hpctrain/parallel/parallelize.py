@@ -69,7 +69,7 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     if par.zero > 0:
         engine = Zero(model, grid.dp_world, cfg.optim, stage=par.zero, dtype=cfg.train.dtype,
                       bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,
-                      blocks=None if pipelined else list(model.h), **norms)
+                      blocks=None if pipelined else whole_blocks(model), **norms)
     elif cfg.train.dtype != "fp32":
         engine = MixedPrecisionDataParallel(model, grid.dp_world, cfg.optim,
                                             dtype=cfg.train.dtype, bucket_mb=par.bucket_mb,
@@ -89,6 +89,11 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     if cfg.train.compile:
         compile_model(model, backward_twice=pipelined and par.schedule in SPLIT_BACKWARD)
     return Parallel(model, engine, runner)
+
+
+def whole_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of a whole model, in order (ZeRO-3 gathers each before it runs)."""
+    return list(model.get_submodule(model.plan.blocks))
 
 
 def set_matmul_precision(device: torch.device, tf32: bool) -> bool:

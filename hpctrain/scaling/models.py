@@ -120,7 +120,7 @@ class ModelShape:
         embedding (and GPT-2's positions) on the first stage; the last holds the head (a
         copy of a tied embedding, see parallelism.md), of the same size."""
         layers = -(-self.n_layer // pp)
-        positions = self.block_size * self.n_embd if self.arch == "gpt" else 0
+        positions = self.gpt.position_params()
         extra = self.embedding_params + positions
         return layers * self.layer_params + extra
 

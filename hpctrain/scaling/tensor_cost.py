@@ -48,7 +48,7 @@ def rank_params(shape: ModelShape, pp: int, tp: int) -> float:
     if tp == 1:
         return float(stage)
     layers = -(-shape.n_layer // pp)
-    positions = shape.block_size * shape.n_embd if shape.arch == "gpt" else 0
+    positions = shape.gpt.position_params()
     whole = layers * whole_params_per_layer(shape) + shape.gpt.norm_params() + positions
     return whole + (stage - whole) / tp
 

@@ -331,7 +331,7 @@ class PipelineExecutor:
         if i == walk.last_backward and walk.tie_recv is not None:
             # Wait for the head's gradient only when autograd reaches the embedding (the
             # end of this W), not before it: the last stage sends it after its own last W.
-            tie = self.stage.wte.weight.register_hook(self._tied_gradient_hook(walk.tie_recv))
+            tie = self.stage.embedding_weight.register_hook(self._tied_gradient_hook(walk.tie_recv))
         if walk.before_backward is not None:
             walk.before_backward(i == walk.last_backward)
         t0 = time.perf_counter()
@@ -384,7 +384,7 @@ class PipelineExecutor:
     def _post_tie_recv(self):
         if not self.stage.has_embedding or not self.tied:
             return None
-        buf = torch.empty_like(self.stage.wte.weight)
+        buf = torch.empty_like(self.stage.embedding_weight)
         mpi = self.p2p.buffer(buf)
         return buf, mpi, self.p2p.recv(mpi, self.p - 1, self.tie_tag)
 
@@ -397,11 +397,11 @@ class PipelineExecutor:
 
     def _add_tied_gradient(self, tie_recv) -> None:
         buf = self._tied_gradient(tie_recv)
-        wte = self.stage.wte.weight
-        if wte.grad is None:
-            wte.grad = buf
+        embedding = self.stage.embedding_weight
+        if embedding.grad is None:
+            embedding.grad = buf
         else:
-            wte.grad.add_(buf)
+            embedding.grad.add_(buf)
 
     def _tied_gradient_hook(self, tie_recv):
         """A hook on the embedding's gradient that adds the head's, once it has come."""
@@ -421,7 +421,7 @@ class PipelineExecutor:
             return
         if st.has_embedding:
             sends: list = []
-            self._send(st.wte.weight, last, self.tie_tag + 1, sends)
+            self._send(st.embedding_weight, last, self.tie_tag + 1, sends)
             self._post_ready(sends, block=True)
             self._wait([send.request for send in sends], "sending the tied embedding",
                        bubble=False)

@@ -7,9 +7,10 @@ Chunk g lives on stage g mod p (``schedules.py``), or, placed in a V (``v_shape`
 zbv schedule: two chunks per stage), on stage g for g < p and 2p - 1 - g after: stage 0
 then holds both the embeddings and the head.
 
-A stage keeps its parts under the GPT's own attribute names (``wte``, ``wpe``,
-``h.<layer>``, ``ln_f``, an untied ``lm_head``), so its ``named_parameters()`` are
-the GPT's names for the same tensors: checkpoints, the optimizer's decay groups and the tests need no mapping.
+A stage keeps its parts under the model's own attribute names, which the family's plan
+gives (``model/plan.py``: the embedding modules, the blocks as ``<blocks>.<layer>``, the
+final norm, an untied head), so its ``named_parameters()`` are the model's names for
+the same tensors: checkpoints, the optimizer's decay groups and the tests need no mapping.
 It runs them with the GPT's own code (``EmbeddingAndHead.embed`` and ``head_loss``), so
 a stage computes exactly what the GPT does and checks the sequence against block_size.
 
@@ -19,7 +20,7 @@ is sent to the first stage and added to the embedding's gradient there (before t
 data-parallel reduction), the first stage updates the one real parameter, and the new
 values are copied back (``PipelineEngine.tie_*``). So the optimizer, the gradient norm
 and the checkpoint all see the embedding once. An untied head (``tie_embeddings=False``,
-as Llama 3 8B) is simply the last stage's own parameter ``lm_head.weight``. Placed in a
+as Llama 3 8B) is simply the last stage's own head parameter. Placed in a
 V, the head sits beside the embedding on stage 0 and uses it directly: no copy, no
 message.
 """
@@ -63,29 +64,39 @@ class PipelineStage(EmbeddingAndHead, nn.Module):
         self.chunk_layers = [list(splits[g]) for g in chunks]
         self.has_embedding = stage == 0
         self.has_head = stage == (0 if v_shape else n_stages - 1)
+        plan = gpt.plan
         if self.has_embedding:
-            self.wte, self.drop = gpt.wte, gpt.drop
-            if self.cfg.arch == "gpt":
-                self.wpe = gpt.wpe
-        self.h = nn.ModuleDict({str(i): gpt.h[i] for layers in self.chunk_layers for i in layers})
+            for name in plan.embedding:
+                if name in gpt._modules:  # a family may have no learned positions
+                    setattr(self, name, gpt.get_submodule(name))
+        blocks = gpt.get_submodule(plan.blocks)
+        setattr(self, plan.blocks, nn.ModuleDict(
+            {str(i): blocks[i] for layers in self.chunk_layers for i in layers}))
         if self.has_head:
-            self.ln_f = gpt.ln_f
-            if not self.cfg.tie_embeddings:
-                self.lm_head = gpt.lm_head
+            for name in plan.head_modules(self.cfg.tie_embeddings):
+                setattr(self, name, gpt.get_submodule(name))
         # Only this stage goes to the device: the whole model need not fit there.
         if device is not None:
             self.to(device)
         self.head_copy = None
         if self.has_head and self.cfg.tie_embeddings and not self.has_embedding:
             # The head's copy of the tied embedding (see the module docstring).
-            self.head_copy = gpt.wte.weight.detach().to(device).clone().requires_grad_(True)
+            tied = gpt.get_submodule(plan.token_embedding).weight
+            self.head_copy = tied.detach().to(device).clone().requires_grad_(True)
+
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        """The token embedding's matrix (first stage): the one a tied head shares."""
+        return self.get_submodule(self.plan.token_embedding).weight
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """The head's matrix: the tied embedding (or its copy), or the own ``lm_head``."""
+        """The head's matrix: the tied embedding (or its copy), or the head's own."""
         if self.head_copy is not None:
             return self.head_copy
-        return self.wte.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        if self.cfg.tie_embeddings:
+            return self.embedding_weight
+        return self.get_submodule(self.plan.head).weight
 
     def is_first_chunk(self, chunk: int) -> bool:
         return self.has_embedding and chunk == 0
@@ -99,8 +110,9 @@ class PipelineStage(EmbeddingAndHead, nn.Module):
         mean loss (last chunk, with targets) out."""
         if self.is_first_chunk(chunk):
             x = self.embed(x)
+        blocks = self.get_submodule(self.plan.blocks)
         for i in self.chunk_layers[chunk]:
-            x = self.h[str(i)](x)
+            x = blocks[str(i)](x)
         if self.is_last_chunk(chunk):
             return self.head_loss(x, targets)
         return x

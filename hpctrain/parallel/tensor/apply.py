@@ -1,25 +1,13 @@
-"""``tensor_parallelize(gpt, group)``: turn a whole GPT into this rank's tensor-parallel
-part of it, in place.
+"""``tensor_parallelize(gpt, group)``: turn a whole model into this rank's
+tensor-parallel part of it, in place, as its family's plan says (``model/plan.py``).
 
-Every rank built the whole model from the same seed, so each keeps its slice of the
-very numbers the single-process model holds (``layout.py`` says which slice), and the
-layers that replace the GPT's exchange activations over the group (``layers.py``):
-
-- in every block, ``attn.c_attn`` and ``mlp.c_fc`` become column-parallel and the two
-  ``c_proj`` row-parallel; the attention computes its share of the heads
-  (n_head / tp query heads, n_kv_head / tp key/value heads);
-- ``wte`` becomes vocabulary-parallel, and the head (the same slice when tied, its own
-  when not) scores this rank's slice of the vocabulary; the loss never gathers the
-  logits (``cross_entropy.py``);
-- with ``sequence_parallel`` the residual stream between the tensor-parallel layers is
-  cut along the sequence (``mappings.py``): the norms, the residual additions and the
-  output projections' biases work on T / tp tokens per rank, and the whole-tensor
-  parameters used there get their gradients summed over the group.
-
-What changes at the model's two ends is the ``TensorParallel`` object installed as
-``gpt.tensor_parallel`` (read by ``EmbeddingAndHead``). Dropout is refused: the split
-heads and tokens would need a random stream per rank that still reproduces the
-single-process masks.
+Every rank built the whole model from the same seed, so each keeps its slice of the very
+numbers the single-process model holds (``layout.py``), and the split layers exchange
+activations over the group (``layers.py``): the plan's column and row layers in every
+block, the token embedding and head by vocabulary (the loss never gathers the logits,
+``cross_entropy.py``), and with ``sequence_parallel`` the residual stream cut along the
+sequence between them (``mappings.py``). Dropout is refused: the split heads and tokens
+would need a random stream per rank that still reproduces the single-process masks.
 """
 
 from __future__ import annotations
@@ -28,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.plan import COLUMN
 from hpctrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from hpctrain.parallel.tensor.group import TensorParallelGroup
 from hpctrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, split_parameter)
-from hpctrain.parallel.tensor.layout import TensorParallelError, check_splittable, shard_spec
+from hpctrain.parallel.tensor.layout import TensorParallelError, check_splittable
 from hpctrain.parallel.tensor.mappings import (copy_to_group, gather_from_sequence,
                                                scatter_to_sequence, sum_gradient_over_group)
 
@@ -54,7 +43,7 @@ class TensorParallel:
     def head_loss(self, model, h: torch.Tensor, targets: torch.Tensor | None):
         """Final norm, this rank's slice of the head, and the loss over the group; without
         targets, the last position's logits over the whole vocabulary (B, 1, V)."""
-        h = model.ln_f(h)
+        h = model.get_submodule(model.plan.final_norm)(h)
         h = (gather_from_sequence(h, self.group) if self.sequence_parallel
              else copy_to_group(h, self.group))
         if targets is None:
@@ -88,34 +77,34 @@ def tensor_parallelize(gpt: GPT, group: TensorParallelGroup, *,
                        sequence_parallel: bool = False) -> GPT:
     """Replace ``gpt``'s layers by this rank's tensor-parallel ones (in place); returns
     it. Nothing changes with a group of one rank."""
-    cfg, tp = gpt.cfg, group.size
+    cfg, tp, plan = gpt.cfg, group.size, gpt.plan
     if tp == 1:
         return gpt
     check_tensor_parallel(cfg, tp, sequence_parallel)
     sp = sequence_parallel
-    for i, block in enumerate(gpt.h):
-        attn, mlp = block.attn, block.mlp
-        for owner, name, cls in ((attn, "c_attn", ColumnParallelLinear),
-                                 (attn, "c_proj", RowParallelLinear),
-                                 (mlp, "c_fc", ColumnParallelLinear),
-                                 (mlp, "c_proj", RowParallelLinear)):
-            prefix = f"h.{i}.{'attn' if owner is attn else 'mlp'}.{name}"
-            spec = shard_spec(f"{prefix}.weight", cfg)
+    for i, block in enumerate(gpt.get_submodule(plan.blocks)):
+        for split in plan.block_splits:
+            owner_path, _, name = split.path.rpartition(".")
+            owner = block.get_submodule(owner_path)
+            cls = ColumnParallelLinear if split.style == COLUMN else RowParallelLinear
+            spec = plan.shard_spec(f"{plan.blocks}.{i}.{split.path}.weight", cfg)
             setattr(owner, name, cls.split(getattr(owner, name), spec, group, sp))
-        attn.n_head, attn.n_kv_head = cfg.n_head // tp, cfg.n_kv_head // tp
-        attn.widths = [w // tp for w in attn.widths]
+        block.get_submodule(plan.attention).keep_heads(tp)
         if sp:
-            for norm in (block.ln_1, block.ln_2):
-                _sum_gradients(norm, group)
-    gpt.wte = VocabParallelEmbedding.split(gpt.wte, shard_spec("wte.weight", cfg), group)
+            for norm in plan.block_norms:
+                _sum_gradients(block.get_submodule(norm), group)
+    embedding = plan.token_embedding
+    setattr(gpt, embedding, VocabParallelEmbedding.split(
+        gpt.get_submodule(embedding), plan.shard_spec(f"{embedding}.weight", cfg), group))
+    head = gpt.get_submodule(plan.head)
     if cfg.tie_embeddings:
-        gpt.lm_head.weight = gpt.wte.weight
+        head.weight = gpt.get_submodule(embedding).weight
     else:
-        gpt.lm_head.weight = split_parameter(gpt.lm_head.weight,
-                                             shard_spec("lm_head.weight", cfg), group)
-    gpt.lm_head.out_features = cfg.padded_vocab_size // tp
+        head.weight = split_parameter(head.weight, plan.shard_spec(f"{plan.head}.weight", cfg),
+                                      group)
+    head.out_features = cfg.padded_vocab_size // tp
     if sp:
-        _sum_gradients(gpt.ln_f, group)
+        _sum_gradients(gpt.get_submodule(plan.final_norm), group)
     gpt.tensor_parallel = TensorParallel(group, cfg, sp)
     return gpt
 

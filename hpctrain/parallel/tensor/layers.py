@@ -8,11 +8,11 @@ checkpoints see the GPT's names with this rank's slice of each tensor. A paramet
 holds a slice carries its ``ShardSpec`` as ``tensor_parallel_split``; the gradient norm
 counts every other parameter once over the group (``is_split``).
 
-In a transformer block the two linear layers come in pairs, column then row, so the
-activation between them stays split and one collective in each direction serves the
-pair: c_attn (column: this rank's heads) -> attention -> c_proj (row: sums the heads'
-contributions), and c_fc (column: this rank's slice of the hidden width) -> GELU or
-SwiGLU -> c_proj (row).
+In a transformer block the linear layers come in pairs, column then row (the family's
+plan names them, ``model/plan.py``), so the activation between them stays split and one
+collective in each direction serves the pair: the attention's input projection (column:
+this rank's heads) -> attention -> its output projection (row: sums the heads'
+contributions), and the MLP's likewise over its hidden width.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpctrain.model.plan import ShardSpec
 from hpctrain.parallel.tensor.group import TensorParallelGroup
-from hpctrain.parallel.tensor.layout import ShardSpec, shard
+from hpctrain.parallel.tensor.layout import shard
 from hpctrain.parallel.tensor.mappings import (copy_to_group, reduce_from_group,
                                                reduce_scatter_to_sequence,
                                                sequence_gathered_linear,

@@ -1,74 +1,26 @@
 """Which parameters tensor parallelism splits, along which dimension, and how.
 
 One pure description serves everything that moves between a whole model and its
-tensor-parallel shards: ``tensor_parallelize`` slices a built GPT with it, the outputs
+tensor-parallel shards: ``tensor_parallelize`` slices a built model with it, the outputs
 and checkpoints put whole tensors back together with it, and the checks on a model's
-shape read it. It knows only the names and the shape (``GPTConfig``).
-
-Megatron-LM's split (Shoeybi et al. 2019, "Megatron-LM", section 3):
-
-| parameter | split | why |
-|---|---|---|
-| ``wte.weight``, untied ``lm_head.weight`` | rows (vocabulary) | each rank looks up and scores its own slice of the (padded) vocabulary |
-| ``attn.c_attn`` weight and bias | rows, per part (q, k, v) | each rank computes its own heads |
-| ``mlp.c_fc`` weight and bias | rows, per part (gate, up) | each rank computes its slice of the hidden width |
-| ``attn.c_proj.weight``, ``mlp.c_proj.weight`` | columns | the row-parallel output projections read the heads / hidden width this rank has |
-| norms, ``wpe``, the output projections' biases | not split | the same on every rank of the group |
-
-A fused matrix is split *per part*: ``c_attn`` holds the queries of every head, then the
-keys, then the values; rank r of tp keeps the r-th slice of each part, so that its rows
-are the queries, keys and values of the same heads (and, with grouped-query attention,
-the key/value heads its query heads use: query head j reads key/value head j // (nh /
-nkv), and both counts are cut into tp equal runs).
+shape read it. The family's parallel plan (``model/plan.py``) names the parameters;
+this module only cuts and joins (Megatron-LM's split, Shoeybi et al. 2019, section 3).
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 from hpctrain.errors import UserError
+from hpctrain.model.plan import ShardSpec
 from hpctrain.model.shape import GPTConfig
-
 
 class TensorParallelError(UserError):
     """A model shape or layout that tensor parallelism cannot split."""
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How one parameter is split: along ``dim``, each of its ``parts`` (sizes along
-    ``dim`` that add up to the whole) cut into tp equal slices."""
-
-    dim: int
-    parts: tuple[int, ...]
-
-    def local_parts(self, tp: int) -> tuple[int, ...]:
-        return tuple(p // tp for p in self.parts)
-
-
-_BLOCK = re.compile(r"h\.\d+\.(attn|mlp)\.(c_attn|c_fc|c_proj)\.(weight|bias)")
-
-
 def shard_spec(name: str, cfg: GPTConfig) -> ShardSpec | None:
-    """How parameter ``name`` (as ``GPT.named_parameters`` names it) is split; None for
-    a parameter every rank of the group holds whole."""
-    if name in ("wte.weight", "lm_head.weight"):
-        return ShardSpec(0, (cfg.padded_vocab_size,))
-    m = _BLOCK.fullmatch(name)
-    if m is None:
-        return None
-    _, layer, kind = m.groups()
-    hs = cfg.head_size
-    if layer == "c_attn":
-        return ShardSpec(0, (cfg.n_head * hs, cfg.n_kv_head * hs, cfg.n_kv_head * hs))
-    if layer == "c_fc":
-        h = cfg.ffn_hidden
-        return ShardSpec(0, (h, h) if cfg.arch == "llama" else (h,))
-    if kind == "bias":  # the output projections' bias is added after the reduction
-        return None
-    width = cfg.n_head * hs if m.group(1) == "attn" else cfg.ffn_hidden
-    return ShardSpec(1, (width,))
+    """How parameter ``name`` (as ``named_parameters`` names it) is split, by the plan of
+    ``cfg``'s family; None for a parameter every rank of the group holds whole."""
+    return cfg.family.plan.shard_spec(name, cfg)
 
 
 def check_splittable(cfg: GPTConfig, tp: int) -> None:

@@ -18,7 +18,8 @@ from mpi4py import MPI
 
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.parallel.tensor.layers import SPLIT
-from hpctrain.parallel.tensor.layout import ShardSpec, qualified_name, shard, unshard
+from hpctrain.model.plan import ShardSpec
+from hpctrain.parallel.tensor.layout import qualified_name, shard, unshard
 
 SLICED_KEYS = ("param", "exp_avg", "exp_avg_sq")
 """The per-parameter tensors that have the parameter's shape (``step`` is a number)."""

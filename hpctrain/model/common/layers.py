@@ -1,0 +1,108 @@
+"""The attention and the pre-norm block every family shares, and ``FamilyLayers``: the
+parts a family supplies (norm, MLP, rotary, learned positions).
+
+Shapes: B batch, T time (tokens), C channels (n_embd), nh heads, nkv key/value heads,
+hs head size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from hpctrain.model.shape import GPTConfig
+
+
+class FamilyLayers:
+    """What a family builds its parts with (``Family.layers()`` returns a subclass)."""
+
+    @staticmethod
+    def norm(cfg: GPTConfig) -> nn.Module:
+        raise NotImplementedError
+
+    @staticmethod
+    def mlp(cfg: GPTConfig) -> nn.Module:
+        """(B, T, C) -> (B, T, C); its linear layers are named in the family's plan."""
+        raise NotImplementedError
+
+    @staticmethod
+    def rotary(cfg: GPTConfig):
+        """The attention's rotary embedding (``llama/rope.py``), None without one."""
+        return None
+
+    @staticmethod
+    def positions(cfg: GPTConfig) -> nn.Module | None:
+        """A learned position embedding (``wpe``), None without one."""
+        return None
+
+    @classmethod
+    def block(cls, cfg: GPTConfig) -> nn.Module:
+        return Block(cfg, cls)
+
+
+class CausalSelfAttention(nn.Module):
+    """One projection ``c_attn`` makes the queries (nh heads), keys and values (nkv heads
+    each); with nkv < nh each key/value head serves nh / nkv query heads."""
+
+    def __init__(self, cfg: GPTConfig, rotary=None):
+        super().__init__()
+        self.n_head, self.n_kv_head, hs = cfg.n_head, cfg.n_kv_head, cfg.head_size
+        self.head_size = hs
+        self.widths = [cfg.n_head * hs, cfg.n_kv_head * hs, cfg.n_kv_head * hs]
+        self.c_attn = nn.Linear(cfg.n_embd, sum(self.widths), bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.rotary = rotary
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def keep_heads(self, tp: int) -> None:
+        """After tensor parallelism split ``c_attn`` per part: compute this rank's
+        nh / tp query and nkv / tp key/value heads."""
+        self.n_head, self.n_kv_head = self.n_head // tp, self.n_kv_head // tp
+        self.widths = [w // tp for w in self.widths]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.c_attn(x)  # whole sequences even where x holds a rank's tokens
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(self.widths, dim=2)
+        # (B, T, heads * hs) -> (B, heads, T, hs)
+        q, k, v = (t.view(B, T, -1, self.head_size).transpose(1, 2) for t in (q, k, v))
+        if self.rotary is not None:
+            q, k = self.rotary.rotate(q), self.rotary.rotate(k)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
+            enable_gqa=self.n_kv_head != self.n_head)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, nh, T, hs) -> (B, T, nh hs)
+        return self.resid_drop(self.c_proj(y))
+
+
+class Block(nn.Module):
+    """x + attn(ln_1(x)), then + mlp(ln_2(x)).
+
+    ``recompute="block"`` keeps only the block's input and runs the body again in
+    backward (Chen et al. 2016); ``compile_model`` sets ``compiled_body``. Both act
+    inside ``forward``, so module hooks on the block (ZeRO-3's gathers) run once per
+    forward (docs/design/compute-options.md)."""
+
+    def __init__(self, cfg: GPTConfig, layers: type[FamilyLayers]):
+        super().__init__()
+        self.ln_1 = layers.norm(cfg)
+        self.attn = CausalSelfAttention(cfg, layers.rotary(cfg))
+        self.ln_2 = layers.norm(cfg)
+        self.mlp = layers.mlp(cfg)
+        self.recompute = cfg.recompute == "block"
+        self.compiled_body = None  # torch.compile(self.body), set by compile_model
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        body = self.body if self.compiled_body is None else self.compiled_body
+        if self.recompute and torch.is_grad_enabled():
+            # Saves only x; the first saved tensor backward asks for runs body(x) again,
+            # with the same dropout masks (the RNG state is restored).
+            return checkpoint(body, x, use_reentrant=False)
+        return body(x)
