@@ -43,13 +43,14 @@ def load_initial_weights(path: str | Path, engine: GradEngine, *, model_shape: d
     where = f"--train.init_from={path}"
     params, model, theirs_tok = load_weights(path)
     try:
-        theirs = GPTConfig.from_shape(model).shape()
+        theirs_cfg = GPTConfig.from_shape(model)
+        theirs = theirs_cfg.shape()
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: its model record is damaged ({e}); start from "
                               "another checkpoint") from None
     differ = [k for k in SHAPE_KEYS if k not in ("vocab_multiple", "block_size")
               and theirs[k] != model_shape[k]]
-    if theirs["arch"] == "gpt" and model_shape["block_size"] > theirs["block_size"]:
+    if theirs_cfg.position_params() and model_shape["block_size"] > theirs["block_size"]:
         differ.append("block_size")  # learned positions: none past the table's end
     if differ:
         diff = ", ".join(f"{k}={theirs[k]} (this run {model_shape[k]})" for k in differ)
