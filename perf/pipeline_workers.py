@@ -157,7 +157,7 @@ def _timed_steps(comm, steps, run_pipeline, after, compute, extra=None) -> dict:
 
 def parse_order_times(text: str):
     """``--parallel.pass_times`` text -> PassTimes (empty: equal times)."""
-    from hpctrain.parallel.pipeline.zero_bubble import EQUAL, PassTimes
+    from hpctrain.parallel.pipeline.pass_times import EQUAL, PassTimes
 
     return PassTimes(*map(float, text.split(","))) if text else EQUAL
 

@@ -10,9 +10,9 @@ import pytest
 
 from hpctrain.config import load_config
 from hpctrain.errors import ConfigError
-from hpctrain.parallel.pipeline import pass_times as PT
+from hpctrain.parallel.pipeline import pass_time_advice as PT
 from hpctrain.parallel.pipeline import schedules as S
-from hpctrain.parallel.pipeline.zero_bubble import EQUAL, PassTimes
+from hpctrain.parallel.pipeline.pass_times import EQUAL, PassTimes, measured
 from hpctrain.train.outputs import RunOutputs
 from hpctrain.train.result import TrainResult
 from hpctrain.train.timing import PhaseClock
@@ -96,8 +96,8 @@ def test_advice_suggests_the_measured_times_only_where_they_save_idle_time():
     same = PT.advice("zbv", 2, 8, seen, seen)
     assert same["suggest"] is None
     assert "--parallel.pass_times" not in PT.advice_line("zbv", same)
-    assert PT.measured(2.0, 3.0, 1.4) == PassTimes(1.0, 1.5, 0.7)
-    assert PT.measured(2.0, 0.0, 1.4) is None  # a stage without B says nothing
+    assert measured(2.0, 3.0, 1.4) == PassTimes(1.0, 1.5, 0.7)
+    assert measured(2.0, 0.0, 1.4) is None  # a stage without B says nothing
 
 
 @pytest.mark.parametrize("args, message", [

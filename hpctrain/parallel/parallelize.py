@@ -36,7 +36,7 @@ from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD, V_PLACED
 from hpctrain.parallel.pipeline.stage import PipelineStage
-from hpctrain.parallel.pipeline.zero_bubble import PassTimes
+from hpctrain.parallel.pipeline.pass_times import PassTimes
 from hpctrain.parallel.runner import LocalRunner, Runner
 from hpctrain.parallel.tensor.apply import tensor_parallelize
 from hpctrain.parallel.tensor.group import TensorParallelGroup

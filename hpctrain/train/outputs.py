@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.comm.small_collectives import allreduce_array
-from hpctrain.parallel.pipeline import pass_times
+from hpctrain.parallel.pipeline import pass_time_advice, pass_times
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD
 from hpctrain.train.metrics import finite_record
 from hpctrain.train.result import TrainResult
@@ -123,7 +123,7 @@ class RunOutputs:
     def _pass_times(self, result: TrainResult) -> dict | None:
         """Zero-bubble schedules: the F, B, W times the stages measured after the warm-up
         steps (allocation, compilation) against those the order was built for
-        (``pass_times.advice``). Stage 0 does not count: its first chunk has no input
+        (``pass_time_advice.advice``). Stage 0 does not count: its first chunk has no input
         gradient (B empty, W the whole backward). Collective."""
         par = self.cfg.parallel
         if self.grid.pp == 1 or par.schedule not in SPLIT_BACKWARD:
@@ -141,9 +141,9 @@ class RunOutputs:
         seen = pass_times.measured(*self._sum(mine, "pass times"))
         if seen is None:
             return None
-        rec = pass_times.advice(par.schedule, self.grid.pp, par.micro_batches,
+        rec = pass_time_advice.advice(par.schedule, self.grid.pp, par.micro_batches,
                                 self.par.runner.order_times, seen)
-        self.log(pass_times.advice_line(par.schedule, rec))
+        self.log(pass_time_advice.advice_line(par.schedule, rec))
         return rec
 
     def _summary(self, result: TrainResult, memory, by_rank: list[dict], timing: dict,

@@ -39,7 +39,7 @@ from hpctrain.model.gpt import GPT
 from hpctrain.parallel.pipeline.consolidate import gather_parameters
 from hpctrain.parallel.pipeline import schedules as S
 from hpctrain.parallel.pipeline.split_backward import backward_input
-from hpctrain.parallel.pipeline.zero_bubble import EQUAL, PassTimes
+from hpctrain.parallel.pipeline.pass_times import EQUAL, PassTimes
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.parallel.runner import assemble_gpt
 from hpctrain.profiling import profile_range

@@ -1,24 +1,45 @@
-"""The pass times a zero-bubble order is built for, read from ``--parallel.pass_times``,
-against those a run measured: whether an order built for the measured ones would idle
-less.
-
-The orders (``zero_bubble.py``, ``zero_bubble_v.py``) are played with given relative
-times of a chunk's forward (F), input-gradient (B) and weight-gradient (W) passes. They
-default to F = B = W; where a run's passes differ (B slower than F on most hardware: the
-attention's backward sits wholly in B), zbv's equal-time order idles more than one built
-for the real times (``docs/design/pipeline.md``). The times are a setting (the config's
-``pass_times``), not measured on the fly: every rank must build the same order, and an
-order can change the sequence in which gradients add up (zbv's embedding and head share
-one), so a run is reproduced, or resumed, bit for bit only with the same one.
+"""A pipeline chunk's three passes, forward (F), input gradient (B) and weight gradient
+(W), and ``PassTimes``: their relative times, which a zero-bubble order is built for
+(``zb_h1.py``, ``zbv.py``; ``--parallel.pass_times``, docs/design/pipeline.md).
 """
 
 from __future__ import annotations
 
-from hpctrain.parallel.pipeline import schedules as S
-from hpctrain.parallel.pipeline.zero_bubble import PassTimes
+import math
+from dataclasses import dataclass
 
-IMPROVEMENT = 0.01
-"""Idle share (of the step) an order for the measured times must save to be suggested."""
+FORWARD, BACKWARD, WEIGHT = "forward", "backward", "weight"
+MAX_RATIO = 1000
+"""Pass times further apart than this are refused (a slip, not a measurement)."""
+GRID = 20
+"""Pass times are played in whole steps of 1/GRID of a forward: exact arithmetic, so every
+rank builds the same order."""
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Relative times of a model chunk's forward, input-gradient (B) and weight-gradient
+    (W) passes, which a zero-bubble order is built for."""
+    forward: float = 1.0
+    backward: float = 1.0
+    weight: float = 1.0
+
+    def __post_init__(self):
+        times = (self.forward, self.backward, self.weight)
+        if not all(math.isfinite(t) and t > 0 for t in times) or \
+                max(times) > MAX_RATIO * min(times):
+            raise ValueError(f"pass times are positive and within {MAX_RATIO}x of each "
+                             f"other, not {self}")
+
+    def steps(self, first_chunk: bool = False) -> dict[str, int]:
+        """Whole time steps of each pass (F = GRID). The model's first chunk has no input
+        gradient to compute, so its B is empty and its W the whole backward."""
+        b, w = (max(1, round(GRID * t / self.forward)) for t in (self.backward, self.weight))
+        return {FORWARD: GRID, BACKWARD: 0, WEIGHT: b + w} if first_chunk else \
+            {FORWARD: GRID, BACKWARD: b, WEIGHT: w}
+
+
+EQUAL = PassTimes()
 
 
 def text(times: PassTimes) -> str:
@@ -33,26 +54,3 @@ def measured(forward_s: float, backward_s: float, weight_s: float) -> PassTimes 
     if min(forward_s, backward_s, weight_s) <= 0:
         return None
     return PassTimes(1.0, backward_s / forward_s, weight_s / forward_s)
-
-
-def advice(kind: str, n_stages: int, n_micro: int, used: PassTimes,
-           seen: PassTimes) -> dict:
-    """The simulator's idle share with the passes taking the ``seen`` times, for the order
-    built for ``used`` and for one built for ``seen``; ``suggest`` holds the setting when
-    that saves at least ``IMPROVEMENT`` of the step."""
-    times = S.unit_times(n_stages, kind, seen)
-    now = S.predicted_bubble(kind, n_stages, n_micro, times=times, order_times=used)
-    better = S.predicted_bubble(kind, n_stages, n_micro, times=times, order_times=seen)
-    return {"used": text(used), "measured": text(seen), "predicted_idle": now,
-            "predicted_idle_for_measured": better,
-            "suggest": text(seen) if now - better >= IMPROVEMENT else None}
-
-
-def advice_line(kind: str, rec: dict) -> str:
-    """One line for the end of a run."""
-    head = (f"{kind} passes measured at F,B,W = {rec['measured']} (order built for "
-            f"{rec['used']}; predicted idle {100 * rec['predicted_idle']:.1f}% of the step)")
-    if rec["suggest"] is None:
-        return head
-    return (f"{head}: --parallel.pass_times={rec['suggest']} orders it for them "
-            f"(predicted idle {100 * rec['predicted_idle_for_measured']:.1f}%)")

@@ -21,11 +21,11 @@ Schedules (p stages, m micro-batches; bubble with unit-time forward and backward
 - ``interleaved`` (Megatron-LM interleaved 1F1B): 1F1B over v chunks per stage, taking
   micro-batches in groups of p. Bubble (p - 1) / (v m + p - 1): v times smaller relative
   to the work, for v times more point-to-point messages. Needs m to be a multiple of p.
-- ``zb-h1`` (zero bubble, ``zero_bubble.py``): the backward split into B (the input's
+- ``zb-h1`` (zero bubble, ``zb_h1.py``): the backward split into B (the input's
   gradient, sent at once) and W (the weights' gradients: ``weight`` actions, run where
   the stage would wait). With F = B = W the bubble is (p - 1) / (3 m + p - 1), a third
   of 1F1B's; 1F1B's p - s micro-batches between F and B on stage s.
-- ``zbv`` (zero bubble in a V, ``zero_bubble_v.py``): two chunks per stage placed in a V
+- ``zbv`` (zero bubble in a V, ``zbv.py``): two chunks per stage placed in a V
   (stage s holds chunks s and 2p - 1 - s, whatever ``virtual`` says), B and W split.
   With F = B = W per chunk the bubble is (p - 1) / (6 m + p - 1): half a stage pass of
   idle per stage boundary, half zb-h1's; at most 2p micro-batch chunks (1F1B's p
@@ -38,10 +38,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, EQUAL, FORWARD, WEIGHT,
-                                                    PassTimes, pass_units, zb_h1_orders)
-from hpctrain.parallel.pipeline.zero_bubble_v import (CHUNKS as ZBV_CHUNKS, v_global_chunk,
-                                                      v_pass_units, v_place, zbv_orders)
+from hpctrain.parallel.pipeline.pass_times import BACKWARD, EQUAL, FORWARD, WEIGHT, PassTimes
+from hpctrain.parallel.pipeline.zb_h1 import pass_units, zb_h1_orders
+from hpctrain.parallel.pipeline.zbv import (CHUNKS as ZBV_CHUNKS, v_global_chunk,
+                                            v_pass_units, v_place, zbv_orders)
 
 KINDS = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 SPLIT_BACKWARD = ("zb-h1", "zbv")

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from hpctrain.model.gpt import GPT, EmbeddingAndHead
-from hpctrain.parallel.pipeline.zero_bubble_v import CHUNKS as ZBV_CHUNKS, v_global_chunk
+from hpctrain.parallel.pipeline.zbv import CHUNKS as ZBV_CHUNKS, v_global_chunk
 
 
 def layer_split(n_layer: int, n_chunks: int) -> list[range]:

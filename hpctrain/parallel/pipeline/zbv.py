@@ -1,6 +1,6 @@
 """The zero-bubble V schedule ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
 2024; "Pipeline Parallelism with Controllable Memory", 2024), built by playing the
-pipeline pass by pass as ``zero_bubble.py`` does for ZB-H1.
+pipeline pass by pass as ``zb_h1.py`` does for ZB-H1.
 
 Placement. The model is cut into 2p chunks and stage s holds two of them in a V: chunk
 s (its local chunk 0) and chunk 2p - 1 - s (its local chunk 1). A forward runs down the
@@ -38,8 +38,9 @@ neither zero-bubble nor tested.
 
 from __future__ import annotations
 
-from hpctrain.parallel.pipeline.zero_bubble import (BACKWARD, EQUAL, FORWARD, GRID, WEIGHT,
-                                                   PassTimes, done_by, play)
+from hpctrain.parallel.pipeline.pass_times import (BACKWARD, EQUAL, FORWARD, GRID, WEIGHT,
+                                                   PassTimes)
+from hpctrain.parallel.pipeline.zb_h1 import done_by, play
 
 CHUNKS = 2
 """Model chunks per stage."""
