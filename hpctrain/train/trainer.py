@@ -14,15 +14,12 @@ import time
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.small_collectives import bcast_json
-from hpctrain.comm.world import (THREAD_LEVEL_HINT, THREAD_LEVELS, Threads, World,
-                                 choose_threads)
+from hpctrain.comm.world import Threads, World, choose_threads
 from hpctrain.config import Config, check_layout
 from hpctrain.data.loader import BatchLoader
-from hpctrain.data.mpiio import describe_reader
 from hpctrain.errors import CommTimeout
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.parallelize import parallelize
@@ -190,22 +187,12 @@ class Trainer:
                   f"{self.engine.describe()}, {t.dtype}; global batch {t.batch_size} x "
                   f"{cfg.model.block_size} tokens = {rows} row(s) per rank in {self.micro} "
                   "micro-batch(es)")
-        self._log(f"data: {describe_reader(self.batches.data.reader)}"
-                  f"{self._reader_thread_note()}")
+        self._log(f"data: {self.batches.describe()}")
         peak = self.peak
         self._log(f"MFU against {peak.tflops:g} TFLOP/s per device x {peak.devices} device(s): "
                   f"{peak.why}" if peak.tflops else f"MFU: not reported ({peak.why})")
         if self.start.describe():
             self._log(self.start.describe())
-
-    def _reader_thread_note(self) -> str:
-        """Why batches are read in the main thread when prefetching was asked for: the
-        background reader calls MPI-IO beside training's MPI, which needs MULTIPLE."""
-        if not self.cfg.data.prefetch or self.batches.data.threaded:
-            return ""
-        level = THREAD_LEVELS.get(MPI.Query_thread(), "?")
-        return (f"; read in the main thread, not in the background: MPI thread level "
-                f"{level}, not multiple ({THREAD_LEVEL_HINT})")
 
     def _fit(self) -> TrainResult:
         t = self.cfg.train
