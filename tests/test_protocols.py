@@ -1,8 +1,10 @@
 """Every gradient engine and runner implements its Protocol (``parallel/engine.py``,
-``parallel/runner.py``) with the same signatures: a caller written against the
-interface works with any of them."""
+``parallel/runner.py``) with the same signatures, and sets every attribute the Protocol
+declares: a caller written against the interface works with any of them."""
 
+import ast
 import inspect
+import textwrap
 
 import pytest
 from mpi4py import MPI
@@ -27,6 +29,29 @@ def _members(protocol) -> dict:
             if not n.startswith("_") and (callable(v) or isinstance(v, property))}
 
 
+def _attributes(protocol) -> list[str]:
+    """The data attributes the Protocol declares (annotated, not methods)."""
+    return [n for n in vars(protocol).get("__annotations__", {}) if not n.startswith("_")]
+
+
+def _sets(impl, name: str) -> bool:
+    """Whether ``impl`` (or a class it inherits from) has ``name`` as a class attribute or
+    annotation, or assigns ``self.<name>`` in one of its methods."""
+    for cls in impl.__mro__[:-1]:  # not object
+        if name in vars(cls) or name in vars(cls).get("__annotations__", {}):
+            return True
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and t.attr == name and \
+                            isinstance(t.value, ast.Name) and t.value.id == "self":
+                        return True
+    return False
+
+
 def _parameters(fn) -> list[tuple[str, object]]:
     return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
 
@@ -45,6 +70,15 @@ def test_each_implementation_has_every_member_with_the_protocols_signature(proto
         assert _parameters(actual) == _parameters(declared), \
             f"{impl.__name__}.{name}{inspect.signature(actual)} differs from the Protocol's " \
             f"{inspect.signature(declared)}"
+
+
+@pytest.mark.parametrize("protocol,impl", [(GradEngine, e) for e in ENGINES]
+                         + [(Runner, r) for r in RUNNERS])
+def test_each_implementation_sets_every_attribute_the_protocol_declares(protocol, impl):
+    declared = _attributes(protocol)
+    assert declared, "the Protocol declares no attribute"
+    missing = [n for n in declared if not _sets(impl, n)]
+    assert not missing, f"{impl.__name__} never sets {missing}"
 
 
 def _tiny():
@@ -73,3 +107,4 @@ def test_built_engines_are_grad_engines_and_step_returns_a_float(build):
 def test_local_runner_is_a_runner():
     runner = LocalRunner(_tiny())
     assert isinstance(runner, Runner) and isinstance(runner.stats, RunnerStats)
+    assert runner.order_times is None  # a whole model: no pass order built for any times

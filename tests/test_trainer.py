@@ -1,6 +1,7 @@
 """The trainer in one process: equal to the plain PyTorch loop, accumulation, outputs."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from mpi4py import MPI
 
 from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.errors import ConfigError
+from hpctrain.train.result import logs_step
 from hpctrain.train.timing import PARTS_OF_BACKWARD, PHASES
 from hpctrain.train.trainer import Trainer
 from tests.helpers import cpu_world, fit_against_reference, SGD, tiny_config
@@ -18,6 +20,14 @@ from tests.reference import plain_model_config
 def _train(cfg):
     trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     return trainer, trainer.fit()
+
+
+def test_a_record_follows_each_log_interval_the_last_step_and_an_eval_save_or_stop():
+    t = SimpleNamespace(log_interval=5, max_iters=12)
+    quiet = {"evaluates": False, "saves": False, "stops": False}
+    assert [d for d in range(1, 13) if logs_step(d, t, **quiet)] == [5, 10, 12]
+    for reason in quiet:  # each alone makes step 3 write its record
+        assert logs_step(3, t, **{**quiet, reason: True}), reason
 
 
 def test_trainer_matches_the_plain_pytorch_loop(dataset_path, tmp_path):

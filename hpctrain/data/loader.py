@@ -15,9 +15,10 @@ from mpi4py import MPI
 
 from hpctrain.comm.device import Accelerator
 from hpctrain.comm.small_collectives import allreduce_array, any_true
+from hpctrain.comm.world import THREAD_LEVEL_HINT, THREAD_LEVELS
 from hpctrain.config import parse_hints
 from hpctrain.data.dataset import DatasetInfo, TokenDataset, read_info
-from hpctrain.data.mpiio import H5MPIODataset, MPIIODataset, h5py_has_mpi
+from hpctrain.data.mpiio import H5MPIODataset, MPIIODataset, describe_reader, h5py_has_mpi
 from hpctrain.data.prefetch import Prefetcher
 from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler
 from hpctrain.data.stage import copy_files, staged_paths
@@ -92,6 +93,16 @@ def open_dataset(cfg, world) -> Prefetcher:
     return Prefetcher(reader, timeout=world.timeout, threaded=threaded)
 
 
+def thread_note(prefetch: bool, threaded: bool, level: int) -> str:
+    """Why batches are read in the main thread when prefetching was asked for
+    (``prefetch``) but the reader has no thread: the background reader calls MPI-IO beside
+    training's MPI, which needs MULTIPLE (``level``: ``MPI.Query_thread()``)."""
+    if not prefetch or threaded:
+        return ""
+    return (f"; read in the main thread, not in the background: MPI thread level "
+            f"{THREAD_LEVELS.get(level, '?')}, not multiple ({THREAD_LEVEL_HINT})")
+
+
 def verify_dataset(data: Prefetcher, world, staged: bool) -> None:
     """Every rank checks the CRC of a share of the blocks; all agree on the verdict.
     Staged copies are checked node by node: each node reads its own copy."""
@@ -116,8 +127,9 @@ class BatchLoader:
 
     def __init__(self, data: Prefetcher, *, block: int, batch_size: int, seed: int,
                  sampler: str, max_steps: int, dp_index: int, dp: int,
-                 device: Accelerator):
-        self.data, self.block, self.device = data, block, device
+                 device: Accelerator, prefetch: bool = True):
+        """``prefetch``: the configuration asked to read ahead (``--data.prefetch``)."""
+        self.data, self.block, self.device, self.prefetch = data, block, device, prefetch
         self.dp_index, self.dp, self.max_steps = dp_index, dp, max_steps
         self.sampler = make_sampler(sampler, data.splits["train"].n_tokens, block,
                                     batch_size, seed)
@@ -141,7 +153,13 @@ class BatchLoader:
         t = cfg.train
         return cls(data, block=cfg.model.block_size, batch_size=t.batch_size, seed=t.seed,
                    sampler=cfg.data.sampler, max_steps=t.max_iters, dp_index=dp_index, dp=dp,
-                   device=device)
+                   device=device, prefetch=cfg.data.prefetch)
+
+    def describe(self) -> str:
+        """One line for the start-up log: the reader (``mpiio.describe_reader``) and,
+        where prefetching was asked for but reads stay in the main thread, why."""
+        return describe_reader(self.data.reader) + thread_note(
+            self.prefetch, self.data.threaded, MPI.Query_thread())
 
     def train(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``step``'s rows, read while the previous step computed; the next step's

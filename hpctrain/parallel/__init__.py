@@ -1,12 +1,10 @@
-"""Parallelisms that wrap the model, behind the interfaces of ``engine.py`` (``GradEngine``:
-gradients -> optimizer step; ``Runner``: a step's micro-batches on this rank).
-
-- ``parallelize.py``: ``parallelize(gpt, grid, cfg)`` applies the wrappers in one order;
-- ``data_parallel.py``: replicated fp32 data parallelism with a bucketed allreduce
-  (``bucketing.py``: bucket plan and launch order); ``mixed_precision.py``: the same in
-  bf16, as the ZeRO engine's stage 0;
-- ``zero/``: ZeRO stages 1-3 (``shards.py``: where each rank's shard lies);
-- ``pipeline/``: pipeline schedules as data, GPT stages and the MPI executor;
-- ``runner.py``: ``LocalRunner``, the runner of a model that is whole on every rank;
-- ``optim.py``: AdamW groups and clipping; ``memory.py``: bytes of model state per rank.
+"""Parallelisms that wrap the model, behind two interfaces: ``engine.py`` (``GradEngine``:
+gradients -> optimizer step) and ``runner.py`` (``Runner``: a step's micro-batches on this
+rank; ``LocalRunner`` for a model whole on the rank). ``parallelize(gpt, grid, cfg)``
+applies them in one fixed order: ``tensor/`` (tp, and sequence parallelism) first, then
+the ``pipeline/`` cut (schedules as data, stages, executor), then the gradient engine
+(``data_parallel.py``, ``mixed_precision.py``, ``zero/``). Next: ``context/`` (cp, ring
+attention) and ``experts/`` (ep, MoE all-to-all; ep drawn from dp x cp). The grid,
+outermost first: dp x pp x cp x tp. The whole step, with these in their places:
+docs/design/training-step.md.
 """

@@ -20,6 +20,7 @@ import torch
 
 from hpctrain.comm.device import Accelerator
 from hpctrain.model.gpt import GPT
+from hpctrain.parallel.pipeline.pass_times import PassTimes
 from hpctrain.profiling import profile_range
 
 
@@ -40,6 +41,10 @@ class Runner(Protocol):
     """What the trainer, the evaluator and the outputs use of a runner."""
 
     stats: RunnerStats
+    order_times: PassTimes | None
+    """The relative F, B, W times this rank's pass order was built for
+    (``--parallel.pass_times``): the end of a run's pass-time advice compares the measured
+    times against them. None where no order depends on them (a model whole on the rank)."""
 
     def train_step(self, xs: list, ys: list, loss_scale: float,
                    before_backward: Callable[[bool], None] | None = None) -> torch.Tensor:
@@ -93,6 +98,7 @@ class LocalRunner:
         self.model = model
         self.accel = accel or Accelerator()
         self.stats = LocalStats()
+        self.order_times = None  # one pass after another: no order to build
         self.whole = whole
 
     def train_step(self, xs: list, ys: list, loss_scale: float,

@@ -19,6 +19,7 @@ from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.parallel.pipeline import pass_time_advice, pass_times
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD
+from hpctrain.parallel.runner import Runner
 from hpctrain.train.metrics import finite_record
 from hpctrain.train.result import TrainResult
 from hpctrain.train.run_status import FINISHED, STOPPED
@@ -141,8 +142,9 @@ class RunOutputs:
         seen = pass_times.measured(*self._sum(mine, "pass times"))
         if seen is None:
             return None
+        runner: Runner = self.par.runner  # a pipeline's: its order_times are set
         rec = pass_time_advice.advice(par.schedule, self.grid.pp, par.micro_batches,
-                                self.par.runner.order_times, seen)
+                                      runner.order_times, seen)
         self.log(pass_time_advice.advice_line(par.schedule, rec))
         return rec
 

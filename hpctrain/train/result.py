@@ -49,6 +49,14 @@ def step_record(step: int, loss: float, lr: float, tok_s: float, step_s: float, 
             "skipped_steps": skipped}
 
 
+def logs_step(done: int, t, *, evaluates: bool, saves: bool, stops: bool) -> bool:
+    """Whether the loop writes a metrics record after step ``done`` (``t``: the train
+    config): every ``log_interval`` steps and at the last one, and whenever the step
+    evaluates, saves a checkpoint or stops, so that those carry the training loss too."""
+    return (done % t.log_interval == 0 or done == t.max_iters
+            or evaluates or saves or stops)
+
+
 def bar_text(r: dict) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
     skipped = f" | skipped {r['skipped_steps']}" if r["skipped_steps"] else ""

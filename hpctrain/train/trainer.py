@@ -1,5 +1,5 @@
 """The training loop: batches -> runner.train_step -> engine.step -> metrics / eval /
-checkpoint / signals.
+checkpoint; how the run ends (finished or stopped) is ``run_end.py``'s.
 
 The trainer only composes. ``parallelize()`` decides how the model is split and how
 gradients move (``hpctrain/parallel/``); ``BatchLoader`` reads this rank's rows
@@ -14,15 +14,11 @@ import time
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.grid import ProcessGrid
-from hpctrain.comm.small_collectives import bcast_json
-from hpctrain.comm.world import (THREAD_LEVEL_HINT, THREAD_LEVELS, Threads, World,
-                                 choose_threads)
+from hpctrain.comm.world import Threads, World, choose_threads
 from hpctrain.config import Config, check_layout
 from hpctrain.data.loader import BatchLoader
-from hpctrain.data.mpiio import describe_reader
 from hpctrain.errors import CommTimeout
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.parallelize import parallelize
@@ -33,9 +29,9 @@ from hpctrain.train.evaluate import Evaluator
 from hpctrain.train.metrics import MetricsLog, device_peak
 from hpctrain.train.nonfinite import NonFiniteGuard
 from hpctrain.train.outputs import RunOutputs
-from hpctrain.train.result import LogWindow, TrainResult, add_step, bar_text, step_record
-from hpctrain.train.run_status import (FINISHED, STOPPED, clear_status, read_status,
-                                       status_record, write_status)
+from hpctrain.train.result import (LogWindow, TrainResult, add_step, bar_text, logs_step,
+                                   step_record)
+from hpctrain.train.run_end import RunEnd
 from hpctrain.train.rundir import claim_run_dir
 from hpctrain.train.saving import CheckpointSaver
 from hpctrain.train.schedule import learning_rate
@@ -108,21 +104,14 @@ class Trainer:
                                  self._writer_class)
         self._segment = {"started_at": 0.0, "start_step": self.start.step}  # set by _fit
         self._t0 = time.perf_counter()
-        self.finished_before = self._finished_before()
-        if world.is_root and not self.finished_before:
-            clear_status(self.out_dir)  # this run's end will say how it went
-
-    def _finished_before(self) -> bool:
-        """A resumed run whose checkpoint is its last step and whose status says it
-        finished: a requeued or resubmitted job of a finished run has nothing to do
-        (collective: rank 0 reads the status, every rank gets the answer)."""
-        t, w = self.cfg.train, self.world
-        if t.resume != "auto" or self.start.step != t.max_iters:
-            return False
-        found = read_status(self.out_dir) if w.is_root else None
-        done = bool(found and found.get("status") == FINISHED
-                    and found.get("max_iters") == t.max_iters)
-        return bool(bcast_json(w.comm, done, timeout=w.timeout, what="the run's status"))
+        facts = {"params": self.gpt_cfg.num_params(),
+                 "flops_per_token": self.gpt_cfg.flops_per_token(), "peak": self.peak}
+        outputs = RunOutputs(cfg, self.grid, self.par, self.tokenizer, facts, self._log)
+        self.end = RunEnd(cfg, world, signals=self.signals, saver=self.saver,
+                          evaluator=self.evaluator, outputs=outputs, log=self._log)
+        self.finished_before = self.end.finished_before(self.start.step)
+        if not self.finished_before:
+            self.end.clear_previous()
 
     def _log(self, line: str, bar: Progress | None = None) -> None:
         if not self.log_enabled:
@@ -190,22 +179,12 @@ class Trainer:
                   f"{self.engine.describe()}, {t.dtype}; global batch {t.batch_size} x "
                   f"{cfg.model.block_size} tokens = {rows} row(s) per rank in {self.micro} "
                   "micro-batch(es)")
-        self._log(f"data: {describe_reader(self.batches.data.reader)}"
-                  f"{self._reader_thread_note()}")
+        self._log(f"data: {self.batches.describe()}")
         peak = self.peak
         self._log(f"MFU against {peak.tflops:g} TFLOP/s per device x {peak.devices} device(s): "
                   f"{peak.why}" if peak.tflops else f"MFU: not reported ({peak.why})")
         if self.start.describe():
             self._log(self.start.describe())
-
-    def _reader_thread_note(self) -> str:
-        """Why batches are read in the main thread when prefetching was asked for: the
-        background reader calls MPI-IO beside training's MPI, which needs MULTIPLE."""
-        if not self.cfg.data.prefetch or self.batches.data.threaded:
-            return ""
-        level = THREAD_LEVELS.get(MPI.Query_thread(), "?")
-        return (f"; read in the main thread, not in the background: MPI thread level "
-                f"{level}, not multiple ({THREAD_LEVEL_HINT})")
 
     def _fit(self) -> TrainResult:
         t = self.cfg.train
@@ -219,7 +198,7 @@ class Trainer:
         stop = self._stop = StopAgreement(w.comm, self.signals, w.timeout, t.stop_check_steps,
                                           self.deadline)
         if stop.now("start-up"):  # a signal while the job was setting up
-            return self._stopped_during_start_up(result)
+            return self.end.stopped_during_start_up(result, self.start.step, self.metrics)
         bar = Progress(t.max_iters - self.start.step, "train",
                        enabled=self.log_enabled and t.progress)
         start = time.perf_counter()
@@ -232,77 +211,8 @@ class Trainer:
         steps_run = len(result.step_times)
         result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
         if result.stopped_at is not None:
-            self.saver.save(result.stopped_at)
-            self._log(f"stopped by {self.signals.name} after step {result.stopped_at}; "
-                      "checkpoint saved; run the same command with --train.resume=auto to "
-                      "continue")
-            self._record(STOPPED, result.stopped_at)
-            return result
-        return self._finish(result, stop)
-
-    def _finish(self, result: TrainResult, stop: StopAgreement) -> TrainResult:
-        """After the last step: the checkpoint first (a signal during the final
-        evaluation, final.h5 or the sample then costs only those extras), then the
-        evaluation and the outputs, each skipped at a signal (collective)."""
-        t = self.cfg.train
-        if t.save_checkpoint:
-            self.saver.save(t.max_iters)
-        if stop.now("after training"):
-            return self._stopped_after_training(result, "the final evaluation")
-        if t.final_eval:
-            result.final_val_loss = self.evaluator.whole_split(stop)
-            if result.final_val_loss is None:
-                return self._stopped_after_training(result, "the final evaluation")
-            self._write_record({"step": t.max_iters, "final_val_loss": result.final_val_loss})
-            self._log(f"final validation loss over the whole split: {result.final_val_loss:.4f}")
-            if stop.now("after the final evaluation"):
-                return self._stopped_after_training(result, "final.h5 and the sample")
-        facts = {"params": self.gpt_cfg.num_params(),
-                 "flops_per_token": self.gpt_cfg.flops_per_token(),
-                 "peak": self.peak}
-        undone = RunOutputs(self.cfg, self.grid, self.par, self.tokenizer, facts,
-                            self._log).write(result, self.guard.skipped, stop.local_stop)
-        # Only rank 0 samples: every rank learns whether a signal cut the sample short.
-        w = self.world
-        undone = bcast_json(w.comm, undone, timeout=w.timeout, what="the end of the sample")
-        if undone:
-            return self._stopped_after_training(result, undone)
-        self._record(FINISHED, t.max_iters)
-        return result
-
-    def _stopped_during_start_up(self, result: TrainResult) -> TrainResult:
-        """A signal before the first step: nothing trained, nothing saved. A fresh run's
-        empty metrics.jsonl goes, so that the next attempt starts as this one would
-        have."""
-        result.stopped_at = step = self.start.step
-        kept = (f"the checkpoint of step {step} is unchanged" if step
-                else "nothing was trained")
-        self._log(f"stopped by {self.signals.name} during start-up; {kept}")
-        if self.world.is_root and not step:
-            self.metrics.close()
-            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
-        self._record(STOPPED, step)
-        return result
-
-    def _stopped_after_training(self, result: TrainResult, skipped: str) -> TrainResult:
-        """A signal after the last step: make sure the final checkpoint exists, skip the
-        rest (collective)."""
-        t = self.cfg.train
-        if not t.save_checkpoint:
-            self.saver.save(t.max_iters)
-        result.stopped_at = t.max_iters
-        self._log(f"stopped by {self.signals.name} after the last step ({t.max_iters}); its "
-                  f"checkpoint is saved; skipped: {skipped} (run the same command with "
-                  "--train.resume=auto to finish)")
-        self._record(STOPPED, t.max_iters, skipped)
-        return result
-
-    def _record(self, status: str, step: int, skipped: str = "") -> None:
-        """Rank 0 writes how the run ended (``run_status.py``)."""
-        if self.world.is_root:
-            reason = self.signals.cause if status == STOPPED else ""
-            write_status(self.out_dir, status_record(status, step, self.cfg.train.max_iters,
-                                                     reason, skipped))
+            return self.end.stopped_in_training(result)
+        return self.end.finish(result, stop, self.guard.skipped, self._write_record)
 
     def _loop(self, result: TrainResult, bar: Progress, stop: StopAgreement) -> None:
         t, w = self.cfg.train, self.world
@@ -326,8 +236,7 @@ class Trainer:
             is_eval = t.eval_interval > 0 and done % t.eval_interval == 0 and not stopping
             is_ckpt = (t.ckpt_interval > 0 and done % t.ckpt_interval == 0
                        and done < t.max_iters and not stopping)
-            if (done % t.log_interval and not (is_eval or is_ckpt or stopping)
-                    and done != t.max_iters):
+            if not logs_step(done, t, evaluates=is_eval, saves=is_ckpt, stops=stopping):
                 bar.update(1)
                 continue
             self.saver.finish_pending()

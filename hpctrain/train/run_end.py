@@ -1,0 +1,118 @@
+"""How a run ends: finished, or stopped by a signal or its time limit (``stop.py``)
+during start-up, in the loop or after the last step; each said in rank 0's log and in
+``status.json`` (``run_status.py``).
+
+A stop keeps what a resumed run needs: the loop's last step is saved; after the last
+step the final checkpoint comes first, so a signal during the final evaluation,
+``final.h5`` or the sample costs only those extras. Every method is collective (every
+rank calls it at the same point) unless its docstring says otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpctrain.comm.small_collectives import bcast_json
+from hpctrain.train.run_status import (FINISHED, STOPPED, clear_status, read_status,
+                                       status_record, write_status)
+from hpctrain.train.result import TrainResult
+from hpctrain.train.stop import SignalFlag, StopAgreement
+
+
+class RunEnd:
+    def __init__(self, cfg, world, *, signals: SignalFlag, saver, evaluator, outputs, log):
+        """``cfg``: the run's ``Config``; ``saver``: its ``CheckpointSaver``;
+        ``evaluator``: its ``Evaluator`` (the final evaluation); ``outputs``: its
+        ``RunOutputs`` (summary, ``final.h5``, sample); ``log(line)`` prints on rank 0."""
+        self.cfg, self.world, self.signals, self.log = cfg, world, signals, log
+        self.saver, self.evaluator, self.outputs = saver, evaluator, outputs
+        self.out_dir = Path(cfg.train.out_dir)
+
+    def finished_before(self, start_step: int) -> bool:
+        """A resumed run whose checkpoint is its last step and whose status says it
+        finished: a requeued or resubmitted job of a finished run has nothing to do
+        (rank 0 reads the status, every rank gets the answer)."""
+        t, w = self.cfg.train, self.world
+        if t.resume != "auto" or start_step != t.max_iters:
+            return False
+        found = read_status(self.out_dir) if w.is_root else None
+        done = bool(found and found.get("status") == FINISHED
+                    and found.get("max_iters") == t.max_iters)
+        return bool(bcast_json(w.comm, done, timeout=w.timeout, what="the run's status"))
+
+    def clear_previous(self) -> None:
+        """Rank 0 removes an earlier attempt's status: this run's end will say how it
+        went (local)."""
+        if self.world.is_root:
+            clear_status(self.out_dir)
+
+    def stopped_during_start_up(self, result: TrainResult, step: int,
+                                metrics) -> TrainResult:
+        """A signal before the first step (``step``: the one the run started from):
+        nothing trained, nothing saved. A fresh run's empty metrics.jsonl (``metrics``:
+        its ``MetricsLog``) goes, so that the next attempt starts as this one would
+        have."""
+        result.stopped_at = step
+        kept = (f"the checkpoint of step {step} is unchanged" if step
+                else "nothing was trained")
+        self.log(f"stopped by {self.signals.name} during start-up; {kept}")
+        if self.world.is_root and not step:
+            metrics.close()
+            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.record(STOPPED, step)
+        return result
+
+    def stopped_in_training(self, result: TrainResult) -> TrainResult:
+        """The loop stopped after ``result.stopped_at``: save that step."""
+        self.saver.save(result.stopped_at)
+        self.log(f"stopped by {self.signals.name} after step {result.stopped_at}; "
+                 "checkpoint saved; run the same command with --train.resume=auto to "
+                 "continue")
+        self.record(STOPPED, result.stopped_at)
+        return result
+
+    def finish(self, result: TrainResult, stop: StopAgreement, skipped_steps: int,
+               write_record) -> TrainResult:
+        """After the last step: the checkpoint first, then the evaluation and the
+        outputs, each skipped at a signal. ``skipped_steps``: the non-finite steps the
+        summary counts; ``write_record(record)`` adds one to metrics.jsonl (rank 0)."""
+        t = self.cfg.train
+        if t.save_checkpoint:
+            self.saver.save(t.max_iters)
+        if stop.now("after training"):
+            return self.stopped_after_training(result, "the final evaluation")
+        if t.final_eval:
+            result.final_val_loss = self.evaluator.whole_split(stop)
+            if result.final_val_loss is None:
+                return self.stopped_after_training(result, "the final evaluation")
+            write_record({"step": t.max_iters, "final_val_loss": result.final_val_loss})
+            self.log(f"final validation loss over the whole split: {result.final_val_loss:.4f}")
+            if stop.now("after the final evaluation"):
+                return self.stopped_after_training(result, "final.h5 and the sample")
+        undone = self.outputs.write(result, skipped_steps, stop.local_stop)
+        # Only rank 0 samples: every rank learns whether a signal cut the sample short.
+        w = self.world
+        undone = bcast_json(w.comm, undone, timeout=w.timeout, what="the end of the sample")
+        if undone:
+            return self.stopped_after_training(result, undone)
+        self.record(FINISHED, t.max_iters)
+        return result
+
+    def stopped_after_training(self, result: TrainResult, skipped: str) -> TrainResult:
+        """A signal after the last step: make sure the final checkpoint exists, skip the
+        rest (``skipped`` names it)."""
+        t = self.cfg.train
+        if not t.save_checkpoint:
+            self.saver.save(t.max_iters)
+        result.stopped_at = t.max_iters
+        self.log(f"stopped by {self.signals.name} after the last step ({t.max_iters}); its "
+                 f"checkpoint is saved; skipped: {skipped} (run the same command with "
+                 "--train.resume=auto to finish)")
+        self.record(STOPPED, t.max_iters, skipped)
+        return result
+
+    def record(self, status: str, step: int, skipped: str = "") -> None:
+        """Rank 0 writes how the run ended (``run_status.py``; local)."""
+        if self.world.is_root:
+            reason = self.signals.cause if status == STOPPED else ""
+            write_status(self.out_dir, status_record(status, step, self.cfg.train.max_iters,
+                                                     reason, skipped))
