@@ -52,6 +52,19 @@ def test_resume_auto_continues_the_run_in_place(dataset_path, tmp_path):
     assert trainer.start.step == 5 and read_manifest(tmp_path).step == 10
 
 
+def test_resume_auto_without_a_checkpoint_moves_the_earlier_attempt_aside(dataset_path,
+                                                                         tmp_path):
+    """A requeued job killed before its first save left outputs and no checkpoint: its
+    next attempt, run with --train.resume=auto as job scripts do, starts fresh."""
+    _fit(dataset_path, tmp_path, **{"train.save_checkpoint": False, "train.max_iters": 5})
+    old_metrics = (tmp_path / "metrics.jsonl").read_text()
+    trainer, _ = _fit(dataset_path, tmp_path, **{"train.resume": "auto"})
+    assert trainer.start.step == 0 and read_manifest(tmp_path).step == 10
+    previous = list(tmp_path.glob("previous-*"))
+    assert len(previous) == 1 and (previous[0] / "metrics.jsonl").read_text() == old_metrics
+    assert any("found no checkpoint to continue" in n for n in trainer.lock.notes)
+
+
 def _lock(out, host, pid):
     out.mkdir(parents=True, exist_ok=True)
     (out / LOCK_NAME).write_text(json.dumps({"host": host, "pid": pid, "job": "4242",

@@ -9,10 +9,12 @@ or shadow its checkpoints. So before anything is written, rank 0:
    is taken over, by one starter only however many race for it; any other lock is an
    error naming its holder. ``--train.overwrite`` does not break a lock: a live job is
    never overwritten.
-2. looks for an earlier run's outputs. A fresh run (``--train.resume=''``, or ``auto``
-   without a checkpoint) in such a directory is refused with the two ways on
-   (``--train.resume=auto`` or ``--train.overwrite``); with ``--train.overwrite`` the
-   earlier outputs are moved into ``<out_dir>/previous-<UTC time>/``: nothing is deleted.
+2. looks for an earlier run's outputs. A fresh run (``--train.resume=''``) in such a
+   directory is refused with the two ways on (``--train.resume=auto`` or
+   ``--train.overwrite``); with ``--train.overwrite``, or with ``auto`` and no checkpoint
+   to continue (a requeued job killed before its first save), the earlier outputs are
+   moved into ``<out_dir>/previous-<UTC time>/`` and the run starts fresh: nothing is
+   deleted.
 3. on a resume from an older step of this out_dir, moves the newer checkpoints it
    abandons into ``previous-<UTC time>/checkpoints/`` (``set_aside_newer``).
 
@@ -115,6 +117,11 @@ def _claim(out_dir: Path, resume: str, overwrite: bool, lock: RunDirLock) -> dic
     found = earlier_outputs(out_dir)
     continuing = resume not in ("", "auto") or (resume == "auto" and has_checkpoint(out_dir))
     if found and not continuing:
+        if resume == "auto":
+            notes.append(f"--train.resume=auto found no checkpoint to continue: the earlier "
+                         f"attempt's outputs ({', '.join(found)}) moved to "
+                         f"{move_aside(out_dir, found)}; starting fresh")
+            return {"notes": notes}
         if not overwrite:
             what = ("a checkpoint" if has_checkpoint(out_dir)
                     else "an earlier run's outputs")
