@@ -1,16 +1,11 @@
 """Export a checkpoint's weights: safetensors, and a Hugging Face model directory.
 
-safetensors is a plain format (8-byte little-endian header length, a JSON header of
-name -> dtype, shape, byte range, then the raw little-endian bytes), written here without
-the package. The Hugging Face directory holds ``transformers.GPT2LMHeadModel`` (arch gpt)
-or ``LlamaForCausalLM`` (arch llama): the tensor names and layouts are ``hf_names.py``'s
-(GPT-2's ``Conv1D`` transposed, Llama's q/k/v and gate/up projections split apart), the
-config ``hf_config.py``'s (exact-erf GELU for GPT-2, fp32, no dropout); ``hf_import.py``
-reads both back through the same two modules.
-
-Both exports drop the embedding's padded rows (``--model.vocab_multiple``): they are no
-token, and another program would take every row for one (Hugging Face's
-``vocab_size`` must be the tokenizer's, or generation can emit an id nothing decodes).
+safetensors is written here without the package. The Hugging Face directory holds
+``transformers.GPT2LMHeadModel`` (arch gpt) or ``LlamaForCausalLM`` (arch llama) with the
+tensor names and layouts of ``hf_names.py`` and the config of ``hf_config.py``;
+``hf_import.py`` reads both back through the same two modules. Both exports drop the
+embedding's padded rows. ``docs/design/checkpoints.md`` ("Tools") and
+``docs/design/hf-interop.md``.
 """
 
 from __future__ import annotations

@@ -2,15 +2,9 @@
 
 The export writes ``GPT2LMHeadModel`` (arch gpt) or ``LlamaForCausalLM`` (arch llama)
 configs; the import reads those two ``model_type``s and refuses, naming the key, every
-setting hpctrain's model would compute differently (another activation, cross-attention,
-a head size that is not n_embd / n_head, a rotary scaling other than linear or llama3).
-Both transformers 4 (``rope_theta`` + ``rope_scaling``) and 5 (``rope_parameters``)
-spellings of the rotary settings are read; the export writes the first, which both read.
-
-GPT-2's published checkpoints use ``gelu_new``, the tanh approximation of GELU, where
-hpctrain computes the exact (erf) GELU: such a model imports with a note, its logits
-differ slightly from the original's (far less than fine-tuning moves them;
-docs/design/hf-interop.md has the size), and the export writes ``gelu``, which is exact.
+setting hpctrain's model would compute differently. GPT-2's ``gelu_new`` imports with a
+note (hpctrain computes the exact GELU). What is read, refused and accepted:
+``docs/design/hf-interop.md`` ("What is mapped", "What is refused").
 """
 
 from __future__ import annotations

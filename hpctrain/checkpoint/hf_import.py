@@ -1,19 +1,11 @@
 """``hpctrain ckpt import --from hf DIR --output CKPT``: a Hugging Face model directory
 (GPT-2 or Llama) as an hpctrain checkpoint.
 
-Read from DIR: ``config.json`` (``hf_config.py`` turns it into a model record and refuses
-what hpctrain's model would compute differently), the weights from ``model.safetensors``
-or from ``model.safetensors.index.json`` and the shards it names, through the
-``safetensors`` package, and ``tokenizer.json`` when there is one (recorded as an ``hf``
-tokenizer, so that ``hpctrain sample`` decodes and ``prepare --tokenizer hf:DIR`` makes
-matching data). Pickle files (``pytorch_model.bin``, ``*.pt``) are refused unopened:
-unpickling runs code from the file.
-
-Every tensor is checked against the shape ``config.json`` implies before anything is
-written (``hf_names.from_hf``, the table the export uses too). The weights become fp32
-(from bf16 or fp16 exactly), the vocabulary padded to ``vocab_multiple`` (default 1,
-nothing added: ``--train.init_from`` pads to the run's own multiple). The checkpoint is
-``weights.save_weights``'s: written beside the output and renamed into place at the end.
+Reads ``config.json`` (through ``hf_config.py``), the safetensors weights (checked
+against the shapes it implies through ``hf_names.from_hf``, then made fp32) and
+``tokenizer.json`` when there is one; pickle files are refused unopened, since
+unpickling runs code from the file. Writes ``weights.save_weights``'s checkpoint, whole
+or not at all. ``docs/design/hf-interop.md``.
 """
 
 from __future__ import annotations

@@ -3,22 +3,9 @@
 ``rules(model)`` lists, for a model record (``GPTConfig.shape()``), every hpctrain
 parameter with the Hugging Face tensors it is made of; ``to_hf`` (the export) and
 ``from_hf`` (the import) both walk that one list, so the two directions cannot drift
-apart. Three things differ between the layouts:
-
-- **Fused projections.** hpctrain keeps one matrix where Hugging Face's Llama keeps
-  several: ``c_attn`` is the rows of ``q_proj``, ``k_proj`` and ``v_proj`` stacked (nkv
-  key/value heads each, grouped-query attention), ``mlp.c_fc`` the rows of
-  ``gate_proj`` and ``up_proj`` (the gate first, as ``gpt.MLP`` splits it). The rotary
-  pairing is the same ("rotate half", ``model/llama/rope.py``), so queries and keys need no
-  permutation.
-- **GPT-2's ``Conv1D``** stores its weights (in, out), transposed from ``nn.Linear``.
-  GPT-2 has every bias; a model without them (``bias=False``) exports zeros there, and
-  an import takes a model whose biases are all zero as one without them.
-- **The vocabulary's padding** (``vocab_multiple``): hpctrain's embedding and untied
-  head have ``padded_vocab_size`` rows, Hugging Face's exactly ``vocab_size``. The
-  export cuts the padding off; the import appends zero rows (padding is never a token).
-
-A tied head (``tie_embeddings``) has no tensor of its own on either side.
+apart. What differs between the layouts (fused projections, GPT-2's transposed
+``Conv1D``, the vocabulary's padding, a tied head) and the table itself:
+``docs/design/hf-interop.md`` ("What is mapped").
 """
 
 from __future__ import annotations

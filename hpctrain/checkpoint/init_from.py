@@ -1,22 +1,12 @@
 """``--train.init_from``: a new run that starts from the weights of a checkpoint.
 
 Only the parameters come from the checkpoint: the run starts at step 0 with a fresh
-AdamW (step 0, zero moments) and its learning-rate schedule from the beginning, which is
-what fine-tuning wants and a resume must not do. The checkpoint may be anything
-``weights.load_weights`` reads (``ckpt import``'s, a run's out_dir or ``final.h5``, a
-sharded ``step_N`` of any layout); it reaches this run's layout (data parallel, ZeRO
-1-3, pipeline stages) through the engine's ``load_full_state``, the same path as a resume
-across layouts, with the moments and the step zero (distributed.py ``_load_resharded``).
-
-The run's ``--model.*`` options must describe the checkpoint's model, with two
-exceptions. The vocabulary's padding (``vocab_multiple``) is cut off and made again for
-this run: padded rows are zeros and never a token. And the context (``block_size``) may
-be shorter, as nanoGPT's ``crop_block_size`` does: GPT-2 keeps the first rows of its
-position table, and Llama has no parameter that depends on it (rotary positions), so its
-run may also be longer (with ``rope_scaling`` where the model was made for it); a Llama 3
-made for 131,072 tokens fine-tunes on 2,048-token windows. When the checkpoint records a
-tokenizer, the data must have been prepared with the same one: otherwise the same ids
-would mean other text and training would silently learn nonsense.
+AdamW and its learning-rate schedule from the beginning, as fine-tuning wants. Any
+checkpoint ``weights.load_weights`` reads reaches this run's layout through the engine's
+``load_full_state``. The ``--model.*`` options must describe the checkpoint's model,
+except the vocabulary's padding and a shorter (for rotary positions, also longer)
+context; a recorded tokenizer must match the data's. ``docs/design/hf-interop.md``
+("Fine-tune a published model").
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Sharded checkpoints: every rank writes its own HDF5 shard, rank 0 a JSON manifest.
 
-    <out_dir>/checkpoints/
-        step_000100/
-            manifest.json      format, version, step, config, model shape, layout, world
-                               size, tensor index, CRC-32 of every dataset of every shard
-            rank_00000.h5 ...  one per rank: its shard of the fp32 parameters and Adam
-                               moments, and its RNG state
-        latest                 names the newest complete checkpoint
-
-A save writes into a hidden temporary directory, fsyncs every file and the directory,
-renames it into place, and only then rewrites ``latest`` (write, fsync, rename) and
-prunes the checkpoints with the lowest steps beyond ``keep``: a crash at any moment leaves
-the previous checkpoint and ``latest`` intact (and at worst a ``.step_*.tmp`` directory
-or ``.latest.*`` file, which ``remove_stale_temporaries`` deletes at the next start).
-Nothing is pickled: tensors are HDF5 datasets, metadata is JSON.
-
-Two layouts. ``replicated`` (plain data parallelism): every rank holds the same state,
-so rank 0's shard has each parameter and its moments by name. ``zero``: each rank's shard
-has, per bucket, its slice of the flat fp32 master weights and moments; the manifest's
-index says which parameter every element belongs to. ``read_full_state`` turns either
-into whole per-parameter tensors, so a checkpoint loads at any world size and ZeRO stage
-(the data position is the step: samplers are pure functions of (seed, step)).
+A checkpoint is a ``step_N`` directory of per-rank shards (fp32 parameters, Adam
+moments, RNG state) and a manifest with the layout, the tensor index and a CRC-32 of
+every dataset; ``latest`` names the newest complete one. A save goes through a hidden
+temporary directory, fsyncs and renames, so a crash leaves the previous checkpoint and
+``latest`` intact. Two layouts, ``replicated`` and ``zero``; ``read_full_state`` turns
+either into whole tensors, so a checkpoint loads at any world size and ZeRO stage.
+Nothing is pickled. ``docs/design/checkpoints.md``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """The on-disk token file: one self-describing HDF5 container (or a manifest of several).
 
-Layout (format version 2; ``io/FORMAT.md`` is the user-facing spec):
-
-    /                 attrs: magic, format_version, tokenizer (JSON), vocab_size, created_by
-    /train, /val      1-D token arrays, uint16 when the vocabulary fits, else uint32;
-                      contiguous (never chunked or compressed), so each has a fixed byte
-                      offset in the file and can be read without HDF5 by memmap or MPI-IO;
-                      attrs n_tokens and crc32 (CRC-32 of the whole array's bytes)
-    /crc32/train, /crc32/val
-                      CRC-32 of each CHECKSUM_BLOCK_BYTES block of the array's bytes, so
-                      ranks can verify a large file in parallel, block by block
-    /sources          the input file names, one JSON list (provenance)
-    /source_tokens    int64 (files, 2): each source's tokens in /train and in /val; with
-                      the root attr split (JSON: rule, seed, val_fraction), how prepare
-                      chose the validation split (``split.py``; provenance, not read back)
-
-A manifest (``*.json``) lists shard files of the same tokenizer with their token counts
-and checksums; each split is the concatenation of the shards' arrays, in order.
-
-The HDF5 part (everything but the token bytes) is written first by one process
-(``create_token_file``); the token bytes are then written at the arrays' byte offsets by
-one process (``write_token_file``) or by every rank with MPI-IO (``prepare.py``). Both
-give the same bytes. Files are written under a temporary name and renamed into place, so
-an interrupted write never leaves a half-written file under the final name.
+Format version 2: ``/train`` and ``/val`` are contiguous 1-D token arrays (uint16 when
+the vocabulary fits, else uint32) at fixed byte offsets, with CRC-32 checksums per array
+and per ``CHECKSUM_BLOCK_BYTES`` block, plus provenance (sources, per-source counts, the
+split rule). The HDF5 part is written first (``create_token_file``), the token bytes
+then at their offsets by one process (``write_token_file``) or every rank
+(``prepare.py``), under a temporary name renamed into place. The spec is
+``io/FORMAT.md``; the design: ``docs/design/data-path.md`` ("The token file").
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """Read token windows with collective MPI-IO: each rank reads exactly its own bytes.
 
 The token arrays are contiguous, so a window of a split is a byte range at a known
-offset in a known file. Every rank opens the dataset's files once, collectively, and
-reads each of its windows with ``MPI_File_read_at_all`` straight into the batch buffer:
-nothing else is read, nothing is cached, and memory does not grow with the file.
-
-Two choices here were measured with ``perf/bench_io.py`` (docs/design/data-path.md has
-the numbers):
-
-- One ``Read_at_all`` per window, not one call with an indexed file view over all of a
-  rank's windows: ``MPI_File_set_view`` is collective and ends in a barrier, so every
-  read would synchronize the ranks. Per-window reads come close to the view on one rank,
-  pull ahead as ranks share cores, cost little per call, and never make one rank wait
-  for another.
-- ROMIO's two-phase collective buffering and data sieving are off by default
-  (``romio_cb_read=disable``, ``romio_ds_read=disable``). Windows at random offsets are
-  small and sparse: two-phase reads the whole extent between the ranks' windows through
-  aggregators, data sieving the whole extent between one rank's windows; both read
-  hundreds of MB for a few hundred KB, and their bandwidth falls by orders of magnitude.
-  The calls stay collective, so ``--data.romio_hints=romio_cb_read=enable`` turns
-  aggregation back on where a file system rewards it.
-
-Collective calls must match across ranks: a rank reading fewer windows than another
-pads with empty reads. When the caller cannot promise equal counts (``uniform=False``),
-the ranks first agree on the number of calls with one small allreduce.
-
-When h5py is built with MPI (``h5py.get_config().mpi``), ``H5MPIODataset`` reads the
-same windows as hyperslabs through HDF5's ``mpio`` driver with collective transfers.
-
-Which MPI-IO implementation runs the reads (``mpiio_component``): MPICH, Cray MPICH,
-Intel MPI and MVAPICH use ROMIO, which reads the hints above. Open MPI picks its own
-OMPIO unless its ``io`` MCA parameter selects ROMIO (``OMPI_MCA_io=romio321`` in Open MPI
-4, ``romio341`` in 5); OMPIO ignores ROMIO's hints and aggregates collective reads, which
-for small windows at random offsets is several times slower than ROMIO (docs/systems/mpi.md
-has the numbers; ``perf/bench_io.py`` writes a row per library).
-Open MPI's ``MPI_File_get_info`` returns the hints it was given whichever component
-reads, so the choice is read from the parameter, as Open MPI itself does.
+offset. Every rank opens the dataset's files once, collectively, and reads each of its
+windows with ``MPI_File_read_at_all`` straight into the batch buffer: nothing else is
+read, nothing is cached. One read per window rather than a file view, ROMIO's
+collective buffering and data sieving off, and the Open MPI component check
+(``mpiio_component``) were chosen by measurement; ``H5MPIODataset`` reads the same
+windows through HDF5's ``mpio`` driver. Numbers and reasons:
+``docs/design/data-path.md`` ("Reading: one collective read per window").
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Writing byte ranges of one file from every rank with collective MPI-IO, checked.
 
-A write that comes up short must never pass in silence. The blocking
-``MPI_File_write_at_all`` of MPICH's ROMIO raises on a full disk, but its nonblocking
-``MPI_File_iwrite_at_all`` completes with the full count and no error while the file
-system took only part of the bytes (tested on a full tmpfs). So each write is checked
-three ways, none of which trusts the others:
-
-1. the request's status: the bytes it says it wrote (``Get_count``), and any error;
-2. ``MPI_File_sync`` (collective), which reports what a file system with a write-back
-   cache (Lustre, NFS) fails to store only when it flushes;
-3. ``MPI_File_get_size`` after the writes: the file must reach the end of every write.
-
-Neither catches a short write into space the file already spans (an HDF5 file allocates
-its arrays when it is created, as holes): ``prepare`` therefore reads the written file
-back and checks its CRC-32 blocks before the file takes its name.
-
-Every rank makes the same collective calls in the same order, failed or not, so that no
-rank is left waiting in a collective; the first failure on this rank is raised after the
-file is closed.
+A write that comes up short must never pass in silence, and ROMIO's nonblocking
+``MPI_File_iwrite_at_all`` can report a full count for a partial write. So each write is
+checked three ways (the request's status, ``MPI_File_sync``, ``MPI_File_get_size``), and
+every rank makes the same collective calls in the same order, failed or not, raising its
+first failure after the file is closed. Why each check, and what none of them catches:
+``docs/design/data-path.md`` ("Writing the file").
 """
 
 from __future__ import annotations

@@ -1,53 +1,13 @@
 """``hpctrain prepare``: text and records files -> one HDF5 token file (see ``format.py``),
 on one process or on every rank of an MPI job, with the same bytes either way.
 
-The files are read in the order given (directories and globs expand to sorted lists;
-``sources.py`` says which files of a dataset directory are taken). A text file is
-tokenized whole, a newline added where it does not end in one (never after the last
-file); a records file (JSON lines, Parquet, Arrow) is a sequence of documents, each
-tokenized after the document separator (``prepare_tokenize.py``). The split
-(``split.py``) takes ``val_fraction`` of the tokens for validation from files all over
-the list: whole files in a seeded random order, the last one cut so the count is exact
-(its last tokens go to validation). Inside each split the files keep the input order. A
-single file's validation split is its last ``val_fraction`` of tokens, nanoGPT's split
-for Shakespeare.
-
-Under ``mpiexec -n N``:
-
-1. rank 0 expands the inputs, reads the Parquet footers, and broadcasts the file list,
-   formats, sizes and row groups;
-2. every rank plans the same units of work (``sources.plan_units``: byte ranges of
-   JSON lines, Parquet row groups, other files whole) and takes a contiguous run of
-   units holding about 1/N of the bytes, so one large shard is shared by every rank;
-3. each rank reads and tokenizes its units (``prepare_tokenize.py``); a character
-   vocabulary is the sorted union of every rank's characters (allgather); bad records
-   are counted and allgathered, and fail every rank before anything is written unless
-   they are to be skipped;
-4. every unit's token count is allgathered and every rank computes the same split from
-   the files' counts; since files and units keep their order inside a split, a rank's
-   parts of its units are one piece of each split, starting where the previous ranks'
-   parts end;
-5. each rank checksums its pieces of the 64 MiB checksum blocks and rank 0 joins the
-   pieces (``crc32_combine``); rank 0 makes sure the file system has room for the
-   whole file (``atomic.reserve_space``) and writes the HDF5 metadata, the checksums
-   and the space for the tokens under a temporary name (MPI-IO creates it first, so
-   Lustre striping hints apply);
-6. every rank writes its tokens at their byte offset with collective MPI-IO
-   (``Iwrite_at_all``, each write checked: ``mpiio_write.py``), every rank reads its
-   share of the checksum blocks back, and rank 0 gives the file the mode a plain
-   ``open()`` would (``hpctrain.files``) and renames it into place. A failed or short
-   write fails on every rank and leaves an earlier file of that name as it was.
-
-Every collective of steps 1-6 waits at most ``timeout`` seconds (``--timeout``, the
-watchdog of ``hpctrain.comm``): a rank that stalls or dies ends the job with a message
-naming the operation. MPI-IO's open and close are blocking collectives, so the ranks
-meet in a barrier with that deadline just before each. An existing output file is
-replaced only with ``overwrite``; the check comes before anything is written.
-
-Memory per rank is one batch of input being read and its tokens (the bound is in
-``prepare_tokenize.py``); a text file is read whole. Between steps 3 and 6 a rank's
-tokens wait on disk, in a hidden file beside the output (``spill.py``), so memory does
-not grow with the input.
+Rank 0 lists the inputs; every rank plans the same units of work (``sources.py``),
+tokenizes its contiguous share of them (``prepare_tokenize.py``), and the ranks agree on
+the validation split from the files' token counts (``split.py``). Rank 0 writes the HDF5
+metadata and checksums under a temporary name, every rank writes its tokens at their
+offsets with checked collective MPI-IO (``mpiio_write.py``), the checksums are read back,
+and the file is renamed into place. Every collective has a deadline (``--timeout``).
+The steps and their reasons: ``docs/design/data-path.md`` ("Parallel preparation").
 """
 
 from __future__ import annotations

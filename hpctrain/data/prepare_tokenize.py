@@ -2,20 +2,11 @@
 (``sources.py``) batch by batch (``records.py``) and keeps only their tokens, on disk
 (``spill.py``).
 
-A text file is tokenized whole, with a newline added where it does not end in one (never
-after the last file), as it always was. A records file is a sequence of documents, each
-encoded on its own after the document separator (``tokenizers.document_separator``), so
-the tokens of a unit do not depend on where the units begin: the file is the same for
-any number of ranks.
-
-A character vocabulary is every rank's characters, sorted, so with ``--tokenizer char``
-the units are read twice (characters, then tokens); the newline separates documents and
-is in it whenever a records file is.
-
-Memory per rank: one batch being read (``records.py``: about ``BLOCK_BYTES`` of JSON
-lines, or ``BATCH_ROWS`` rows of Parquet or Arrow; a text file is read whole) with its
-tokens as Python ints. The rank's tokens so far go to its spill file as each batch is
-encoded, whatever the size of its share.
+A text file is tokenized whole; each document of a records file is encoded on its own
+after the document separator, so a unit's tokens do not depend on where units begin and
+the file is the same for any number of ranks. A character vocabulary is every rank's
+characters (the units are read twice). Memory per rank is one batch being read and its
+tokens: ``docs/design/data-path.md`` ("Parallel preparation").
 """
 
 from __future__ import annotations

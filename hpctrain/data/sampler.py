@@ -1,17 +1,11 @@
 """Which token windows each step trains on.
 
-The global batch of step ``s`` is a pure function of ``(seed, s)``: it never depends on
-the number of ranks, so a run on 1, 2 or 64 ranks sees the same samples in the same
-order, and a resumed run picks up at any step without replaying anything. Each rank
-then takes its contiguous share of the global batch.
-
-Two orders are offered:
-
-- ``epoch`` (default, as Megatron-LM's GPT dataset): each epoch cuts the token stream into
-  non-overlapping windows at a random phase and visits them in a random permutation,
-  so every token is trained on once per epoch.
-- ``random`` (nanoGPT's ``get_batch``): independent uniform window starts; after 1.5
-  passes about a fifth of the tokens have never been a training target.
+The global batch of step ``s`` is a pure function of ``(seed, s)``, never of the number
+of ranks, so every run sees the same samples in the same order and a resumed run picks
+up at any step without replaying anything; each rank takes its contiguous share. Two
+orders: ``epoch`` (default, as Megatron-LM's GPT dataset: every token once per epoch)
+and ``random`` (nanoGPT's ``get_batch``). ``docs/design/data-path.md`` ("Which windows a
+step reads: the sampler").
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """What ``prepare`` reads, and how the reading is shared out among ranks. No MPI here.
 
-An input is a text file (read whole, as before), a file of records, one document each,
-or a directory or glob of those. Records come as JSON lines (``.jsonl``, ``.json``,
-plain or compressed ``.gz`` / ``.zst``), Parquet (``.parquet``) or Arrow streams
-(``.arrow``, what ``datasets.save_to_disk`` writes); ``records.py`` reads them.
-
-A directory that holds any records file is a dataset directory (a Hugging Face dataset
-repository, say): its records files are taken in sorted path order and everything else
-(``README.md``, ``dataset_info.json``, ``.gitattributes``, lock files) is left out. A
-directory without one is a directory of text files, every file taken. Hidden paths are
-skipped either way.
-
-The work is planned as *units*, each one piece of one file, in input order:
-
-* plain JSON lines: byte ranges; a range takes the lines that *start* inside it, so the
-  documents do not depend on where the cuts fall (the rule of Hadoop's line splits);
-* Parquet: row groups, one unit each;
-* compressed JSON lines, Arrow streams and text files: the whole file (a compressed
-  stream cannot be entered in the middle; a text file is tokenized as one text).
-
-A unit is ``[file, start, stop, weight]`` (JSON-able: rank 0 broadcasts the plan), with
-``weight`` its bytes on disk. Ranks take contiguous runs of units of about equal weight
-(``assign_files``), so one large shard is prepared by every rank.
+An input is a text file, a file of records (JSON lines, Parquet, Arrow streams; read by
+``records.py``), or a directory or glob of those; a dataset directory contributes only
+its records files. The work is planned as units, each one piece of one file in input
+order (byte ranges of plain JSON lines, Parquet row groups, other files whole), and
+ranks take contiguous runs of units of about equal bytes (``assign_files``), so one
+large shard is prepared by every rank. The rules and their reasons:
+``docs/design/data-path.md`` ("What is read", "How work is shared").
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Which tokens of which input files ``prepare`` puts in the validation split.
 
-The last ``val_fraction`` of a corpus read in sorted order is not a sample of it: for the
-default corpus (the standard library's sources, sorted by path) it is almost all
-``encodings/cp*.py`` codec tables, whose loss says little about the rest (io/FORMAT.md,
-"How prepare splits train and validation"). So the validation split is drawn from the
-whole corpus, by file:
-
-1. the files are put in a seeded random order: by the BLAKE2b hash of ``"<seed>:<index>"``
-   (index = the file's place in the input list), which any language can reproduce and no
-   library upgrade changes (unlike a numpy or ``random`` shuffle);
-2. in that order, whole files go to validation until the next file would pass the target
-   (``n_tokens - int(n_tokens * (1 - val_fraction))``, the size of a tail split); that
-   file gives its *last* tokens to make up the difference, its head stays in training.
-
-Every file but at most one lies wholly in one split, and the split sizes are exactly a
-tail split's. A single file is the special case "its last tokens", i.e. nanoGPT's tail
-split. The choice depends only on the per-file token counts, never on how many ranks
-tokenized them. Inside each split the files keep their input order, so a rank's contiguous
-run of files is one contiguous piece of each split (see ``prepare.py``).
+The tail of a corpus read in sorted order is not a sample of it, so the validation split
+is drawn from the whole corpus, by file: whole files in a seeded random order (a BLAKE2b
+hash any language can reproduce) until the target, the last one giving its last tokens.
+The split sizes are exactly a tail split's, a single file gets nanoGPT's tail split, and
+the choice never depends on the number of ranks. ``docs/design/data-path.md`` ("Which
+tokens go to validation"); the user-facing rule is in ``io/FORMAT.md``.
 """
 
 from __future__ import annotations

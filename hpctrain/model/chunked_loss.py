@@ -1,18 +1,11 @@
 """The head and the cross-entropy, a chunk of tokens at a time (``--model.loss_chunk``).
 
-The logits of a batch are (tokens x vocabulary) numbers, kept in fp32 for the softmax:
-with a 128K vocabulary, 8K tokens already take 4 GiB, and backward needs as much again
-for their gradient. At long context they, not the transformer blocks, decide whether a
-batch fits. This function never holds more than one chunk's logits: forward computes
-each chunk's logits, its log-sum-exp and its loss, and keeps only the log-sum-exp (one
-number per token); backward computes each chunk's logits again, turns them into the
-gradient of the loss (softmax minus one-hot, over the token count) and multiplies it into
-the gradients of the hidden states and of the head's weight. The extra cost is one more
-head matmul per chunk (2 N V C FLOPs, a few percent of a step).
-
-It computes the same numbers as ``F.cross_entropy(F.linear(h, W[:V]).float(), t)`` with
-``ignore_index=-1``: the same matmuls in the same dtype, the softmax in fp32; only the
-order of the sum over tokens differs (fp32 rounding, ~1e-7 relative).
+The tokens x vocabulary logits, in fp32, decide at long context whether a batch fits
+(4 GiB for 8K tokens of a 128K vocabulary, and as much again in backward). This function
+never holds more than one chunk's logits: forward keeps only each token's log-sum-exp,
+and backward computes each chunk's logits again, for one more head matmul per chunk. It
+computes the same numbers as the plain cross-entropy, up to the order of the sum over
+tokens. ``docs/design/long-context.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The GPT's shape, its parameter count and its training FLOPs, without torch.
 
-``GPTConfig`` is the one description of a model: ``ModelConfig.to_gpt`` makes it from a
-run's config, ``GPT`` is built from it, checkpoints record its ``shape()``, and the
-performance model (``scaling/models.py``) counts with it. It lives apart from ``gpt.py``
-so that the config, the planner and manifest checks use it without importing torch
-(they run on login nodes, before MPI).
-
-The vocabulary may be padded: ``vocab_multiple`` rounds the rows of the embedding and
-the head up (50257 -> 50304 for GPT-2 at 64), so the head's matrix multiply gets a width
-that GPU kernels tile without a ragged edge (as nanoGPT pads its GPT-2). The
-padded rows are parameters (memory, optimizer state, checkpoints count them) but never
-a token: ``gpt.py`` cuts their logits off, so they get no gradient and are never sampled.
-
-The families (``families.py``: GPT-2 as ``arch="gpt"``, Llama as ``arch="llama"``)
-share the skeleton; each family's traits (``family.py``) decide its parameter count.
-``n_kv_head=0`` and ``ffn_hidden=0`` mean the family's default; a ``GPTConfig`` always
-holds the resolved numbers, so a checkpoint records what was built.
+``GPTConfig`` is the one description of a model: the run's config makes it, ``GPT`` is
+built from it, checkpoints record its ``shape()``, and the performance model counts with
+it. It lives apart from ``gpt.py`` so that the config, the planner and manifest checks
+use it without importing torch (on login nodes, before MPI). It holds resolved numbers
+(the family's defaults for ``n_kv_head=0``, ``ffn_hidden=0``) and the padded vocabulary
+(``vocab_multiple``). ``docs/design/models.md``; the padding:
+``docs/design/compute-options.md``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Rotary position embeddings (Su et al. 2021, "RoFormer"), as the Llama family uses them.
 
-Each pair of channels (i, i + hs/2) of a query or key head is rotated by the angle
-``position * inv_freq[i]``, so the dot product of a query and a key depends on their
-distance only. The pairing is the "rotate half" one of Hugging Face's Llama (the first
-half of the head against the second), not the original interleaved (2i, 2i + 1): the
-published Llama weights are stored for this pairing, so they load without a permutation.
-
-Frequencies: ``inv_freq[i] = theta ** (-2i / hs)``. Scaling stretches them for contexts
-longer than the model was trained on: ``linear:F`` divides every frequency by F
-(position interpolation, Chen et al. 2023); ``llama3:F:LOW:HIGH:ORIG`` is Llama 3.1's
-rule: wavelengths shorter than ORIG/HIGH stay, those longer than ORIG/LOW are divided by
-F, and those between blend the two smoothly.
+Each pair of channels (i, i + hs/2) of a query or key head is rotated by
+``position * inv_freq[i]``, ``inv_freq[i] = theta ** (-2i / hs)``, so a query-key score
+depends on their distance only. The pairing is Hugging Face's "rotate half", so the
+published Llama weights load without a permutation. ``linear`` (position interpolation,
+Chen et al. 2023) and ``llama3`` (Llama 3.1's rule) scaling stretch the frequencies for
+longer contexts. ``docs/design/models.md`` ("Rotary embeddings").
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Run a pipeline schedule over MPI point-to-point.
 
 The executor walks this stage's action list (``schedules.schedule``) once per step:
-
-- ``forward``: run the local chunk on the micro-batch's tokens (first chunk) or on the
-  activation received from the previous stage; keep input and output for backward. The
-  last chunk returns the loss.
-- ``backward``: backpropagate the scaled loss (last chunk) or the gradient received from
-  the next stage into this chunk; the input's gradient is what goes back. In a
-  zero-bubble schedule this is B only (``split_backward.py``), and
-- ``weight``: W, the parameters' gradients of an earlier B, accumulated into ``.grad``
-  (the engines' hooks fire here, and ``before_backward`` is called before it).
-- ``send_*``: ``Isend`` straight from the tensor's memory (shapes are known on both
-  sides, so nothing is pickled); the tensor is kept alive until the send completes.
-- ``recv_*``: wait for a receive that was posted earlier. Receives are posted
-  ``LOOKAHEAD`` actions ahead of their use, so a message that arrives early lands in
-  its buffer instead of waiting in MPI's unexpected queue, without holding a buffer
-  per micro-batch (which would cost 1F1B its memory advantage).
-
-Time blocked in receives is the stage's pipeline bubble (``stats.bubble_s``); time in
-forward and backward passes is its compute (``stats.forward_s``, ``stats.backward_s``,
-``stats.weight_s``).
-Tags name (direction, micro-batch, receiving chunk), so messages never match the wrong
-receive.
+``forward``, ``backward`` (B only in a zero-bubble schedule, ``split_backward.py``),
+``weight`` (W), and sends and receives straight from tensor memory. Receives are posted
+``LOOKAHEAD`` actions ahead of their use, so an early message lands in its buffer
+without a buffer per micro-batch. Time blocked in receives is the stage's bubble
+(``stats.bubble_s``). ``docs/design/pipeline.md`` ("The executor").
 """
 
 from __future__ import annotations

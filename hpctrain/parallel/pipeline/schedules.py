@@ -1,36 +1,12 @@
 """Pipeline schedules as pure data: which action each stage runs, in which order.
 
 ``schedule(kind, n_stages, n_micro, stage, virtual)`` lists one stage's actions for one
-optimizer step. Nothing here touches MPI or torch, so every schedule is checked by
-simulating all stages together (``simulate``): each micro-batch passes forward and
-backward through every model chunk once, every receive has its send, nothing deadlocks,
-and the idle time (the bubble) matches the formulas.
-
-Model chunks. With ``virtual`` = v chunks per stage and p stages, the model's layers are
-cut into G = v p chunks; chunk g lives on stage g mod p as that stage's local chunk
-g // p (Megatron-LM's interleaved layout). Activations flow from chunk g to g + 1, i.e.
-from stage s to stage (s + 1) mod p; gradients flow back the other way.
-
-Schedules (p stages, m micro-batches; bubble with unit-time forward and backward):
-
-- ``gpipe``: all forwards, then all backwards. Holds m micro-batches of activations.
-  Bubble (p - 1) / (m + p - 1).
-- ``1f1b`` (PipeDream-Flush): stage s runs p - s - 1 warm-up forwards, then alternates
-  one forward and one backward, then drains the backwards. Same bubble as GPipe, but at
-  most min(p - s, m) micro-batches in flight.
-- ``interleaved`` (Megatron-LM interleaved 1F1B): 1F1B over v chunks per stage, taking
-  micro-batches in groups of p. Bubble (p - 1) / (v m + p - 1): v times smaller relative
-  to the work, for v times more point-to-point messages. Needs m to be a multiple of p.
-- ``zb-h1`` (zero bubble, ``zb_h1.py``): the backward split into B (the input's
-  gradient, sent at once) and W (the weights' gradients: ``weight`` actions, run where
-  the stage would wait). With F = B = W the bubble is (p - 1) / (3 m + p - 1), a third
-  of 1F1B's; 1F1B's p - s micro-batches between F and B on stage s.
-- ``zbv`` (zero bubble in a V, ``zbv.py``): two chunks per stage placed in a V
-  (stage s holds chunks s and 2p - 1 - s, whatever ``virtual`` says), B and W split.
-  With F = B = W per chunk the bubble is (p - 1) / (6 m + p - 1): half a stage pass of
-  idle per stage boundary, half zb-h1's; at most 2p micro-batch chunks (1F1B's p
-  whole-stage micro-batches) between F and B on every stage, 2p + 2 until W. Needs
-  m >= 2p.
+optimizer step: gpipe, 1f1b, interleaved, zb-h1 and zbv. Nothing here touches MPI or
+torch, so ``simulate`` plays all stages together in one process and checks that every
+micro-batch passes every chunk once, every receive has its send, nothing deadlocks, and
+the bubble matches the formulas. With v chunks per stage, chunk g lives on stage g mod p
+(Megatron-LM's interleaved layout). The schedules, their bubbles and the activations
+they hold: ``docs/design/pipeline.md`` ("Schedules are data").
 """
 
 from __future__ import annotations

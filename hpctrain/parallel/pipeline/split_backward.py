@@ -1,30 +1,13 @@
 """A stage's backward split in two: B (input gradient) now, W (weight gradients) later.
 
-Zero-bubble pipeline schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
-2024) need the gradient of a stage's input at once, because the previous stage waits for
-it, but the parameters' gradients only before the optimizer step. So a backward is run
-in two passes over the same autograd graph:
-
-- **B** (``backward_input``): ``backward(inputs=[x])`` from the stage's output. Autograd
-  runs only the nodes on the path from the output to the input ``x`` and, at each, only
-  the outputs that path needs: a linear layer computes ``dx = dy W`` and skips ``dW``.
-  Before it runs, a pre-hook is put on every node of that path where a branch towards a
-  parameter leaves it (the matmul whose other operand is a weight, the norm with its
-  scale); the hook keeps the gradient of that node's output.
-- **W** (``WeightGradients.run``): for each such node, ``backward`` from the node's kept
-  output gradient into the parameters of its branches only (``inputs=``). The path to
-  ``x`` is not walked again: no activation gradient is computed twice.
-
-W accumulates into ``.grad`` through autograd's own ``AccumulateGrad``, so the gradient
-engines' post-accumulate hooks fire as a parameter's W completes (bucketed reductions
-overlap as with a fused backward). The graph (with recompute, the checkpointed blocks'
-recomputed tensors) lives until W: memory between B and W is what the schedule counts
-as a micro-batch in flight.
-
-Nodes shared by two branch roots (a weight used twice in one chunk) put both roots in
-one group; their pre-hooks then pin each root's output gradient to the kept one, so the
-part of the path between them adds nothing twice (torch's ``stage_backward_weight`` does
-the same).
+Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) need
+the gradient of a stage's input at once, because the previous stage waits for it, but
+the parameters' gradients only before the optimizer step. B is ``backward(inputs=[x])``
+with pre-hooks that keep the output gradients where branches to parameters leave the
+path; W runs ``backward`` from those kept gradients into the parameters, so no
+activation gradient is computed twice and ``.grad`` accumulates through autograd's own
+hooks. How, and what it costs: ``docs/design/pipeline.md`` ("Zero bubble: B and W
+apart").
 """
 
 from __future__ import annotations

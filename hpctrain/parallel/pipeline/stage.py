@@ -1,28 +1,12 @@
 """Cut a GPT into pipeline stages by layers.
 
-With p stages and v chunks per stage, the model is G = v p chunks: the embeddings go
-with chunk 0, the transformer blocks are shared out as evenly as possible (earlier chunks
-take the remainder), and the final LayerNorm, the head and the loss go with chunk G - 1.
-Chunk g lives on stage g mod p (``schedules.py``), or, placed in a V (``v_shape``, the
-zbv schedule: two chunks per stage), on stage g for g < p and 2p - 1 - g after: stage 0
-then holds both the embeddings and the head.
-
-A stage keeps its parts under the model's own attribute names, which the family's plan
-gives (``model/plan.py``: the embedding modules, the blocks as ``<blocks>.<layer>``, the
-final norm, an untied head), so its ``named_parameters()`` are the model's names for
-the same tensors: checkpoints, the optimizer's decay groups and the tests need no mapping.
-It runs them with the GPT's own code (``EmbeddingAndHead.embed`` and ``head_loss``), so
-a stage computes exactly what the GPT does and checks the sequence against block_size.
-
-Tied embeddings. The head of the last stage uses the token embedding of the first. The
-last stage keeps a copy that is *not* one of its parameters: after backward its gradient
-is sent to the first stage and added to the embedding's gradient there (before the
-data-parallel reduction), the first stage updates the one real parameter, and the new
-values are copied back (``PipelineEngine.tie_*``). So the optimizer, the gradient norm
-and the checkpoint all see the embedding once. An untied head (``tie_embeddings=False``,
-as Llama 3 8B) is simply the last stage's own head parameter. Placed in a
-V, the head sits beside the embedding on stage 0 and uses it directly: no copy, no
-message.
+The embeddings go with the first chunk, the blocks are shared out as evenly as possible,
+and the final norm, the head and the loss go with the last chunk (chunk g on stage
+g mod p, or placed in a V for zbv). A stage keeps the model's own parameter names, which
+the family's plan gives (``model/plan.py``), and runs the model's own code, so it
+computes exactly what the whole model does. A tied head's embedding is a copy on the
+last stage whose gradient goes to the first: the optimizer, the gradient norm and the
+checkpoint see the embedding once. ``docs/design/pipeline.md`` ("Stages").
 """
 
 from __future__ import annotations

@@ -2,31 +2,11 @@
 Parallelism", ICLR 2024), built by playing the pipeline pass by pass.
 
 The backward is split into B (the input's gradient, which the previous stage waits for)
-and W (the weights' gradients, which only the optimizer waits for;
-``split_backward.py``). Every pass takes its time (``PassTimes``: F = B = W unless the
-run says otherwise), and whenever a stage is free it takes the first of these it can run:
-
-1. B of its oldest forwarded micro-batch, once the gradient from the next stage is there
-   (it unblocks the previous stage);
-2. W of its oldest B-done micro-batch, if more than p - 1 are waiting for theirs;
-3. F of its next micro-batch, once the activation is there and fewer than p - s
-   micro-batches are between their F and their B (1F1B's budget on stage s);
-4. W of its oldest B-done micro-batch (filling what would be idle time).
-
-Deferring W lets the B passes of the cool-down run back to back down the pipeline, and
-the deferred W passes fill the waits between them: the idle time left is (p - 1)
-(F + B - W) per stage instead of 1F1B's (p - 1) (F + B + W), a third with equal times.
-The price: a micro-batch whose W is deferred keeps its graph (here the whole of it) until
-W, so stage s holds up to p - s micro-batches between F and B, as 1F1B does, and a few
-more between F and W (the simulator's ``peak_in_flight`` counts those).
-
-The order is a property of (p, m) and the pass times given, so every rank builds the
-same one; a stage runs it whatever the real times are (a slower pass delays, never
-deadlocks: the order was a valid execution of the whole pipeline, and the simulator in
-``schedules.py`` checks it again). ``schedules.compute_order`` keeps the order built for
-the times a run gives (``--parallel.pass_times``) unless the equal-time order, with the
-passes taking those times, idles less: a greedy order is not always the better one.
-W passes of one chunk always run in micro-batch order, whatever the times.
+and W (the weights' gradients, which only the optimizer waits for; ``split_backward.py``).
+Deferring W into the waits leaves (p - 1)(F + B - W) idle per stage instead of 1F1B's
+(p - 1)(F + B + W), for a few more micro-batches held until W. Every rank builds the
+same order from (p, m) and the pass times. The rules, the picture and the memory:
+``docs/design/pipeline.md`` ("Zero bubble: B and W apart").
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
 """The zero-bubble V schedule ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
-2024; "Pipeline Parallelism with Controllable Memory", 2024), built by playing the
-pipeline pass by pass as ``zb_h1.py`` does for ZB-H1.
+2024; "Pipeline Parallelism with Controllable Memory", 2024).
 
-Placement. The model is cut into 2p chunks and stage s holds two of them in a V: chunk
-s (its local chunk 0) and chunk 2p - 1 - s (its local chunk 1). A forward runs down the
-stages on the first chunks and back up on the second; a backward the reverse. So stage
-0 holds both the embedding (chunk 0) and the head (chunk 2p - 1), and the last stage
-hands chunk p - 1's output to chunk p on the same rank, with no message.
-
-Order. Every pass of a chunk takes its time (``PassTimes``, per chunk: a chunk is half a
-stage's layers; F = B = W unless the run says otherwise), except that the very first
-chunk has no input gradient: its B is empty and its W the whole backward. Whenever a
-stage is free it takes the first of these it can run:
-
-1. B of its oldest forwarded micro-batch chunk whose output gradient is there (the
-   next chunk's B done, or the loss for chunk 2p - 1): it unblocks a neighbour; chunk 0
-   first when both wait (it finishes the micro-batch and frees its activations);
-2. F of the next micro-batch of its second chunk, then of its first, once the input is
-   there and fewer than 2p + 2 micro-batch chunks are between their F and their W; the
-   first chunk may run at most 2 (p - s) - 1 micro-batches ahead of the second (the
-   time the first micro-batch takes to come back up the V to stage s: more would only
-   hold memory, and would starve the second chunk of budget);
-3. W of its oldest B-done micro-batch chunk (filling what would be idle time, and
-   freeing budget when F may not run).
-
-With equal times the simulator then shows at most 2p micro-batch chunks between F and B
-on every stage: the paper's activation memory of ZB-V, 1F1B's p whole-stage micro-batches
-of its first stage, now on every stage alike; and at most 2p + 2 until W, whatever the
-times (an order for unequal times may hold up to 2p + 2 before B too).
-
-With F = B = W the stages idle only a few units while the first forwards travel down the
-V and the last backwards come back, against 6 m units of work each (the simulator's
-``predicted_bubble``). The V needs m >= 2p micro-batches to fill; fewer are refused
-(``schedules.check_schedule_args`` names the fix) rather than run a schedule that is
-neither zero-bubble nor tested.
+The model is cut into 2p chunks and stage s holds chunks s and 2p - 1 - s, so the
+forward runs down the stages and back up, and stage 0 holds both the embedding and the
+head. The order of F, B and W is built by playing the pipeline pass by pass, as
+``zb_h1.py`` does, with a budget on the chunks held between F and W; it needs m >= 2p
+micro-batches. The rules, their reasons, the bubble (p - 1) / (6 m + p - 1) and the
+memory held: ``docs/design/pipeline.md`` ("Zero bubble: B and W apart").
 """
 
 from __future__ import annotations

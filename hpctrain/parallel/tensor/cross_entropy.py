@@ -1,26 +1,11 @@
 """Cross-entropy over a vocabulary split across the tensor-parallel group, without ever
 gathering the logits (Megatron-LM's vocabulary-parallel cross-entropy).
 
-Rank r holds the head's rows of tokens ``[start, start + rows)`` and computes only those
-logits. The loss of a token with target t is ``logsumexp(all logits) - logit[t]``:
-
-- each rank computes the log-sum-exp of its own logits, and the logit of t when t is in
-  its range (zero otherwise);
-- one all-gather of these two numbers per token (2 N floats, next to N V / tp logits)
-  gives every rank all of them: the whole log-sum-exp is the log-sum-exp of the ranks'
-  (a rank whose range holds only padding rows contributes -inf), and the target's
-  logit is the sum.
-
-Backward needs no communication here: the gradient of rank r's logits is
-``softmax - one_hot(t)`` restricted to its columns (the softmax from the whole
-log-sum-exp, kept from forward), which multiplies into its slice of the head's weight
-and into a partial gradient of the hidden states; the layer before the head sums those
-over the group (``copy_to_group`` or ``gather_from_sequence``).
-
-Like ``chunked_loss.py`` it works a chunk of tokens at a time (``--model.loss_chunk``;
-0: all tokens in one chunk) and computes each chunk's logits again in backward, so no
-more than one chunk's logits exist at once. The padded rows of the vocabulary (at or
-beyond ``vocab``) get no logit, so no loss, gradient or sample ever sees them.
+Each rank computes its own slice of the logits; one all-gather of two numbers per token
+(the slice's log-sum-exp and the target's logit) gives every rank the loss
+``logsumexp(all logits) - logit[t]``, and backward needs no communication here. It works
+a chunk of tokens at a time, as ``chunked_loss.py`` does, and the padded vocabulary rows
+get no logit. The derivation: ``docs/design/tensor-parallel.md`` ("The loss").
 """
 
 from __future__ import annotations

@@ -2,28 +2,11 @@
 of place, on whole activations.
 
 A tensor-parallel layer cannot go on before its collective is done (the next matrix
-multiply reads the sum), so these calls return the result, unlike the gradient
-engines' nonblocking bucket reductions. Three operations, each along a tensor
-dimension: ``allreduce`` (sum), ``all_gather`` (concatenate every rank's slice along
-``dim``) and ``reduce_scatter`` (sum, and keep this rank's slice along ``dim``).
-
-Two ways to move the bytes, as for the gradients (``comm/transport.py``):
-- MPI on the group's communicator (``--comm.collectives=mpi``): host tensors as numpy
-  views, device tensors directly or staged through the host (``comm/buffers.py``). Each
-  call waits under the watchdog's deadline, so a rank that never arrives ends the job.
-- the device library's process group for these ranks (``xccl``: NCCL, RCCL, oneCCL;
-  gloo on the host in the tests), on the compute stream, ended by the library's timeout.
-
-Each collective is a torch custom operator (``hpctrain::tp_*``) with a shape-only
-("fake") implementation, so ``torch.compile`` keeps a block with its collectives in one
-graph instead of breaking it at each one; recomputation (``--model.recompute``) then
-replays the same graph. The operator finds its group by a number (``GROUPS``), which
-holds the groups weakly: a group lives as long as the layers that use it, and numbers
-are never reused, so a compiled graph never reaches another group under its number.
-
-Sums run in fp32 where the library would otherwise add bf16 on the host (MPI has no
-bf16 type; gloo's bf16 sum is not what the single-process model rounds); NCCL and
-oneCCL sum bf16 natively, as Megatron-LM lets them.
+multiply reads the sum), so ``allreduce``, ``all_gather`` and ``reduce_scatter`` return
+their result. They run over MPI or the device library (``--comm.collectives``), and each
+is a torch custom operator (``hpctrain::tp_*``) so that ``torch.compile`` keeps a block
+with its collectives in one graph. Transports, bf16 sums and how an operator finds its
+group: ``docs/design/tensor-parallel.md``.
 """
 
 from __future__ import annotations

@@ -2,17 +2,11 @@
 an embedding split by its vocabulary (Megatron-LM's ``ColumnParallelLinear``,
 ``RowParallelLinear`` and ``VocabParallelEmbedding``).
 
-Each is made from the whole layer of a built GPT (``split``) and keeps its parameters
-under the same names (``weight``, ``bias``), so the gradient engines, ZeRO and the
-checkpoints see the GPT's names with this rank's slice of each tensor. A parameter that
-holds a slice carries its ``ShardSpec`` as ``tensor_parallel_split``; the gradient norm
-counts every other parameter once over the group (``is_split``).
-
-In a transformer block the linear layers come in pairs, column then row (the family's
-plan names them, ``model/plan.py``), so the activation between them stays split and one
-collective in each direction serves the pair: the attention's input projection (column:
-this rank's heads) -> attention -> its output projection (row: sums the heads'
-contributions), and the MLP's likewise over its hidden width.
+Each is made from the whole layer of a built model (``split``) and keeps its parameter
+names, so the engines, ZeRO and the checkpoints see the model's names with this rank's
+slice; a sliced parameter carries its ``ShardSpec`` as ``tensor_parallel_split``. Linear
+layers pair column then row, so one collective in each direction serves the pair.
+``docs/design/tensor-parallel.md`` ("The layers").
 """
 
 from __future__ import annotations

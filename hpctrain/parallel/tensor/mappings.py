@@ -1,27 +1,13 @@
-"""The five places where activations cross a tensor-parallel group, as autograd functions:
+"""The places where activations cross a tensor-parallel group, as autograd functions:
 each pairs a forward collective with its conjugate in backward (Megatron-LM's f and g
 operators, and their sequence-parallel forms; Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", section 4.2.2).
 
-| function | forward | backward | where |
-|---|---|---|---|
-| ``copy_to_group`` | identity | allreduce | input of a column-parallel layer |
-| ``reduce_from_group`` | allreduce | identity | output of a row-parallel layer, the embedding |
-| ``scatter_to_sequence`` | keep this rank's tokens | all-gather | the residual stream entering the blocks (sequence parallelism) |
-| ``gather_from_sequence`` | all-gather | reduce-scatter | input of a column-parallel layer (sequence parallelism) |
-| ``reduce_scatter_to_sequence`` | reduce-scatter | all-gather | output of a row-parallel layer (sequence parallelism) |
-| ``sequence_gathered_linear`` | all-gather, then the layer | all-gather again, then reduce-scatter | a column-parallel layer under sequence parallelism |
-
-Why each backward is what it is: a column-parallel layer's input feeds every rank's
-slice of the output, so its gradient is the sum of every rank's contribution; a
-row-parallel layer's output is a sum of partial products, each of which receives the
-whole gradient. Under sequence parallelism the residual stream between the layers is
-cut along the sequence (dimension 1 of (B, T, C)): every rank holds T / tp of its
-tokens, and the all-gather / reduce-scatter pair replaces the allreduce (together they
-move the same bytes as one allreduce). A column-parallel layer under sequence parallelism
-keeps only this rank's tokens of its input for backward and gathers them again there
-(``sequence_gathered_linear``, as Megatron-LM does), so that no tensor the block keeps
-for backward is whole: activation memory per rank falls by tp.
+``copy_to_group`` and ``reduce_from_group`` guard the column- and row-parallel layers;
+the ``*_sequence`` functions and ``sequence_gathered_linear`` replace them under
+sequence parallelism, so that no tensor a block keeps for backward is whole. The table
+of forwards and backwards, and why each backward is what it is:
+``docs/design/tensor-parallel.md`` ("The mappings", "Sequence parallelism").
 """
 
 from __future__ import annotations
