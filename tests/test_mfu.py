@@ -67,3 +67,21 @@ def test_the_summary_records_which_peak_and_why(dataset_path, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().split("\n")
                if line]
     assert all(r["mfu"] > 0 for r in records if "mfu" in r)
+
+
+@pytest.mark.parametrize("dtype,basis,tflops", [("bf16", "bf16", 312.0),
+                                                ("fp32", "tf32", 156.0)])
+def test_the_trainer_asks_the_peak_of_its_compute_dtype(dataset_path, tmp_path, monkeypatch,
+                                                        dtype, basis, tflops):
+    """A known GPU (the fake device named as an A100): the run's own dtype picks the rate,
+    so bf16 runs are measured against the bf16 peak, not the fp32 (or TF32) one."""
+    from hpctrain.comm.fake_device import FakeAccelerator
+    from hpctrain.comm.world import World
+
+    monkeypatch.setattr(FakeAccelerator, "name", property(lambda self: "NVIDIA A100-SXM4-40GB"))
+    cfg = tiny_config(dataset_path, tmp_path, **{"train.dtype": dtype, "train.max_iters": 1,
+                                                 "train.device": "fake"})
+    trainer = Trainer(cfg, World.create(MPI.COMM_SELF, device="fake", gpu_aware="no"),
+                      verbose=False)
+    assert (trainer.peak.basis, trainer.peak.tflops) == (basis, tflops)
+
