@@ -116,3 +116,29 @@ def test_a_stale_lock_is_replaced_whole_and_named_in_the_log(tmp_path):
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     lock.release()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_takeover_overtaken_by_another_starter_leaves_the_new_holder(tmp_path, monkeypatch):
+    """Starter A judges the lock stale; before A replaces it, starter B (another live
+    process, here our parent) takes it over. A must find the lock changed (read again under the guard) and leave B holding it:
+    the race the slow many-starters test provokes, played in order in one process."""
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(),
+                                                  "pid": _dead_pid(), "started": "then"}))
+    a, b = RunDirLock(tmp_path), RunDirLock(tmp_path)
+    take_over, record = RunDirLock._take_over, rundir_lock.holder_record
+
+    def overtaken(self, stale, mine):
+        if self is a and not b.held:
+            with monkeypatch.context() as m:
+                m.setattr(rundir_lock, "holder_record",
+                          lambda: {**record(), "pid": os.getppid(), "job": "B"})
+                b.acquire()
+        return take_over(self, stale, mine)
+
+    monkeypatch.setattr(RunDirLock, "_take_over", overtaken)
+    with pytest.raises(RunDirError, match="in use by another run"):
+        a.acquire()
+    assert b.held and not a.held
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["job"] == "B"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no guard, no record
+
