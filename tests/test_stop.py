@@ -223,3 +223,33 @@ def test_a_stop_during_set_up_of_a_fresh_run_leaves_nothing_in_the_next_ones_way
     assert json.loads((tmp_path / "status.json").read_text())["status"] == "stopped"
     result = _trainer(dataset_path, tmp_path, **{"train.resume": "auto"}).fit()
     assert len(result.losses) == 10  # a requeued attempt starts as this one would have
+
+
+def _train_argv(dataset_path, out) -> list[str]:
+    return ["train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}",
+            "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32",
+            "--model.block_size=16", "--train.batch_size=4", "--train.max_iters=2",
+            "--train.eval_interval=0", "--train.final_eval=false", "--train.sample_tokens=0",
+            "--train.save_checkpoint=false", "--train.progress=false", "--train.threads=1"]
+
+
+def test_a_signal_after_the_run_is_ignored_until_the_process_exits(dataset_path, tmp_path,
+                                                                   monkeypatch):
+    """The process's own `hpctrain train` leaves SIGTERM, SIGUSR1 and SIGINT ignored, not
+    defaulted: a walltime signal landing while MPI finalizes must not kill a rank that has
+    finished. A caller of main() with its own argv gets its handlers back."""
+    from hpctrain.cli import main
+    from hpctrain.train.stop import SIGNALS
+
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    assert main(_train_argv(dataset_path, tmp_path / "a")) == 0
+    assert {sig: signal.getsignal(sig) for sig in SIGNALS} == before
+    monkeypatch.setattr("sys.argv", ["hpctrain", *_train_argv(dataset_path, tmp_path / "b")])
+    try:
+        assert main() == 0
+        assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in SIGNALS)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the second signal, during "shutdown"
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+

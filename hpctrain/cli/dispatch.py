@@ -95,10 +95,14 @@ def _split_job_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; ``argv`` None: the process's own command line (the console script,
+    ``python -m hpctrain``), which owns the process's signal handlers to its exit."""
+    owns_process = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     argv, job_command = _split_job_command(argv)
     args, extra = parser.parse_known_args(argv)
+    args.owns_process = owns_process
     command = COMMANDS[args.command]
     try:
         if command.words == OVERRIDES:

@@ -47,7 +47,9 @@ def cmd_train(args, overrides: list[str]) -> int:
     try:
         return _train(args, overrides, signals)
     finally:
-        signals.restore()  # for callers of main() in-process; a process just exits
+        # The process's own command line ignores them until it has exited; a caller of
+        # main() in-process gets its handlers back.
+        signals.restore(ignore=args.owns_process)
 
 
 def _train(args, overrides: list[str], signals) -> int:

@@ -64,9 +64,12 @@ class SignalFlag:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
-    def restore(self) -> None:
+    def restore(self, ignore: bool = False) -> None:
+        """Put back the previous handlers; ``ignore``: ignore these signals instead, for
+        the rest of the process (its exit, where MPI's finalize may wait for slower ranks:
+        a walltime signal then must not kill a rank that has saved and finished)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if ignore else handler)
         self._previous = {}
 
     def _on_signal(self, signum, _frame) -> None:
