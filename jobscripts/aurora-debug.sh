@@ -97,7 +97,8 @@ if [ -f "$0" ] && [ -r "$0" ]; then
 else
     echo "hpctrain job: warning: cannot read $0; no copy of the job script saved" >&2
 fi
-env | sort > "$ATTEMPT_DIR/env.txt"
+# The environment, owner-readable only, secrets' values hidden (jobs/env_record.py).
+"$PYTHON" -m hpctrain.jobs.env_record "$ATTEMPT_DIR/env.txt" || true
 set +u
 module list > "$ATTEMPT_DIR/modules.txt" 2>&1 || echo "(no module command)" > "$ATTEMPT_DIR/modules.txt"
 set -u

@@ -9,6 +9,7 @@
 #SBATCH -S 8
 #SBATCH --exclusive
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
 #SBATCH --signal=USR1@120
 
 set -euo pipefail
@@ -97,7 +98,8 @@ if [ -f "$0" ] && [ -r "$0" ]; then
 elif ! scontrol write batch_script "$SLURM_JOB_ID" "$ATTEMPT_DIR/jobscript.sh" >/dev/null 2>&1; then
     echo "hpctrain job: warning: cannot read $0; no copy of the job script saved" >&2
 fi
-env | sort > "$ATTEMPT_DIR/env.txt"
+# The environment, owner-readable only, secrets' values hidden (jobs/env_record.py).
+"$PYTHON" -m hpctrain.jobs.env_record "$ATTEMPT_DIR/env.txt" || true
 set +u
 module list > "$ATTEMPT_DIR/modules.txt" 2>&1 || echo "(no module command)" > "$ATTEMPT_DIR/modules.txt"
 set -u

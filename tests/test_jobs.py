@@ -203,6 +203,7 @@ def test_perlmutter_directives_and_srun_line():
         "#SBATCH --constraint=gpu", "#SBATCH --nodes=2", "#SBATCH --time=00:30:00",
         "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
         "#SBATCH --cpus-per-task=32", "#SBATCH --output=%x-%j.out",
+        "#SBATCH --open-mode=append",
         "#SBATCH --signal=USR1@120"]
     assert launch_block(text)[:7] == ["srun", "-n", "${NRANKS}", "--ntasks-per-node=4",
                                       "--cpus-per-task=32", "--cpu-bind=cores",
@@ -221,7 +222,8 @@ def test_frontier_directives_and_srun_line():
                                 "#SBATCH -N 2", "#SBATCH -t 01:00:00",
                                 "#SBATCH --ntasks-per-node=8", "#SBATCH --cpus-per-task=7",
                                 "#SBATCH -S 8", "#SBATCH --exclusive",
-                                "#SBATCH --output=%x-%j.out", "#SBATCH --signal=USR1@120"]
+                                "#SBATCH --output=%x-%j.out", "#SBATCH --open-mode=append",
+                                "#SBATCH --signal=USR1@120"]
     assert launch_block(text)[:6] == ["srun", "-N${NNODES}", "-n${NRANKS}", "-c7",
                                       "--gpus-per-task=1", "--gpu-bind=closest"]
     assert "export OMP_NUM_THREADS=7" in text

@@ -37,6 +37,8 @@ RECORDS = "jobscript.sh, launch.txt, env.txt, modules.txt, git.txt, job.txt, exi
 RUN_STATUS_MODULE = "hpctrain.train.run_status"
 """Read by the script after training: finished, or stopped early (``status.json``)."""
 JOB_END_MODULE = "hpctrain.jobs.job_end"
+ENV_RECORD_MODULE = "hpctrain.jobs.env_record"
+"""Writes the attempt's ``env.txt`` (owner-only, secrets hidden)."""
 """Asked by the script for the job's end (squeue, qstat), which the trainer stops before."""
 _WIDTH = 88
 
@@ -219,6 +221,7 @@ def context(spec: JobSpec) -> dict:
         "run_status": Shell(RUN_STATUS_MODULE) if _trains(spec) else None,
         "stop_exit_code": spec.stop_exit_code,
         "job_end": _job_end(spec),
+        "env_record": Shell(ENV_RECORD_MODULE),
     }
 
 
