@@ -253,3 +253,38 @@ def test_a_signal_after_the_run_is_ignored_until_the_process_exits(dataset_path,
         for sig, handler in before.items():
             signal.signal(sig, handler)
 
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_ends_hpctrain_sample_with_130_and_no_traceback(dataset_path, tmp_path,
+                                                               monkeypatch, capsys, presses):
+    """Once: the sample so far is printed; twice: it stops at once. Either way one line
+    on stderr and the exit status of SIGINT."""
+    from hpctrain.cli import main
+    from hpctrain.model.gpt import GPT
+
+    argv = _train_argv(dataset_path, tmp_path)
+    argv[argv.index("--train.save_checkpoint=false")] = "--train.save_checkpoint=true"
+    assert main(argv) == 0
+    capsys.readouterr()
+    forward, calls = GPT.forward, []
+
+    def interrupted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(GPT, "forward", interrupted)
+    before = signal.getsignal(signal.SIGINT)
+    code = main(["sample", "--checkpoint", str(tmp_path / "final.h5"), "--tokens", "500",
+                 "--prompt", "de"])
+    out, err = capsys.readouterr()
+    assert code == 130 and len(calls) < 10 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    if presses == 1:
+        assert out.startswith("de") and "stopped by SIGINT" in err
+    else:
+        assert out == "" and "interrupted" in err
+    assert signal.getsignal(signal.SIGINT) == before
+

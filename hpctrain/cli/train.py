@@ -4,6 +4,8 @@ for several ranks) and ``hpctrain sample`` (text from a trained checkpoint)."""
 from __future__ import annotations
 
 import json
+import signal
+import sys
 
 from hpctrain.errors import UserError
 
@@ -88,6 +90,23 @@ def cmd_sample(args) -> int:
         raise UserError(f"{args.checkpoint}: its weights do not fit the model shape it "
                         f"records ({first}); the file is damaged: sample from another "
                         "checkpoint") from None
-    print(model.complete(tok, args.prompt, args.tokens, temperature=args.temperature,
-                         top_k=args.top_k or None, seed=args.seed))
+    from hpctrain.train.stop import SignalFlag
+
+    # Ctrl-C or SIGTERM ends the sample at the next token: what it has is printed, and the
+    # exit status is the signal's (128 + its number), without a traceback.
+    signals = SignalFlag().install()
+    try:
+        text = model.complete(tok, args.prompt, args.tokens, temperature=args.temperature,
+                              top_k=args.top_k or None, seed=args.seed,
+                              should_stop=lambda: signals.stopping)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once
+        print("sample: interrupted (Ctrl-C twice)", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        signals.restore(ignore=args.owns_process)
+    print(text)
+    if signals.received:
+        print(f"sample: stopped by {signals.cause} before {args.tokens} tokens",
+              file=sys.stderr)
+        return 128 + signals.received
     return 0
