@@ -485,6 +485,25 @@ def test_data_that_does_not_fit_the_model_stops_training(dataset_path, tmp_path)
                 cpu_world(MPI.COMM_SELF), verbose=False)
 
 
+def test_token_ids_outside_the_vocabulary_stop_training_with_one_message(dataset_path,
+                                                                        tmp_path):
+    """Checksums that agree with ids the vocabulary lacks (another tool's file): a
+    DataError at the first read, not an IndexError in the embedding steps later."""
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(dataset_path.read_bytes())
+    train = read_info(bad).splits["train"]
+    raw = bytearray(bad.read_bytes())
+    width = train.dtype.itemsize * train.n_tokens
+    raw[train.offset:train.offset + width] = b"\xff" * width
+    bad.write_bytes(bytes(raw))
+    cfg = tiny_config(bad, tmp_path / "out", **{"data.verify": False})
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
+    top = np.iinfo(train.dtype).max
+    with pytest.raises(DataError, match=f"token id {top}, outside its vocabulary of "
+                                        f"{read_info(bad).vocab_size}.*prepare it again"):
+        trainer.fit()
+
+
 # --------------------------------------------------------------- a 2 GB file, 1 rank
 
 @pytest.mark.slow

@@ -93,6 +93,17 @@ def open_dataset(cfg, world) -> Prefetcher:
     return Prefetcher(reader, timeout=world.timeout, threaded=threaded)
 
 
+def check_token_ids(tokens: np.ndarray, vocab_size: int, path, split: str) -> None:
+    """Every id read lies in the dataset's vocabulary: a file whose checksums agree may
+    still hold others (written by another tool or tokenizer), which the embedding would
+    meet as an index error steps later."""
+    if tokens.size and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
+        bad = int(tokens.max()) if int(tokens.max()) >= vocab_size else int(tokens.min())
+        raise DataError(f"{path}: the {split} split holds token id {bad}, outside its "
+                        f"vocabulary of {vocab_size}: the file is damaged or was written "
+                        "with another tokenizer; prepare it again")
+
+
 def thread_note(prefetch: bool, threaded: bool, level: int) -> str:
     """Why batches are read in the main thread when prefetching was asked for
     (``prefetch``) but the reader has no thread: the background reader calls MPI-IO beside
@@ -191,8 +202,9 @@ class BatchLoader:
                           uniform=True)
 
     def _load(self, split: str, starts: np.ndarray, uniform: bool = False):
-        tokens = torch.from_numpy(self.data.reader.read(split, starts, self.block + 1,
-                                                        uniform=uniform))
+        tokens = self.data.reader.read(split, starts, self.block + 1, uniform=uniform)
+        check_token_ids(tokens, self.vocab_size, self.data.path, split)
+        tokens = torch.from_numpy(tokens)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):
