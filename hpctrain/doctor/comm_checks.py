@@ -18,7 +18,8 @@ from hpctrain.comm.placement import VISIBILITY_ENV
 from hpctrain.comm.transport import MPITransport, resolve_collectives
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import THREAD_LEVELS, World
-from hpctrain.doctor.report import MiB, Report
+from hpctrain.doctor.report import Report
+from hpctrain.sizes import MiB
 from hpctrain.doctor.setup_checks import (expand_cpus, gpu_numa_cpus, gpus_present,
                                           torch_gpu_build)
 

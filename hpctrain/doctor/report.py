@@ -4,8 +4,8 @@ and the text rank 0 prints."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from hpctrain.sizes import MiB
 
-MiB = 2**20
 SECTIONS = ("ranks", "mpi", "gpu_aware", "setup", "allreduce", "p2p", "train")
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from hpctrain.comm import device_collectives
 from hpctrain.comm.world import World
 from hpctrain.doctor.comm_checks import check_allreduce, check_mpi, check_p2p, check_ranks
-from hpctrain.doctor.report import MiB, Report, format_report
+from hpctrain.doctor.report import Report, format_report
+from hpctrain.sizes import MiB
 from hpctrain.doctor.setup_checks import check_setup
 from hpctrain.doctor.thresholds import judge
 from hpctrain.doctor.train_step import check_train

@@ -20,7 +20,8 @@ several ranks (one rank moves nothing), and only to rows whose transport is ther
 
 from __future__ import annotations
 
-from hpctrain.doctor.report import MiB, Report
+from hpctrain.doctor.report import Report
+from hpctrain.sizes import MiB
 
 MIN_BUSBW_GBPS = {"device library": 40.0, "mpi direct": 5.0, "mpi staged": 1.0}
 MIN_P2P_GBPS = 1.0

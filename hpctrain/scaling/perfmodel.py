@@ -54,6 +54,7 @@ from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_inpu
 from hpctrain.parallel.pipeline.schedules import predicted_bubble
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.system_perf import SystemPerf
+from hpctrain.sizes import GiB, MiB
 
 __all__ = ["Layout", "Prediction", "predict", "predict_memory", "fits", "describe",
            "bubble_fraction", "activation_bytes", "activation_bytes_per_layer",
@@ -61,7 +62,6 @@ __all__ = ["Layout", "Prediction", "predict", "predict_memory", "fits", "describ
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 RECOMPUTE = ("none", "block")
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -233,11 +233,11 @@ def collective(system: SystemPerf, kind: str, group: int, n_bytes: float,
 def bucket_sizes(n_bytes: float, bucket_mb: float, first_mb: float = 1.0) -> list[float]:
     """The trainer's buckets: the first capped at 1 MiB, the rest at ``bucket_mb``."""
     sizes, left = [], n_bytes
-    cap = first_mb * MIB
+    cap = first_mb * MiB
     while left > 0:
         sizes.append(min(cap, left))
         left -= sizes[-1]
-        cap = bucket_mb * MIB
+        cap = bucket_mb * MiB
     return sizes
 
 
@@ -381,7 +381,7 @@ def predict_memory(system: SystemPerf, shape: ModelShape, layout: Layout) -> tup
     if layout.zero == 3:  # the gathered block and the prefetched next one
         buffers = 2 * word_bytes(layout.dtype) * params / (layers + 1)
     elif layout.dtype == "bf16" or layout.zero == 2:  # at most two fp32 staging buckets
-        buffers = 2 * min(4.0 * params, layout.bucket_mb * MIB)
+        buffers = 2 * min(4.0 * params, layout.bucket_mb * MiB)
     else:
         buffers = 0.0
     terms = {"model_state": state, "activations": acts, "logits": logits,
@@ -396,7 +396,7 @@ def fits(system: SystemPerf, memory_bytes: float) -> bool:
 def describe(pred: Prediction) -> list[tuple[str, str]]:
     """Readable terms for ``--explain`` and reports: (name, value)."""
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
-    gib = lambda b: f"{b / (1 << 30):.2f} GiB"  # noqa: E731
+    gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
     rows = [("compute (forward + backward, all micro-batches)", ms(pred.compute_s)),
             ("pipeline bubble", ms(pred.bubble_s)),
             ("pipeline point-to-point", ms(pred.p2p_s)),

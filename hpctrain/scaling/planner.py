@@ -23,8 +23,8 @@ from hpctrain.parallel.tensor.layout import check_splittable
 from hpctrain.scaling.models import ModelShape, model_shape
 from hpctrain.scaling.perfmodel import Layout, Prediction, describe, fits, predict
 from hpctrain.scaling.system_perf import SystemPerf, load_perf
+from hpctrain.sizes import GiB
 
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -139,12 +139,12 @@ def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len:
     ok.sort(key=lambda c: (c.prediction.step_s, c.prediction.memory_bytes))
     smallest = min(cands, key=lambda c: c.prediction.memory_bytes)
     if not ok:
-        need = smallest.prediction.memory_bytes / GIB
+        need = smallest.prediction.memory_bytes / GiB
         chunk = min(4096, max(256, shape.block_size // 2))  # a fraction of one sequence
         options = [o for o, unset in (("--recompute block", recompute == "none"),
                                       (f"--loss-chunk {chunk}", not loss_chunk)) if unset]
         raise UserError(f"{shape.label} does not fit {perf.device} memory "
-                        f"({perf.device_memory / GIB:.0f} GiB) in any layout on {nodes} "
+                        f"({perf.device_memory / GiB:.0f} GiB) in any layout on {nodes} "
                         f"node(s): the smallest needs {need:.1f} GiB per rank "
                         f"({_layout_text(smallest.layout)}); use "
                         + "".join(f"{o}, " for o in options) + "more nodes, a smaller "
@@ -171,7 +171,7 @@ def table(p: Plan, top: int = 12) -> str:
     s = p.shape
     head = (f"{s.label}: {s.params / 1e9:.2f}B parameters, {s.n_layer} layers, width "
             f"{s.n_embd}, context {s.block_size}; {p.system.name}: {p.nodes} node(s) x "
-            f"{p.ranks // p.nodes} = {p.ranks} ranks, {p.system.device_memory / GIB:.0f} GiB "
+            f"{p.ranks // p.nodes} = {p.ranks} ranks, {p.system.device_memory / GiB:.0f} GiB "
             f"per device; global batch {p.global_batch} x {s.block_size} tokens; "
             f"{p.fitting[0].layout.dtype}{_model_options(p.fitting[0].layout)}; gradients "
             f"through {'the GPU library' if p.system.collectives == 'xccl' else 'MPI'}")
@@ -192,7 +192,7 @@ def table(p: Plan, top: int = 12) -> str:
                      f"{100 * q.mfu:.1f}%" if q.mfu is not None else "-",
                      f"{100 * (q.compute_s + q.optimizer_s) / q.step_s:.0f}%",
                      f"{100 * comm:.0f}%", f"{100 * sh['bubble']:.0f}%",
-                     f"{q.memory_bytes / GIB:.1f}"])
+                     f"{q.memory_bytes / GiB:.1f}"])
     widths = [max(len(r[i]) for r in [cols] + rows) for i in range(len(cols))]
     line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
     out = [head, "", line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]

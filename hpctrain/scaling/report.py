@@ -14,6 +14,7 @@ from hpctrain.errors import UserError
 from hpctrain.scaling import analysis, plots
 from hpctrain.scaling.emit import collect
 from hpctrain.scaling.records import read_records
+from hpctrain.sizes import MiB
 
 DEFINITIONS = [
     "**Weak-scaling efficiency** = tok/s(N) / ((N/N0) tok/s(N0)) at a fixed batch per "
@@ -137,7 +138,7 @@ def measurement_table(points) -> tuple[list, list]:
                      _f(p.tokens_per_s, "{:,.0f}"), _f(p.tokens_per_s_per_rank, "{:,.0f}"),
                      _f(p.tflops_per_rank, "{:.4f}"), _pct(p.mfu),
                      *(_pct(s.get(k)) for k in ("compute", "comm", "bubble", "data")),
-                     _f(None if p.peak_rss is None else p.peak_rss / 2 ** 20, "{:.0f}"),
+                     _f(None if p.peak_rss is None else p.peak_rss / MiB, "{:.0f}"),
                      _f(p.background, "{:.2f}")])
     return headers, rows
 
@@ -169,6 +170,6 @@ def error_table(points) -> tuple[list, list]:
                      "yes" if abs(p.error) <= analysis.TOLERANCE else "**no**",
                      ms("compute_s"), _f(q.get("tp_comm_s", 0.0) * 1e3), ms("grad_comm_s"), ms("gather_s"), ms("optimizer_s"),
                      ms("bubble_s"), ms("p2p_s"), _f(q["oversubscription"], "{:.1f}"),
-                     _f(None if p.peak_rss is None else p.peak_rss / 2 ** 20, "{:.0f}"),
-                     _f(q["memory_bytes"] / 2 ** 20, "{:.0f}")])
+                     _f(None if p.peak_rss is None else p.peak_rss / MiB, "{:.0f}"),
+                     _f(q["memory_bytes"] / MiB, "{:.0f}")])
     return headers, rows

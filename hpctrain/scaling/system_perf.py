@@ -18,9 +18,8 @@ from pathlib import Path
 from hpctrain.errors import UserError
 from hpctrain.scaling.comm_cost import KINDS, Fit, Link
 from hpctrain.systems.registry import load_system, system_names
+from hpctrain.sizes import GiB, MiB
 
-GIB = 1 << 30
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -131,10 +130,10 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None,
     perf = SystemPerf(
         name=system.name, description=system.description,
         ranks_per_node=system.launch.ranks_per_node, device=p.device,
-        device_memory=p.device_memory_gib * GIB, memory_reserve=p.memory_reserve_gib * GIB,
+        device_memory=p.device_memory_gib * GiB, memory_reserve=p.memory_reserve_gib * GiB,
         cores_per_node=int(calib.get("cores_per_node", p.cores_per_node)),
         flash_attention=p.flash_attention,
-        base_memory=float(calib.get("base_memory_mib", p.base_memory_mib)) * MIB,
+        base_memory=float(calib.get("base_memory_mib", p.base_memory_mib)) * MiB,
         peak_flops={k: float(v) * 1e12 for k, v in
                     {**p.peak_tflops, **cc.get("peak_tflops", {})}.items()},
         achieved_flops={k: float(v) * 1e12 for k, v in
