@@ -42,7 +42,7 @@ def worker(out: Path, mode: str, repeats: int) -> None:
     import torch
     from mpi4py import MPI
 
-    from hpctrain.checkpoint.distributed import load_sharded, model_shape, save_sharded
+    from hpctrain.checkpoint.distributed import load_sharded, save_sharded
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.comm.world import World
     from hpctrain.config import OptimConfig
@@ -89,7 +89,7 @@ def worker(out: Path, mode: str, repeats: int) -> None:
             comm.Barrier()
             t0 = MPI.Wtime()
             path = save_sharded(Path(tmp) / "checkpoints", rep + 1, zero, grid,
-                                run={"config": _config(), "model": model_shape(cfg)},
+                                run={"config": _config(), "model": cfg.shape()},
                                 keep=1)
             comm.Barrier()
             times["save"].append(MPI.Wtime() - t0)

@@ -14,7 +14,7 @@ from hpctrain.model.shape import SHAPE_KEYS
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.scaling import comm_cost
 from hpctrain.scaling import perfmodel as pm
-from hpctrain.scaling.models import ModelShape, model_shape
+from hpctrain.scaling.models import ModelShape, preset_shape
 from hpctrain.scaling.planner import plan
 from hpctrain.scaling.system_perf import ShapeRate, load_perf
 
@@ -55,7 +55,7 @@ def test_llama_shape_counts_match_the_real_model(tied):
 
 
 def test_llama3_8b_preset_has_the_published_parameter_count():
-    shape = model_shape("llama3-8b")
+    shape = preset_shape("llama3-8b")
     assert shape.params == pytest.approx(8.03e9, rel=2e-3)  # Meta: 8.03B
     assert (shape.n_kv_head, shape.ffn_hidden, shape.tie_embeddings) == (8, 14336, False)
 
@@ -64,20 +64,20 @@ def test_a_shape_is_a_gpt_config_with_a_name():
     """ModelShape lists GPTConfig's shape fields, so that none is left out of the counts."""
     names = {f.name for f in dataclasses.fields(ModelShape)} - {"name"}
     assert names == set(SHAPE_KEYS)
-    shape = model_shape("gpt2", bias=True)
+    shape = preset_shape("gpt2", bias=True)
     assert shape.gpt.shape() == {k: getattr(shape, k) for k in SHAPE_KEYS}
-    assert shape.bias and shape.key == model_shape("gpt2").key
-    assert shape.params > model_shape("gpt2").params
-    padded = model_shape("gpt2", vocab_multiple=64)  # 50257 -> 50304 embedding rows
-    assert padded.params - model_shape("gpt2").params == 47 * 768
-    assert padded.flops_per_token == model_shape("gpt2").flops_per_token
+    assert shape.bias and shape.key == preset_shape("gpt2").key
+    assert shape.params > preset_shape("gpt2").params
+    padded = preset_shape("gpt2", vocab_multiple=64)  # 50257 -> 50304 embedding rows
+    assert padded.params - preset_shape("gpt2").params == 47 * 768
+    assert padded.flops_per_token == preset_shape("gpt2").flops_per_token
 
 
 def test_shape_rejects_bad_dimensions():
     with pytest.raises(UserError, match="multiple of n_head"):
         ModelShape(2, 3, 32, 16, 50)
     with pytest.raises(UserError, match="unknown model"):
-        model_shape("gpt5")
+        preset_shape("gpt5")
 
 
 def test_ring_costs_are_the_textbook_formulas():
@@ -172,12 +172,12 @@ def test_llama_activation_bytes_are_what_a_real_block_keeps(dtype, kv):
 
 
 def test_llama_keeps_more_per_token_than_gpt2s_34_words():
-    shape = model_shape("llama3-8b")
+    shape = preset_shape("llama3-8b")
     per_h = pm.llama_bytes_per_token(shape, "bf16") / shape.n_embd
     assert per_h == pytest.approx(51.5)  # fp32 norms; Korthikanti's count would say 41
 
 
-@pytest.mark.parametrize("shape", [model_shape("gpt2"), ModelShape(4, 8, 512, 1024, 32000,
+@pytest.mark.parametrize("shape", [preset_shape("gpt2"), ModelShape(4, 8, 512, 1024, 32000,
                                                                    arch="llama", n_kv_head=2)])
 def test_recomputation_keeps_layer_inputs_and_one_layer(shape):
     sys_ = dataclasses.replace(load_perf("polaris"), overlap=0.0,
@@ -225,7 +225,7 @@ def _cpu_system(cores=2):
 
 def test_predicted_bubble_matches_the_formula():
     sys_ = load_perf("polaris")
-    shape = model_shape("gpt2")
+    shape = preset_shape("gpt2")
     pred = pm.predict(sys_, shape, pm.Layout(ranks=4, pp=4, micro_batches=8, global_batch=8,
                                              dtype="bf16"))
     assert pred.bubble_s / pred.compute_s == pytest.approx(3 / 8)
@@ -278,7 +278,7 @@ def test_cpu_data_parallelism_uses_the_shared_memory_fit_where_calibrated():
 
 def test_zero_stages_memory_and_communication():
     sys_ = dataclasses.replace(load_perf("polaris"), overlap=0.0)  # nothing hidden
-    shape = model_shape("gpt2")
+    shape = preset_shape("gpt2")
     preds = {z: pm.predict(sys_, shape, pm.Layout(ranks=8, zero=z, global_batch=16,
                                                   dtype="bf16")) for z in range(4)}
     for z, p in preds.items():
@@ -299,7 +299,7 @@ def test_zero_stages_memory_and_communication():
 ])
 def test_illegal_layouts_name_the_fix(layout, match):
     with pytest.raises(UserError, match=match):
-        layout.check(model_shape("gpt2"))
+        layout.check(preset_shape("gpt2"))
 
 
 @pytest.mark.parametrize("system", ["polaris", "aurora"])
@@ -351,7 +351,7 @@ def test_tensor_parallel_groups_stay_inside_a_node(system):
 
 
 def test_llama3_70b_plans_on_64_polaris_nodes():
-    shape = model_shape("llama3-70b")
+    shape = preset_shape("llama3-70b")
     assert shape.params == pytest.approx(70.55e9, rel=1e-3)  # Meta's 70.6B, untied head
     p = plan(system="polaris", nodes=64, model="llama3-70b", recompute="block")
     assert p.fitting and p.ranks == 256
@@ -361,7 +361,7 @@ def test_tensor_and_sequence_parallelism_divide_activation_memory():
     """Korthikanti et al. 2022 for GPT-2: 10 + 24/t words per s b h with tp, and all 34
     divided by t with sp (the trainer's column-parallel layers keep their rank's tokens
     and gather them again in backward)."""
-    gpt, llama = model_shape("gpt2", vocab_size=50304), model_shape("llama3-8b")
+    gpt, llama = preset_shape("gpt2", vocab_size=50304), preset_shape("llama3-8b")
     one = pm.activation_bytes_per_layer(gpt, 1, "bf16", True)
     assert pm.activation_bytes_per_layer(gpt, 1, "bf16", True, tp=4) == \
         pytest.approx(one * (10 + 24 / 4) / 34)
@@ -401,7 +401,7 @@ def test_tensor_parallel_collectives_count_the_layers_sums():
     assert t == 2 * (3 * 6 + 2) + 3 * 2 + 3
     assert ("allgather", 10 * 8 * 2.0) in calls and ("reduce_scatter", 10 * 8 * 2.0) in calls
     sys_ = load_perf("polaris")
-    shape = model_shape("gpt3-6.7b", vocab_multiple=64)
+    shape = preset_shape("gpt3-6.7b", vocab_multiple=64)
     lay = pm.Layout(ranks=8, global_batch=16, dtype="bf16", micro_batches=2)
     plain, split = pm.predict(sys_, shape, lay), pm.predict(sys_, shape,
                                                             dataclasses.replace(lay, tp=4))
@@ -417,7 +417,7 @@ def test_tensor_parallel_collectives_count_the_layers_sums():
 
 
 def test_tensor_parallel_layouts_are_checked():
-    gpt2 = model_shape("gpt2")
+    gpt2 = preset_shape("gpt2")
     with pytest.raises(UserError, match="vocab_multiple"):  # 50257 rows do not split
         pm.Layout(ranks=2, tp=2, global_batch=2).check(gpt2)
     with pytest.raises(UserError, match="n_head=12 is not a multiple of --parallel.tp=8"):
@@ -463,7 +463,7 @@ def test_the_achieved_rate_rises_with_width():
                     dtype="bf16")
     shape = ModelShape(layers, heads, width, 2048, vocab)
     assert pm.predict(flat, shape, lay).tokens_per_s / 8 / measured < 0.75
-    mfu = [pm.predict(_a100_80gb_node(), model_shape(n), pm.Layout(
+    mfu = [pm.predict(_a100_80gb_node(), preset_shape(n), pm.Layout(
         ranks=8, global_batch=8, dtype="bf16")).mfu for n in ("gpt2", "gpt2-xl", "gpt3-13b")]
     assert mfu == sorted(mfu) and mfu[0] < 0.8 * mfu[-1]
 
@@ -472,9 +472,9 @@ def test_plan_options_are_checked_and_off_by_default():
     assert all(c.layout.recompute == "none" and c.layout.loss_chunk == 0
                for c in plan(system="polaris", nodes=2, model="gpt2").fitting)
     with pytest.raises(UserError, match="recompute 'all'"):
-        pm.Layout(ranks=1, recompute="all").check(model_shape("gpt2"))
+        pm.Layout(ranks=1, recompute="all").check(preset_shape("gpt2"))
     with pytest.raises(UserError, match="loss_chunk -1"):
-        pm.Layout(ranks=1, loss_chunk=-1).check(model_shape("gpt2"))
+        pm.Layout(ranks=1, loss_chunk=-1).check(preset_shape("gpt2"))
 
 
 def test_plan_refuses_a_model_that_cannot_fit():
@@ -503,7 +503,7 @@ def test_every_preset_plans_on_a_login_node_quickly():
 def test_calibration_workers_rebuild_the_model_a_key_names():
     from hpctrain.scaling.calib_worker import config_from_key
 
-    for shape in (model_shape("default"), model_shape("llama3-8b", block_size=64, n_layer=1)):
+    for shape in (preset_shape("default"), preset_shape("llama3-8b", block_size=64, n_layer=1)):
         cfg = config_from_key(shape.key)
         assert (cfg.arch, cfg.n_kv_head, cfg.ffn_hidden, cfg.n_embd) == \
             (shape.arch, shape.n_kv_head, shape.ffn_hidden, shape.n_embd)
@@ -512,7 +512,7 @@ def test_calibration_workers_rebuild_the_model_a_key_names():
 def test_llama3_8b_has_its_published_parameter_count():
     """8,030,261,248: Meta's count for Llama 3 8B (untied head, GQA with 8 key/value
     heads, SwiGLU 14336); FLOPs per token 6N + 12 L C T with N without the embedding."""
-    shape = model_shape("llama3-8b")
+    shape = preset_shape("llama3-8b")
     assert shape.params == 8_030_261_248
     n = shape.params - 128256 * 4096  # the embedding is a lookup; the head multiplies
     assert shape.flops_per_token == 6 * n + 12 * 32 * 4096 * 8192
@@ -527,7 +527,7 @@ def test_the_collective_library_has_its_own_links_and_overlap():
     assert load_perf("local", collectives="auto").collectives == "mpi"  # no figures there
     with pytest.raises(UserError, match=r"\[perf.network.xccl\].*--collectives mpi"):
         load_perf("local", collectives="xccl")
-    shape = model_shape("gpt2-xl")
+    shape = preset_shape("gpt2-xl")
     lay = pm.Layout(ranks=64, global_batch=512, zero=1)
     faster, slower = pm.predict(lib, shape, lay), pm.predict(mpi, shape, lay)
     assert faster.grad_comm_s < slower.grad_comm_s

@@ -126,7 +126,7 @@ def _run(args) -> int:
 
 def _calibrate(args) -> int:
     from hpctrain.scaling.calibrate import calibrate
-    from hpctrain.scaling.models import model_shape
+    from hpctrain.scaling.models import preset_shape
     from hpctrain.scaling.spec import load_study
 
     if args.study:
@@ -136,7 +136,7 @@ def _calibrate(args) -> int:
         ranks = args.ranks or sorted({p.layout.ranks for p in study.points} |
                                      {p.layout.dp for p in study.points})
     else:
-        shapes, dtypes, ranks = [model_shape(args.model)], ["fp32"], args.ranks or [2, 4]
+        shapes, dtypes, ranks = [preset_shape(args.model)], ["fp32"], args.ranks or [2, 4]
     out = Path(args.output)
     if not out.parent.is_dir():
         raise UserError(f"--output {out}: directory {out.parent} does not exist")

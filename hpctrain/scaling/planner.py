@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from hpctrain.errors import UserError
 from hpctrain.parallel.tensor.layout import check_splittable
-from hpctrain.scaling.models import ModelShape, model_shape
+from hpctrain.scaling.models import ModelShape, preset_shape
 from hpctrain.scaling.perfmodel import Layout, Prediction, describe, fits, predict
 from hpctrain.scaling.system_perf import SystemPerf, load_perf
 from hpctrain.sizes import GiB
@@ -121,7 +121,7 @@ def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len:
         raise UserError(f"system {perf.name} has no ranks per node; pass --ranks-per-node N")
     if ranks_per_node and perf.ranks_per_node and ranks_per_node != perf.ranks_per_node:
         perf = replace(perf, ranks_per_node=ranks_per_node)
-    shape = model_shape(model, block_size=seq_len)
+    shape = preset_shape(model, block_size=seq_len)
     ranks = nodes * rpn
     global_batch = global_batch or max(DEFAULT_BATCH, ranks)
     if global_batch < 1:

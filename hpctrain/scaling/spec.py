@@ -50,7 +50,7 @@ from hpctrain.config import load_config, parse_overrides
 from hpctrain.data.dataset import read_info
 from hpctrain.errors import ConfigError, DataError, UserError
 from hpctrain.model.shape import LATER_KEYS
-from hpctrain.scaling.models import ModelShape, model_shape, presets
+from hpctrain.scaling.models import ModelShape, preset_shape, presets
 from hpctrain.scaling.perfmodel import SCHEDULES, Layout
 from hpctrain.scaling.system_perf import SystemPerf, load_perf
 from hpctrain.systems.registry import load_system
@@ -335,7 +335,7 @@ def _model(path, m: dict, vocab_size: int | None) -> ModelShape:
         raise _err(path, f"unknown key(s) in [[models]]: {', '.join(sorted(unknown))}")
     shape = {k: m[k] for k in SHAPE_KEYS + OPTIONAL_SHAPE_KEYS if k in m}
     if "preset" in m:
-        return model_shape(m["preset"], **shape)
+        return preset_shape(m["preset"], **shape)
     shape.setdefault("vocab_size", vocab_size)
     missing = [k for k in SHAPE_KEYS if not shape.get(k)]
     if missing:
