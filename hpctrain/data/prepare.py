@@ -35,7 +35,7 @@ Under ``mpiexec -n N``:
 6. every rank writes its tokens at their byte offset with collective MPI-IO
    (``Iwrite_at_all``, each write checked: ``mpiio_write.py``), every rank reads its
    share of the checksum blocks back, and rank 0 gives the file the mode a plain
-   ``open()`` would (``hpctrain.files``) and renames it into place. A failed or short
+   ``open()`` would (``hpctrain.file_modes``) and renames it into place. A failed or short
    write fails on every rank and leaves an earlier file of that name as it was.
 
 Every collective of steps 1-6 waits at most ``timeout`` seconds (``--timeout``, the
@@ -68,12 +68,12 @@ from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_bl
 from hpctrain.data.prepare_group import Group, Solo, attempt
 from hpctrain.data.prepare_tokenize import tokenize
 from hpctrain.data.spill import TokenSpill
-from hpctrain.data.records import parquet_row_group_bytes, require_extra
+from hpctrain.data.document_reader import parquet_row_group_bytes, require_extra
 from hpctrain.data.sources import PARQUET, Plan, expand_inputs, file_format, plan_units
 from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
 from hpctrain.data.tokenizers import check_tokenizer_name
 from hpctrain.errors import DataError
-from hpctrain.files import chmod_as_created
+from hpctrain.file_modes import chmod_as_created
 
 __all__ = ["prepare", "combine", "expand_inputs", "assign_files", "check_output"]
 BAD_RECORD_CHOICES = ("fail", "skip")

@@ -1,5 +1,5 @@
 """Step 3 of ``prepare`` (``prepare.py``): each rank reads its units of work
-(``sources.py``) batch by batch (``records.py``) and keeps only their tokens, on disk
+(``sources.py``) batch by batch (``document_reader.py``) and keeps only their tokens, on disk
 (``spill.py``).
 
 A text file is tokenized whole, with a newline added where it does not end in one (never
@@ -12,7 +12,7 @@ A character vocabulary is every rank's characters, sorted, so with ``--tokenizer
 the units are read twice (characters, then tokens); the newline separates documents and
 is in it whenever a records file is.
 
-Memory per rank: one batch being read (``records.py``: about ``BLOCK_BYTES`` of JSON
+Memory per rank: one batch being read (``document_reader.py``: about ``BLOCK_BYTES`` of JSON
 lines, or ``BATCH_ROWS`` rows of Parquet or Arrow; a text file is read whole) with its
 tokens as Python ints. The rank's tokens so far go to its spill file as each batch is
 encoded, whatever the size of its share.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from hpctrain.data.format import token_dtype
 from hpctrain.data.prepare_group import attempt
-from hpctrain.data.records import BadRecords, read_unit
+from hpctrain.data.document_reader import BadRecords, read_unit
 from hpctrain.data.sources import TEXT, Plan
 from hpctrain.data.spill import TokenSpill
 from hpctrain.data.tokenizers import (CharTokenizer, document_separator, encode_documents,

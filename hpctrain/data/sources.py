@@ -3,7 +3,7 @@
 An input is a text file (read whole, as before), a file of records, one document each,
 or a directory or glob of those. Records come as JSON lines (``.jsonl``, ``.json``,
 plain or compressed ``.gz`` / ``.zst``), Parquet (``.parquet``) or Arrow streams
-(``.arrow``, what ``datasets.save_to_disk`` writes); ``records.py`` reads them.
+(``.arrow``, what ``datasets.save_to_disk`` writes); ``document_reader.py`` reads them.
 
 A directory that holds any records file is a dataset directory (a Hugging Face dataset
 repository, say): its records files are taken in sorted path order and everything else

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpctrain.document import to_html, to_markdown
+from hpctrain.markdown_html import to_html, to_markdown
 from hpctrain.errors import UserError
 from hpctrain.scaling import analysis, plots
 from hpctrain.scaling.emit import collect
