@@ -72,7 +72,7 @@ class DatasetInfo:
     vocab_size: int
 
     def with_files(self, files) -> "DatasetInfo":
-        """The same dataset read from copies of its files (node-local staging)."""
+        """The same dataset read from copies of its files (the node-local copy)."""
         return replace(self, files=tuple(Path(f) for f in files))
 
 
