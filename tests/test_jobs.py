@@ -474,6 +474,18 @@ def _recorded_commands() -> list[list[str]]:
             if line.startswith("hpctrain jobscript ")]
 
 
+def test_the_profiler_option_and_its_old_name(capsys):
+    base = ["jobscript", "--system", "polaris", "--nodes", "1", "--walltime", "00:30:00",
+            "--queue", "debug", "--account", "P", "--venv", "none"]
+    assert main(base + ["--profiler", "nsys", "--", *CMD]) == 0
+    new = capsys.readouterr()
+    assert "--nsys-dir" in new.out and "--profiler nsys" in new.out and not new.err
+    assert main(base + ["--profile", "nsys", "--", *CMD]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out
+    assert old.err == "--profile -> --profiler (deprecated: the old name goes in the next release)\n"
+
+
 def test_jobscripts_examples_are_what_the_generator_makes(tmp_path, capsys, monkeypatch):
     commands = _recorded_commands()
     names = {Path(c[c.index("--output") + 1]).name for c in commands}

@@ -24,7 +24,7 @@ def add_scale(sub) -> None:
     a.add_argument("--out", metavar="DIR", help="records and runs go here "
                    "(default: runs/study-<name>)")
     a.add_argument("--launch-system", metavar="NAME", default=None,
-                   help="job profile whose launcher runs the points: local (default), or "
+                   help="system whose launcher runs the points: local (default), or "
                         "polaris/aurora/... inside a job's allocation")
     a.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
                    help="before each run wait up to S seconds until other processes leave "
@@ -32,7 +32,7 @@ def add_scale(sub) -> None:
     a.add_argument("--jobs", metavar="DIR", help="write job scripts here instead of running")
     a.add_argument("--one-job", action="store_true", help="with --jobs: one script that runs "
                    "all points on one allocation (the largest point's nodes)")
-    for flag, hint in (("--system", "job profile for --jobs (polaris, aurora, ...)"),
+    for flag, hint in (("--system", "system for --jobs (polaris, aurora, ...)"),
                        ("--account", "project to charge"), ("--queue", "queue"),
                        ("--walltime", "HH:MM:SS per job")):
         a.add_argument(flag, help=hint)
@@ -61,7 +61,7 @@ def add_plan(sub) -> None:
                                    "fit device memory, predict each step with the performance "
                                    "model and print them fastest first.")
     p.add_argument("--system", required=True, metavar="NAME",
-                   help="polaris, aurora, local, or a .toml performance profile")
+                   help="polaris, aurora, local, or a system file (.toml) with a [perf] table")
     p.add_argument("--nodes", type=int, required=True, metavar="N")
     p.add_argument("--model", required=True, metavar="NAME",
                    help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-2.7b, gpt3-6.7b, "
@@ -82,7 +82,7 @@ def add_plan(sub) -> None:
                    help="default: the system's (one per GPU or tile)")
     p.add_argument("--collectives", default="auto", choices=["auto", "mpi", "xccl"],
                    help="as --comm.collectives: whose links carry the gradients (auto: the "
-                        "GPU's library where the system profile has its figures)")
+                        "GPU's library where the system has its figures)")
     p.add_argument("--calibration", metavar="FILE.json", help="measured numbers to use")
     p.add_argument("--top", type=int, default=12, metavar="K", help="rows to print")
     p.add_argument("--explain", nargs="?", const=1, type=int, metavar="RANK",

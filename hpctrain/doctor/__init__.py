@@ -5,7 +5,7 @@
 Each rank reports its device and CPU affinity; then the MPI library and its thread level,
 whether it is GPU-aware per vendor and why (``comm/gpu_aware.py``), the node's set-up
 (ranks sharing a GPU, cores on another NUMA node than the GPU, MPI not GPU-aware where
-the system's profile turns GPU support on, pip's MPICH on a site with its own MPI, a
+the system's file turns GPU support on, pip's MPICH on a site with its own MPI, a
 CPU-only torch on a GPU node), allreduce of host and device buffers through MPI and the
 device's collective library (checked and timed at 1, 25 and 150 MiB), a bf16 round trip
 between rank pairs (the pipeline's point-to-point path, on the device when there is one)

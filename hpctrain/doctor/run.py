@@ -21,7 +21,7 @@ def run_doctor(world: World, *, sizes_mib=DEFAULT_SIZES_MIB, model: str = "auto"
                json_path: str | None = None, out=print, system=None,
                thresholds: bool = True) -> int:
     """Run every check (collective over ``world``); rank 0 prints the report with
-    ``out`` and writes ``json_path``. ``system``: the job's system profile (what the
+    ``out`` and writes ``json_path``. ``system``: the job's system (what the
     set-up checks expect of it). Returns 0 when every check passed, else 1."""
     report = Report()
     check_ranks(world, report)

@@ -49,7 +49,7 @@ def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | N
               one_job: bool = False) -> list[str]:
     """Write the scripts; return lines to print."""
     if not system:
-        raise UserError("--jobs needs --system (polaris, aurora, ...: the job profile)")
+        raise UserError("--jobs needs --system (polaris, aurora, ...: the system the jobs run on)")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     runs = (out / "runs").resolve()

@@ -1,5 +1,5 @@
 """Predict a training step's time and memory from the model shape, the parallel layout
-and a system's performance profile. Pure functions; every term is reported.
+and a system's performance figures. Pure functions; every term is reported.
 
 step = pipeline compute (m micro-batches of forward + backward on the largest stage)
      + pipeline bubble               (p-1)/(m+p-1) of the pipeline, 1F1B and GPipe;

@@ -200,7 +200,7 @@ def table(p: Plan, top: int = 12) -> str:
     out.append("")
     out.append(f"{len(p.fitting)} layout(s) fit ({shown} shown, fastest first); "
                f"{p.too_big} more do not fit device memory. Step times are predictions "
-               f"from the {p.system.name} profile ({p.system.source}"
+               f"from the {p.system.name} system ({p.system.source}"
                + (f", calibration {p.system.calibration}" if p.system.calibration else "")
                + "); --explain N shows the terms.")
     return "\n".join(out)

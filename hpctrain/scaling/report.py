@@ -26,7 +26,7 @@ DEFINITIONS = [
     "left after backward, **bubble** the pipeline's idle time, **data** the wait for the "
     "batch, **compute** the rest (ZeRO-3 gathers and the optimizer included).",
     "TFLOP/s per rank = FLOPs/token (6N + 12LCT) x tok/s / ranks; MFU divides by the "
-    "system profile's peak per device (here: a one-thread matrix product, from calibration).",
+    "system's peak per device (here: a one-thread matrix product, from calibration).",
 ]
 BUSY_LIMIT = 0.3
 """Cores busy with other work above which a point's numbers are flagged."""
@@ -88,7 +88,7 @@ def build_blocks(meta: dict, points: list, groups: dict, pngs: dict) -> list[tup
                    f"{meta['repeats']} repeat(s); started {meta.get('started')}; commit "
                    f"`{sha}`; {env.get('host')}: {env.get('cpu')}, {env.get('cores')} cores, "
                    f"torch {env.get('torch')}, {env.get('mpi')}; spec `{meta.get('spec')}`; "
-                   f"performance profile `{meta.get('system')}`"
+                   f"system `{meta.get('system')}`"
                    + (f" calibrated by `{meta['calibration']}`" if meta.get("calibration")
                       else "") + "."))
     b += [("h2", "Definitions"), ("list", DEFINITIONS)]

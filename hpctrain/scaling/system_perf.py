@@ -34,7 +34,7 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None,
     """System ``name`` (or a .toml path) for the model, with a calibration's numbers on top.
     ``collectives``: whose links carry the gradients (``--comm.collectives``): ``mpi``,
     ``xccl`` (the GPU's library, ``[perf.network.xccl]``), or ``auto`` (the library where
-    the profile has its figures, as training does on GPUs)."""
+    the system has its figures, as training does on GPUs)."""
     system = load_system(name)
     p = system.perf
     if p is None:

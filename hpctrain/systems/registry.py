@@ -163,7 +163,7 @@ class Launch:
 
     @property
     def expects_gpu_aware_mpi(self) -> bool:
-        """Whether the profile turns on the MPI's GPU support (Cray MPICH's
+        """Whether the system turns on the MPI's GPU support (Cray MPICH's
         ``MPICH_GPU_SUPPORT_ENABLED``, MPICH's ``MPIR_CVAR_ENABLE_GPU``)."""
         return any(k in ("MPICH_GPU_SUPPORT_ENABLED", "MPIR_CVAR_ENABLE_GPU") and v == "1"
                    for k, v in self.env)
