@@ -13,7 +13,7 @@ from hpctrain.cli import main
 from hpctrain.errors import UserError
 from hpctrain.scaling import analysis
 from hpctrain.scaling.records import from_summary, read_records, write_record
-from hpctrain.scaling.report import build_report
+from hpctrain.scaling.study_report import build_study_report
 from hpctrain.scaling.spec import load_study
 
 SPEC = """
@@ -188,7 +188,7 @@ def test_report_builder_writes_tables_plots_and_errors(tmp_path):
             _record("a4", "s", 4, 200.0, 16, index=2, status="failed")]
     folder = _study_folder(tmp_path, recs)
     assert len(read_records(folder)) == 3
-    paths = build_report(folder)
+    paths = build_study_report(folder)
     md = (folder / "report.md").read_text()
     assert "| a1 | 1 | 1 |" in md
     assert "+10.0%" in md and "-52.0%" in md  # (predicted - measured) / measured

@@ -93,9 +93,9 @@ def cmd_scale(args) -> int:
     if args.action == "run":
         return _run(args)
     if args.action == "report":
-        from hpctrain.scaling.report import build_report
+        from hpctrain.scaling.study_report import build_study_report
 
-        paths = build_report(args.folder)
+        paths = build_study_report(args.folder)
         print("wrote " + ", ".join(str(p) for p in paths))
         return 0
     return _calibrate(args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpctrain.doctor.report import Report
+from hpctrain.doctor.node_check import NodeCheck
 
 GPU_DEVICE_FILES = ("/dev/nvidia0", "/dev/kfd")
 """What the kernel shows of NVIDIA and AMD GPUs whatever torch sees (an Intel GPU's render
@@ -108,7 +108,7 @@ def setup_failures(rows: list[dict], *, library_version: str, aware: bool | None
     return out
 
 
-def check_setup(world, report: Report, rows: list[dict] | None, system) -> None:
+def check_setup(world, result: NodeCheck, rows: list[dict] | None, system) -> None:
     """Record each mistake of ``setup_failures`` (rank 0 holds the rows)."""
     from mpi4py import MPI
 
@@ -117,7 +117,7 @@ def check_setup(world, report: Report, rows: list[dict] | None, system) -> None:
     aware = world.gpu_aware.direct if world.accel.is_accelerator else None
     failures = setup_failures(rows or [], library_version=MPI.Get_library_version(),
                               aware=aware, system=system)
-    report.sections["setup"] = {"system": system.name if system else None,
+    result.sections["setup"] = {"system": system.name if system else None,
                                 "problems": [f"{c}: {w}" for c, w in failures]}
     for check, why in failures:
-        report.fail(check, why)
+        result.fail(check, why)

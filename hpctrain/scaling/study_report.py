@@ -40,7 +40,7 @@ def _pct(x) -> str:
     return _f(None if x is None else 100 * x, "{:.1f}%")
 
 
-def build_report(folder: str | Path) -> list[Path]:
+def build_study_report(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if (folder / "jobs.json").is_file():  # per-point job scripts: gather finished runs
         collect(folder)
