@@ -59,8 +59,8 @@ def test_weak_spec_expands_and_skips_with_reasons(tmp_path):
     assert len(ids) == 9 and len(set(ids)) == 9
     assert "m-pipe-z0-pp2-1f1b-m4-n4" in ids
     by_id = {p.id: p for p in s.points}
-    assert by_id["m-dp-z3-pp1-m1-n4"].layout.global_batch == 16  # 4 per dp rank
-    assert by_id["m-pipe-z0-pp2-1f1b-m4-n4"].layout.global_batch == 8  # dp = 2
+    assert by_id["m-dp-z3-pp1-m1-n4"].arrangement.global_batch == 16  # 4 per dp rank
+    assert by_id["m-pipe-z0-pp2-1f1b-m4-n4"].arrangement.global_batch == 8  # dp = 2
     reasons = " ".join(r for _, r in s.skipped)
     assert "pp=2 does not divide 1" in reasons and "pp=4 does not divide 2" in reasons
 
@@ -88,7 +88,7 @@ def test_study_runs_train_the_modelled_shape(tmp_path):
 
 def test_strong_spec_keeps_the_global_batch(tmp_path):
     s = load_study(_write(tmp_path, SPEC.format(scaling="strong", batch="global = 16")))
-    assert {p.layout.global_batch for p in s.points} == {16}
+    assert {p.arrangement.global_batch for p in s.points} == {16}
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -113,7 +113,7 @@ def test_nodes_need_ranks_per_node(tmp_path):
     with pytest.raises(UserError, match="ranks per node"):
         load_study(_write(tmp_path, text))
     s = load_study(_write(tmp_path, text), ranks_per_node=4)
-    assert {p.layout.ranks for p in s.points} == {4, 8}
+    assert {p.arrangement.ranks for p in s.points} == {4, 8}
     assert {p.nodes for p in s.points} == {1, 2}
 
 

@@ -1,5 +1,5 @@
 """``hpctrain scale run | report | calibrate`` (scaling studies) and ``hpctrain plan``
-(parallel layouts ranked by the performance model); ``hpctrain/scaling/`` does the work."""
+(parallel arrangements ranked by the performance model); ``hpctrain/scaling/`` does the work."""
 
 from __future__ import annotations
 
@@ -55,11 +55,11 @@ def add_scale(sub) -> None:
 
 
 def add_plan(sub) -> None:
-    p = sub.add_parser("plan", help="rank the parallel layouts of a model on N nodes by "
+    p = sub.add_parser("plan", help="rank the parallel arrangements of a model on N nodes by "
                                     "predicted step time",
-                       description="Enumerate (dp, pp, ZeRO stage, micro-batches) layouts that "
-                                   "fit device memory, predict each step with the performance "
-                                   "model and print them fastest first.")
+                       description="Enumerate (dp, pp, ZeRO stage, micro-batches) arrangements "
+                                   "that fit device memory, predict each step with the "
+                                   "performance model and print them fastest first.")
     p.add_argument("--system", required=True, metavar="NAME",
                    help="polaris, aurora, local, or a system file (.toml) with a [perf] table")
     p.add_argument("--nodes", type=int, required=True, metavar="N")
@@ -86,7 +86,7 @@ def add_plan(sub) -> None:
     p.add_argument("--calibration", metavar="FILE.json", help="measured numbers to use")
     p.add_argument("--top", type=int, default=12, metavar="K", help="rows to print")
     p.add_argument("--explain", nargs="?", const=1, type=int, metavar="RANK",
-                   help="show the terms of the layout ranked RANK (default 1)")
+                   help="show the terms of the arrangement ranked RANK (default 1)")
 
 
 def cmd_scale(args) -> int:
@@ -132,9 +132,9 @@ def _calibrate(args) -> int:
     if args.study:
         study = load_study(args.study)
         shapes = list({p.model.key: p.model for p in study.points}.values())
-        dtypes = sorted({p.layout.dtype for p in study.points})
-        ranks = args.ranks or sorted({p.layout.ranks for p in study.points} |
-                                     {p.layout.dp for p in study.points})
+        dtypes = sorted({p.arrangement.dtype for p in study.points})
+        ranks = args.ranks or sorted({p.arrangement.ranks for p in study.points} |
+                                     {p.arrangement.dp for p in study.points})
     else:
         shapes, dtypes, ranks = [preset_shape(args.model)], ["fp32"], args.ranks or [2, 4]
     out = Path(args.output)

@@ -5,5 +5,5 @@ spec.py (sweep spec -> points) -> runner.py (runs, one JSON record each; records
 running. perfmodel.py predicts step time and memory from a system's performance figures
 (system_perf.py: the ``[perf]`` table of ``hpctrain/systems/<name>.toml`` with a
 calibration on top; comm_cost.py: alpha-beta costs of the collectives) that calibrate.py
-measures on this machine; planner.py ranks parallel layouts with it.
+measures on this machine; planner.py ranks parallel arrangements with it.
 """

@@ -107,7 +107,7 @@ def collect(folder: str | Path) -> int:
         found += 1
         rec = new_record(study, point, job["repeat"], job["index"],
                          train_command(study, point, run))
-        rec["prediction"] = predict(system, point.model, point.layout).to_dict()
+        rec["prediction"] = predict(system, point.model, point.arrangement).to_dict()
         code = attempt / "exit_code"
         rc = int(code.read_text().strip() or 1) if code.is_file() else 1
         log = f"job {name} ({attempt.name}) exited with status {rc}" if code.is_file() else \

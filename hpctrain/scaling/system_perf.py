@@ -2,10 +2,10 @@
 
 The figures are the ``[perf]`` table of the system's file (``hpctrain/systems/<name>.toml``,
 read by ``hpctrain.systems.registry`` into a ``SystemPerf`` in SI units, with the ranks per
-node of its ``[launch]`` table; ``--system`` also takes the path of your own). A calibration file written by
-``hpctrain scale calibrate`` (JSON) replaces the numbers it measured: the compute rate per
-model shape, the AdamW cost, a fitted line per collective and group size, the base memory
-of a rank.
+node of its ``[launch]`` table; ``--system`` also takes the path of your own). A
+calibration file written by ``hpctrain scale calibrate`` (JSON) replaces the numbers it
+measured: the compute rate per model shape, the AdamW cost, a fitted line per collective
+and group size, the base memory of a rank.
 """
 
 from __future__ import annotations
