@@ -20,7 +20,7 @@ from hpctrain.jobs.validate import signal_lead
 from hpctrain.train.deadline import JOB_END_ENV, JOB_START_ENV, Deadline
 from hpctrain.train.run_status import main as status_main
 from hpctrain.train.run_status import read_status, shell_line, status_record, write_status
-from tests.test_jobs import CMD, directives, launch_block, script
+from tests.jobs_common import CMD, directives, launch_block, script
 
 
 def _run_dir_line(text: str) -> str:
