@@ -143,10 +143,10 @@ def test_each_setup_mistake_is_named(planted, check):
     assert "\n" not in failures[0][1]
 
 
-def test_setup_expectations_come_from_the_system_profile():
+def test_setup_expectations_come_from_the_system():
     from hpctrain.doctor.setup_checks import setup_failures
 
-    # The same facts on a machine with no profile, or one without a site MPI: no problem.
+    # The same facts on a machine with no known system, or one without a site MPI: no problem.
     for system in (None, _system("local")):
         assert setup_failures([_row(0)], library_version=PYPI_MPICH, aware=False,
                               system=system) == []

@@ -198,7 +198,7 @@ def test_launch_takes_the_rank_slots_of_a_pbs_nodefile(tmp_path):
     # --ranks-per-node and --nodes are explicit: they win over the allocation.
     assert launch_line.plan_launch(job_system("pbs"), alloc, CMD, python="py",
                                    ranks_per_node=2)[:5] == ["mpiexec", "-n", "4", "-ppn", "2"]
-    nodefile.write_text("h1\nh2\n")  # one line per host: the profile decides
+    nodefile.write_text("h1\nh2\n")  # one line per host: the system decides
     alloc = launch_line.detect_allocation({"PBS_JOBID": "1.s", "PBS_NODEFILE": str(nodefile)})
     assert alloc.ranks is None
     assert launch_line.plan_launch(job_system("polaris"), alloc, CMD, python="py")[:3] == \

@@ -49,7 +49,7 @@ def test_nul_bytes_are_refused():
 
 # ----------------------------------------------------------------------------- systems
 
-def test_every_builtin_profile_loads_and_renders_a_script_bash_accepts():
+def test_every_builtin_system_loads_and_renders_a_script_bash_accepts():
     assert set(system_names()) == set(CLUSTERS)
     for name in system_names():
         text = script(name)
@@ -68,7 +68,7 @@ def test_list_systems_shows_queues_and_limits(capsys):
         assert re.search(rf"^{name}\s", out, re.M)
 
 
-def test_custom_profile_from_a_toml_file(tmp_path):
+def test_custom_system_from_a_toml_file(tmp_path):
     src = (REPO / "hpctrain/systems/slurm.toml").read_text()
     path = tmp_path / "mycluster.toml"
     path.write_text(src.replace('srun_mpi = "auto"', 'srun_mpi = "pmix"'))
@@ -189,7 +189,7 @@ def test_frontier_directives_and_srun_line():
     assert "export OMP_NUM_THREADS=7" in text
 
 
-def test_generic_and_local_profiles():
+def test_generic_and_local_systems():
     pbs = script("pbs", queue="workq", account="acct")
     assert "#PBS -l select=2:mpiprocs=4" in directives(pbs) and "#PBS -q workq" in pbs
     assert launch_block(pbs)[:5] == ["mpiexec", "-n", "${NRANKS}", "-ppn", "4"]
@@ -203,7 +203,7 @@ def test_generic_and_local_profiles():
         build_spec(system="local", command=CMD, queue="debug")
 
 
-def test_env_overrides_array_profile_and_setup(tmp_path):
+def test_env_overrides_array_profiler_and_setup(tmp_path):
     text = script("polaris", env=["OMP_NUM_THREADS=2", "NCCL_DEBUG=INFO"])
     assert "export OMP_NUM_THREADS=2\n" in text and "export OMP_NUM_THREADS=8" not in text
     assert "export NCCL_DEBUG=INFO" in text

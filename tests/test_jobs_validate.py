@@ -149,7 +149,7 @@ def test_every_pbs_array_is_rerunnable():
     assert "#PBS -r y" not in script("pbs")  # not without an array
 
 
-# Every queue limit of the site profiles, as the sites' guides state it; the profile
+# Every queue limit of the site systems, as the sites' guides state it; the system files'
 # comments cite the guide, section and the commit of the copy read. A row: system, queue,
 # [min, max] nodes, max walltime at the largest job, the smaller jobs' tighter limits,
 # min walltime, array throttle.
@@ -192,7 +192,7 @@ def _plus_one_second(hms):
     return f"{s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def test_the_profiles_hold_exactly_the_sourced_queues():
+def test_the_systems_hold_exactly_the_sourced_queues():
     rows = {(s, q): row for s, q, *row in SOURCED_QUEUES}
     for system in ("polaris", "aurora", "frontier", "perlmutter"):
         for name, q in load_system(system).batch.queues.items():

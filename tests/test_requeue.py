@@ -176,7 +176,7 @@ def test_a_signal_lead_over_a_quarter_of_the_walltime_is_a_warning(capsys):
     assert "sbatch --signal=USR1@12 SCRIPT" in err
 
 
-def test_frontier_and_the_cray_profiles_ask_for_what_the_job_needs():
+def test_frontier_and_the_cray_systems_ask_for_what_the_job_needs():
     frontier = directives(script("frontier"))
     for line in ("#SBATCH --ntasks-per-node=8", "#SBATCH --cpus-per-task=7", "#SBATCH -S 8",
                  "#SBATCH --exclusive"):

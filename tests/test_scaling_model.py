@@ -439,7 +439,7 @@ PUBLISHED_MPT = {"mpt-125m": (12, 12, 768, 50368, 40, 2, 142830),
 
 
 def _a100_80gb_node():
-    """Polaris's A100 profile as an 8-GPU node of A100 80GB (2039 GB/s, data sheet)."""
+    """Polaris's A100 system as an 8-GPU node of A100 80GB (2039 GB/s, data sheet)."""
     return dataclasses.replace(load_perf("polaris", collectives="xccl"), ranks_per_node=8,
                                device_memory=80 * 2 ** 30, memory_bandwidth=2039e9)
 
@@ -521,7 +521,7 @@ def test_llama3_8b_has_its_published_parameter_count():
 
 def test_the_collective_library_has_its_own_links_and_overlap():
     """--collectives picks whose figures the model uses: MPI's, or the GPU library's
-    ([perf.network.xccl]); auto takes the library where the profile has its figures."""
+    ([perf.network.xccl]); auto takes the library where the system has its figures."""
     mpi, lib, auto = (load_perf("polaris", collectives=c) for c in ("mpi", "xccl", "auto"))
     assert (mpi.collectives, lib.collectives, auto.collectives) == ("mpi", "xccl", "xccl")
     assert lib.intra.bandwidth > mpi.intra.bandwidth and lib.overlap > mpi.overlap
