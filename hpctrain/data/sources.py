@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.errors import DataError
+from hpctrain.sizes import MiB
 
 TEXT, JSONL, JSONL_GZ, JSONL_ZST, PARQUET, ARROW = (
     "text", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
@@ -39,7 +40,7 @@ RECORD_SUFFIXES = {".jsonl": JSONL, ".json": JSONL, ".jsonl.gz": JSONL_GZ,
                    ".parquet": PARQUET, ".arrow": ARROW}
 # JSON files a Hugging Face dataset directory keeps beside its data (not records).
 DATASET_METADATA = {"dataset_info.json", "dataset_dict.json", "state.json"}
-MAX_UNIT_BYTES = 64 << 20
+MAX_UNIT_BYTES = 64 * MiB
 """A byte range of JSON lines is at most this long (and about a quarter of a rank's share
 on small inputs, so that small corpora are shared out too)."""
 
