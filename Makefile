@@ -122,7 +122,7 @@ bench: $(STAMP) $(GPT2_DATA)
 	$(PY) perf/bench_tp.py
 	$(PY) perf/bench_long_context.py
 
-# Regenerate the example job scripts (tests/test_jobs.py checks they are in sync).
+# Regenerate the example job scripts (tests/test_jobs_cli.py checks they are in sync).
 jobscripts: $(STAMP)
 	PYTHON=$(PY) bash jobscripts/generate.sh
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.files import chmod_as_created
+from hpctrain.file_modes import chmod_as_created
 
 ROOM = ("make room (free space, or quota: `df -h`, `quota -s`, `lfs quota`) or write "
         "somewhere else")
@@ -90,7 +90,7 @@ def h5_bytes(sizes: list[int]) -> int:
 @contextlib.contextmanager
 def temporary_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary file beside ``path`` to write; on success give it the mode
-    ``open()`` would have (``files.py``) and rename it to ``path``; on any failure remove
+    ``open()`` would have (``file_modes.py``) and rename it to ``path``; on any failure remove
     it, and a failed write becomes ``write_failed``."""
     path = Path(path)
     tmp = None

@@ -1,5 +1,5 @@
 """Figures drawn to PNG files with matplotlib's Agg backend (no display: login nodes,
-CI, a job's node). Shared by the scaling report and the run report."""
+CI, a job's node). Shared by the study report and the run report."""
 
 from __future__ import annotations
 

@@ -19,6 +19,11 @@ from __future__ import annotations
 import math
 import os
 
+MiB = 1 << 20
+"""Bytes in a mebibyte: every size in MiB (bucket_mb, staging_mb, reports) converts with it."""
+GiB = 1 << 30
+"""Bytes in a gibibyte (device memory, the planner's memory column)."""
+
 MAX_ELEMENTS = 1 << 40
 """Elements of any one tensor, bucket or model (4 TiB of fp32)."""
 MAX_WORLD = 1 << 20

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Regenerates every example job script in this folder from the commands below.
 #   bash jobscripts/generate.sh        (from anywhere; uses .venv/bin/python or $PYTHON)
-# tests/test_jobs.py checks that each example is byte-for-byte what its command makes,
+# tests/test_jobs_cli.py checks that each example is byte-for-byte what its command makes,
 # so edit a command here (not the script) and run this file again.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import (bench_parser, fmt, init_gloo, print_table,  # noqa: E402
                          run_worker, worker_args, write_result)
+from hpctrain.sizes import MiB  # noqa: E402
 
 # name -> (n_layer, n_head, n_embd, block_size, vocab)
 MODELS = {
@@ -171,7 +172,7 @@ def main(argv: list[str]) -> None:
             r = run_worker(n, __file__, ["--model", name, "--repeats", str(repeats)])
             records.append(r)
             bw = r["busbw_GBps"]
-            rows.append([n, name, r["bytes"] / 2**20, r["buckets"],
+            rows.append([n, name, r["bytes"] / MiB, r["buckets"],
                          bw["bucketed"], bw["bucketed_mpi"], bw["bucketed_iallreduce"],
                          bw["raw_mpi"], bw["bucketed_xccl"], bw["gloo"],
                          bw["bucketed"] / bw["raw_mpi"], bw["bucketed_mpi"] / bw["raw_mpi"],

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import (bench_parser, fmt_spread, print_table, run_worker,  # noqa: E402
                          scratch_dir, shakespeare_dataset, worker_args, write_result)
+from hpctrain.sizes import MiB  # noqa: E402
 
 MODEL = dict(vocab_size=65, block_size=128, n_layer=8, n_head=8, n_embd=576)
 REPEATS = 5
@@ -41,7 +42,7 @@ def worker(out: Path, mode: str, repeats: int) -> None:
     import torch
     from mpi4py import MPI
 
-    from hpctrain.checkpoint.distributed import load_sharded, model_shape, save_sharded
+    from hpctrain.checkpoint.distributed import load_sharded, save_sharded
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.comm.world import World
     from hpctrain.config import OptimConfig
@@ -88,7 +89,7 @@ def worker(out: Path, mode: str, repeats: int) -> None:
             comm.Barrier()
             t0 = MPI.Wtime()
             path = save_sharded(Path(tmp) / "checkpoints", rep + 1, zero, grid,
-                                run={"config": _config(), "model": model_shape(cfg)},
+                                run={"config": _config(), "model": cfg.shape()},
                                 keep=1)
             comm.Barrier()
             times["save"].append(MPI.Wtime() - t0)
@@ -159,7 +160,7 @@ def main(argv: list[str]) -> None:
         records["hpctrain"][n] = r
         rows.append(row("hpctrain sharded", n, r))
     print_table(f"Checkpoint of {torch_r['params'] / 1e6:.1f}M parameters "
-                f"({torch_r['bytes'] / 2**20:.0f} MiB: fp32 params + Adam moments); "
+                f"({torch_r['bytes'] / MiB:.0f} MiB: fp32 params + Adam moments); "
                 f"seconds: median [min, max] of {repeats}; GB/s and ratios from the medians",
                 ["method", "ranks", "save s", "save GB/s", "load s", "load GB/s",
                  "save vs torch", "load vs torch"], rows)

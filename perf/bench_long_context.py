@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import (bench_parser, fmt, fmt_spread, print_table,  # noqa: E402
                          run_worker, worker_args, write_result)
+from hpctrain.sizes import MiB  # noqa: E402
 
 MODEL = dict(arch="llama", vocab_size=32000, n_layer=2, n_embd=256, n_head=4, n_kv_head=2,
              tie_embeddings=False)
@@ -138,7 +139,7 @@ def part_sweep(seq_lens, quick: bool) -> list[dict]:
             r["vs_plain_time"] = (statistics.median(r["step_ms_all"]) /
                                   statistics.median(plain["step_ms_all"]))
             records.append(r)
-            print(f"  T={seq:>6} {variant:<18} peak {r['peak_bytes'] / 2**20:8.1f} MiB, "
+            print(f"  T={seq:>6} {variant:<18} peak {r['peak_bytes'] / MiB:8.1f} MiB, "
                   f"step {fmt_spread(r['step_ms_all'])} ms", flush=True)
     return records
 
@@ -169,7 +170,7 @@ def part_capacity(sweep: list[dict], cap: float, max_t: int) -> dict:
         def fits(seq: int) -> bool:
             if seq not in known:
                 known[seq] = measure(variant, seq, 1)["peak_bytes"]
-                print(f"  {variant:<18} T={seq:>6}: peak {known[seq] / 2**20:8.1f} MiB -> "
+                print(f"  {variant:<18} T={seq:>6}: peak {known[seq] / MiB:8.1f} MiB -> "
                       f"{'fits' if known[seq] <= cap else 'too big'}", flush=True)
             return known[seq] <= cap
 
@@ -203,15 +204,15 @@ def main(argv: list[str]) -> None:
     print_table("Peak memory growth of a training step (MiB) and step time (ms, median "
                 "[min, max]); ratios against the plain head at the same T",
                 ["T", "variant", "peak MiB", "plain/this peak", "step ms", "this/plain time"],
-                [[r["seq"], r["variant"], r["peak_bytes"] / 2**20, r["vs_plain_peak"],
+                [[r["seq"], r["variant"], r["peak_bytes"] / MiB, r["vs_plain_peak"],
                   fmt_spread(r["step_ms_all"]), r["vs_plain_time"]] for r in sweep])
     if args.cap_mb is not None:
-        cap, cap_from = args.cap_mb * 2**20, "--cap-mb"
+        cap, cap_from = args.cap_mb * MiB, "--cap-mb"
     else:
         cap = next(r["peak_bytes"] for r in sweep
                    if r["variant"] == "plain" and r["seq"] == cap_t)
         cap_from = f"the plain head's peak at {cap_t} tokens"
-    print(f"\nB. longest sequence under {cap / 2**20:.1f} MiB ({cap_from}), steps of "
+    print(f"\nB. longest sequence under {cap / MiB:.1f} MiB ({cap_from}), steps of "
           f"{SEARCH_STEP} up to {max_t}", flush=True)
     capacity = part_capacity(sweep, cap, max_t)
     print_table("Longest sequence under the cap",

@@ -54,6 +54,7 @@ from perf.common import (bench_parser, fmt, fmt_spread, print_table, run_worker,
                          write_result)
 from perf.pipeline_workers import (MODEL, ROUNDS, ROWS, STEPS, TORCH_SCHEDULES,  # noqa: E402
                                    VIRTUAL, WARMUP, bubble_theory)
+from hpctrain.sizes import MiB  # noqa: E402
 
 TARGET_VS_TORCH = 1.2  # for 1F1B
 VS_TORCH = ("1f1b", "interleaved", "gpipe", "zb-h1")
@@ -78,8 +79,8 @@ def part_bubble(micro: list[int], steps: int) -> tuple[list[dict], list[list], l
                 rows_a.append([p, m, kind, bubble_theory(p, m), fmt_spread(r["bubble"]),
                                fmt_spread(r["efficiency"]), fmt_spread(r["step_s"], 1e3)])
             ratio = per["1f1b"]["act_bytes_max"] / per["gpipe"]["act_bytes_max"]
-            rows_b.append([p, m, per["1f1b"]["act_bytes_max"] / 2**20,
-                           per["gpipe"]["act_bytes_max"] / 2**20, ratio, p / m,
+            rows_b.append([p, m, per["1f1b"]["act_bytes_max"] / MiB,
+                           per["gpipe"]["act_bytes_max"] / MiB, ratio, p / m,
                            "met" if ratio <= 1.1 * p / m else "MISSED"])
             records.append({"p": p, "m": m, **per, "act_ratio": ratio, "act_target": p / m})
     return records, rows_a, rows_b

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import (ROOT, bench_parser, fmt, fmt_spread, print_table,  # noqa: E402
                          run_worker, spread, worker_args, write_result)
+from hpctrain.sizes import MiB  # noqa: E402
 
 DOC_BYTES = 4000
 GROUP_ROWS = 256
@@ -243,8 +244,8 @@ def summarize(runs: dict, tokens: dict) -> tuple[list, dict]:
                     "pool_parent_peak_rss": parent, "pool_worker_peak_rss": worker,
                     "rounds": by}
         rows.append([kind, n, fmt_spread(ours, 1e-6), fmt_spread(pool, 1e-6), fmt(ratio),
-                     fmt(per_cpu[0] / per_cpu[1]), fmt(rank_peak / 2**20),
-                     fmt(rank_growth / 2**20), fmt(parent / 2**20), fmt(worker / 2**20)])
+                     fmt(per_cpu[0] / per_cpu[1]), fmt(rank_peak / MiB),
+                     fmt(rank_growth / MiB), fmt(parent / MiB), fmt(worker / MiB)])
     return rows, out
 
 

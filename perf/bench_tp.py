@@ -52,6 +52,7 @@ from perf.bench_zero import _rss_kib, _warm_up_libraries, slowest_rank_ms  # noq
 from perf.common import (bench_parser, fmt, fmt_spread, init_gloo,  # noqa: E402
                          largest_that_fits, print_table, run_worker, scratch_dir, shakespeare_dataset,
                          worker_args, write_result)
+from hpctrain.sizes import MiB  # noqa: E402
 
 MODEL = {"n_layer": 6, "n_head": 8, "n_embd": 256, "block_size": 128}
 ROWS = 8
@@ -231,12 +232,12 @@ def part_memory(quick: bool) -> tuple[list[dict], list[list]]:
                    "activation_formula": act_formula,
                    "activation_vs_formula": r["activation_bytes"] / act_formula}
             records.append(rec)
-            rows.append([tp, "yes" if sp else "no", state / 2**20, state_formula / 2**20,
-                         r["activation_bytes"] / 2**20, act_formula / 2**20,
+            rows.append([tp, "yes" if sp else "no", state / MiB, state_formula / MiB,
+                         r["activation_bytes"] / MiB, act_formula / MiB,
                          rec["activation_vs_formula"]])
-            print(f"  tp={tp} sp={sp}: state {state / 2**20:.2f} MiB, activations "
-                  f"{r['activation_bytes'] / 2**20:.2f} MiB (formula "
-                  f"{act_formula / 2**20:.2f})", flush=True)
+            print(f"  tp={tp} sp={sp}: state {state / MiB:.2f} MiB, activations "
+                  f"{r['activation_bytes'] / MiB:.2f} MiB (formula "
+                  f"{act_formula / MiB:.2f})", flush=True)
     return records, rows
 
 
@@ -299,7 +300,7 @@ def _fits(data, width: int, layout: str, rows: int, block: int) -> tuple[bool, d
             *CAPACITY_LAYOUTS[layout]]
     env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
     r = run_worker(4, __file__, args, env=env, timeout=900)
-    return r["peak_rss_growth"] <= CAP_MIB * 2**20, r
+    return r["peak_rss_growth"] <= CAP_MIB * MiB, r
 
 
 def part_capacity(data) -> list[dict]:
@@ -340,7 +341,7 @@ def main(argv: list[str]) -> None:
         print_table(f"Largest GPT ({CAP_LAYERS} layers) under {CAP_MIB} MiB peak RSS growth "
                     "per rank, 4 ranks", ["batch", "layout", "width", "params", "peak MiB"],
                     [[f"{b['rows']} x {b['block']}", k, c["width"], c["params"],
-                      c["peak_rss_growth"] / 2**20]
+                      c["peak_rss_growth"] / MiB]
                      for b in capacity for k, c in b["by_layout"].items() if c])
     worst = max(abs(r["activation_vs_formula"] - 1) for r in memory)
     print(f"\nactivations within 10% of the formula: worst {fmt(worst)} -> "

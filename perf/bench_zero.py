@@ -40,6 +40,7 @@ from perf.common import (bench_parser, fmt, fmt_spread,  # noqa: E402
                          run_worker, scratch_dir, shakespeare_dataset,
                          torch_ddp_step_times,
                          worker_args, write_result)
+from hpctrain.sizes import MiB  # noqa: E402
 
 MODEL = (6, 6, 384, 128)  # layers, heads, width, block: ~10.7M parameters
 ROWS_PER_RANK = 2
@@ -161,7 +162,7 @@ def part_memory_and_speed(data, quick: bool) -> tuple[list[dict], list[list]]:
                        "step_vs_stage0": r["step_ms"] / base_ms[dtype]}
                 records.append(rec)
                 rows.append([n, dtype, stage, per_param, formula, rec["vs_formula"],
-                             r["memory"]["comm_buffers"] / 2**20,
+                             r["memory"]["comm_buffers"] / MiB,
                              fmt_spread(r["step_ms_all"]), rec["step_vs_stage0"]])
                 print(f"  N={n} {dtype} stage {stage}: {fmt(per_param)} B/param "
                       f"(formula {fmt(formula)}), {fmt_spread(r['step_ms_all'])} ms/step",
@@ -217,7 +218,7 @@ def _fits(data, width: int, stage: int) -> tuple[bool, dict]:
             *(["--parallel.allreduce=mpi"] if stage == 0 else [])]
     env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
     r = run_worker(4, __file__, args, env=env, timeout=900)
-    return r["peak_rss_growth"] <= CAP_MIB * 2**20, r
+    return r["peak_rss_growth"] <= CAP_MIB * MiB, r
 
 
 def part_capacity(data) -> dict:
@@ -251,7 +252,7 @@ def main(argv: list[str]) -> None:
         print_table(f"Largest GPT ({CAP_LAYERS} layers) under {CAP_MIB} MiB peak RSS growth "
                     "per rank, 4 ranks",
                     ["stage", "width", "params", "peak MiB"],
-                    [[s, c["width"], c["params"], c["peak_rss_growth"] / 2**20]
+                    [[s, c["width"], c["params"], c["peak_rss_growth"] / MiB]
                      for s, c in capacity.items() if c])
     worst = max(abs(r["vs_formula"] - 1) for r in records)
     ratio = capacity[3]["params"] / capacity[0]["params"] if capacity else None

@@ -48,6 +48,7 @@ from perf import pipeline_workers  # noqa: E402
 from perf.common import bench_parser, fmt, fmt_spread, print_table, run_worker, write_result  # noqa: E402
 from perf.pipeline_workers import (MODEL, ROUNDS, ROWS, STEPS, WARMUP,  # noqa: E402
                                    measured_idle, measured_pass_times, predicted_idle)
+from hpctrain.sizes import MiB  # noqa: E402
 
 P, MICRO = 2, (4, 8)
 OURS = ("zb-h1", "zbv", "zbv timed")
@@ -141,7 +142,7 @@ def measure_memory(steps: int) -> dict:
 
 
 def memory_rows(memory: dict) -> list[list]:
-    return [[kind, " / ".join(fmt(b / 2**20) for b in r["act_bytes"]),
+    return [[kind, " / ".join(fmt(b / MiB) for b in r["act_bytes"]),
              " / ".join(fmt(h) for h in r["held"]), fmt(r["vs_1f1b"]),
              fmt(r["predicted_vs_1f1b"])] for kind, r in memory.items()]
 

@@ -176,7 +176,7 @@ def largest_that_fits(label: str, widths: list[int], fits) -> dict | None:
         mid = (lo + hi) // 2
         ok, r = fits(widths[mid])
         print(f"  {label}, width {widths[mid]}: {r['params'] / 1e6:.1f}M params, peak RSS "
-              f"growth {r['peak_rss_growth'] / 2**20:.0f} MiB -> "
+              f"growth {r['peak_rss_growth'] / MiB:.0f} MiB -> "
               f"{'fits' if ok else 'too big'}", flush=True)
         if ok:
             best, lo = {"width": widths[mid], **r}, mid + 1

@@ -95,7 +95,7 @@ def environment(device: str) -> dict:
                 "install a CUDA/ROCm/XPU build (make gpu-check does)"}
     mod = getattr(torch, device)
     info.update(name=mod.get_device_name(0), count=mod.device_count(),
-                memory_gib=round(mod.get_device_properties(0).total_memory / 2**30, 1))
+                memory_gib=round(mod.get_device_properties(0).total_memory / GiB, 1))
     if device == "cuda":
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return info

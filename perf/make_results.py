@@ -23,6 +23,7 @@ from perf.render_data import render_prepare  # noqa: E402
 from perf.render_parallel import (render_pipeline, render_tp, render_zero,  # noqa: E402
                                   render_zero_bubble)
 from perf.results_format import md_table, provenance, ratio_of  # noqa: E402
+from hpctrain.sizes import MiB  # noqa: E402
 
 DOC = ROOT / "perf" / "RESULTS.md"
 
@@ -45,7 +46,7 @@ def render_allreduce(d: dict) -> list[str]:
             return fmt(r["busbw_GBps"][k])
 
         bws = r["busbw_GBps"]
-        rows.append([r["ranks"], r["model"], fmt(r["bytes"] / 2**20), r["buckets"],
+        rows.append([r["ranks"], r["model"], fmt(r["bytes"] / MiB), r["buckets"],
                      r.get("transport", "unknown"), *(bw(k) for k, _ in methods),
                      fmt(bws["bucketed"] / bws["raw_mpi"]), fmt(bws["bucketed"] / bws["gloo"])])
     n = d.get("repeats", 21)
@@ -191,7 +192,7 @@ def render_checkpoint(d: dict) -> list[str]:
     rows += [row("hpctrain sharded", n, r) for n, r in rec["hpctrain"].items()]
     repeats = len(torch_r["all_s"]["save"])
     out = [f"Checkpoint of {fmt(torch_r['params'] / 1e6)}M parameters "
-           f"({fmt(torch_r['bytes'] / 2**20)} MiB: fp32 parameters + Adam moments); seconds, "
+           f"({fmt(torch_r['bytes'] / MiB)} MiB: fp32 parameters + Adam moments); seconds, "
            f"median [min, max] of {repeats}; GB/s and ratios from the medians.", "",
            *md_table(["method", "ranks", "save s", "save GB/s", "load s", "load GB/s",
                     "save vs torch", "load vs torch"], rows)]
@@ -248,7 +249,7 @@ def render_long_context(d: dict) -> list[str]:
         row = [seq]
         for v in variants:
             r = rs.get(v)
-            row += [fmt(r["peak_bytes"] / 2**20), fmt_spread(r["step_ms_all"])] if r \
+            row += [fmt(r["peak_bytes"] / MiB), fmt_spread(r["step_ms_all"])] if r \
                 else ["n/a", "n/a"]
         row += [fmt(ratio_of(plain, rs[v]["peak_bytes"])) if v in rs else "n/a"
                 for v in variants[1:]]
@@ -266,7 +267,7 @@ def render_long_context(d: dict) -> list[str]:
     cap = d.get("capacity", {})
     found = cap.get("by_variant", {})
     if found:
-        out += [f"Longest sequence whose step stays under {fmt(cap['cap_bytes'] / 2**20)} "
+        out += [f"Longest sequence whose step stays under {fmt(cap['cap_bytes'] / MiB)} "
                 f"MiB ({cap['cap_from']}), in steps of {cap['search_step']} tokens up to "
                 f"{cap['max_t']}.", "",
                 *md_table(["variant", "longest T", "vs plain"],

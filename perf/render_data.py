@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from perf.common import fmt, fmt_spread
 from perf.results_format import md_table
+from hpctrain.sizes import MiB
 
 
 def render_prepare(d: dict) -> list[str]:
@@ -16,10 +17,10 @@ def render_prepare(d: dict) -> list[str]:
         rows.append([c["format"], c["processes"], fmt_spread(ours, 1e-6), fmt_spread(pool, 1e-6),
                      fmt(c["ratio"]),
                      fmt(c["hpctrain_tokens_per_cpu_s"] / c["pool_tokens_per_cpu_s"]),
-                     fmt(c["hpctrain_peak_rss_per_rank"] / 2**20),
-                     fmt(c["hpctrain_rss_growth_per_rank"] / 2**20),
-                     fmt(c["pool_parent_peak_rss"] / 2**20),
-                     fmt(c["pool_worker_peak_rss"] / 2**20)])
+                     fmt(c["hpctrain_peak_rss_per_rank"] / MiB),
+                     fmt(c["hpctrain_rss_growth_per_rank"] / MiB),
+                     fmt(c["pool_parent_peak_rss"] / MiB),
+                     fmt(c["pool_worker_peak_rss"] / MiB)])
     mb = d["text_bytes"] / 1e6
     return [f"`hpctrain prepare --tokenizer gpt2` against a process pool tokenizing the way "
             f"nanoGPT's fineweb.py does, on the same cores: {d['documents']:,} documents "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from perf.common import fmt, fmt_spread
 from perf.results_format import median_of, ratio_of, md_table
+from hpctrain.sizes import MiB
 
 
 def render_zero(d: dict) -> list[str]:
@@ -13,7 +14,7 @@ def render_zero(d: dict) -> list[str]:
         step = fmt_spread(r["step_ms_all"]) if r.get("step_ms_all") else fmt(r["step_ms"])
         rows.append([r["ranks"], r["dtype"], r["stage"], fmt(r["bytes_per_param"]),
                      fmt(float(r["formula"])), fmt(r["vs_formula"]),
-                     fmt(r["memory"]["comm_buffers"] / 2**20), step, fmt(r["step_vs_stage0"])])
+                     fmt(r["memory"]["comm_buffers"] / MiB), step, fmt(r["step_vs_stage0"])])
     step_note = ("median [min, max] over the steps" if any(
         r.get("step_ms_all") for r in d["memory_and_speed"]) else "median over the steps")
     out = [f"Model-state bytes per parameter per rank against the ZeRO formulas; step time "
@@ -41,7 +42,7 @@ def render_zero(d: dict) -> list[str]:
         out += [f"Largest GPT training on 4 ranks under {cap.get('cap_mib')} MiB peak RSS "
                 "growth per rank (one run per width, binary search).", "",
                 *md_table(["stage", "width", "parameters", "peak growth MiB"],
-                        [[s, c["width"], c["params"], fmt(c["peak_rss_growth"] / 2**20)]
+                        [[s, c["width"], c["params"], fmt(c["peak_rss_growth"] / MiB)]
                          for s, c in found]),
                 f"ZeRO-3 / DP parameters: {fmt(cap.get('ratio'))}x (target >= 3).", ""]
     if "worst_formula_deviation" in d:
@@ -84,8 +85,8 @@ def render_pipeline(d: dict) -> list[str]:
             else:  # before per-step lists: one figure, no efficiency
                 a.append([r["p"], r["m"], kind, fmt(k["bubble_theory"]),
                           fmt(k.get("bubble_measured")), "not recorded", fmt(k["step_s"], 1e3)])
-        b.append([r["p"], r["m"], fmt(r["1f1b"]["act_bytes_max"] / 2**20),
-                  fmt(r["gpipe"]["act_bytes_max"] / 2**20), fmt(r["act_ratio"]),
+        b.append([r["p"], r["m"], fmt(r["1f1b"]["act_bytes_max"] / MiB),
+                  fmt(r["gpipe"]["act_bytes_max"] / MiB), fmt(r["act_ratio"]),
                   fmt(r["act_target"]),
                   "met" if r["act_ratio"] <= 1.1 * r["act_target"] else "missed"])
     steps = d.get("steps", "?")
@@ -161,8 +162,8 @@ def render_zero_bubble(d: dict) -> list[str]:
 
 def render_tp(d: dict) -> list[str]:
     mem = [[r["tp"], "yes" if r["sequence_parallel"] else "no",
-            fmt(r["model_state_bytes"] / 2**20), fmt(r["model_state_formula"] / 2**20),
-            fmt(r["activation_bytes"] / 2**20), fmt(r["activation_formula"] / 2**20),
+            fmt(r["model_state_bytes"] / MiB), fmt(r["model_state_formula"] / MiB),
+            fmt(r["activation_bytes"] / MiB), fmt(r["activation_formula"] / MiB),
             fmt(r["activation_vs_formula"])] for r in d["memory"]]
     out = ["Per rank (MiB): model state (fp32 parameters, gradients, AdamW moments) and the "
            "bytes the blocks keep for backward, against the formulas "
@@ -181,7 +182,7 @@ def render_tp(d: dict) -> list[str]:
                      "speedup"], speed)]
     cap = d.get("capacity", {})
     rows = [[f"{b['rows']} x {b['block']}", k, c["width"], c["params"],
-             fmt(c["peak_rss_growth"] / 2**20)]
+             fmt(c["peak_rss_growth"] / MiB)]
             for b in cap.get("batches", []) for k, c in b["by_layout"].items() if c]
     if rows:
         ratios = "; ".join(f"{b['rows']} x {b['block']} tokens: {fmt(b['ratio'])}x"

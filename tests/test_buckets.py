@@ -5,7 +5,8 @@ from mpi4py import MPI
 
 from hpctrain.config import OptimConfig
 from hpctrain.model.gpt import GPT, GPTConfig
-from hpctrain.parallel.data_parallel import MiB, DataParallel, plan_buckets
+from hpctrain.parallel.data_parallel import DataParallel, plan_buckets
+from hpctrain.sizes import MiB
 from tests.helpers import cpu_world
 
 

@@ -17,7 +17,7 @@ import hpctrain.checkpoint.sharded as sharded
 from hpctrain.checkpoint.shard_file import crc32_of
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest, shard_name
 from hpctrain.checkpoint.single_file import load_single_file
-from hpctrain.checkpoint.tools import inspect
+from hpctrain.checkpoint.ckpt_commands import inspect
 from hpctrain.errors import DataError, UserError
 from hpctrain.train.trainer import Trainer
 from tests.helpers import ReadSpy, cpu_world, tiny_config
@@ -381,7 +381,7 @@ def test_token_file_checksum_table_is_checked_before_it_is_read(dataset_path, tm
                          ids=["umask-022", "umask-027"])
 def test_saved_files_follow_the_umask(runs, dataset_path, tmp_path, mask, dir_mode,
                                       file_mode):
-    from hpctrain.checkpoint.tools import export
+    from hpctrain.checkpoint.ckpt_commands import export
 
     old = os.umask(mask)
     try:

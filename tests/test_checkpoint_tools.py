@@ -7,7 +7,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpctrain.checkpoint import tools
+from hpctrain.checkpoint import ckpt_commands
 from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.model.gpt import GPT
 from hpctrain.train.trainer import Trainer
@@ -37,14 +37,14 @@ def _model(gpt_cfg, params):
 
 def test_inspect_names_step_layout_and_verifies(trained):
     out, _, _ = trained
-    text = tools.inspect(out, verify=True)
+    text = ckpt_commands.inspect(out, verify=True)
     assert "step 20" in text and "zero layout" in text and "ZeRO stage 3" in text
     assert "verified" in text
 
 
 def test_merge_writes_the_single_file_format(trained, tmp_path):
     out, _, params = trained
-    merged = load_single_file(tools.merge(out, tmp_path / "m.h5"))
+    merged = load_single_file(ckpt_commands.merge(out, tmp_path / "m.h5"))
     assert merged.step == 20 and merged.tokenizer["name"] == "char"
     for name, p in params.items():
         np.testing.assert_array_equal(merged.model[name], p.numpy())
@@ -59,7 +59,7 @@ def _unpadded(gpt_cfg, params):
 
 def test_safetensors_export_reads_back(trained, tmp_path):
     out, gpt_cfg, params = trained
-    path = tools.export(out, "safetensors", tmp_path / "w.safetensors")
+    path = ckpt_commands.export(out, "safetensors", tmp_path / "w.safetensors")
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
@@ -76,7 +76,7 @@ def test_safetensors_package_reads_the_export(trained, tmp_path):
 
     out, gpt_cfg, params = trained
     params = _unpadded(gpt_cfg, params)
-    path = tools.export(out, "safetensors", tmp_path / "w.safetensors")
+    path = ckpt_commands.export(out, "safetensors", tmp_path / "w.safetensors")
     got = load_file(path)
     assert set(got) == set(params)
     for name, p in params.items():
@@ -115,7 +115,7 @@ def test_hugging_face_export_gives_the_same_logits(trained, tmp_path, monkeypatc
     from hpctrain.checkpoint.hf_names import to_hf
 
     out, gpt_cfg, params = trained
-    hf_dir = tools.export(out, "hf", tmp_path / "hf")
+    hf_dir = ckpt_commands.export(out, "hf", tmp_path / "hf")
     state = load_file(hf_dir / "model.safetensors")
     expected_state = to_hf(params, gpt_cfg.shape())
     assert set(state) == set(expected_state)
@@ -152,21 +152,21 @@ def test_sample_reads_a_sharded_checkpoint(trained):
 @pytest.mark.parametrize("world,zero", [(1, 1), (3, 2), (2, 0)])
 def test_reshard_writes_a_checkpoint_for_another_layout(trained, tmp_path, world, zero):
     out, gpt_cfg, params = trained
-    new = tools.reshard(out, tmp_path / "new", world=world, zero=zero)
-    assert f"{world} rank(s)" in tools.inspect(new, verify=True)
+    new = ckpt_commands.reshard(out, tmp_path / "new", world=world, zero=zero)
+    assert f"{world} rank(s)" in ckpt_commands.inspect(new, verify=True)
     from hpctrain.checkpoint.sharded import read_full_state, read_manifest
 
     for name, s in read_full_state(read_manifest(new)).items():
         torch.testing.assert_close(s["param"], params[name], atol=0, rtol=0)
     with pytest.raises(Exception, match="exists"):
-        tools.reshard(out, new, world=world, zero=zero)
+        ckpt_commands.reshard(out, new, world=world, zero=zero)
 
 
 def test_resharded_checkpoint_resumes_with_its_own_layout(dataset_path, trained, tmp_path,
                                                           monkeypatch):
     out, _, _ = trained
-    new = tools.reshard(out / "checkpoints" / "step_000010", tmp_path / "z1", world=1, zero=1,
-                        bucket_mb=0.02, first_bucket_mb=0.005)
+    new = ckpt_commands.reshard(out / "checkpoints" / "step_000010", tmp_path / "z1", world=1,
+                                zero=1, bucket_mb=0.02, first_bucket_mb=0.005)
     import hpctrain.checkpoint.distributed as distributed
 
     def no_reshuffle(*args, **kwargs):

@@ -159,3 +159,10 @@ def test_bad_model_shapes_name_the_option(overrides, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         ModelConfig(**overrides)
+
+
+def test_a_deprecated_option_name_still_works_with_one_line(capsys):
+    cfg = load_config("default", ["--data.stage_dir=/local/scratch"])
+    assert cfg.data.local_copy_dir == "/local/scratch"
+    assert capsys.readouterr().err == ("--data.stage_dir -> --data.local_copy_dir (deprecated: "
+                                       "the old name goes in the next release)\n")

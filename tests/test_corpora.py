@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from hpctrain.cli import main
-from hpctrain.data import records
+from hpctrain.data import document_reader
 from hpctrain.data.prepare import prepare
-from hpctrain.data.records import BadRecords, read_unit
+from hpctrain.data.document_reader import BadRecords, read_unit
 from hpctrain.data.sources import (JSONL, PARQUET, TEXT, expand_inputs, file_format,
                                    plan_units)
 from hpctrain.errors import EXIT_USER_ERROR, DataError
@@ -145,7 +145,7 @@ def _peak_bytes(fn) -> int:
 @pytest.mark.parametrize("name", ["big.jsonl", "big.jsonl.zst"])
 def test_a_file_larger_than_the_bound_streams_in_bounded_memory(tmp_path, monkeypatch, name):
     block = 64 << 10
-    monkeypatch.setattr(records, "BLOCK_BYTES", block)
+    monkeypatch.setattr(document_reader, "BLOCK_BYTES", block)
     docs = [f"{i} " + "x" * 1000 for i in range(4000)]  # 4 MB: 64 blocks
     path = write_records(tmp_path / name, docs)
     seen = []
@@ -165,7 +165,7 @@ def test_a_whole_prepare_keeps_memory_bounded_whatever_the_input_size(tmp_path, 
     from hpctrain.data import dataset
 
     block = 64 << 10
-    monkeypatch.setattr(records, "BLOCK_BYTES", block)
+    monkeypatch.setattr(document_reader, "BLOCK_BYTES", block)
     monkeypatch.setattr(dataset, "_VERIFY_READ_BYTES", block)
     path = write_records(tmp_path / "big.jsonl", [f"{i} " + "x" * 1000 for i in range(4000)])
     peak = _peak_bytes(lambda: prepare([path], tmp_path / "out.h5", tokenizer="byte",
@@ -177,7 +177,7 @@ def test_a_whole_prepare_keeps_memory_bounded_whatever_the_input_size(tmp_path, 
 
 
 def test_parquet_is_read_in_record_batches_of_bounded_rows(tmp_path, monkeypatch):
-    monkeypatch.setattr(records, "BATCH_ROWS", 16)
+    monkeypatch.setattr(document_reader, "BATCH_ROWS", 16)
     path = write_records(tmp_path / "c.parquet", DOCS)  # row groups of 23 rows
     sizes = [len(b) for b in read_unit(str(path), PARQUET, 0, 9, "text", BadRecords())]
     assert max(sizes) <= 16 and sum(sizes) == len(DOCS)

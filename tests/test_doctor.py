@@ -11,7 +11,7 @@ from mpi4py import MPI
 from hpctrain.cli import main
 from hpctrain.comm.world import World
 from hpctrain.doctor.comm_checks import FAULT_ENV
-from hpctrain.doctor.report import SECTIONS
+from hpctrain.doctor.node_check import SECTIONS
 from hpctrain.doctor.run import run_doctor
 from hpctrain.errors import JobError
 from hpctrain.jobs.command import check_command
@@ -33,46 +33,46 @@ def doctor(tmp_path, device="cpu", gpu_aware="auto"):
 
 
 def test_cpu_passes_with_every_section(tmp_path):
-    rc, text, report = doctor(tmp_path)
+    rc, text, result = doctor(tmp_path)
     assert rc == 0, text
-    assert report["ok"] and report["failures"] == []
+    assert result["ok"] and result["failures"] == []
     for section in SECTIONS:
-        assert section in report, section
-    rows = report["allreduce"]
+        assert section in result, section
+    rows = result["allreduce"]
     assert [(r["size_mib"], r["transport"]) for r in rows if r["memory"] == "host"] == \
         [(s, "mpi") for s in SIZES]
     assert [r["status"] for r in rows if r["memory"] == "device"] == ["no accelerator"]
     assert all(r["status"] == "ok" and r["algbw_GBps"] > 0 for r in rows
                if r["memory"] == "host")
-    assert report["setup"] == {"system": None, "problems": []}
-    assert report["train"]["model"] == "small" and report["train"]["tokens_per_s"] > 0
-    assert report["train"]["mfu"] is None  # no peak known for a CPU
-    assert set(report["gpu_aware"]["per_vendor"]) == {"CUDA", "ROCm", "Level Zero"}
-    assert report["ranks"][0]["cpus"] and report["mpi"]["thread_level"]
+    assert result["setup"] == {"system": None, "problems": []}
+    assert result["train"]["model"] == "small" and result["train"]["tokens_per_s"] > 0
+    assert result["train"]["mfu"] is None  # no peak known for a CPU
+    assert set(result["gpu_aware"]["per_vendor"]) == {"CUDA", "ROCm", "Level Zero"}
+    assert result["ranks"][0]["cpus"] and result["mpi"]["thread_level"]
     assert "no accelerator" in text and "all checks passed" in text
 
 
 @pytest.mark.parametrize("aware", ["no", "yes"])
 def test_fake_device_rows_run(tmp_path, aware):
-    rc, text, report = doctor(tmp_path, device="fake", gpu_aware=aware)
+    rc, text, result = doctor(tmp_path, device="fake", gpu_aware=aware)
     assert rc == 0, text
-    device = [r for r in report["allreduce"] if r["memory"] == "device"]
+    device = [r for r in result["allreduce"] if r["memory"] == "device"]
     assert [r["transport"] for r in device] == ["mpi"] * len(SIZES)  # one rank: no library
     assert all(r["status"] == "ok" for r in device)
     assert all(r["staged"] == (aware == "no") for r in device)
-    assert "fake" in report["ranks"][0]["device"]
+    assert "fake" in result["ranks"][0]["device"]
 
 
 @pytest.mark.parametrize("check", ["allreduce", "train"])
 def test_planted_fault_fails_naming_the_check(tmp_path, monkeypatch, check):
     monkeypatch.setenv(FAULT_ENV, check)
-    rc, text, report = doctor(tmp_path)
+    rc, text, result = doctor(tmp_path)
     assert rc == 1
-    assert not report["ok"] and report["failures"][0].startswith(f"{check}:")
+    assert not result["ok"] and result["failures"][0].startswith(f"{check}:")
     assert f"FAILED:\n  {check}:" in text
 
 
-def test_cli_prints_the_report(tmp_path, capsys):
+def test_cli_prints_the_result(tmp_path, capsys):
     assert main(["doctor", "--sizes", "0.25", "--model", "small", "--device", "cpu",
                  "--json", str(tmp_path / "r.json")]) == 0
     assert "hpctrain doctor: 1 rank(s)" in capsys.readouterr().out
@@ -84,7 +84,7 @@ def test_jobscript_doctor_runs_doctor_into_the_run_dir(tmp_path, capsys):
     assert main(["jobscript", "--system", "local", "--doctor", "--venv", "none",
                  "--output", str(out)]) == 0
     text = out.read_text()
-    # The report goes with the attempt's records (jobs/<job id>/ in the run directory).
+    # The result goes with the attempt's records (jobs/<job id>/ in the run directory).
     assert "-m hpctrain doctor" in text and '--json="${ATTEMPT_DIR}"/doctor.json' in text
     assert "train.out_dir" not in text and "(doctor.json in jobs/<job id>/)" in text
     assert "doctor.json" in capsys.readouterr().out
@@ -143,10 +143,10 @@ def test_each_setup_mistake_is_named(planted, check):
     assert "\n" not in failures[0][1]
 
 
-def test_setup_expectations_come_from_the_system_profile():
+def test_setup_expectations_come_from_the_system():
     from hpctrain.doctor.setup_checks import setup_failures
 
-    # The same facts on a machine with no profile, or one without a site MPI: no problem.
+    # The same facts on a machine with no known system, or one without a site MPI: no problem.
     for system in (None, _system("local")):
         assert setup_failures([_row(0)], library_version=PYPI_MPICH, aware=False,
                               system=system) == []
@@ -155,12 +155,12 @@ def test_setup_expectations_come_from_the_system_profile():
         assert launch.vendor_mpi and launch.expects_gpu_aware_mpi, name
 
 
-def _report(**sections):
-    from hpctrain.doctor.report import Report
+def _node_check(**sections):
+    from hpctrain.doctor.node_check import NodeCheck
 
-    report = Report()
-    report.sections.update(sections)
-    return report
+    result = NodeCheck()
+    result.sections.update(sections)
+    return result
 
 
 def _allreduce(transport, staged, busbw):
@@ -178,23 +178,23 @@ def _allreduce(transport, staged, busbw):
 def test_bandwidth_floors_per_transport(rows, ok):
     from hpctrain.doctor.thresholds import judge
 
-    report = _report(allreduce=rows)
-    judge(report, accelerator=True, ranks=4)
-    assert (report.failures == []) == ok
-    judge(report := _report(allreduce=rows), accelerator=True, ranks=1)
-    assert report.failures == []  # one rank moves nothing: no floor
+    result = _node_check(allreduce=rows)
+    judge(result, accelerator=True, ranks=4)
+    assert (result.failures == []) == ok
+    judge(result := _node_check(allreduce=rows), accelerator=True, ranks=1)
+    assert result.failures == []  # one rank moves nothing: no floor
 
 
 def test_mfu_floor_applies_on_accelerators_only():
     from hpctrain.doctor.thresholds import MIN_MFU, judge
 
     slow = {"model": "gpt2-124m", "mfu": MIN_MFU / 2}
-    report = _report(train=slow)
-    judge(report, accelerator=True, ranks=1)
-    assert report.failures and report.failures[0].startswith("train:")
-    report = _report(train=slow)
-    judge(report, accelerator=False, ranks=1)
-    assert report.failures == []
-    report = _report(train={**slow, "model": "small"})  # too small to load a GPU
-    judge(report, accelerator=True, ranks=1)
-    assert report.failures == []
+    result = _node_check(train=slow)
+    judge(result, accelerator=True, ranks=1)
+    assert result.failures and result.failures[0].startswith("train:")
+    result = _node_check(train=slow)
+    judge(result, accelerator=False, ranks=1)
+    assert result.failures == []
+    result = _node_check(train={**slow, "model": "small"})  # too small to load a GPU
+    judge(result, accelerator=True, ranks=1)
+    assert result.failures == []

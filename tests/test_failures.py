@@ -123,7 +123,7 @@ def test_a_time_limit_ends_with_a_checkpoint_before_the_walltime(dataset_path, t
     measures its saves, stops early enough, saves and exits 0 before a 'scheduler' kills
     the whole job 20 s after its start (whatever the launcher does with signals)."""
     from hpctrain.checkpoint.distributed import SLOW_SAVE_ENV
-    from hpctrain.checkpoint.tools import inspect
+    from hpctrain.checkpoint.ckpt_commands import inspect
     from hpctrain.train.deadline import JOB_START_ENV
 
     out = tmp_path / "limit"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hpctrain.atomic import OutputError
-from hpctrain.checkpoint import tools
+from hpctrain.checkpoint import ckpt_commands
 from hpctrain.checkpoint.hf_import import import_hf
 from hpctrain.checkpoint.sharded import CheckpointError, read_manifest
 from hpctrain.checkpoint.weights import load_weights, model_options
@@ -154,8 +154,8 @@ def test_llama_export_loads_in_transformers_with_our_logits(tmp_path):
                         tie_embeddings=False, rope_theta=500.0,
                         rope_scaling="llama3:4.0:1.0:4.0:32.0", norm_eps=1e-6)
     weights = random_weights(gpt_cfg)
-    out = tools.export(weights_checkpoint(tmp_path / "ckpt", weights, gpt_cfg), "hf",
-                       tmp_path / "hf")
+    out = ckpt_commands.export(weights_checkpoint(tmp_path / "ckpt", weights, gpt_cfg), "hf",
+                               tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 8
     assert (config["num_key_value_heads"], config["intermediate_size"],
@@ -193,14 +193,14 @@ def test_export_then_import_is_exact(tmp_path, case):
     if not gpt_cfg.bias:
         assert "h.0.ln_1.bias" not in weights
     ckpt = weights_checkpoint(tmp_path / "ckpt", weights, gpt_cfg)
-    hf_dir = tools.export(ckpt, "hf", tmp_path / "hf")
+    hf_dir = ckpt_commands.export(ckpt, "hf", tmp_path / "hf")
     back = import_hf(hf_dir, tmp_path / "back", vocab_multiple=8)
     params, model, _ = load_weights(back.path)
     assert model == gpt_cfg.shape()
     assert set(params) == set(weights)
     for name, p in weights.items():
         torch.testing.assert_close(params[name], p, atol=0, rtol=0)
-    assert "verified" in tools.inspect(back.path, verify=True)  # the zero moments' CRCs
+    assert "verified" in ckpt_commands.inspect(back.path, verify=True)  # the zero moments' CRCs
 
 
 @pytest.mark.hf
@@ -213,7 +213,7 @@ def test_a_tokenizer_goes_out_as_tokenizer_json_and_comes_back(tmp_path):
     gpt_cfg = GPTConfig(vocab_size=vocab, block_size=8, n_layer=1, n_head=2, n_embd=8,
                         arch="llama", ffn_hidden=16)
     ckpt = weights_checkpoint(tmp_path / "ckpt", random_weights(gpt_cfg), gpt_cfg, meta)
-    out = tools.export(ckpt, "hf", tmp_path / "hf")
+    out = ckpt_commands.export(ckpt, "hf", tmp_path / "hf")
     assert (out / "tokenizer.json").read_text() == (tmp_path / "tok" / "tokenizer.json").read_text()
     back = import_hf(out, tmp_path / "back")
     assert read_manifest(back.path).data["tokenizer"]["sha256"] == meta["sha256"]

@@ -1,5 +1,5 @@
 """The data path in one process: format version 2 and manifests, checksums, MPI-IO reads
-on one rank against numpy, parallel preparation's pieces, tokenizers, staging, the
+on one rank against numpy, parallel preparation's pieces, tokenizers, the node-local copy, the
 prefetching thread, and every corrupt input through the trainer."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hpctrain.data.mpiio import MPIIODataset
 from hpctrain.data.prefetch import Prefetcher
 from hpctrain.data.prepare import (assign_files, combine, crc_pieces, join_crc_pieces,
                                    prepare)
-from hpctrain.data.stage import copy_files, staged_paths
+from hpctrain.data.local_copy import local_copy_paths, make_local_copy
 from hpctrain.data.tokenizers import GPT2Tokenizer, _GPT2_URLS, _cache_file
 from hpctrain.errors import CommTimeout, DataError
 from hpctrain.train.trainer import Trainer
@@ -407,17 +407,18 @@ def test_gpt2_loads_from_the_local_cache_and_prepares(fake_tiktoken, tmp_path):
 # GPT-2's real ranks: tests/test_gpt2_bpe.py, in the hf leg (make test-hf).
 
 
-# ------------------------------------------------------------------------- staging
+# -------------------------------------------------------------------- node-local copy
 
-def test_staging_copies_once_and_reuses_the_copy(dataset_path, tmp_path):
+def test_local_copy_copies_once_and_reuses_the_copy(dataset_path, tmp_path):
     info = read_info(dataset_path)
-    stage = tmp_path / "local"
-    dests = copy_files(info, stage)
-    assert dests == staged_paths(info, stage) and dests[0].read_bytes() == dataset_path.read_bytes()
+    local_dir = tmp_path / "local"
+    dests = make_local_copy(info, local_dir)
+    assert dests == local_copy_paths(info, local_dir)
+    assert dests[0].read_bytes() == dataset_path.read_bytes()
     mtime = dests[0].stat().st_mtime_ns
     time.sleep(0.01)
-    assert copy_files(info, stage) == dests and dests[0].stat().st_mtime_ns == mtime
-    data = open_dataset(DataConfig(path=str(dataset_path), stage_dir=str(stage)),
+    assert make_local_copy(info, local_dir) == dests and dests[0].stat().st_mtime_ns == mtime
+    data = open_dataset(DataConfig(path=str(dataset_path), local_copy_dir=str(local_dir)),
                         cpu_world(MPI.COMM_SELF))
     try:
         assert data.reader.info.files == tuple(dests)
@@ -426,12 +427,12 @@ def test_staging_copies_once_and_reuses_the_copy(dataset_path, tmp_path):
         data.close()
 
 
-def test_staging_without_space_names_the_fix(dataset_path, tmp_path, monkeypatch):
+def test_local_copy_without_space_names_the_fix(dataset_path, tmp_path, monkeypatch):
     import shutil
 
     monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(free=10))
     with pytest.raises(DataError, match="GB free, the dataset needs"):
-        copy_files(read_info(dataset_path), tmp_path / "local")
+        make_local_copy(read_info(dataset_path), tmp_path / "local")
     assert not list((tmp_path / "local").iterdir())
 
 

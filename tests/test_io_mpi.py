@@ -1,6 +1,6 @@
 """The data path over real MPI ranks (run under ``mpiexec -n 2`` and ``-n 4``): collective
 MPI-IO reads against numpy, manifests, uneven read counts with aggregation on, the
-sampler across world sizes and restarts, parallel preparation byte for byte, staging,
+sampler across world sizes and restarts, parallel preparation byte for byte, the node-local copy,
 a 2 GB file with bounded memory, and corrupt inputs failing every rank the same way."""
 
 from __future__ import annotations
@@ -140,12 +140,12 @@ def test_a_bad_file_on_one_rank_fails_every_rank_and_writes_nothing(shared_tmp):
     assert not (Path(shared_tmp) / "out").exists() or not list((Path(shared_tmp) / "out").iterdir())
 
 
-def test_staging_copies_once_per_node_and_reads_the_copy(mpi_dataset, shared_tmp):
-    stage = f"{shared_tmp}/local-scratch"
+def test_local_copy_made_once_per_node_and_read(mpi_dataset, shared_tmp):
+    local_dir = f"{shared_tmp}/local-scratch"
     world = cpu_world(COMM)
-    data = open_dataset(DataConfig(path=mpi_dataset, stage_dir=stage), world)
+    data = open_dataset(DataConfig(path=mpi_dataset, local_copy_dir=local_dir), world)
     try:
-        assert str(data.reader.info.files[0]).startswith(stage)
+        assert str(data.reader.info.files[0]).startswith(local_dir)
         starts = np.random.default_rng(COMM.rank).integers(0, 1000, 5)
         assert np.array_equal(data.read("train", starts, 40),
                               TokenDataset(mpi_dataset).read("train", starts, 40))

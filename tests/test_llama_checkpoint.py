@@ -7,7 +7,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpctrain.checkpoint import tools
+from hpctrain.checkpoint import ckpt_commands
 from hpctrain.checkpoint.sharded import CheckpointError, read_full_state, read_manifest
 from hpctrain.checkpoint.single_file import load_single_file
 from hpctrain.model.gpt import GPT
@@ -41,16 +41,16 @@ def test_the_manifest_records_the_architecture(trained):
     assert (record["arch"], record["n_kv_head"], record["tie_embeddings"]) == ("llama", 2, False)
     assert GPTConfig.from_shape(record).num_params(non_embedding=False) == \
         sum(p.numel() for p in params.values())
-    assert "arch=llama" in tools.inspect(out, verify=True)
+    assert "arch=llama" in ckpt_commands.inspect(out, verify=True)
 
 
 @pytest.mark.parametrize("world,zero", [(2, 3), (1, 0)])
 def test_reshard_and_merge_keep_every_parameter(trained, tmp_path, world, zero):
     out, _, _, params = trained
-    new = tools.reshard(out, tmp_path / "new", world=world, zero=zero)
+    new = ckpt_commands.reshard(out, tmp_path / "new", world=world, zero=zero)
     for name, s in read_full_state(read_manifest(new)).items():
         torch.testing.assert_close(s["param"], params[name], atol=0, rtol=0)
-    merged = load_single_file(tools.merge(new, tmp_path / "m.h5"))
+    merged = load_single_file(ckpt_commands.merge(new, tmp_path / "m.h5"))
     assert set(merged.model) == set(params) and "lm_head.weight" in merged.model
     for name, p in params.items():
         np.testing.assert_array_equal(merged.model[name], p.numpy())

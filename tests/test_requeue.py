@@ -20,7 +20,7 @@ from hpctrain.jobs.validate import signal_lead
 from hpctrain.train.deadline import JOB_END_ENV, JOB_START_ENV, Deadline
 from hpctrain.train.run_status import main as status_main
 from hpctrain.train.run_status import read_status, shell_line, status_record, write_status
-from tests.test_jobs import CMD, directives, launch_block, script
+from tests.jobs_common import CMD, directives, launch_block, script
 
 
 def _run_dir_line(text: str) -> str:
@@ -176,7 +176,7 @@ def test_a_signal_lead_over_a_quarter_of_the_walltime_is_a_warning(capsys):
     assert "sbatch --signal=USR1@12 SCRIPT" in err
 
 
-def test_frontier_and_the_cray_profiles_ask_for_what_the_job_needs():
+def test_frontier_and_the_cray_systems_ask_for_what_the_job_needs():
     frontier = directives(script("frontier"))
     for line in ("#SBATCH --ntasks-per-node=8", "#SBATCH --cpus-per-task=7", "#SBATCH -S 8",
                  "#SBATCH --exclusive"):

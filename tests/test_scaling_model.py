@@ -14,7 +14,7 @@ from hpctrain.model.shape import SHAPE_KEYS
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.scaling import comm_cost
 from hpctrain.scaling import perfmodel as pm
-from hpctrain.scaling.models import ModelShape, model_shape
+from hpctrain.scaling.models import ModelShape, preset_shape
 from hpctrain.scaling.planner import plan
 from hpctrain.scaling.system_perf import ShapeRate, load_perf
 
@@ -55,7 +55,7 @@ def test_llama_shape_counts_match_the_real_model(tied):
 
 
 def test_llama3_8b_preset_has_the_published_parameter_count():
-    shape = model_shape("llama3-8b")
+    shape = preset_shape("llama3-8b")
     assert shape.params == pytest.approx(8.03e9, rel=2e-3)  # Meta: 8.03B
     assert (shape.n_kv_head, shape.ffn_hidden, shape.tie_embeddings) == (8, 14336, False)
 
@@ -64,20 +64,20 @@ def test_a_shape_is_a_gpt_config_with_a_name():
     """ModelShape lists GPTConfig's shape fields, so that none is left out of the counts."""
     names = {f.name for f in dataclasses.fields(ModelShape)} - {"name"}
     assert names == set(SHAPE_KEYS)
-    shape = model_shape("gpt2", bias=True)
+    shape = preset_shape("gpt2", bias=True)
     assert shape.gpt.shape() == {k: getattr(shape, k) for k in SHAPE_KEYS}
-    assert shape.bias and shape.key == model_shape("gpt2").key
-    assert shape.params > model_shape("gpt2").params
-    padded = model_shape("gpt2", vocab_multiple=64)  # 50257 -> 50304 embedding rows
-    assert padded.params - model_shape("gpt2").params == 47 * 768
-    assert padded.flops_per_token == model_shape("gpt2").flops_per_token
+    assert shape.bias and shape.key == preset_shape("gpt2").key
+    assert shape.params > preset_shape("gpt2").params
+    padded = preset_shape("gpt2", vocab_multiple=64)  # 50257 -> 50304 embedding rows
+    assert padded.params - preset_shape("gpt2").params == 47 * 768
+    assert padded.flops_per_token == preset_shape("gpt2").flops_per_token
 
 
 def test_shape_rejects_bad_dimensions():
     with pytest.raises(UserError, match="multiple of n_head"):
         ModelShape(2, 3, 32, 16, 50)
     with pytest.raises(UserError, match="unknown model"):
-        model_shape("gpt5")
+        preset_shape("gpt5")
 
 
 def test_ring_costs_are_the_textbook_formulas():
@@ -172,21 +172,21 @@ def test_llama_activation_bytes_are_what_a_real_block_keeps(dtype, kv):
 
 
 def test_llama_keeps_more_per_token_than_gpt2s_34_words():
-    shape = model_shape("llama3-8b")
+    shape = preset_shape("llama3-8b")
     per_h = pm.llama_bytes_per_token(shape, "bf16") / shape.n_embd
     assert per_h == pytest.approx(51.5)  # fp32 norms; Korthikanti's count would say 41
 
 
-@pytest.mark.parametrize("shape", [model_shape("gpt2"), ModelShape(4, 8, 512, 1024, 32000,
+@pytest.mark.parametrize("shape", [preset_shape("gpt2"), ModelShape(4, 8, 512, 1024, 32000,
                                                                    arch="llama", n_kv_head=2)])
 def test_recomputation_keeps_layer_inputs_and_one_layer(shape):
     sys_ = dataclasses.replace(load_perf("polaris"), overlap=0.0,
                                shapes={shape.key: {"bf16": ShapeRate(1e12, 0.0)}})
-    lay = pm.Layout(ranks=8, pp=2, micro_batches=4, global_batch=16, dtype="bf16")
+    arr = pm.Arrangement(ranks=8, pp=2, micro_batches=4, global_batch=16, dtype="bf16")
     layers, held, rows = shape.n_layer // 2, 2, 2  # 1F1B: stage 0 holds p micro-batches
-    lay = dataclasses.replace(lay, global_batch=32)  # 4 x 4 micro-batches of 2 rows
-    plain = pm.predict(sys_, shape, lay)
-    again = pm.predict(sys_, shape, dataclasses.replace(lay, recompute="block"))
+    arr = dataclasses.replace(arr, global_batch=32)  # 4 x 4 micro-batches of 2 rows
+    plain = pm.predict(sys_, shape, arr)
+    again = pm.predict(sys_, shape, dataclasses.replace(arr, recompute="block"))
     full = pm.activation_bytes_per_layer(shape, rows, "bf16", sys_.flash_attention)
     assert plain.memory_terms["activations"] == pytest.approx(held * layers * full)
     inputs = 1024 * rows * shape.n_embd * 2  # s b h in bf16
@@ -205,12 +205,12 @@ def test_a_chunked_head_holds_one_chunk_of_logits_and_computes_them_twice():
     shape = ModelShape(2, 8, 512, 2048, 32000, arch="llama")
     sys_ = dataclasses.replace(load_perf("polaris"),
                                shapes={shape.key: {"bf16": ShapeRate(1e12, 0.0)}})
-    lay = pm.Layout(ranks=1, global_batch=2, dtype="bf16")  # 2 x 2048 tokens
-    plain = pm.predict(sys_, shape, lay)
+    arr = pm.Arrangement(ranks=1, global_batch=2, dtype="bf16")  # 2 x 2048 tokens
+    plain = pm.predict(sys_, shape, arr)
     assert plain.memory_terms["logits"] == 2 * 4 * 4096 * 32000
-    chunked = pm.predict(sys_, shape, dataclasses.replace(lay, loss_chunk=1024))
+    chunked = pm.predict(sys_, shape, dataclasses.replace(arr, loss_chunk=1024))
     assert chunked.memory_terms["logits"] == 2 * 4 * 1024 * 32000 + 4 * 4096
-    whole = pm.predict(sys_, shape, dataclasses.replace(lay, loss_chunk=10_000))
+    whole = pm.predict(sys_, shape, dataclasses.replace(arr, loss_chunk=10_000))
     assert whole.memory_terms["logits"] == 2 * 4 * 4096 * 32000 + 4 * 4096  # one chunk
     extra = 4096 * shape.head_flops_per_token / 3 / 1e12  # the logits again in backward
     assert chunked.compute_s - plain.compute_s == pytest.approx(extra)
@@ -225,13 +225,13 @@ def _cpu_system(cores=2):
 
 def test_predicted_bubble_matches_the_formula():
     sys_ = load_perf("polaris")
-    shape = model_shape("gpt2")
-    pred = pm.predict(sys_, shape, pm.Layout(ranks=4, pp=4, micro_batches=8, global_batch=8,
-                                             dtype="bf16"))
+    shape = preset_shape("gpt2")
+    pred = pm.predict(sys_, shape, pm.Arrangement(ranks=4, pp=4, micro_batches=8, global_batch=8,
+                                                  dtype="bf16"))
     assert pred.bubble_s / pred.compute_s == pytest.approx(3 / 8)
-    inter = pm.predict(sys_, shape, pm.Layout(ranks=4, pp=4, micro_batches=8, global_batch=8,
-                                              dtype="bf16", schedule="interleaved",
-                                              virtual_stages=3))
+    inter = pm.predict(sys_, shape, pm.Arrangement(ranks=4, pp=4, micro_batches=8, global_batch=8,
+                                                   dtype="bf16", schedule="interleaved",
+                                                   virtual_stages=3))
     assert inter.bubble_s / inter.compute_s == pytest.approx(3 / 24)
     assert inter.p2p_s == pytest.approx(3 * pred.p2p_s)  # v times the messages
     for q in (pred, inter):  # the step is the sum of its terms, the bubble among them
@@ -243,8 +243,8 @@ def test_predicted_bubble_matches_the_formula():
 def test_oversubscribed_ranks_share_cores():
     sys_ = _cpu_system(cores=2)
     shape = ModelShape(2, 2, 64, 32, 50)
-    one = pm.predict(sys_, shape, pm.Layout(ranks=2, global_batch=8))
-    four = pm.predict(sys_, shape, pm.Layout(ranks=4, global_batch=16))
+    one = pm.predict(sys_, shape, pm.Arrangement(ranks=2, global_batch=8))
+    four = pm.predict(sys_, shape, pm.Arrangement(ranks=4, global_batch=16))
     assert one.oversubscription == 1.0 and four.oversubscription == 2.0
     assert four.compute_s == pytest.approx(2 * one.compute_s)  # same rows per rank
     assert four.optimizer_s == pytest.approx(2 * one.optimizer_s)
@@ -256,11 +256,11 @@ def test_measured_fits_and_shape_rates_win():
     fitted = dataclasses.replace(
         sys_, fits={2: {"allreduce": comm_cost.Fit(1e-3, 0.0)}},
         shapes={shape.key: {"fp32": ShapeRate(1e9, 0.0)}})
-    lay = pm.Layout(ranks=2, global_batch=4)
-    pred = pm.predict(fitted, shape, lay)
-    n_buckets = len(pm.bucket_sizes(4.0 * shape.params, lay.bucket_mb))
+    arr = pm.Arrangement(ranks=2, global_batch=4)
+    pred = pm.predict(fitted, shape, arr)
+    n_buckets = len(pm.bucket_sizes(4.0 * shape.params, arr.bucket_mb))
     assert pred.grad_comm_total_s == pytest.approx(n_buckets * 1e-3)
-    tokens = lay.micro_rows * shape.block_size
+    tokens = arr.micro_rows * shape.block_size
     assert pred.compute_s == pytest.approx(tokens * shape.flops_per_token / 1e9)
 
 
@@ -269,37 +269,37 @@ def test_cpu_data_parallelism_uses_the_shared_memory_fit_where_calibrated():
     fits = {"allreduce": comm_cost.Fit(1e-3, 0.0), "shm_allreduce": comm_cost.Fit(2e-4, 0.0)}
     sys_ = dataclasses.replace(_cpu_system(), fits={2: fits})
     n_buckets = len(pm.bucket_sizes(4.0 * shape.params, 25.0))
-    plain = pm.predict(sys_, shape, pm.Layout(ranks=2, global_batch=4))
+    plain = pm.predict(sys_, shape, pm.Arrangement(ranks=2, global_batch=4))
     assert plain.grad_comm_total_s == pytest.approx(n_buckets * 2e-4)
     # ZeRO and bf16 go through the ZeRO engine's MPI collectives, not the shared window.
-    bf16 = pm.predict(sys_, shape, pm.Layout(ranks=2, global_batch=4, dtype="bf16"))
+    bf16 = pm.predict(sys_, shape, pm.Arrangement(ranks=2, global_batch=4, dtype="bf16"))
     assert bf16.grad_comm_total_s == pytest.approx(n_buckets * 1e-3)
 
 
 def test_zero_stages_memory_and_communication():
     sys_ = dataclasses.replace(load_perf("polaris"), overlap=0.0)  # nothing hidden
-    shape = model_shape("gpt2")
-    preds = {z: pm.predict(sys_, shape, pm.Layout(ranks=8, zero=z, global_batch=16,
-                                                  dtype="bf16")) for z in range(4)}
+    shape = preset_shape("gpt2")
+    preds = {z: pm.predict(sys_, shape, pm.Arrangement(ranks=8, zero=z, global_batch=16,
+                                                       dtype="bf16")) for z in range(4)}
     for z, p in preds.items():
         assert p.memory_terms["model_state"] == pytest.approx(
             zero_formula(z, "bf16", 8) * shape.params)
     assert preds[0].gather_s == 0.0 and preds[1].gather_s > 0.0
     assert preds[3].gather_s > preds[1].gather_s  # 2 gathers per block and micro-batch
     assert preds[3].optimizer_s < preds[0].optimizer_s  # 1/N of the update
-    single = pm.predict(sys_, shape, pm.Layout(ranks=1, zero=3, global_batch=2, dtype="bf16"))
+    single = pm.predict(sys_, shape, pm.Arrangement(ranks=1, zero=3, global_batch=2, dtype="bf16"))
     assert single.comm_s == 0.0
 
 
-@pytest.mark.parametrize("layout,match", [
-    (pm.Layout(ranks=6, pp=4, global_batch=8), "do not split"),
-    (pm.Layout(ranks=2, global_batch=3), "multiple of 2"),
-    (pm.Layout(ranks=4, pp=2, zero=3, global_batch=8), "ZeRO stage 0 or 1"),
-    (pm.Layout(ranks=2, pp=2, schedule="zb", global_batch=2), "schedule"),
+@pytest.mark.parametrize("arrangement,match", [
+    (pm.Arrangement(ranks=6, pp=4, global_batch=8), "do not split"),
+    (pm.Arrangement(ranks=2, global_batch=3), "multiple of 2"),
+    (pm.Arrangement(ranks=4, pp=2, zero=3, global_batch=8), "ZeRO stage 0 or 1"),
+    (pm.Arrangement(ranks=2, pp=2, schedule="zb", global_batch=2), "schedule"),
 ])
-def test_illegal_layouts_name_the_fix(layout, match):
+def test_illegal_layouts_name_the_fix(arrangement, match):
     with pytest.raises(UserError, match=match):
-        layout.check(model_shape("gpt2"))
+        arrangement.check(preset_shape("gpt2"))
 
 
 @pytest.mark.parametrize("system", ["polaris", "aurora"])
@@ -310,10 +310,10 @@ def test_plan_is_sorted_legal_and_fits(system, nodes):
     times = [c.prediction.step_s for c in p.fitting]
     assert times == sorted(times)
     for c in p.fitting:
-        lay = c.layout
-        assert lay.dp * lay.pp * lay.tp == p.ranks and lay.global_batch % (lay.dp * lay.micro_batches) == 0
+        arr = c.arrangement
+        assert arr.dp * arr.pp * arr.tp == p.ranks and arr.global_batch % (arr.dp * arr.micro_batches) == 0
         assert c.prediction.memory_bytes <= p.system.device_memory
-        assert lay.pp == 1 or lay.zero <= 1
+        assert arr.pp == 1 or arr.zero <= 1
         assert math.isfinite(c.prediction.step_s) and c.prediction.step_s > 0
 
 
@@ -325,13 +325,14 @@ def test_plan_prefers_more_nodes_for_throughput():
 
 def test_llama3_8b_plans_without_recomputation_on_16_polaris_nodes(capsys):
     """Tensor and sequence parallelism inside a node fit Llama 3 8B at 8K context
-    without recomputing blocks or chunking the loss; with both, more layouts fit."""
+    without recomputing blocks or chunking the loss; with both, more arrangements fit."""
     from hpctrain.cli import main
 
     p = plan(system="polaris", nodes=16, model="llama3-8b")
     assert p.fitting
-    assert all(c.layout.recompute == "none" and c.layout.loss_chunk == 0 for c in p.fitting)
-    assert all(c.layout.tp > 1 and c.layout.sequence_parallel for c in p.fitting)
+    assert all(c.arrangement.recompute == "none" and c.arrangement.loss_chunk == 0
+               for c in p.fitting)
+    assert all(c.arrangement.tp > 1 and c.arrangement.sequence_parallel for c in p.fitting)
     saving = plan(system="polaris", nodes=16, model="llama3-8b", recompute="block",
                   loss_chunk=4096)
     assert len(saving.fitting) > len(p.fitting)
@@ -345,13 +346,13 @@ def test_llama3_8b_plans_without_recomputation_on_16_polaris_nodes(capsys):
 def test_tensor_parallel_groups_stay_inside_a_node(system):
     p = plan(system=system, nodes=2, model="llama3-8b", seq_len=2048)
     rpn = p.system.ranks_per_node
-    tps = {c.layout.tp for c in p.fitting}
+    tps = {c.arrangement.tp for c in p.fitting}
     assert max(tps) > 1 and all(rpn % tp == 0 for tp in tps)
-    assert all(c.layout.dp * c.layout.pp * c.layout.tp == p.ranks for c in p.fitting)
+    assert all(c.arrangement.dp * c.arrangement.pp * c.arrangement.tp == p.ranks for c in p.fitting)
 
 
 def test_llama3_70b_plans_on_64_polaris_nodes():
-    shape = model_shape("llama3-70b")
+    shape = preset_shape("llama3-70b")
     assert shape.params == pytest.approx(70.55e9, rel=1e-3)  # Meta's 70.6B, untied head
     p = plan(system="polaris", nodes=64, model="llama3-70b", recompute="block")
     assert p.fitting and p.ranks == 256
@@ -361,7 +362,7 @@ def test_tensor_and_sequence_parallelism_divide_activation_memory():
     """Korthikanti et al. 2022 for GPT-2: 10 + 24/t words per s b h with tp, and all 34
     divided by t with sp (the trainer's column-parallel layers keep their rank's tokens
     and gather them again in backward)."""
-    gpt, llama = model_shape("gpt2", vocab_size=50304), model_shape("llama3-8b")
+    gpt, llama = preset_shape("gpt2", vocab_size=50304), preset_shape("llama3-8b")
     one = pm.activation_bytes_per_layer(gpt, 1, "bf16", True)
     assert pm.activation_bytes_per_layer(gpt, 1, "bf16", True, tp=4) == \
         pytest.approx(one * (10 + 24 / 4) / 34)
@@ -374,8 +375,8 @@ def test_tensor_and_sequence_parallelism_divide_activation_memory():
     assert whole > tp > sp == pytest.approx(whole / 4)
     assert tp - sp == pytest.approx(3 / 4 * (8 * h + 4 * h + 4 * h))  # norms, inputs
     sys_ = load_perf("polaris")
-    lay = pm.Layout(ranks=8, global_batch=8, dtype="bf16")
-    mem = [pm.predict(sys_, llama, dataclasses.replace(lay, tp=t, sequence_parallel=s,
+    arr = pm.Arrangement(ranks=8, global_batch=8, dtype="bf16")
+    mem = [pm.predict(sys_, llama, dataclasses.replace(arr, tp=t, sequence_parallel=s,
                                                        global_batch=8 // t))  # 1 row each
            .memory_terms for t, s in ((1, False), (4, False), (4, True))]
     assert mem[0]["activations"] > mem[1]["activations"] > mem[2]["activations"]
@@ -401,10 +402,10 @@ def test_tensor_parallel_collectives_count_the_layers_sums():
     assert t == 2 * (3 * 6 + 2) + 3 * 2 + 3
     assert ("allgather", 10 * 8 * 2.0) in calls and ("reduce_scatter", 10 * 8 * 2.0) in calls
     sys_ = load_perf("polaris")
-    shape = model_shape("gpt3-6.7b", vocab_multiple=64)
-    lay = pm.Layout(ranks=8, global_batch=16, dtype="bf16", micro_batches=2)
-    plain, split = pm.predict(sys_, shape, lay), pm.predict(sys_, shape,
-                                                            dataclasses.replace(lay, tp=4))
+    shape = preset_shape("gpt3-6.7b", vocab_multiple=64)
+    arr = pm.Arrangement(ranks=8, global_batch=16, dtype="bf16", micro_batches=2)
+    plain, split = pm.predict(sys_, shape, arr), pm.predict(sys_, shape,
+                                                            dataclasses.replace(arr, tp=4))
     assert plain.tp_comm_s == 0.0 and split.tp_comm_s > 0.0
     assert split.step_s == pytest.approx(split.compute_s + split.tp_comm_s + split.bubble_s
                                          + split.p2p_s + split.grad_comm_s + split.gather_s
@@ -412,19 +413,19 @@ def test_tensor_parallel_collectives_count_the_layers_sums():
     assert split.grad_comm_total_s < plain.grad_comm_total_s  # a quarter of the gradients
     # A group of adjacent ranks inside a node never touches the network between nodes.
     slow_network = dataclasses.replace(sys_, inter=comm_cost.Link(1e-3, 1e6))
-    assert pm.predict(slow_network, shape, dataclasses.replace(lay, tp=4)).tp_comm_s == \
+    assert pm.predict(slow_network, shape, dataclasses.replace(arr, tp=4)).tp_comm_s == \
         pytest.approx(split.tp_comm_s)
 
 
 def test_tensor_parallel_layouts_are_checked():
-    gpt2 = model_shape("gpt2")
+    gpt2 = preset_shape("gpt2")
     with pytest.raises(UserError, match="vocab_multiple"):  # 50257 rows do not split
-        pm.Layout(ranks=2, tp=2, global_batch=2).check(gpt2)
+        pm.Arrangement(ranks=2, tp=2, global_batch=2).check(gpt2)
     with pytest.raises(UserError, match="n_head=12 is not a multiple of --parallel.tp=8"):
-        pm.Layout(ranks=8, tp=8, global_batch=8).check(dataclasses.replace(gpt2,
-                                                                           vocab_size=50304))
+        pm.Arrangement(ranks=8, tp=8, global_batch=8).check(dataclasses.replace(gpt2,
+                                                                                vocab_size=50304))
     with pytest.raises(UserError, match="needs tp > 1"):
-        pm.Layout(ranks=2, sequence_parallel=True, global_batch=2).check(gpt2)
+        pm.Arrangement(ranks=2, sequence_parallel=True, global_batch=2).check(gpt2)
 
 
 # MosaicML's published MPT training throughput on one node of 8 A100 80GB (bf16, FSDP
@@ -438,7 +439,7 @@ PUBLISHED_MPT = {"mpt-125m": (12, 12, 768, 50368, 40, 2, 142830),
 
 
 def _a100_80gb_node():
-    """Polaris's A100 profile as an 8-GPU node of A100 80GB (2039 GB/s, data sheet)."""
+    """Polaris's A100 system as an 8-GPU node of A100 80GB (2039 GB/s, data sheet)."""
     return dataclasses.replace(load_perf("polaris", collectives="xccl"), ranks_per_node=8,
                                device_memory=80 * 2 ** 30, memory_bandwidth=2039e9)
 
@@ -447,9 +448,9 @@ def _a100_80gb_node():
 def test_compute_term_matches_published_a100_runs_of_every_size(name):
     layers, heads, width, vocab, rows, accum, measured = PUBLISHED_MPT[name]
     shape = ModelShape(layers, heads, width, 2048, vocab)
-    lay = pm.Layout(ranks=8, zero=3, micro_batches=accum, global_batch=8 * rows * accum,
-                    dtype="bf16")
-    predicted = pm.predict(_a100_80gb_node(), shape, lay).tokens_per_s / 8
+    arr = pm.Arrangement(ranks=8, zero=3, micro_batches=accum, global_batch=8 * rows * accum,
+                         dtype="bf16")
+    predicted = pm.predict(_a100_80gb_node(), shape, arr).tokens_per_s / 8
     assert predicted / measured == pytest.approx(1.0, abs=0.25)
 
 
@@ -459,22 +460,22 @@ def test_the_achieved_rate_rises_with_width():
     flat = dataclasses.replace(_a100_80gb_node(), memory_bandwidth=0.0,
                                achieved_flops={"bf16": 140e12})
     layers, heads, width, vocab, rows, accum, measured = PUBLISHED_MPT["mpt-7b"]
-    lay = pm.Layout(ranks=8, zero=3, micro_batches=accum, global_batch=8 * rows * accum,
-                    dtype="bf16")
+    arr = pm.Arrangement(ranks=8, zero=3, micro_batches=accum, global_batch=8 * rows * accum,
+                         dtype="bf16")
     shape = ModelShape(layers, heads, width, 2048, vocab)
-    assert pm.predict(flat, shape, lay).tokens_per_s / 8 / measured < 0.75
-    mfu = [pm.predict(_a100_80gb_node(), model_shape(n), pm.Layout(
+    assert pm.predict(flat, shape, arr).tokens_per_s / 8 / measured < 0.75
+    mfu = [pm.predict(_a100_80gb_node(), preset_shape(n), pm.Arrangement(
         ranks=8, global_batch=8, dtype="bf16")).mfu for n in ("gpt2", "gpt2-xl", "gpt3-13b")]
     assert mfu == sorted(mfu) and mfu[0] < 0.8 * mfu[-1]
 
 
 def test_plan_options_are_checked_and_off_by_default():
-    assert all(c.layout.recompute == "none" and c.layout.loss_chunk == 0
+    assert all(c.arrangement.recompute == "none" and c.arrangement.loss_chunk == 0
                for c in plan(system="polaris", nodes=2, model="gpt2").fitting)
     with pytest.raises(UserError, match="recompute 'all'"):
-        pm.Layout(ranks=1, recompute="all").check(model_shape("gpt2"))
+        pm.Arrangement(ranks=1, recompute="all").check(preset_shape("gpt2"))
     with pytest.raises(UserError, match="loss_chunk -1"):
-        pm.Layout(ranks=1, loss_chunk=-1).check(model_shape("gpt2"))
+        pm.Arrangement(ranks=1, loss_chunk=-1).check(preset_shape("gpt2"))
 
 
 def test_plan_refuses_a_model_that_cannot_fit():
@@ -503,7 +504,7 @@ def test_every_preset_plans_on_a_login_node_quickly():
 def test_calibration_workers_rebuild_the_model_a_key_names():
     from hpctrain.scaling.calib_worker import config_from_key
 
-    for shape in (model_shape("default"), model_shape("llama3-8b", block_size=64, n_layer=1)):
+    for shape in (preset_shape("default"), preset_shape("llama3-8b", block_size=64, n_layer=1)):
         cfg = config_from_key(shape.key)
         assert (cfg.arch, cfg.n_kv_head, cfg.ffn_hidden, cfg.n_embd) == \
             (shape.arch, shape.n_kv_head, shape.ffn_hidden, shape.n_embd)
@@ -512,7 +513,7 @@ def test_calibration_workers_rebuild_the_model_a_key_names():
 def test_llama3_8b_has_its_published_parameter_count():
     """8,030,261,248: Meta's count for Llama 3 8B (untied head, GQA with 8 key/value
     heads, SwiGLU 14336); FLOPs per token 6N + 12 L C T with N without the embedding."""
-    shape = model_shape("llama3-8b")
+    shape = preset_shape("llama3-8b")
     assert shape.params == 8_030_261_248
     n = shape.params - 128256 * 4096  # the embedding is a lookup; the head multiplies
     assert shape.flops_per_token == 6 * n + 12 * 32 * 4096 * 8192
@@ -520,16 +521,16 @@ def test_llama3_8b_has_its_published_parameter_count():
 
 def test_the_collective_library_has_its_own_links_and_overlap():
     """--collectives picks whose figures the model uses: MPI's, or the GPU library's
-    ([perf.network.xccl]); auto takes the library where the profile has its figures."""
+    ([perf.network.xccl]); auto takes the library where the system has its figures."""
     mpi, lib, auto = (load_perf("polaris", collectives=c) for c in ("mpi", "xccl", "auto"))
     assert (mpi.collectives, lib.collectives, auto.collectives) == ("mpi", "xccl", "xccl")
     assert lib.intra.bandwidth > mpi.intra.bandwidth and lib.overlap > mpi.overlap
     assert load_perf("local", collectives="auto").collectives == "mpi"  # no figures there
     with pytest.raises(UserError, match=r"\[perf.network.xccl\].*--collectives mpi"):
         load_perf("local", collectives="xccl")
-    shape = model_shape("gpt2-xl")
-    lay = pm.Layout(ranks=64, global_batch=512, zero=1)
-    faster, slower = pm.predict(lib, shape, lay), pm.predict(mpi, shape, lay)
+    shape = preset_shape("gpt2-xl")
+    arr = pm.Arrangement(ranks=64, global_batch=512, zero=1)
+    faster, slower = pm.predict(lib, shape, arr), pm.predict(mpi, shape, arr)
     assert faster.grad_comm_s < slower.grad_comm_s
     assert faster.compute_s == slower.compute_s  # only the network changed
 

@@ -13,7 +13,7 @@ from hpctrain.cli import main
 from hpctrain.errors import UserError
 from hpctrain.scaling import analysis
 from hpctrain.scaling.records import from_summary, read_records, write_record
-from hpctrain.scaling.report import build_report
+from hpctrain.scaling.study_report import build_study_report
 from hpctrain.scaling.spec import load_study
 
 SPEC = """
@@ -59,8 +59,8 @@ def test_weak_spec_expands_and_skips_with_reasons(tmp_path):
     assert len(ids) == 9 and len(set(ids)) == 9
     assert "m-pipe-z0-pp2-1f1b-m4-n4" in ids
     by_id = {p.id: p for p in s.points}
-    assert by_id["m-dp-z3-pp1-m1-n4"].layout.global_batch == 16  # 4 per dp rank
-    assert by_id["m-pipe-z0-pp2-1f1b-m4-n4"].layout.global_batch == 8  # dp = 2
+    assert by_id["m-dp-z3-pp1-m1-n4"].arrangement.global_batch == 16  # 4 per dp rank
+    assert by_id["m-pipe-z0-pp2-1f1b-m4-n4"].arrangement.global_batch == 8  # dp = 2
     reasons = " ".join(r for _, r in s.skipped)
     assert "pp=2 does not divide 1" in reasons and "pp=4 does not divide 2" in reasons
 
@@ -88,7 +88,7 @@ def test_study_runs_train_the_modelled_shape(tmp_path):
 
 def test_strong_spec_keeps_the_global_batch(tmp_path):
     s = load_study(_write(tmp_path, SPEC.format(scaling="strong", batch="global = 16")))
-    assert {p.layout.global_batch for p in s.points} == {16}
+    assert {p.arrangement.global_batch for p in s.points} == {16}
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -113,7 +113,7 @@ def test_nodes_need_ranks_per_node(tmp_path):
     with pytest.raises(UserError, match="ranks per node"):
         load_study(_write(tmp_path, text))
     s = load_study(_write(tmp_path, text), ranks_per_node=4)
-    assert {p.layout.ranks for p in s.points} == {4, 8}
+    assert {p.arrangement.ranks for p in s.points} == {4, 8}
     assert {p.nodes for p in s.points} == {1, 2}
 
 
@@ -188,7 +188,7 @@ def test_report_builder_writes_tables_plots_and_errors(tmp_path):
             _record("a4", "s", 4, 200.0, 16, index=2, status="failed")]
     folder = _study_folder(tmp_path, recs)
     assert len(read_records(folder)) == 3
-    paths = build_report(folder)
+    paths = build_study_report(folder)
     md = (folder / "report.md").read_text()
     assert "| a1 | 1 | 1 |" in md
     assert "+10.0%" in md and "-52.0%" in md  # (predicted - measured) / measured

@@ -19,7 +19,7 @@ import pytest
 
 from hpctrain.checkpoint.hf_config import from_hf_config
 from hpctrain.checkpoint.sharded import CheckpointError, read_full_state, read_manifest
-from hpctrain.checkpoint.tools import reshard
+from hpctrain.checkpoint.ckpt_commands import reshard
 from hpctrain.config import ConfigError, load_config
 from hpctrain.data.dataset import read_info
 from hpctrain.data.tokenizers import HFTokenizer

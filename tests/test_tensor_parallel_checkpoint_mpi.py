@@ -14,7 +14,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpctrain.checkpoint import tools
+from hpctrain.checkpoint import ckpt_commands
 from hpctrain.checkpoint.sharded import KEYS, read_full_state, read_manifest
 from hpctrain.checkpoint.weights import load_weights
 from hpctrain.train.trainer import Trainer
@@ -86,7 +86,7 @@ def test_a_tensor_parallel_checkpoint_moves_to_one_rank_and_back(mpi_dataset, sh
 
     resharded = f"{shared_tmp}/resharded"
     if COMM.rank == 0:
-        tools.reshard(f"{shared_tmp}/big/{STEP5}", resharded, world=1, zero=0)
+        ckpt_commands.reshard(f"{shared_tmp}/big/{STEP5}", resharded, world=1, zero=0)
         _assert_same_state(read_full_state(read_manifest(f"{shared_tmp}/big/{STEP5}")),
                            read_full_state(read_manifest(resharded)))
     COMM.Barrier()
@@ -126,8 +126,8 @@ def test_merge_export_and_init_from_read_a_tensor_parallel_checkpoint(mpi_datase
                                                         "train.max_iters": 5})
     step5 = f"{shared_tmp}/run/{STEP5}"
     if COMM.rank == 0:
-        merged = tools.merge(step5, f"{shared_tmp}/merged.h5")
-        exported = tools.export(step5, "safetensors", f"{shared_tmp}/model.safetensors")
+        merged = ckpt_commands.merge(step5, f"{shared_tmp}/merged.h5")
+        exported = ckpt_commands.export(step5, "safetensors", f"{shared_tmp}/model.safetensors")
         params, _, _ = load_weights(merged)
         _assert_same_state({n: {"param": p} for n, p in params.items()}, live, ("param",))
         tensors = read_safetensors_by_hand(exported)

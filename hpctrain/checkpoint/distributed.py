@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpctrain.checkpoint.sharded import (FORMAT, KEYS, MODEL_KEYS, VERSION, CheckpointError,
+from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
                                          bucket_entry,
                                          bucket_key, bucket_ranks, check_compatible,
                                          publish, read_full_state,
@@ -210,10 +210,6 @@ def save_sharded(root: Path, step: int, engine: GradEngine, grid: ProcessGrid,
                  **kwargs) -> Path:
     """Write ``root/step_<step>`` from every rank's shard; returns its path (collective)."""
     return begin_save(root, step, engine, grid, **kwargs).finish()
-
-
-def model_shape(gpt_cfg) -> dict:
-    return {k: getattr(gpt_cfg, k) for k in MODEL_KEYS}
 
 
 def load_sharded(path: str | Path, engine: GradEngine, grid: ProcessGrid, *,

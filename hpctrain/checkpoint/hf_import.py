@@ -21,11 +21,11 @@ from hpctrain.checkpoint.hf_names import IGNORED, from_hf, hf_names
 from hpctrain.checkpoint.sharded import CheckpointError
 from hpctrain.checkpoint.weights import save_weights
 from hpctrain.data.tokenizers import HFTokenizer
-from hpctrain.sizes import MAX_WIDTH, whole
+from hpctrain.sizes import MAX_WIDTH, MiB, whole
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_BYTES = MiB
 
 
 @dataclass

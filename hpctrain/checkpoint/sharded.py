@@ -30,7 +30,7 @@ from hpctrain.checkpoint.format import (FORMAT, MODEL_KEYS, READS, VERSION, Chec
 from hpctrain.checkpoint.shard_file import ShardFile, crc32_of
 from hpctrain.checkpoint.validate import Damaged, describe, validate_manifest
 from hpctrain.data.format import crc32_combine
-from hpctrain.files import chmod_as_created
+from hpctrain.file_modes import chmod_as_created
 from hpctrain.model.shape import GPTConfig
 from hpctrain.parallel.tensor.layout import join_slices
 

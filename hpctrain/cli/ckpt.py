@@ -1,5 +1,5 @@
 """``hpctrain ckpt inspect | merge | reshard | export | import``: a sharded checkpoint on
-one process (``hpctrain/checkpoint/tools.py`` and ``hf_import.py`` do the work)."""
+one process (``hpctrain/checkpoint/ckpt_commands.py`` and ``hf_import.py`` do the work)."""
 
 from __future__ import annotations
 
@@ -50,21 +50,21 @@ def add_ckpt(sub) -> None:
 
 
 def cmd_ckpt(args) -> int:
-    from hpctrain.checkpoint import tools
+    from hpctrain.checkpoint import ckpt_commands
 
     if args.action == "inspect":
-        print(tools.inspect(args.path, verify=args.verify))
+        print(ckpt_commands.inspect(args.path, verify=args.verify))
     elif args.action == "merge":
-        print(f"wrote {tools.merge(args.path, args.output)}")
+        print(f"wrote {ckpt_commands.merge(args.path, args.output)}")
     elif args.action == "reshard":
-        out = tools.reshard(args.path, args.output, world=args.world, zero=args.zero,
-                            bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+        out = ckpt_commands.reshard(args.path, args.output, world=args.world, zero=args.zero,
+                                    bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
         print(f"wrote {out}: resume with mpiexec -n {args.world} hpctrain train ... "
               f"--parallel.zero={args.zero} --train.resume={out}")
     elif args.action == "import":
         _import(args)
     else:
-        print(f"wrote {tools.export(args.path, args.format, args.output)}")
+        print(f"wrote {ckpt_commands.export(args.path, args.format, args.output)}")
     return 0
 
 

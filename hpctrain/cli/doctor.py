@@ -24,7 +24,7 @@ def add_doctor(sub) -> None:
                    metavar="MIB", help="allreduce sizes in MiB (default 1 25 150)")
     p.add_argument("--model", default="auto", choices=["auto", "small", "gpt2-124m"],
                    help="the training step's model (auto: gpt2-124m on a GPU, else small)")
-    p.add_argument("--json", metavar="PATH", help="write the report as JSON here")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON here")
     p.add_argument("--no-thresholds", action="store_true",
                    help="report the bandwidths and MFU without judging them against the "
                         "floors of a healthy GPU node (hpctrain/doctor/thresholds.py)")

@@ -7,7 +7,7 @@ import os
 
 def job_world(*, timeout: float, device: str, gpu_aware: str, collectives: str = "mpi"):
     """Abort every rank when one fails, check the launcher wired one job (not N one-rank
-    jobs), and build the ``World`` over ``COMM_WORLD`` under the job's system profile
+    jobs), and build the ``World`` over ``COMM_WORLD`` under the job's system
     (``HPCTRAIN_SYSTEM``). Collective."""
     from mpi4py import MPI
 
@@ -22,7 +22,7 @@ def job_world(*, timeout: float, device: str, gpu_aware: str, collectives: str =
 
 
 def job_system():
-    """The system profile the job runs under (``HPCTRAIN_SYSTEM``), or None."""
+    """The system the job runs under (``HPCTRAIN_SYSTEM``), or None."""
     from hpctrain.systems.registry import load_system
 
     name = os.environ.get("HPCTRAIN_SYSTEM")

@@ -4,6 +4,7 @@ runs after ``--``; ``hpctrain/jobs/`` does the work, without torch or mpi4py."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -26,7 +27,7 @@ def add_jobscript(sub) -> None:
                "--walltime 00:30:00 --queue debug --account MyProject --output job.sh "
                "-- train default --data.path=datasets/stdlib-char.h5")
     p.add_argument("--system", metavar="NAME", help="polaris, aurora, perlmutter, frontier, "
-                   "pbs, slurm, local, or the path of your own .toml profile")
+                   "pbs, slurm, local, or the path of your own system file (.toml)")
     p.add_argument("--list-systems", action="store_true",
                    help="show every system with its queues and limits, then exit")
     p.add_argument("--nodes", type=int, metavar="N", help="nodes to request (default 1)")
@@ -40,8 +41,8 @@ def add_jobscript(sub) -> None:
                    help="export KEY=VAL in the job (overrides the system's value)")
     p.add_argument("--array", metavar="SPEC", help="job array, e.g. 0-7 or 0-31%%8; "
                    "'{array_index}' in an override becomes the sub-job's index")
-    p.add_argument("--profile", choices=["nsys"], help="run local rank 0 of each node "
-                   "under Nsight Systems; reports go to <run dir>/nsys/")
+    _add_profiler(p, "run local rank 0 of each node under Nsight Systems; reports go to "
+                     "<run dir>/nsys/")
     p.add_argument("--ranks-per-node", type=int, metavar="N",
                    help="default: the system's (one per GPU or tile)")
     p.add_argument("--srun-mpi", metavar="PLUGIN", help="srun's --mpi= plugin on the "
@@ -88,7 +89,20 @@ def add_launch(sub) -> None:
     p.add_argument("--ranks", type=int, metavar="N", help="ranks on this machine (local only)")
     p.add_argument("--srun-mpi", metavar="PLUGIN", help="srun's --mpi= plugin (default: the "
                    "system's; auto chooses it for the MPI library mpi4py loads)")
-    p.add_argument("--profile", choices=["nsys"], help="run local rank 0 under nsys")
+    _add_profiler(p, "run local rank 0 under nsys")
+
+
+def _add_profiler(p, help: str) -> None:
+    p.add_argument("--profiler", choices=["nsys"], help=help)
+    # The old name, read this release: elsewhere "profile" was a system.
+    p.add_argument("--profile", choices=["nsys"], dest="old_profile", help=argparse.SUPPRESS)
+
+
+def _profiler(args) -> str | None:
+    if args.old_profile:
+        print("--profile -> --profiler (deprecated: the old name goes in the next release)",
+              file=sys.stderr)
+    return args.profiler or args.old_profile
 
 
 def cmd_jobscript(args, command: list[str]) -> int:
@@ -107,7 +121,7 @@ def cmd_jobscript(args, command: list[str]) -> int:
     spec = build_spec(system=args.system, command=command, nodes=args.nodes,
                       walltime=args.walltime, queue=args.queue, account=args.account,
                       job_name=args.job_name, filesystems=args.filesystems, env=args.env,
-                      array=args.array, profiler=args.profile,
+                      array=args.array, profiler=_profiler(args),
                       ranks_per_node=args.ranks_per_node, venv=args.venv,
                       setup_file=args.setup, run_root=args.run_root,
                       check_queue=not args.no_queue_check, srun_mpi=args.srun_mpi,
@@ -144,5 +158,5 @@ def cmd_launch(args, command: list[str]) -> int:
         {"pbs": "pbs", "slurm": "slurm", "none": "local"}[alloc.scheduler]
     argv = plan_launch(job_system(system), alloc, command, nodes=args.nodes,
                        ranks_per_node=args.ranks_per_node, ranks=args.ranks,
-                       profiler=args.profile, srun_mpi=args.srun_mpi)
+                       profiler=_profiler(args), srun_mpi=args.srun_mpi)
     return run_launch(argv, dry_run=args.dry_run)

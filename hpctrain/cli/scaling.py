@@ -1,5 +1,5 @@
 """``hpctrain scale run | report | calibrate`` (scaling studies) and ``hpctrain plan``
-(parallel layouts ranked by the performance model); ``hpctrain/scaling/`` does the work."""
+(parallel arrangements ranked by the performance model); ``hpctrain/scaling/`` does the work."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def add_scale(sub) -> None:
     a.add_argument("--out", metavar="DIR", help="records and runs go here "
                    "(default: runs/study-<name>)")
     a.add_argument("--launch-system", metavar="NAME", default=None,
-                   help="job profile whose launcher runs the points: local (default), or "
+                   help="system whose launcher runs the points: local (default), or "
                         "polaris/aurora/... inside a job's allocation")
     a.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
                    help="before each run wait up to S seconds until other processes leave "
@@ -32,7 +32,7 @@ def add_scale(sub) -> None:
     a.add_argument("--jobs", metavar="DIR", help="write job scripts here instead of running")
     a.add_argument("--one-job", action="store_true", help="with --jobs: one script that runs "
                    "all points on one allocation (the largest point's nodes)")
-    for flag, hint in (("--system", "job profile for --jobs (polaris, aurora, ...)"),
+    for flag, hint in (("--system", "system for --jobs (polaris, aurora, ...)"),
                        ("--account", "project to charge"), ("--queue", "queue"),
                        ("--walltime", "HH:MM:SS per job")):
         a.add_argument(flag, help=hint)
@@ -55,13 +55,13 @@ def add_scale(sub) -> None:
 
 
 def add_plan(sub) -> None:
-    p = sub.add_parser("plan", help="rank the parallel layouts of a model on N nodes by "
+    p = sub.add_parser("plan", help="rank the parallel arrangements of a model on N nodes by "
                                     "predicted step time",
-                       description="Enumerate (dp, pp, ZeRO stage, micro-batches) layouts that "
-                                   "fit device memory, predict each step with the performance "
-                                   "model and print them fastest first.")
+                       description="Enumerate (dp, pp, ZeRO stage, micro-batches) arrangements "
+                                   "that fit device memory, predict each step with the "
+                                   "performance model and print them fastest first.")
     p.add_argument("--system", required=True, metavar="NAME",
-                   help="polaris, aurora, local, or a .toml performance profile")
+                   help="polaris, aurora, local, or a system file (.toml) with a [perf] table")
     p.add_argument("--nodes", type=int, required=True, metavar="N")
     p.add_argument("--model", required=True, metavar="NAME",
                    help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-2.7b, gpt3-6.7b, "
@@ -82,20 +82,20 @@ def add_plan(sub) -> None:
                    help="default: the system's (one per GPU or tile)")
     p.add_argument("--collectives", default="auto", choices=["auto", "mpi", "xccl"],
                    help="as --comm.collectives: whose links carry the gradients (auto: the "
-                        "GPU's library where the system profile has its figures)")
+                        "GPU's library where the system has its figures)")
     p.add_argument("--calibration", metavar="FILE.json", help="measured numbers to use")
     p.add_argument("--top", type=int, default=12, metavar="K", help="rows to print")
     p.add_argument("--explain", nargs="?", const=1, type=int, metavar="RANK",
-                   help="show the terms of the layout ranked RANK (default 1)")
+                   help="show the terms of the arrangement ranked RANK (default 1)")
 
 
 def cmd_scale(args) -> int:
     if args.action == "run":
         return _run(args)
     if args.action == "report":
-        from hpctrain.scaling.report import build_report
+        from hpctrain.scaling.study_report import build_study_report
 
-        paths = build_report(args.folder)
+        paths = build_study_report(args.folder)
         print("wrote " + ", ".join(str(p) for p in paths))
         return 0
     return _calibrate(args)
@@ -126,17 +126,17 @@ def _run(args) -> int:
 
 def _calibrate(args) -> int:
     from hpctrain.scaling.calibrate import calibrate
-    from hpctrain.scaling.models import model_shape
+    from hpctrain.scaling.models import preset_shape
     from hpctrain.scaling.spec import load_study
 
     if args.study:
         study = load_study(args.study)
         shapes = list({p.model.key: p.model for p in study.points}.values())
-        dtypes = sorted({p.layout.dtype for p in study.points})
-        ranks = args.ranks or sorted({p.layout.ranks for p in study.points} |
-                                     {p.layout.dp for p in study.points})
+        dtypes = sorted({p.arrangement.dtype for p in study.points})
+        ranks = args.ranks or sorted({p.arrangement.ranks for p in study.points} |
+                                     {p.arrangement.dp for p in study.points})
     else:
-        shapes, dtypes, ranks = [model_shape(args.model)], ["fp32"], args.ranks or [2, 4]
+        shapes, dtypes, ranks = [preset_shape(args.model)], ["fp32"], args.ranks or [2, 4]
     out = Path(args.output)
     if not out.parent.is_dir():
         raise UserError(f"--output {out}: directory {out.parent} does not exist")

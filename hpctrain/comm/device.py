@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from hpctrain.sizes import GiB
 
 
 @dataclass
@@ -190,7 +191,7 @@ class Accelerator:
         stats = self.memory_stats()
         if not stats:
             return ""
-        gib = {k: v / 2**30 for k, v in stats.items()}
+        gib = {k: v / GiB for k, v in stats.items()}
         return (f"device: {gib['allocated']:.2f} GiB allocated, {gib['peak']:.2f} GiB "
                 f"peak, {gib['reserved']:.2f} GiB reserved")
 

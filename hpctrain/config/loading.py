@@ -50,6 +50,9 @@ def _all_keys() -> list[str]:
 
 # Options that were renamed: the old name gets a message naming the new one.
 RENAMED = {"comm.cuda_aware": "comm.gpu_aware", "comm.device": "train.device"}
+# Options renamed in this release: the old name still works, with one line on stderr
+# naming the new one, until the next release moves it to RENAMED.
+DEPRECATED = {"data.stage_dir": "data.local_copy_dir"}
 
 
 def _unknown(key: str) -> ConfigError:
@@ -93,6 +96,10 @@ def build_config(recipe: dict, overrides: dict[str, str] | None = None) -> Confi
             flat[f"{section}.{key}"] = value
     flat.update(overrides or {})
     for dotted, value in flat.items():
+        if dotted in DEPRECATED:
+            print(f"--{dotted} -> --{DEPRECATED[dotted]} (deprecated: the old name goes in the "
+                  "next release)", file=sys.stderr)
+            dotted = DEPRECATED[dotted]
         section, _, key = dotted.partition(".")
         cls = SECTION_TYPES.get(section)
         hints = typing.get_type_hints(cls) if cls else {}

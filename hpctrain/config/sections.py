@@ -96,8 +96,9 @@ class DataConfig:
     romio_hints: str = opt("", "ROMIO hints for MPI-IO, key=value,key=value (e.g. "
                                "romio_cb_read=enable,cb_nodes=8); empty keeps hpctrain's "
                                "defaults for random windows (see io/README.md)")
-    stage_dir: str = opt("", "copy the dataset to this node-local directory first (one rank "
-                             "per node) and read it there, e.g. /local/scratch on Polaris")
+    local_copy_dir: str = opt("", "copy the dataset to this node-local directory first (one "
+                                  "rank per node) and read it there, e.g. /local/scratch on "
+                                  "Polaris")
 
     def __post_init__(self):
         _check_fields(self)

@@ -24,10 +24,10 @@ from hpctrain.data.format import (FORMAT_VERSION, MAGIC, MANIFEST_MAGIC, READABL
                                   SPLITS, checksum_from_blocks)
 from hpctrain.data.tokenizers import tokenizer_from_meta
 from hpctrain.errors import DataError
-from hpctrain.sizes import MAX_VOCAB, StoredReads, whole
+from hpctrain.sizes import MAX_VOCAB, MiB, StoredReads, whole
 
 _PREPARE_HINT = "create it with `hpctrain prepare --input FILES... --output {path}`"
-_VERIFY_READ_BYTES = 8 << 20  # verification reads (and holds) this much at a time
+_VERIFY_READ_BYTES = 8 * MiB  # verification reads (and holds) this much at a time
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class DatasetInfo:
     vocab_size: int
 
     def with_files(self, files) -> "DatasetInfo":
-        """The same dataset read from copies of its files (node-local staging)."""
+        """The same dataset read from copies of its files (the node-local copy)."""
         return replace(self, files=tuple(Path(f) for f in files))
 
 

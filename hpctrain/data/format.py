@@ -20,16 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
+from hpctrain.sizes import GiB, MiB
+
 MAGIC = "hpctrain-tokens"
 MANIFEST_MAGIC = "hpctrain-tokens-manifest"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """Version 1 lacks the per-array n_tokens/crc32 attributes and manifests; it is still read."""
 SPLITS = ("train", "val")
-CHECKSUM_BLOCK_BYTES = 64 << 20
+CHECKSUM_BLOCK_BYTES = 64 * MiB
 # Token arrays start on a 1 MiB boundary once they are large enough to matter: a window
 # read then never touches one more Lustre stripe or page than it needs.
-ALIGN_THRESHOLD, ALIGN_BYTES = 1 << 20, 1 << 20
+ALIGN_THRESHOLD, ALIGN_BYTES = MiB, MiB
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -199,7 +201,7 @@ def write_all(fd: int, data: memoryview, offset: int) -> None:
     """``pwrite`` until every byte is written (a single call may write fewer)."""
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done:done + (1 << 30)], offset + done)
+        done += os.pwrite(fd, data[done:done + GiB], offset + done)
 
 
 # ------------------------------------------------------------------------ manifests

@@ -21,7 +21,7 @@ from hpctrain.data.dataset import DatasetInfo, TokenDataset, read_info
 from hpctrain.data.mpiio import H5MPIODataset, MPIIODataset, describe_reader, h5py_has_mpi
 from hpctrain.data.prefetch import Prefetcher
 from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler
-from hpctrain.data.stage import copy_files, staged_paths
+from hpctrain.data.local_copy import local_copy_paths, make_local_copy
 from hpctrain.errors import DataError, UserError
 
 _STAGE_BYTES_PER_S = 20e6  # slowest copy rate allowed for before staging times out
@@ -70,12 +70,12 @@ def open_dataset(cfg, world) -> Prefetcher:
     """The training data as configured by ``cfg`` (a ``DataConfig``) on ``world``."""
     info = share_info(cfg.path, world.comm)
     comm = world.comm
-    if cfg.stage_dir:
+    if cfg.local_copy_dir:
         nbytes = sum(f.stat().st_size for f in info.files)
-        agree(world.comm, lambda: copy_files(info, cfg.stage_dir) if world.local_rank == 0
+        agree(world.comm, lambda: make_local_copy(info, cfg.local_copy_dir) if world.local_rank == 0
               else None, timeout=world.timeout + nbytes / _STAGE_BYTES_PER_S,
               what="staging the dataset")
-        info = info.with_files(staged_paths(info, cfg.stage_dir))
+        info = info.with_files(local_copy_paths(info, cfg.local_copy_dir))
         # Each node reads its own copy: the copies are different files, so the
         # collective reads are collective over the node's ranks only.
         comm = world.local_comm
@@ -157,7 +157,7 @@ class BatchLoader:
         try:
             data.check_fits(cfg.model.block_size, cfg.model.vocab_size)
             if cfg.data.verify:
-                verify_dataset(data, world, staged=bool(cfg.data.stage_dir))
+                verify_dataset(data, world, staged=bool(cfg.data.local_copy_dir))
         except BaseException:
             data.close()
             raise

@@ -28,17 +28,18 @@ from hpctrain.data.format import (CHECKSUM_BLOCK_BYTES, SPLITS, checksum_from_bl
 from hpctrain.data.prepare_group import Group, Solo, attempt
 from hpctrain.data.prepare_tokenize import tokenize
 from hpctrain.data.spill import TokenSpill
-from hpctrain.data.records import parquet_row_group_bytes, require_extra
+from hpctrain.data.document_reader import parquet_row_group_bytes, require_extra
 from hpctrain.data.sources import PARQUET, Plan, expand_inputs, file_format, plan_units
 from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
 from hpctrain.data.tokenizers import check_tokenizer_name
 from hpctrain.errors import DataError
-from hpctrain.files import chmod_as_created
+from hpctrain.file_modes import chmod_as_created
+from hpctrain.sizes import MiB
 
 __all__ = ["prepare", "combine", "expand_inputs", "assign_files", "check_output"]
 BAD_RECORD_CHOICES = ("fail", "skip")
 
-WRITE_CHUNK_BYTES = 256 << 20  # a rank writes its tokens in collective rounds of this size
+WRITE_CHUNK_BYTES = 256 * MiB  # a rank writes its tokens in collective rounds of this size
 
 
 def assign_files(sizes: list[int], n_ranks: int) -> list[tuple[int, int]]:

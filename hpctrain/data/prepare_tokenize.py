@@ -1,5 +1,5 @@
 """Step 3 of ``prepare`` (``prepare.py``): each rank reads its units of work
-(``sources.py``) batch by batch (``records.py``) and keeps only their tokens, on disk
+(``sources.py``) batch by batch (``document_reader.py``) and keeps only their tokens, on disk
 (``spill.py``).
 
 A text file is tokenized whole; each document of a records file is encoded on its own
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hpctrain.data.format import token_dtype
 from hpctrain.data.prepare_group import attempt
-from hpctrain.data.records import BadRecords, read_unit
+from hpctrain.data.document_reader import BadRecords, read_unit
 from hpctrain.data.sources import TEXT, Plan
 from hpctrain.data.spill import TokenSpill
 from hpctrain.data.tokenizers import (CharTokenizer, document_separator, encode_documents,

@@ -1,7 +1,7 @@
 """What ``prepare`` reads, and how the reading is shared out among ranks. No MPI here.
 
 An input is a text file, a file of records (JSON lines, Parquet, Arrow streams; read by
-``records.py``), or a directory or glob of those; a dataset directory contributes only
+``document_reader.py``), or a directory or glob of those; a dataset directory contributes only
 its records files. The work is planned as units, each one piece of one file in input
 order (byte ranges of plain JSON lines, Parquet row groups, other files whole), and
 ranks take contiguous runs of units of about equal bytes (``assign_files``), so one
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.errors import DataError
+from hpctrain.sizes import MiB
 
 TEXT, JSONL, JSONL_GZ, JSONL_ZST, PARQUET, ARROW = (
     "text", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
@@ -24,7 +25,7 @@ RECORD_SUFFIXES = {".jsonl": JSONL, ".json": JSONL, ".jsonl.gz": JSONL_GZ,
                    ".parquet": PARQUET, ".arrow": ARROW}
 # JSON files a Hugging Face dataset directory keeps beside its data (not records).
 DATASET_METADATA = {"dataset_info.json", "dataset_dict.json", "state.json"}
-MAX_UNIT_BYTES = 64 << 20
+MAX_UNIT_BYTES = 64 * MiB
 """A byte range of JSON lines is at most this long (and about a quarter of a rank's share
 on small inputs, so that small corpora are shared out too)."""
 

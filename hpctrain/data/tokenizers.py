@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from hpctrain.errors import DataError
-from hpctrain.sizes import MAX_VOCAB, whole
+from hpctrain.sizes import MAX_VOCAB, MiB, whole
 
 
 class ByteTokenizer:
@@ -145,7 +145,7 @@ def _load_gpt2():
         f"{url} and save it as {_cache_file(url)}")
 
 
-MAX_TOKENIZER_JSON_BYTES = 64 << 20
+MAX_TOKENIZER_JSON_BYTES = 64 * MiB
 """Larger than any real ``tokenizer.json`` (Llama 3's is 9 MB): refused before reading."""
 
 

@@ -18,7 +18,8 @@ from hpctrain.comm.placement import VISIBILITY_ENV
 from hpctrain.comm.transport import MPITransport, resolve_collectives
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import THREAD_LEVELS, World
-from hpctrain.doctor.report import MiB, Report
+from hpctrain.doctor.node_check import NodeCheck
+from hpctrain.sizes import MiB
 from hpctrain.doctor.setup_checks import (expand_cpus, gpu_numa_cpus, gpus_present,
                                           torch_gpu_build)
 
@@ -50,7 +51,7 @@ def _cpu_list(cpus) -> str:
     return ",".join(out)
 
 
-def check_ranks(world: World, report: Report) -> None:
+def check_ranks(world: World, result: NodeCheck) -> None:
     accel = world.accel
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     masks = [f"{k}={os.environ[k]}" for ks in VISIBILITY_ENV.values() for k in ks
@@ -64,7 +65,7 @@ def check_ranks(world: World, report: Report) -> None:
             "visibility": " ".join(masks), "torch_threads": torch.get_num_threads()}
     rows = world.comm.gather(mine, root=0)
     if world.is_root:
-        report.sections["ranks"] = rows
+        result.sections["ranks"] = rows
         # Ranks of one node on overlapping cores slow each other down: say so, not fail.
         seen: dict = {}
         for r in rows:
@@ -72,30 +73,30 @@ def check_ranks(world: World, report: Report) -> None:
         overlaps = [f"{a['rank']}&{b['rank']}" for rs in seen.values()
                     for i, a in enumerate(rs) for b in rs[i + 1:]
                     if expand_cpus(a["cpus"]) & expand_cpus(b["cpus"])]
-        report.sections["ranks_note"] = ("ranks sharing cores: " + ", ".join(overlaps[:8])
+        result.sections["ranks_note"] = ("ranks sharing cores: " + ", ".join(overlaps[:8])
                                          if overlaps else "")
 
 
-def check_mpi(world: World, report: Report) -> None:
+def check_mpi(world: World, result: NodeCheck) -> None:
     import mpi4py
 
     provided = MPI.Query_thread()
     need = MPI.THREAD_SERIALIZED if world.accel.hooks_off_main_thread else MPI.THREAD_SINGLE
     ok = provided >= need
-    report.sections["mpi"] = {
+    result.sections["mpi"] = {
         "library": " ".join(MPI.Get_library_version().split("\n")[0].split()),
         "standard": "%d.%d" % MPI.Get_version(), "mpi4py": mpi4py.__version__,
         "thread_level": THREAD_LEVELS.get(provided, str(provided)),
         "thread_level_needed": THREAD_LEVELS[need], "ok": ok}
     if not ok:
-        report.fail("mpi", f"thread level {THREAD_LEVELS.get(provided)} is below "
+        result.fail("mpi", f"thread level {THREAD_LEVELS.get(provided)} is below "
                            f"{THREAD_LEVELS[need]}, which {world.accel.kind} needs")
     vendors = {}
     for vendor in QUERIES:  # what the library says about each vendor, whatever this node has
         answer = detect_gpu_aware("auto", vendor)
         vendors[VENDOR_NAMES[vendor]] = {"aware": answer.direct, "reason": answer.reason,
                                          "reductions": answer.reductions}
-    report.sections["gpu_aware"] = {"per_vendor": vendors,
+    result.sections["gpu_aware"] = {"per_vendor": vendors,
                                     "this_device": str(world.gpu_aware)
                                     if world.accel.is_accelerator else "host memory only",
                                     "device_vendor": world.accel.vendor}
@@ -160,7 +161,7 @@ def transports(world: World) -> list[tuple[str, str, object]]:
     return rows
 
 
-def check_allreduce(world: World, report: Report, sizes_mib) -> None:
+def check_allreduce(world: World, result: NodeCheck, sizes_mib) -> None:
     rows = []
     for memory, label, transport in transports(world):
         for size in sizes_mib:
@@ -169,19 +170,19 @@ def check_allreduce(world: World, report: Report, sizes_mib) -> None:
             ok = agree(world, row["wrong_elements"] == 0, "allreduce results")
             row["status"] = "ok" if ok else "WRONG"
             if not ok:
-                report.fail("allreduce", f"{memory} buffer of {size:g} MiB through {label}: "
+                result.fail("allreduce", f"{memory} buffer of {size:g} MiB through {label}: "
                                          "the sum differs from the expected one on some rank")
             rows.append(row)
     if not world.accel.is_accelerator:
         rows.append({"memory": "device", "status": "no accelerator"})
-    report.sections["allreduce"] = rows
+    result.sections["allreduce"] = rows
 
 
-def check_p2p(world: World, report: Report, nbytes: int) -> None:
+def check_p2p(world: World, result: NodeCheck, nbytes: int) -> None:
     """bf16 from each even rank to the next odd one and back (the pipeline's sends)."""
     accel, rank, n = world.accel, world.rank, world.size
     if n < 2:
-        report.sections["p2p"] = {"status": "skipped: one rank"}
+        result.sections["p2p"] = {"status": "skipped: one rank"}
         return
     count = max(1, nbytes // 2)
     dev = accel.torch_device
@@ -212,9 +213,9 @@ def check_p2p(world: World, report: Report, nbytes: int) -> None:
     times = world.comm.gather(seconds, root=0)
     good = agree(world, ok, "bf16 round trips")
     pairs = [(r, r + 1) for r in range(0, n - 1, 2)]
-    report.sections["p2p"] = {
+    result.sections["p2p"] = {
         "bytes": count * 2, "pairs": pairs, "memory": "device" if accel.is_accelerator
         else "host", "status": "ok" if good else "WRONG",
         "round_trip_ms": max(times) * 1e3 if times else None}
     if not good:
-        report.fail("p2p", "a bf16 round trip came back different")
+        result.fail("p2p", "a bf16 round trip came back different")

@@ -1,6 +1,6 @@
 """The doctor's checks of how the node is set up, each a mistake that runs but runs slow:
 ranks sharing a GPU, a rank bound to cores far from its GPU (another NUMA node), MPI
-answering "not GPU-aware" where the system's profile turns GPU support on, pip's MPICH
+answering "not GPU-aware" where the system's file turns GPU support on, pip's MPICH
 on a system whose site MPI mpi4py should be built against, and a CPU-only torch on a
 node with GPUs. Each rule is a small function of facts, so the tests plant each one."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpctrain.doctor.report import Report
+from hpctrain.doctor.node_check import NodeCheck
 
 GPU_DEVICE_FILES = ("/dev/nvidia0", "/dev/kfd")
 """What the kernel shows of NVIDIA and AMD GPUs whatever torch sees (an Intel GPU's render
@@ -71,7 +71,7 @@ def setup_failures(rows: list[dict], *, library_version: str, aware: bool | None
                    system) -> list[tuple[str, str]]:
     """``(check, why)`` for each mistake, from every rank's row (``check_ranks``), the
     MPI library's version text, whether MPI takes this device's memory (None: no GPU),
-    and the job's system profile (None: not a job of a known system)."""
+    and the job's system (None: not a job of a known system)."""
     out = []
     shared: dict = {}
     for r in rows:
@@ -89,10 +89,10 @@ def setup_failures(rows: list[dict], *, library_version: str, aware: bool | None
     if far:
         out.append(("numa", "ranks run on cores of another NUMA node than their GPU: "
                     + "; ".join(far[:4]) + "; bind each rank next to its GPU (the system "
-                    "profile's device_order, --cpu-bind)"))
+                    "file's device_order, --cpu-bind)"))
     if system is not None and aware is False and system.launch.expects_gpu_aware_mpi:
         out.append(("gpu_aware", f"MPI says it cannot read this GPU's memory, but the "
-                    f"{system.name} profile turns GPU support on: build mpi4py against "
+                    f"{system.name} system file turns GPU support on: build mpi4py against "
                     f"{system.launch.vendor_mpi or 'the site MPI'} with its GPU library "
                     "linked (docs/systems/mpi.md)"))
     if system is not None and system.launch.vendor_mpi and pip_mpich(library_version):
@@ -108,7 +108,7 @@ def setup_failures(rows: list[dict], *, library_version: str, aware: bool | None
     return out
 
 
-def check_setup(world, report: Report, rows: list[dict] | None, system) -> None:
+def check_setup(world, result: NodeCheck, rows: list[dict] | None, system) -> None:
     """Record each mistake of ``setup_failures`` (rank 0 holds the rows)."""
     from mpi4py import MPI
 
@@ -117,7 +117,7 @@ def check_setup(world, report: Report, rows: list[dict] | None, system) -> None:
     aware = world.gpu_aware.direct if world.accel.is_accelerator else None
     failures = setup_failures(rows or [], library_version=MPI.Get_library_version(),
                               aware=aware, system=system)
-    report.sections["setup"] = {"system": system.name if system else None,
+    result.sections["setup"] = {"system": system.name if system else None,
                                 "problems": [f"{c}: {w}" for c, w in failures]}
     for check, why in failures:
-        report.fail(check, why)
+        result.fail(check, why)

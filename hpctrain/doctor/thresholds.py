@@ -20,7 +20,8 @@ several ranks (one rank moves nothing), and only to rows whose transport is ther
 
 from __future__ import annotations
 
-from hpctrain.doctor.report import MiB, Report
+from hpctrain.doctor.node_check import NodeCheck
+from hpctrain.sizes import MiB
 
 MIN_BUSBW_GBPS = {"device library": 40.0, "mpi direct": 5.0, "mpi staged": 1.0}
 MIN_P2P_GBPS = 1.0
@@ -33,11 +34,11 @@ def _kind(row: dict) -> str:
     return "mpi staged" if row["staged"] else "mpi direct"
 
 
-def judge(report: Report, *, accelerator: bool, ranks: int) -> None:
-    """Fail the checks whose measurement is below its floor (rank 0's report)."""
+def judge(result: NodeCheck, *, accelerator: bool, ranks: int) -> None:
+    """Fail the checks whose measurement is below its floor (rank 0's result)."""
     if not accelerator:
         return
-    s = report.sections
+    s = result.sections
     if ranks > 1:
         device = [r for r in s.get("allreduce", []) if r.get("memory") == "device"
                   and r.get("status") == "ok"]
@@ -45,7 +46,7 @@ def judge(report: Report, *, accelerator: bool, ranks: int) -> None:
         for r in device:
             floor = MIN_BUSBW_GBPS[_kind(r)]
             if r["size_mib"] == largest and r["busbw_GBps"] < floor:
-                report.fail("allreduce", f"device memory through {r['transport']} "
+                result.fail("allreduce", f"device memory through {r['transport']} "
                             f"({_kind(r)}): {r['busbw_GBps']:.1f} GB/s bus bandwidth at "
                             f"{r['size_mib']:g} MiB, below the {floor:g} GB/s a healthy node "
                             "reaches (doctor/thresholds.py)")
@@ -54,10 +55,10 @@ def judge(report: Report, *, accelerator: bool, ranks: int) -> None:
             gbps = 2 * p2p["bytes"] / (p2p["round_trip_ms"] / 1e3) / 1e9
             p2p["GBps"] = gbps
             if gbps < MIN_P2P_GBPS:
-                report.fail("p2p", f"bf16 round trips of {p2p['bytes'] / MiB:g} MiB move "
+                result.fail("p2p", f"bf16 round trips of {p2p['bytes'] / MiB:g} MiB move "
                             f"{gbps:.2f} GB/s, below {MIN_P2P_GBPS:g} GB/s")
     train = s.get("train", {})
     if train.get("model") == "gpt2-124m" and train.get("mfu") is not None \
             and train["mfu"] < MIN_MFU:
-        report.fail("train", f"the {train['model']} step reaches {100 * train['mfu']:.1f}% "
+        result.fail("train", f"the {train['model']} step reaches {100 * train['mfu']:.1f}% "
                     f"MFU, below {100 * MIN_MFU:.0f}% (a throttled, shared or misbound GPU?)")

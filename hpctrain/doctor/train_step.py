@@ -15,7 +15,7 @@ from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import World
 from hpctrain.config import load_config
 from hpctrain.doctor.comm_checks import agree, planted_fault
-from hpctrain.doctor.report import Report
+from hpctrain.doctor.node_check import NodeCheck
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.parallelize import parallelize
 from hpctrain.systems.devices import peak_for_device
@@ -30,7 +30,7 @@ SHAPES = {"gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024,
 WARMUP_STEPS, TIMED_STEPS = 2, 3
 
 
-def check_train(world: World, report: Report, model: str) -> None:
+def check_train(world: World, result: NodeCheck, model: str) -> None:
     """Training steps with the trainer's pieces (``parallelize``, engine, runner) on
     random tokens: warm-up steps (compilation), then timed ones (the median counts)."""
     accel = world.accel
@@ -73,10 +73,10 @@ def check_train(world: World, report: Report, model: str) -> None:
     peak = peak_for_device(accel.name, dtype)  # bf16 on a GPU: its matrix units' rate
     mfu = (gpt_cfg.flops_per_token() * tokens_per_s / (peak * 1e12 * world.devices)
            if peak else None)
-    report.sections["train"] = {
+    result.sections["train"] = {
         "model": name, "params": gpt_cfg.num_params(), "dtype": dtype, "compiled": gpu,
         "batch_per_rank": per_rank, "block_size": T, "losses": losses,
         "step_s": seconds, "tokens_per_s": tokens_per_s, "peak_tflops": peak, "mfu": mfu,
         "memory": accel.describe_memory(), "status": "ok" if ok else "FAILED"}
     if not ok:
-        report.fail("train", f"the loss or gradient norm is not finite ({losses})")
+        result.fail("train", f"the loss or gradient norm is not finite ({losses})")

@@ -14,6 +14,7 @@ import re
 from hpctrain.errors import JobError
 from hpctrain.jobs import validate
 from hpctrain.jobs.shell import placeholders
+from hpctrain.sizes import GiB
 from hpctrain.systems.registry import System, load_system, system_names
 
 DIRECTIVE_PLACEHOLDERS = {"job_name", "account", "queue", "nodes", "walltime", "filesystems",
@@ -74,7 +75,7 @@ def describe_systems() -> str:
             lines.append(f"{'':<12}requires: " + ", ".join(f"--{r.replace('_', '-')}"
                                                            for r in b.requires))
         if s.perf:
-            memory = (f"{s.perf.device_memory_gib:.0f} GiB each" if s.perf.device_memory_gib
+            memory = (f"{s.perf.device_memory / GiB:.0f} GiB each" if s.perf.device_memory
                       else "host memory")
             lines.append(f"{'':<12}performance model: {s.perf.device} ({memory}); "
                          "hpctrain plan and scale know it")

@@ -134,7 +134,7 @@ def launch_line(system: System, place: Placement, *, nodes: Word, ranks: Word,
         launcher.append(expand(template, {k: v for k, v in values.items() if v is not None}))
     wrapper: list[Word] = []
     if profiler and profiler not in la.profilers:
-        raise JobError(f"--profile {profiler} is not available on {system.name}; "
+        raise JobError(f"--profiler {profiler} is not available on {system.name}; "
                        f"available: {', '.join(la.profilers) or 'none'}")
     gpu_rule = la.device_env and la.gpus_per_node
     if gpu_rule or profiler:

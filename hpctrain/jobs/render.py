@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 
 from hpctrain.errors import JobError
-from hpctrain.files import umask
+from hpctrain.file_modes import umask
 from hpctrain.jobs import validate
 from hpctrain.jobs.command import ARRAY_INDEX
 from hpctrain.jobs.launch_line import launch_line, placement

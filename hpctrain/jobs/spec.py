@@ -89,7 +89,7 @@ class JobSpec:
         if self.array:
             a += ["--array", self.array]
         if self.profiler:
-            a += ["--profile", self.profiler]
+            a += ["--profiler", self.profiler]
         a += ["--venv", self.venv or "none"]
         if self.setup_file:
             a += ["--setup", self.setup_file]
@@ -218,7 +218,7 @@ def _check_launch_options(sys_: System, *, profiler, ranks_per_node, srun_mpi) -
     ``srun --mpi=`` plugin where the launcher takes one."""
     name, la = sys_.name, sys_.launch
     if profiler and profiler not in la.profilers:
-        raise JobError(f"--profile {profiler} is not available on {name}; available: "
+        raise JobError(f"--profiler {profiler} is not available on {name}; available: "
                        f"{', '.join(la.profilers) or 'none'}")
     if ranks_per_node is not None:
         validate.ranks_per_node(ranks_per_node)

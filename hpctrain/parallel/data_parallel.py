@@ -58,8 +58,8 @@ from hpctrain.parallel.optim import build_optimizer, clip_grads_, param_groups
 from hpctrain.parallel.tensor.layers import is_split
 from hpctrain.parallel.tensor.split_state import TensorSplit
 from hpctrain.profiling import profile_range
+from hpctrain.sizes import MiB
 
-MiB = 1 << 20
 
 
 class Bucket:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from hpctrain.sizes import MiB
+
 
 def tensor_bytes(t) -> int:
     """Bytes a tensor's storage holds (0 for None or a freed ZeRO-3 buffer)."""
@@ -34,10 +36,9 @@ class MemoryReport:
         return {**asdict(self), "model_state": self.model_state}
 
     def describe(self) -> str:
-        mib = 1 << 20
-        return (f"params {self.params / mib:.1f} MiB, grads {self.grads / mib:.1f} MiB, "
-                f"optimizer {self.optimizer / mib:.1f} MiB, comm buffers "
-                f"{self.comm_buffers / mib:.1f} MiB per rank")
+        return (f"params {self.params / MiB:.1f} MiB, grads {self.grads / MiB:.1f} MiB, "
+                f"optimizer {self.optimizer / MiB:.1f} MiB, comm buffers "
+                f"{self.comm_buffers / MiB:.1f} MiB per rank")
 
 
 def zero_formula(stage: int, dtype: str, world: int) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpctrain.document import to_html
+from hpctrain.markdown_html import to_html
 from hpctrain.errors import UserError
 from hpctrain.report import plots
 from hpctrain.report.runs import Run, read_run

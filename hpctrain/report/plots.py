@@ -7,12 +7,12 @@ from pathlib import Path
 
 from hpctrain.plotting import pyplot, save_figure
 from hpctrain.report.runs import Run
+from hpctrain.sizes import MiB
 
 STACKED_PHASES = ("data", "forward", "backward", "wait", "optimizer", "bubble", "other")
 """``timing.phases_ms`` without ``hooks`` (a part of ``backward``) and ``step`` (their
 sum): the stacked bars add up to the step."""
 MEMORY_PARTS = ("params", "grads", "optimizer", "comm_buffers")
-MIB = 1 << 20
 
 
 def _legend(ax) -> None:
@@ -144,10 +144,10 @@ def memory(runs: list[Run], path: Path) -> Path:
         ranks = [rank for rank, _ in rows]
         bottom = [0.0] * len(rows)
         for part in MEMORY_PARTS:
-            heights = [row.get(part, 0) / MIB for _, row in rows]
+            heights = [row.get(part, 0) / MiB for _, row in rows]
             state.bar(ranks, heights, bottom=bottom, label=part)
             bottom = [a + b for a, b in zip(bottom, heights)]
-        rss.bar(ranks, [row.get("peak_rss_bytes", 0) / MIB for _, row in rows], color="0.5")
+        rss.bar(ranks, [row.get("peak_rss_bytes", 0) / MiB for _, row in rows], color="0.5")
         state.set_title(label, fontsize=8)
         state.set_ylabel("model state, MiB")
         rss.set_ylabel("peak RSS, MiB")

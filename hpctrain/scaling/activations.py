@@ -1,7 +1,7 @@
 """What a training step keeps in memory for backward, and what tensor parallelism does to
 it: activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation
 in Large Transformer Models", arXiv 2205.05198), the head's logits, and the micro-batches
-a pipeline stage holds at once. Pure functions of the shape and the layout's numbers.
+a pipeline stage holds at once. Pure functions of the shape and the arrangement's numbers.
 
 Tensor parallelism over t ranks (``tp``) splits everything between a column-parallel
 layer's input and the row-parallel layer's output (heads, the MLP's hidden width): those

@@ -13,7 +13,7 @@ Four measurements, none of them a training run of the study:
    at once: how much slower a rank computes when P ranks share the cores.
 4. **Peak**: a large fp32/bf16 matrix product on one thread, the denominator of MFU.
 
-The result is a JSON file that names its base profile (``local``); studies use it with
+The result is a JSON file that names its base system (``local``); studies use it with
 ``calibration = FILE``.
 """
 

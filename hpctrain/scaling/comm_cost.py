@@ -24,32 +24,13 @@ oversubscription and the library's choice of algorithm.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+from hpctrain.systems.perf import Fit, Link
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "p2p", "shm_allreduce")
 """``shm_allreduce`` is the trainer's node shared-memory reduction of CPU gradients
 (``hpctrain/comm/shm_allreduce.py``): it has no formula, only a calibrated fit, and the
 model uses it where a calibration has one."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """One level of the network: latency per message and achieved bandwidth."""
-
-    alpha_s: float
-    bandwidth: float
-    """Bytes per second one rank can push through this level (achieved, not the data sheet)."""
-
-
-@dataclass(frozen=True)
-class Fit:
-    """A measured line ``t = alpha_s + beta_s_per_byte * n`` for one collective and size."""
-
-    alpha_s: float
-    beta_s_per_byte: float
-
-    def time(self, n_bytes: float) -> float:
-        return self.alpha_s + self.beta_s_per_byte * n_bytes
 
 
 def ring_allreduce(p: int, n_bytes: float, link: Link) -> float:

@@ -49,7 +49,7 @@ def emit_jobs(study: Study, folder: str, *, system: str | None, account: str | N
               one_job: bool = False) -> list[str]:
     """Write the scripts; return lines to print."""
     if not system:
-        raise UserError("--jobs needs --system (polaris, aurora, ...: the job profile)")
+        raise UserError("--jobs needs --system (polaris, aurora, ...: the system the jobs run on)")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     runs = (out / "runs").resolve()
@@ -107,7 +107,7 @@ def collect(folder: str | Path) -> int:
         found += 1
         rec = new_record(study, point, job["repeat"], job["index"],
                          train_command(study, point, run))
-        rec["prediction"] = predict(system, point.model, point.layout).to_dict()
+        rec["prediction"] = predict(system, point.model, point.arrangement).to_dict()
         code = attempt / "exit_code"
         rc = int(code.read_text().strip() or 1) if code.is_file() else 1
         log = f"job {name} ({attempt.name}) exited with status {rc}" if code.is_file() else \

@@ -130,7 +130,7 @@ def presets() -> dict[str, dict]:
     return tomllib.loads(text)
 
 
-def model_shape(name: str, **overrides) -> ModelShape:
+def preset_shape(name: str, **overrides) -> ModelShape:
     """A preset by name, with any field overridden (``block_size=2048``)."""
     table = presets()
     if name not in table:

@@ -1,5 +1,5 @@
-"""Predict a training step's time and memory from the model shape, the parallel layout
-and a system's performance profile. Pure functions; every term is reported.
+"""Predict a training step's time and memory from the model shape, the parallel arrangement
+and a system's performance figures. Pure functions; every term is reported.
 
 step = pipeline compute (m micro-batches of forward + backward on the largest stage)
      + pipeline bubble               (p-1)/(m+p-1) of the pipeline, 1F1B and GPipe;
@@ -54,18 +54,18 @@ from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_inpu
 from hpctrain.parallel.pipeline.schedules import predicted_bubble
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.system_perf import SystemPerf
+from hpctrain.sizes import GiB, MiB
 
-__all__ = ["Layout", "Prediction", "predict", "predict_memory", "fits", "describe",
+__all__ = ["Arrangement", "Prediction", "predict", "predict_memory", "fits", "describe",
            "bubble_fraction", "activation_bytes", "activation_bytes_per_layer",
            "llama_bytes_per_token", "micro_batches_in_flight", "bucket_sizes"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 RECOMPUTE = ("none", "block")
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
-class Layout:
+class Arrangement:
     """One parallel configuration of a training step, with the two model options that
     change its memory and compute but not its result (recompute, loss_chunk)."""
 
@@ -98,7 +98,7 @@ class Layout:
         return self.global_batch // (self.dp * self.micro_batches)
 
     def check(self, shape: ModelShape) -> None:
-        """Raise ``UserError`` naming the fix for a layout the trainer would refuse."""
+        """Raise ``UserError`` naming the fix for an arrangement the trainer would refuse."""
         if self.tp < 1 or self.ranks % self.tp:
             raise UserError(f"{self.ranks} rank(s) do not split into tensor-parallel groups "
                             f"of tp={self.tp}; use a tp that divides the rank count")
@@ -198,18 +198,18 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
     return (p - 1) / (m + p - 1)
 
 
-def activation_bytes(shape: ModelShape, layout: Layout, layers: int,
+def activation_bytes(shape: ModelShape, arrangement: Arrangement, layers: int,
                      flash_attention: bool) -> float:
     """Activations on a stage of ``layers`` layers holding the micro-batches in flight.
     With recomputation each held micro-batch keeps every layer's input (s b h), and the
     layer running backward holds its full set again, one at a time (Chen et al. 2016)."""
-    held = micro_batches_in_flight(layout.pp, layout.micro_batches, layout.schedule)
-    tp, sp = layout.tp, layout.sequence_parallel
-    full = activation_bytes_per_layer(shape, layout.micro_rows, layout.dtype, flash_attention,
-                                      tp, sp)
-    if layout.recompute == "none":
+    held = micro_batches_in_flight(arrangement.pp, arrangement.micro_batches, arrangement.schedule)
+    tp, sp = arrangement.tp, arrangement.sequence_parallel
+    full = activation_bytes_per_layer(shape, arrangement.micro_rows, arrangement.dtype,
+                                      flash_attention, tp, sp)
+    if arrangement.recompute == "none":
         return held * layers * full
-    inputs = layer_input_bytes(shape, layout.micro_rows, layout.dtype, tp, sp)
+    inputs = layer_input_bytes(shape, arrangement.micro_rows, arrangement.dtype, tp, sp)
     return held * layers * inputs + full
 
 
@@ -233,22 +233,22 @@ def collective(system: SystemPerf, kind: str, group: int, n_bytes: float,
 def bucket_sizes(n_bytes: float, bucket_mb: float, first_mb: float = 1.0) -> list[float]:
     """The trainer's buckets: the first capped at 1 MiB, the rest at ``bucket_mb``."""
     sizes, left = [], n_bytes
-    cap = first_mb * MIB
+    cap = first_mb * MiB
     while left > 0:
         sizes.append(min(cap, left))
         left -= sizes[-1]
-        cap = bucket_mb * MIB
+        cap = bucket_mb * MiB
     return sizes
 
 
-def oversubscription(system: SystemPerf, layout: Layout, shape: ModelShape) -> float:
+def oversubscription(system: SystemPerf, arrangement: Arrangement, shape: ModelShape) -> float:
     """How much slower a rank computes because ranks share cores (>= 1; CPU systems only).
 
     Calibration measures it (every rank computing and synchronizing at once); without a
     measurement it is the ratio of ranks to cores."""
     if not system.device.startswith("cpu"):
         return 1.0
-    on_node = min(system.ranks_per_node or layout.ranks, layout.ranks)
+    on_node = min(system.ranks_per_node or arrangement.ranks, arrangement.ranks)
     if on_node <= system.cores():
         return 1.0
     measured = system.shared_core_slowdown(on_node, shape.key)
@@ -257,110 +257,112 @@ def oversubscription(system: SystemPerf, layout: Layout, shape: ModelShape) -> f
 
 # ---------------------------------------------------------------------- prediction
 
-def micro_batch_compute(system: SystemPerf, shape: ModelShape, layout: Layout,
+def micro_batch_compute(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
                         layers: int) -> float:
     """Seconds of one micro-batch's forward + backward on one rank of the largest stage,
     before oversubscription: per-block overhead + FLOPs / rate + memory traffic /
     bandwidth (module docstring). Recomputation runs the forward (2 of the 6 FLOPs per
     weight and token) once more, 8/6; a chunked or vocabulary-parallel head computes its
     logits again in backward, 8/6 of the head."""
-    tokens = layout.micro_rows * shape.block_size
-    again = 4.0 / 3.0 if layout.recompute == "block" else 1.0
-    head = 4.0 / 3.0 if layout.loss_chunk or layout.tp > 1 else 1.0
+    tokens = arrangement.micro_rows * shape.block_size
+    again = 4.0 / 3.0 if arrangement.recompute == "block" else 1.0
+    head = 4.0 / 3.0 if arrangement.loss_chunk or arrangement.tp > 1 else 1.0
     flops = tokens * (layers * shape.layer_flops_per_token * again
-                      + shape.head_flops_per_token * head) / layout.tp
-    rate = system.compute_rate(shape.key, layout.dtype)
+                      + shape.head_flops_per_token * head) / arrangement.tp
+    rate = system.compute_rate(shape.key, arrangement.dtype)
     t = layers * rate.layer_overhead_s * again + flops / rate.flops_per_s
-    if system.memory_bandwidth and not system.calibrated(shape.key, layout.dtype):
+    if system.memory_bandwidth and not system.calibrated(shape.key, arrangement.dtype):
         kept = layers * again * activation_bytes_per_layer(
-            shape, layout.micro_rows, layout.dtype, True, layout.tp, layout.sequence_parallel)
-        kept += logits_bytes(shape, tokens, 0, layout.tp)
+            shape, arrangement.micro_rows, arrangement.dtype, True, arrangement.tp,
+            arrangement.sequence_parallel)
+        kept += logits_bytes(shape, tokens, 0, arrangement.tp)
         t += system.activation_passes * kept / system.memory_bandwidth
     return t
 
 
-def tensor_parallel_time(system: SystemPerf, shape: ModelShape, layout: Layout,
+def tensor_parallel_time(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
                          layers: int) -> float:
     """One micro-batch's tensor-parallel collectives over the group of adjacent ranks."""
-    members = min(layout.tp, system.ranks_per_node or layout.tp)
+    members = min(arrangement.tp, system.ranks_per_node or arrangement.tp)
     return tensor_cost.group_time(
-        lambda kind, n: collective(system, kind, layout.tp, n, members), tp=layout.tp,
-        tokens=layout.micro_rows * shape.block_size, width=shape.n_embd, layers=layers,
-        dtype=layout.dtype, collectives=system.collectives,
-        recompute=layout.recompute == "block", sp=layout.sequence_parallel)
+        lambda kind, n: collective(system, kind, arrangement.tp, n, members), tp=arrangement.tp,
+        tokens=arrangement.micro_rows * shape.block_size, width=shape.n_embd, layers=layers,
+        dtype=arrangement.dtype, collectives=system.collectives,
+        recompute=arrangement.recompute == "block", sp=arrangement.sequence_parallel)
 
 
-def gradient_terms(system: SystemPerf, layout: Layout, rank_params: float, layers: int,
+def gradient_terms(system: SystemPerf, arrangement: Arrangement, rank_params: float, layers: int,
                    t_micro: float) -> tuple[float, float, float]:
     """(exposed reduction, all of it, ZeRO gathers) over the data-parallel group, whose
     members sit pp x tp ranks apart (tp innermost, then pp, then dp)."""
-    dp, m = layout.dp, layout.micro_batches
+    dp, m = arrangement.dp, arrangement.micro_batches
     if dp <= 1:
         return 0.0, 0.0, 0.0
     grad_bytes = 4.0 * rank_params
-    param_bytes = word_bytes(layout.dtype) * rank_params
-    members = max(1, (system.ranks_per_node or layout.ranks) // (layout.pp * layout.tp))
-    buckets = bucket_sizes(grad_bytes, layout.bucket_mb)
+    param_bytes = word_bytes(arrangement.dtype) * rank_params
+    members = max(1, (system.ranks_per_node or arrangement.ranks)
+                  // (arrangement.pp * arrangement.tp))
+    buckets = bucket_sizes(grad_bytes, arrangement.bucket_mb)
     cost = lambda kind, n: collective(system, kind, dp, n, members)  # noqa: E731
     rs = sum(cost("reduce_scatter", b) for b in buckets)
     last = buckets[-1]
-    if layout.zero == 0 and layout.dtype == "fp32" and system.fit("shm_allreduce", dp):
+    if arrangement.zero == 0 and arrangement.dtype == "fp32" and system.fit("shm_allreduce", dp):
         # CPU gradients on one node: the trainer sums them in shared memory.
         total = sum(cost("shm_allreduce", b) for b in buckets)
         tail = cost("shm_allreduce", last)
-    elif layout.zero == 0:
+    elif arrangement.zero == 0:
         total = sum(cost("allreduce", b) for b in buckets)
         tail = cost("allreduce", last)
-    elif layout.zero == 1:  # reduce-scatter only on the last micro-batch
+    elif arrangement.zero == 1:  # reduce-scatter only on the last micro-batch
         total, tail = rs, cost("reduce_scatter", last)
     else:  # every micro-batch; only the last one's reduction can stick out
         total, tail = m * rs, cost("reduce_scatter", last)
     hidden = system.overlap * (2.0 / 3.0) * t_micro  # backward is ~2/3 of a micro-batch
-    exposed = max(tail, (rs if layout.zero >= 2 else total) - hidden)
+    exposed = max(tail, (rs if arrangement.zero >= 2 else total) - hidden)
     gather = 0.0
-    if layout.zero in (1, 2):  # new parameters after the sharded update
+    if arrangement.zero in (1, 2):  # new parameters after the sharded update
         gather = sum(cost("allgather", b * param_bytes / grad_bytes) for b in buckets)
-    elif layout.zero == 3:  # each block before forward and before backward
+    elif arrangement.zero == 3:  # each block before forward and before backward
         units = layers + 1
         per_unit = cost("allgather", param_bytes / units)
         gather = 2 * m * units * per_unit * max(0.0, 1.0 - system.overlap) + per_unit
     return exposed, total, gather
 
 
-def predict(system: SystemPerf, shape: ModelShape, layout: Layout) -> Prediction:
-    layout.check(shape)
-    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
-    f = oversubscription(system, layout, shape)
-    rpn = system.ranks_per_node or layout.ranks
+def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement) -> Prediction:
+    arrangement.check(shape)
+    p, m, v = arrangement.pp, arrangement.micro_batches, arrangement.virtual_stages
+    f = oversubscription(system, arrangement, shape)
+    rpn = system.ranks_per_node or arrangement.ranks
     layers = -(-shape.n_layer // p)
-    t_micro = f * micro_batch_compute(system, shape, layout, layers)
+    t_micro = f * micro_batch_compute(system, shape, arrangement, layers)
     compute = m * t_micro
-    tp_comm = m * tensor_parallel_time(system, shape, layout, layers)
-    bubble_share = bubble_fraction(p, m, layout.schedule, v)
+    tp_comm = m * tensor_parallel_time(system, shape, arrangement, layers)
+    bubble_share = bubble_fraction(p, m, arrangement.schedule, v)
     bubble = (compute + tp_comm) * bubble_share / (1.0 - bubble_share) if p > 1 else 0.0
 
     # Activations between stages: one transfer forward and one back per micro-batch slot,
     # v times as many with interleaving, twice as many with zbv's V (its tip hands over
     # locally); a tp rank sends its sequence slice under sequence parallelism. Stage
     # neighbours are tp ranks apart.
-    act_bytes = layer_input_bytes(shape, layout.micro_rows, layout.dtype, layout.tp,
-                                  layout.sequence_parallel)
+    act_bytes = layer_input_bytes(shape, arrangement.micro_rows, arrangement.dtype, arrangement.tp,
+                                  arrangement.sequence_parallel)
     p2p = 0.0
     if p > 1:
-        per_node = min(p, max(1, rpn // layout.tp))
-        chunks = chunks_per_stage(layout.schedule, v)
+        per_node = min(p, max(1, rpn // arrangement.tp))
+        chunks = chunks_per_stage(arrangement.schedule, v)
         p2p = 2 * chunks * (m + p - 1) * collective(system, "p2p", 2, act_bytes, per_node)
 
-    params = tensor_cost.rank_params(shape, p, layout.tp)
-    grad_exposed, grad_total, gather = gradient_terms(system, layout, params, layers, t_micro)
-    updated = params / layout.dp if layout.zero >= 1 else params
+    params = tensor_cost.rank_params(shape, p, arrangement.tp)
+    grad_exposed, grad_total, gather = gradient_terms(system, arrangement, params, layers, t_micro)
+    updated = params / arrangement.dp if arrangement.zero >= 1 else params
     optimizer = f * (system.optimizer_overhead_s + updated * system.optimizer_s_per_param)
 
     step = compute + tp_comm + bubble + p2p + grad_exposed + gather + optimizer
-    memory, terms = predict_memory(system, shape, layout)
-    tok_s = layout.global_batch * shape.block_size / step
-    fl = shape.flops_per_token * tok_s / layout.ranks
-    peak = system.peak_flops.get(layout.dtype)
+    memory, terms = predict_memory(system, shape, arrangement)
+    tok_s = arrangement.global_batch * shape.block_size / step
+    fl = shape.flops_per_token * tok_s / arrangement.ranks
+    peak = system.peak_flops.get(arrangement.dtype)
     return Prediction(step_s=step, compute_s=compute, bubble_s=bubble, p2p_s=p2p,
                       grad_comm_s=grad_exposed, grad_comm_total_s=grad_total,
                       gather_s=gather, optimizer_s=optimizer, oversubscription=f,
@@ -369,19 +371,20 @@ def predict(system: SystemPerf, shape: ModelShape, layout: Layout) -> Prediction
                       tp_comm_s=tp_comm)
 
 
-def predict_memory(system: SystemPerf, shape: ModelShape, layout: Layout) -> tuple[float, dict]:
+def predict_memory(system: SystemPerf, shape: ModelShape,
+                   arrangement: Arrangement) -> tuple[float, dict]:
     """Bytes on the busiest rank and the terms that make them up."""
-    p, dp = layout.pp, layout.dp
-    params = tensor_cost.rank_params(shape, p, layout.tp)
-    state = zero_formula(layout.zero, layout.dtype, dp) * params
+    p, dp = arrangement.pp, arrangement.dp
+    params = tensor_cost.rank_params(shape, p, arrangement.tp)
+    state = zero_formula(arrangement.zero, arrangement.dtype, dp) * params
     layers = -(-shape.n_layer // p)
-    acts = activation_bytes(shape, layout, layers, system.flash_attention)
-    logits = logits_bytes(shape, layout.micro_rows * shape.block_size, layout.loss_chunk,
-                          layout.tp)
-    if layout.zero == 3:  # the gathered block and the prefetched next one
-        buffers = 2 * word_bytes(layout.dtype) * params / (layers + 1)
-    elif layout.dtype == "bf16" or layout.zero == 2:  # at most two fp32 staging buckets
-        buffers = 2 * min(4.0 * params, layout.bucket_mb * MIB)
+    acts = activation_bytes(shape, arrangement, layers, system.flash_attention)
+    logits = logits_bytes(shape, arrangement.micro_rows * shape.block_size, arrangement.loss_chunk,
+                          arrangement.tp)
+    if arrangement.zero == 3:  # the gathered block and the prefetched next one
+        buffers = 2 * word_bytes(arrangement.dtype) * params / (layers + 1)
+    elif arrangement.dtype == "bf16" or arrangement.zero == 2:  # at most two fp32 staging buckets
+        buffers = 2 * min(4.0 * params, arrangement.bucket_mb * MiB)
     else:
         buffers = 0.0
     terms = {"model_state": state, "activations": acts, "logits": logits,
@@ -396,7 +399,7 @@ def fits(system: SystemPerf, memory_bytes: float) -> bool:
 def describe(pred: Prediction) -> list[tuple[str, str]]:
     """Readable terms for ``--explain`` and reports: (name, value)."""
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
-    gib = lambda b: f"{b / (1 << 30):.2f} GiB"  # noqa: E731
+    gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
     rows = [("compute (forward + backward, all micro-batches)", ms(pred.compute_s)),
             ("pipeline bubble", ms(pred.bubble_s)),
             ("pipeline point-to-point", ms(pred.p2p_s)),

@@ -1,4 +1,4 @@
-"""``hpctrain plan``: every legal (dp, pp, tp, ZeRO, micro-batch) layout of a model on N
+"""``hpctrain plan``: every legal (dp, pp, tp, ZeRO, micro-batch) arrangement of a model on N
 nodes that fits device memory, ranked by the performance model's step time.
 
 Legal means what the trainer accepts: dp x pp x tp = ranks, pp <= layers, the global batch
@@ -20,16 +20,16 @@ from dataclasses import dataclass, replace
 
 from hpctrain.errors import UserError
 from hpctrain.parallel.tensor.layout import check_splittable
-from hpctrain.scaling.models import ModelShape, model_shape
-from hpctrain.scaling.perfmodel import Layout, Prediction, describe, fits, predict
+from hpctrain.scaling.models import ModelShape, preset_shape
+from hpctrain.scaling.perfmodel import Arrangement, Prediction, describe, fits, predict
 from hpctrain.scaling.system_perf import SystemPerf, load_perf
+from hpctrain.sizes import GiB
 
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
 class Candidate:
-    layout: Layout
+    arrangement: Arrangement
     prediction: Prediction
 
 
@@ -43,9 +43,9 @@ class Plan:
     fitting: tuple
     """Candidates that fit, fastest first."""
     too_big: int
-    """Legal layouts left out because they do not fit device memory."""
+    """Legal arrangements left out because they do not fit device memory."""
     smallest: Candidate | None
-    """The layout needing the least memory (to say how far off the rest is)."""
+    """The arrangement needing the least memory (to say how far off the rest is)."""
 
 
 def tensor_parallel_sizes(shape: ModelShape, ranks_per_node: int) -> list[int]:
@@ -62,18 +62,18 @@ def tensor_parallel_sizes(shape: ModelShape, ranks_per_node: int) -> list[int]:
     return sizes
 
 
-def layouts(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
-            max_micro_rows: int = 64, recompute: str = "none",
-            loss_chunk: int = 0, ranks_per_node: int = 1) -> list[Layout]:
+def arrangements(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
+                 max_micro_rows: int = 64, recompute: str = "none",
+                 loss_chunk: int = 0, ranks_per_node: int = 1) -> list[Arrangement]:
     out = []
     for tp in tensor_parallel_sizes(shape, min(ranks_per_node, ranks)):
-        out += _layouts_of_tp(shape, ranks, tp, global_batch, dtype, max_micro_rows,
-                              recompute, loss_chunk)
+        out += _arrangements_of_tp(shape, ranks, tp, global_batch, dtype, max_micro_rows,
+                                   recompute, loss_chunk)
     return out
 
 
-def _layouts_of_tp(shape: ModelShape, ranks: int, tp: int, global_batch: int, dtype: str,
-                   max_micro_rows: int, recompute: str, loss_chunk: int) -> list[Layout]:
+def _arrangements_of_tp(shape: ModelShape, ranks: int, tp: int, global_batch: int, dtype: str,
+                        max_micro_rows: int, recompute: str, loss_chunk: int) -> list[Arrangement]:
     out = []
     groups = ranks // tp
     for pp in range(1, min(groups, shape.n_layer) + 1):
@@ -94,11 +94,11 @@ def _layouts_of_tp(shape: ModelShape, ranks: int, tp: int, global_batch: int, dt
                     for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
                         for sched, v in schedules + ([("zbv", 1)] if pp > 1 and m >= 2 * pp
                                                      and shape.n_layer >= 2 * pp else []):
-                            out.append(Layout(ranks=ranks, pp=pp, zero=zero, micro_batches=m,
-                                              global_batch=global_batch, dtype=dtype,
-                                              schedule=sched, virtual_stages=v,
-                                              recompute=recompute, loss_chunk=loss_chunk,
-                                              tp=tp, sequence_parallel=tp > 1))
+                            out.append(Arrangement(ranks=ranks, pp=pp, zero=zero, micro_batches=m,
+                                                   global_batch=global_batch, dtype=dtype,
+                                                   schedule=sched, virtual_stages=v,
+                                                   recompute=recompute, loss_chunk=loss_chunk,
+                                                   tp=tp, sequence_parallel=tp > 1))
             b *= 2
     return out
 
@@ -110,9 +110,9 @@ DEFAULT_BATCH = 512
 def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len: int = 0,
          dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None,
          recompute: str = "none", loss_chunk: int = 0, collectives: str = "auto") -> Plan:
-    """Every legal layout that fits, fastest first. ``recompute``, ``loss_chunk`` and
+    """Every legal arrangement that fits, fastest first. ``recompute``, ``loss_chunk`` and
     ``collectives`` are the trainer's ``--model.recompute``, ``--model.loss_chunk`` and
-    ``--comm.collectives`` for every layout."""
+    ``--comm.collectives`` for every arrangement."""
     perf = load_perf(system, calibration, collectives)
     if nodes < 1:
         raise UserError(f"--nodes {nodes}: use at least 1")
@@ -121,17 +121,17 @@ def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len:
         raise UserError(f"system {perf.name} has no ranks per node; pass --ranks-per-node N")
     if ranks_per_node and perf.ranks_per_node and ranks_per_node != perf.ranks_per_node:
         perf = replace(perf, ranks_per_node=ranks_per_node)
-    shape = model_shape(model, block_size=seq_len)
+    shape = preset_shape(model, block_size=seq_len)
     ranks = nodes * rpn
     global_batch = global_batch or max(DEFAULT_BATCH, ranks)
     if global_batch < 1:
         raise UserError(f"--global-batch {global_batch}: use at least 1 sequence")
     cands = []
-    for lay in layouts(shape, ranks, global_batch, dtype, recompute=recompute,
-                       loss_chunk=loss_chunk, ranks_per_node=rpn):
-        cands.append(Candidate(lay, predict(perf, shape, lay)))
+    for arr in arrangements(shape, ranks, global_batch, dtype, recompute=recompute,
+                            loss_chunk=loss_chunk, ranks_per_node=rpn):
+        cands.append(Candidate(arr, predict(perf, shape, arr)))
     if not cands:
-        raise UserError(f"no layout splits a global batch of {global_batch} sequences over "
+        raise UserError(f"no arrangement splits a global batch of {global_batch} sequences over "
                         f"{ranks} ranks ({nodes} node(s) x {rpn}) with at most "
                         f"{shape.n_layer} pipeline stages; use a --global-batch that a "
                         f"divisor of {ranks} divides, e.g. {ranks}")
@@ -139,68 +139,68 @@ def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len:
     ok.sort(key=lambda c: (c.prediction.step_s, c.prediction.memory_bytes))
     smallest = min(cands, key=lambda c: c.prediction.memory_bytes)
     if not ok:
-        need = smallest.prediction.memory_bytes / GIB
+        need = smallest.prediction.memory_bytes / GiB
         chunk = min(4096, max(256, shape.block_size // 2))  # a fraction of one sequence
         options = [o for o, unset in (("--recompute block", recompute == "none"),
                                       (f"--loss-chunk {chunk}", not loss_chunk)) if unset]
         raise UserError(f"{shape.label} does not fit {perf.device} memory "
-                        f"({perf.device_memory / GIB:.0f} GiB) in any layout on {nodes} "
+                        f"({perf.device_memory / GiB:.0f} GiB) in any arrangement on {nodes} "
                         f"node(s): the smallest needs {need:.1f} GiB per rank "
-                        f"({_layout_text(smallest.layout)}); use "
+                        f"({_arrangement_text(smallest.arrangement)}); use "
                         + "".join(f"{o}, " for o in options) + "more nodes, a smaller "
                         "--global-batch or --seq-len, or a smaller model")
     return Plan(perf, shape, nodes, ranks, global_batch, tuple(ok), len(cands) - len(ok),
                 smallest)
 
 
-def _model_options(lay: Layout) -> str:
+def _model_options(arr: Arrangement) -> str:
     """The model options the plan assumed, as the header says them (nothing by default)."""
-    out = [f"recompute {lay.recompute}"] if lay.recompute != "none" else []
-    out += [f"loss chunk {lay.loss_chunk}"] if lay.loss_chunk else []
+    out = [f"recompute {arr.recompute}"] if arr.recompute != "none" else []
+    out += [f"loss chunk {arr.loss_chunk}"] if arr.loss_chunk else []
     return "".join(f", {o}" for o in out)
 
 
-def _layout_text(lay: Layout) -> str:
-    pipe = f", {lay.schedule}" + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-    tensor = f" tp={lay.tp}" + (" sp" if lay.sequence_parallel else "") if lay.tp > 1 else ""
-    return (f"dp={lay.dp} pp={lay.pp}{tensor} zero={lay.zero} micro-batches={lay.micro_batches} of "
-            f"{lay.micro_rows}" + (pipe if lay.pp > 1 else ""))
+def _arrangement_text(arr: Arrangement) -> str:
+    pipe = f", {arr.schedule}" + (f" v={arr.virtual_stages}" if arr.virtual_stages > 1 else "")
+    tensor = f" tp={arr.tp}" + (" sp" if arr.sequence_parallel else "") if arr.tp > 1 else ""
+    return (f"dp={arr.dp} pp={arr.pp}{tensor} zero={arr.zero} micro-batches={arr.micro_batches} of "
+            f"{arr.micro_rows}" + (pipe if arr.pp > 1 else ""))
 
 
 def table(p: Plan, top: int = 12) -> str:
-    s = p.shape
+    s, first = p.shape, p.fitting[0].arrangement
     head = (f"{s.label}: {s.params / 1e9:.2f}B parameters, {s.n_layer} layers, width "
             f"{s.n_embd}, context {s.block_size}; {p.system.name}: {p.nodes} node(s) x "
-            f"{p.ranks // p.nodes} = {p.ranks} ranks, {p.system.device_memory / GIB:.0f} GiB "
+            f"{p.ranks // p.nodes} = {p.ranks} ranks, {p.system.device_memory / GiB:.0f} GiB "
             f"per device; global batch {p.global_batch} x {s.block_size} tokens; "
-            f"{p.fitting[0].layout.dtype}{_model_options(p.fitting[0].layout)}; gradients "
+            f"{first.dtype}{_model_options(first)}; gradients "
             f"through {'the GPU library' if p.system.collectives == 'xccl' else 'MPI'}")
     cols = ["#", "dp", "pp", "tp", "sched", "zero", "micro", "rows", "step s", "tok/s", "TFLOP/s",
             "MFU", "compute", "comm", "bubble", "mem GiB"]
     rows = []
     for i, c in enumerate(p.fitting[:top], 1):
-        lay, q = c.layout, c.prediction
+        arr, q = c.arrangement, c.prediction
         sh = q.shares()
         comm = q.comm_s / q.step_s
-        rows.append([str(i), str(lay.dp), str(lay.pp),
-                     str(lay.tp) + ("sp" if lay.sequence_parallel else ""),
-                     "-" if lay.pp == 1 else lay.schedule[:5] + (
-                         f"{lay.virtual_stages}" if lay.virtual_stages > 1 else ""),
-                     str(lay.zero), str(lay.micro_batches), str(lay.micro_rows),
+        rows.append([str(i), str(arr.dp), str(arr.pp),
+                     str(arr.tp) + ("sp" if arr.sequence_parallel else ""),
+                     "-" if arr.pp == 1 else arr.schedule[:5] + (
+                         f"{arr.virtual_stages}" if arr.virtual_stages > 1 else ""),
+                     str(arr.zero), str(arr.micro_batches), str(arr.micro_rows),
                      f"{q.step_s:.3f}", f"{q.tokens_per_s:,.0f}",
                      f"{q.flops_per_s_per_rank / 1e12:.1f}",
                      f"{100 * q.mfu:.1f}%" if q.mfu is not None else "-",
                      f"{100 * (q.compute_s + q.optimizer_s) / q.step_s:.0f}%",
                      f"{100 * comm:.0f}%", f"{100 * sh['bubble']:.0f}%",
-                     f"{q.memory_bytes / GIB:.1f}"])
+                     f"{q.memory_bytes / GiB:.1f}"])
     widths = [max(len(r[i]) for r in [cols] + rows) for i in range(len(cols))]
     line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
     out = [head, "", line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     shown = min(top, len(p.fitting))
     out.append("")
-    out.append(f"{len(p.fitting)} layout(s) fit ({shown} shown, fastest first); "
+    out.append(f"{len(p.fitting)} arrangement(s) fit ({shown} shown, fastest first); "
                f"{p.too_big} more do not fit device memory. Step times are predictions "
-               f"from the {p.system.name} profile ({p.system.source}"
+               f"from the {p.system.name} system ({p.system.source}"
                + (f", calibration {p.system.calibration}" if p.system.calibration else "")
                + "); --explain N shows the terms.")
     return "\n".join(out)
@@ -208,9 +208,9 @@ def table(p: Plan, top: int = 12) -> str:
 
 def explain(p: Plan, rank: int = 1) -> str:
     if not 1 <= rank <= len(p.fitting):
-        raise UserError(f"--explain {rank}: the plan has {len(p.fitting)} layout(s)")
+        raise UserError(f"--explain {rank}: the plan has {len(p.fitting)} arrangement(s)")
     c = p.fitting[rank - 1]
     rows = describe(c.prediction)
     width = max(len(k) for k, _ in rows)
-    return "\n".join([f"#{rank}: {_layout_text(c.layout)}"] +
+    return "\n".join([f"#{rank}: {_arrangement_text(c.arrangement)}"] +
                      [f"  {k.ljust(width)}  {v}" for k, v in rows])

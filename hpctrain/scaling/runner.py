@@ -33,28 +33,28 @@ KILL_AFTER_S = 10  # after the timeout's SIGTERM, SIGKILL this much later
 
 def train_command(study: Study, point: Point, out_dir: Path) -> list[str]:
     """``train RECIPE --...`` for one point (the launcher goes in front)."""
-    m, lay = point.model, point.layout
+    m, arr = point.model, point.arrangement
     # Every key of the shape (architecture included), so the run trains what is modelled
     shape = [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}"
              for k, v in m.gpt.shape().items()]
     cmd = ["train", study.recipe, *study.overrides, *shape,
-           f"--train.batch_size={lay.global_batch}", f"--train.max_iters={study.steps}",
-           f"--train.log_interval={study.steps}", f"--train.dtype={lay.dtype}",
-           f"--parallel.zero={lay.zero}", f"--parallel.micro_batches={lay.micro_batches}",
+           f"--train.batch_size={arr.global_batch}", f"--train.max_iters={study.steps}",
+           f"--train.log_interval={study.steps}", f"--train.dtype={arr.dtype}",
+           f"--parallel.zero={arr.zero}", f"--parallel.micro_batches={arr.micro_batches}",
            *QUIET, f"--train.out_dir={out_dir}"]
-    if lay.pp > 1:  # only then: a trainer without pipelines still runs the other points
-        cmd += [f"--parallel.pp={lay.pp}", f"--parallel.schedule={lay.schedule}",
-                f"--parallel.virtual_stages={lay.virtual_stages}"]
-    if lay.tp > 1:
-        cmd += [f"--parallel.tp={lay.tp}",
-                f"--parallel.sequence_parallel={str(lay.sequence_parallel).lower()}"]
+    if arr.pp > 1:  # only then: a trainer without pipelines still runs the other points
+        cmd += [f"--parallel.pp={arr.pp}", f"--parallel.schedule={arr.schedule}",
+                f"--parallel.virtual_stages={arr.virtual_stages}"]
+    if arr.tp > 1:
+        cmd += [f"--parallel.tp={arr.tp}",
+                f"--parallel.sequence_parallel={str(arr.sequence_parallel).lower()}"]
     return cmd
 
 
 def launch_argv(study: Study, point: Point, command: list[str], launch_system: str) -> list[str]:
     system = job_system(launch_system)
     if system.batch.scheduler == "none":
-        return plan_launch(system, detect_allocation({}), command, ranks=point.layout.ranks)
+        return plan_launch(system, detect_allocation({}), command, ranks=point.arrangement.ranks)
     return plan_launch(system, detect_allocation(), command, nodes=point.nodes)
 
 
@@ -77,7 +77,7 @@ def run_point(study: Study, point: Point, repeat: int, index: int, folder: Path,
     command = train_command(study, point, out)
     record = new_record(study, point, repeat, index, command)
     if system is not None:
-        pred = predict(system, point.model, point.layout)
+        pred = predict(system, point.model, point.arrangement)
         record["prediction"] = pred.to_dict()
     argv = ["timeout", "-k", str(KILL_AFTER_S), str(int(study.timeout_s))] + \
         launch_argv(study, point, command, launch_system)
@@ -117,16 +117,17 @@ def new_record(study: Study, point: Point, repeat: int, index: int, command: lis
           "index": index, "repeat": repeat, "series": point.series(),
           "parallel": point.parallel, "scaling": study.scaling,
           "config": {"model": {**point.model.__dict__, "params": point.model.params},
-                     "ranks": point.layout.ranks, "nodes": point.nodes,
-                     "dp": point.layout.dp, "pp": point.layout.pp, "tp": point.layout.tp,
-                     "sequence_parallel": point.layout.sequence_parallel,
-                     "zero": point.layout.zero,
-                     "micro_batches": point.layout.micro_batches,
-                     "micro_batch_rows": point.layout.micro_rows,
-                     "global_batch": point.layout.global_batch,
-                     "seq_len": point.model.block_size, "dtype": point.layout.dtype,
-                     "schedule": point.layout.schedule,
-                     "virtual_stages": point.layout.virtual_stages,
+                     "ranks": point.arrangement.ranks, "nodes": point.nodes,
+                     "dp": point.arrangement.dp, "pp": point.arrangement.pp,
+                     "tp": point.arrangement.tp,
+                     "sequence_parallel": point.arrangement.sequence_parallel,
+                     "zero": point.arrangement.zero,
+                     "micro_batches": point.arrangement.micro_batches,
+                     "micro_batch_rows": point.arrangement.micro_rows,
+                     "global_batch": point.arrangement.global_batch,
+                     "seq_len": point.model.block_size, "dtype": point.arrangement.dtype,
+                     "schedule": point.arrangement.schedule,
+                     "virtual_stages": point.arrangement.virtual_stages,
                      "steps": study.steps},
           "started": records.now(), "command": command}
 

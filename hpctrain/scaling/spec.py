@@ -50,8 +50,8 @@ from hpctrain.config import load_config, parse_overrides
 from hpctrain.data.dataset import read_info
 from hpctrain.errors import ConfigError, DataError, UserError
 from hpctrain.model.shape import LATER_KEYS
-from hpctrain.scaling.models import ModelShape, model_shape, presets
-from hpctrain.scaling.perfmodel import SCHEDULES, Layout
+from hpctrain.scaling.models import ModelShape, preset_shape, presets
+from hpctrain.scaling.perfmodel import SCHEDULES, Arrangement
 from hpctrain.scaling.system_perf import SystemPerf, load_perf
 from hpctrain.systems.registry import load_system
 
@@ -73,7 +73,7 @@ OPTIONAL_SHAPE_KEYS = ("bias", *LATER_KEYS)
 class Point:
     id: str
     model: ModelShape
-    layout: Layout
+    arrangement: Arrangement
     parallel: str
     """The name of the [[parallel]] entry (one line per name in plots)."""
     nodes: int
@@ -269,11 +269,11 @@ def _points(study: Study, models: list[ModelShape], parallels: list,
                 continue
             dp = n // (pp * tp)
             g = study.batch_per_rank * dp if study.scaling == "weak" else study.global_batch
-            layout = Layout(ranks=n, pp=pp, zero=zero, micro_batches=micro, global_batch=g,
-                            dtype=study.dtype, schedule=sched, virtual_stages=v, tp=tp,
-                            sequence_parallel=sp)
+            arrangement = Arrangement(ranks=n, pp=pp, zero=zero, micro_batches=micro,
+                                      global_batch=g, dtype=study.dtype, schedule=sched,
+                                      virtual_stages=v, tp=tp, sequence_parallel=sp)
             try:
-                layout.check(model)
+                arrangement.check(model)
             except UserError as e:
                 skipped.append((label, str(e)))
                 continue
@@ -281,7 +281,7 @@ def _points(study: Study, models: list[ModelShape], parallels: list,
             tensor = f"-tp{tp}" + ("sp" if sp else "") if tp > 1 else ""
             pid = (f"{_slug(model.label)}-{_slug(pname)}-z{zero}-pp{pp}{pipe}{tensor}-m{micro}"
                    f"-n{n}")
-            points.append(Point(pid, model, layout, pname,
+            points.append(Point(pid, model, arrangement, pname,
                                 n // ranks_per_node if study.nodes else 1))
     if not points:
         raise _err(path, "no point can run: " + "; ".join(f"{a}: {b}" for a, b in skipped[:3]))
@@ -335,7 +335,7 @@ def _model(path, m: dict, vocab_size: int | None) -> ModelShape:
         raise _err(path, f"unknown key(s) in [[models]]: {', '.join(sorted(unknown))}")
     shape = {k: m[k] for k in SHAPE_KEYS + OPTIONAL_SHAPE_KEYS if k in m}
     if "preset" in m:
-        return model_shape(m["preset"], **shape)
+        return preset_shape(m["preset"], **shape)
     shape.setdefault("vocab_size", vocab_size)
     missing = [k for k in SHAPE_KEYS if not shape.get(k)]
     if missing:

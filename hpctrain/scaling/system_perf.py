@@ -1,106 +1,27 @@
 """A system as the performance model sees it: what it needs to predict a step.
 
 The figures are the ``[perf]`` table of the system's file (``hpctrain/systems/<name>.toml``,
-read by ``hpctrain.systems.registry``; ``--system`` also takes the path of your own), in SI units,
-with the ranks per node of its ``[launch]`` table. A calibration file written by
-``hpctrain scale calibrate`` (JSON) replaces the numbers it measured: the compute rate per
-model shape, the AdamW cost, a fitted line per collective and group size, the base memory
-of a rank.
+read by ``hpctrain.systems.registry`` into a ``SystemPerf`` in SI units, with the ranks per
+node of its ``[launch]`` table; ``--system`` also takes the path of your own). A
+calibration file written by ``hpctrain scale calibrate`` (JSON) replaces the numbers it
+measured: the compute rate per model shape, the AdamW cost, a fitted line per collective
+and group size, the base memory of a rank.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.scaling.comm_cost import KINDS, Fit, Link
+from hpctrain.scaling.comm_cost import KINDS
+from hpctrain.sizes import MiB
+from hpctrain.systems.perf import Fit, ShapeRate, SystemPerf
 from hpctrain.systems.registry import load_system, system_names
 
-GIB = 1 << 30
-MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class ShapeRate:
-    """Measured compute of one model shape: t_micro = layers * overhead + FLOPs / rate."""
-
-    flops_per_s: float
-    layer_overhead_s: float
-
-
-@dataclass(frozen=True)
-class SystemPerf:
-    name: str
-    description: str
-    ranks_per_node: int
-    """0: a single machine that holds every rank (local studies)."""
-    device: str
-    device_memory: float
-    """Bytes per rank's device; 0 = shared host memory (no fit check per device)."""
-    memory_reserve: float
-    cores_per_node: int
-    """CPU ranks share these cores (oversubscription); 0 = accelerators, never shared."""
-    flash_attention: bool
-    base_memory: float
-    peak_flops: dict
-    """Per device and dtype, FLOP/s (for MFU)."""
-    achieved_flops: dict
-    """Per dtype, FLOP/s of the matrix multiplies (wide ones: the plateau)."""
-    layer_overhead_s: float
-    optimizer_s_per_param: float
-    optimizer_overhead_s: float
-    intra: Link
-    inter: Link
-    overlap: float
-    shapes: dict = field(default_factory=dict)
-    """``{shape key: {dtype: ShapeRate}}`` from calibration."""
-    fits: dict = field(default_factory=dict)
-    """``{group size: {kind: Fit}}`` measured collectives (calibration)."""
-    slowdown: dict = field(default_factory=dict)
-    """``{ranks on the node: {shape key or "mean": factor}}``: how much slower a rank's
-    forward + backward + synchronization runs when that many ranks share the cores."""
-    source: str = ""
-    calibration: str = ""
-    collectives: str = "mpi"
-    """Whose links the network figures are: ``mpi`` or ``xccl`` (the GPU's library)."""
-    memory_bandwidth: float = 0.0
-    """Bytes per second of device memory; 0: no memory-bound term."""
-    activation_passes: float = 0.0
-    """Times the activations kept for backward cross device memory in a step."""
-
-    def calibrated(self, shape_key: str, dtype: str) -> bool:
-        """Whether calibration measured this shape (its rate holds the memory-bound work)."""
-        return dtype in self.shapes.get(shape_key, {})
-
-    def compute_rate(self, shape_key: str, dtype: str) -> ShapeRate:
-        """The measured rate of this shape if calibrated, else the profile's."""
-        rate = self.shapes.get(shape_key, {}).get(dtype)
-        if rate is not None:
-            return rate
-        if dtype not in self.achieved_flops:
-            raise UserError(f"system {self.name} has no compute rate for {dtype}; "
-                            f"use one of {', '.join(self.achieved_flops)}")
-        return ShapeRate(self.achieved_flops[dtype], self.layer_overhead_s)
-
-    def shared_core_slowdown(self, ranks_on_node: int, shape_key: str) -> float | None:
-        by_shape = self.slowdown.get(ranks_on_node) or {}
-        return by_shape.get(shape_key, by_shape.get("mean"))
-
-    def fit(self, kind: str, group: int) -> Fit | None:
-        return self.fits.get(group, {}).get(kind)
-
-    def cores(self) -> int:
-        if self.cores_per_node:
-            return self.cores_per_node
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            (os.cpu_count() or 1)
-
-
-def _link(link) -> Link:
-    return Link(alpha_s=link.alpha_us * 1e-6, bandwidth=link.gbytes_per_s * 1e9)
+__all__ = ["ShapeRate", "SystemPerf", "load_perf", "perf_system_names", "read_calibration"]
 
 
 def perf_system_names() -> list[str]:
@@ -113,7 +34,7 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None,
     """System ``name`` (or a .toml path) for the model, with a calibration's numbers on top.
     ``collectives``: whose links carry the gradients (``--comm.collectives``): ``mpi``,
     ``xccl`` (the GPU's library, ``[perf.network.xccl]``), or ``auto`` (the library where
-    the profile has its figures, as training does on GPUs)."""
+    the system has its figures, as training does on GPUs)."""
     system = load_system(name)
     p = system.perf
     if p is None:
@@ -128,30 +49,25 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None,
                              else (p.intra, p.inter, p.overlap))
     calib = read_calibration(calibration) if calibration else {}
     cc = calib.get("compute", {})
-    perf = SystemPerf(
-        name=system.name, description=system.description,
-        ranks_per_node=system.launch.ranks_per_node, device=p.device,
-        device_memory=p.device_memory_gib * GIB, memory_reserve=p.memory_reserve_gib * GIB,
-        cores_per_node=int(calib.get("cores_per_node", p.cores_per_node)),
-        flash_attention=p.flash_attention,
-        base_memory=float(calib.get("base_memory_mib", p.base_memory_mib)) * MIB,
-        peak_flops={k: float(v) * 1e12 for k, v in
-                    {**p.peak_tflops, **cc.get("peak_tflops", {})}.items()},
-        achieved_flops={k: float(v) * 1e12 for k, v in
-                        {**p.achieved_tflops, **cc.get("achieved_tflops", {})}.items()},
-        layer_overhead_s=float(cc.get("layer_overhead_us", p.layer_overhead_us)) * 1e-6,
-        optimizer_s_per_param=float(cc.get("optimizer_ns_per_param",
-                                           p.optimizer_ns_per_param)) * 1e-9,
-        optimizer_overhead_s=float(cc.get("optimizer_overhead_us",
-                                          p.optimizer_overhead_us)) * 1e-6,
-        intra=_link(intra), inter=_link(inter),
+    us = {k: float(cc[k]) * 1e-6 for k in ("layer_overhead_us", "optimizer_overhead_us")
+          if k in cc}
+    perf = replace(
+        p, cores_per_node=int(calib.get("cores_per_node", p.cores_per_node)),
+        base_memory=(float(calib["base_memory_mib"]) * MiB if "base_memory_mib" in calib
+                     else p.base_memory),
+        peak_flops={**p.peak_flops, **_flops(cc.get("peak_tflops", {}))},
+        achieved_flops={**p.achieved_flops, **_flops(cc.get("achieved_tflops", {}))},
+        layer_overhead_s=us.get("layer_overhead_us", p.layer_overhead_s),
+        optimizer_s_per_param=(float(cc["optimizer_ns_per_param"]) * 1e-9
+                               if "optimizer_ns_per_param" in cc else p.optimizer_s_per_param),
+        optimizer_overhead_s=us.get("optimizer_overhead_us", p.optimizer_overhead_s),
+        intra=intra, inter=inter,
         overlap=float(calib.get("network", {}).get("overlap", overlap)),
         collectives="xccl" if intra is not p.intra else "mpi",
-        memory_bandwidth=p.memory_gbytes_per_s * 1e9, activation_passes=p.activation_passes,
         shapes=_shapes(cc.get("shapes", {})), fits=_fits(calib.get("collectives", {})),
         slowdown={int(n): {k: float(v) for k, v in d.items()}
                   for n, d in cc.get("concurrent_slowdown", {}).items()},
-        source=system.source, calibration=str(calibration or ""))
+        calibration=str(calibration or ""))
     if not 0.0 <= perf.overlap <= 1.0:
         raise UserError(f"calibration file {calibration}: overlap must be between 0 and 1; "
                         "make it again with `hpctrain scale calibrate`")
@@ -172,6 +88,10 @@ def read_calibration(path: str | os.PathLike) -> dict:
         raise UserError(f"calibration file {p} has an unknown schema; make it again with "
                         "`hpctrain scale calibrate`")
     return data
+
+
+def _flops(tflops: dict) -> dict:
+    return {k: float(v) * 1e12 for k, v in tflops.items()}
 
 
 def _shapes(d: dict) -> dict:

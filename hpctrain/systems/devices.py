@@ -1,6 +1,6 @@
 """The device table: peak TFLOP/s per device and compute dtype (``devices.toml``),
 matched by the name the runtime gives a device. Read by the MFU of ``hpctrain train``
-and ``hpctrain doctor``, and by the system profiles' ``[perf] device``."""
+and ``hpctrain doctor``, and by the system files' ``[perf] device``."""
 
 from __future__ import annotations
 

@@ -44,9 +44,10 @@ A file has a ``description`` and three tables (``polaris.toml`` is a commented e
     and ``inter``-node links (``alpha_us``, ``gbytes_per_s``) and ``overlap`` (0 to 1) of
     MPI, and ``[perf.network.xccl]`` the same of the GPU's collective library.
 
-The loader checks structure and types and names the fix; ``jobs.job_system`` checks
-what the values mean to a job script, ``scaling.system_perf`` adds calibrations. Tier 0
-(docs/design/layers.md): it imports only ``errors`` and the device table.
+The loader checks structure and types and names the fix, and converts ``[perf]`` to SI
+units (``systems.perf.SystemPerf``); ``jobs.job_system`` checks what the values mean to a
+job script, ``scaling.system_perf`` adds calibrations. Tier 0 (docs/design/layers.md): it
+imports only ``errors``, ``sizes`` and its own package.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ from importlib import resources
 from pathlib import Path
 
 from hpctrain.errors import UserError
+from hpctrain.sizes import GiB, MiB
 from hpctrain.systems.devices import DEVICES, device_peaks
+from hpctrain.systems.perf import Link, SystemPerf
 from hpctrain.systems.toml_table import REQUIRED, Table
 
 if sys.version_info >= (3, 11):
@@ -160,46 +163,10 @@ class Launch:
 
     @property
     def expects_gpu_aware_mpi(self) -> bool:
-        """Whether the profile turns on the MPI's GPU support (Cray MPICH's
+        """Whether the system turns on the MPI's GPU support (Cray MPICH's
         ``MPICH_GPU_SUPPORT_ENABLED``, MPICH's ``MPIR_CVAR_ENABLE_GPU``)."""
         return any(k in ("MPICH_GPU_SUPPORT_ENABLED", "MPIR_CVAR_ENABLE_GPU") and v == "1"
                    for k, v in self.env)
-
-
-@dataclass(frozen=True)
-class Link:
-    alpha_us: float
-    gbytes_per_s: float
-
-
-@dataclass(frozen=True)
-class Perf:
-    """``[perf]``: the performance model's figures, in the file's units."""
-
-    device: str
-    device_memory_gib: float
-    """0: the ranks share the host's memory (no fit check per device)."""
-    peak_tflops: dict
-    """``{dtype: TFLOP/s}`` of one device (``devices.toml``), for MFU."""
-    achieved_tflops: dict
-    """``{dtype: TFLOP/s}`` of the matrix multiplies."""
-    layer_overhead_us: float
-    optimizer_ns_per_param: float
-    optimizer_overhead_us: float
-    intra: Link
-    inter: Link
-    overlap: float = 0.0
-    xccl: tuple | None = None
-    """``(intra, inter, overlap)`` of the GPU's collective library
-    (``[perf.network.xccl]``, for ``--comm.collectives=xccl``); None: not known."""
-    memory_reserve_gib: float = 0.0
-    cores_per_node: int = 0
-    flash_attention: bool = False
-    base_memory_mib: float = 0.0
-    memory_gbytes_per_s: float = 0.0
-    """Device memory bandwidth; 0: no memory-bound term (CPU ranks: calibration)."""
-    activation_passes: float = 0.0
-    """Times the activations a step keeps cross device memory (fitted to published runs)."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +179,7 @@ class System:
     """The file read: ``hpctrain/systems/<name>.toml`` or the path given."""
     batch: Batch
     launch: Launch
-    perf: Perf | None = None
+    perf: SystemPerf | None = None
     """None: the performance model knows nothing of this system."""
 
 
@@ -274,7 +241,7 @@ def _system(name: str, data: dict, source: str, file: str) -> System:
     batch = _batch(top.table("batch"))
     launch = _launch(top.table("launch"))
     perf_table = top.table("perf", None)
-    perf = _perf(perf_table) if perf_table else None
+    perf = _perf(perf_table, name, description, launch, source) if perf_table else None
     top.done()
     return System(name=name, description=description, source=source, file=file, batch=batch,
                   launch=launch, perf=perf)
@@ -355,12 +322,14 @@ def _launch(t: Table) -> Launch:
 
 
 def _link(t: Table) -> Link:
-    link = Link(alpha_us=t.get("alpha_us", float), gbytes_per_s=t.get("gbytes_per_s", float))
+    """A link in the file's units (``alpha_us``, ``gbytes_per_s``), converted to SI."""
+    link = Link(alpha_s=t.get("alpha_us", float) * 1e-6,
+                bandwidth=t.get("gbytes_per_s", float) * 1e9)
     t.done()
     return link
 
 
-def _perf(t: Table) -> Perf:
+def _perf(t: Table, name: str, description: str, launch: Launch, source: str) -> SystemPerf:
     device = t.get("device", str)
     compute, network = t.table("compute"), t.table("network")
     peaks = compute.numbers("peak_tflops", None)
@@ -374,20 +343,23 @@ def _perf(t: Table) -> Perf:
         raise t.error(f"[perf] device {device!r} has no peaks in hpctrain/systems/{DEVICES} "
                       f"({', '.join(known)}): name one of those, or give [perf.compute] "
                       "peak_tflops = { bf16 = ..., fp32 = ... }")
-    perf = Perf(
-        device=device, device_memory_gib=t.get("device_memory_gib", float),
-        memory_reserve_gib=t.get("memory_reserve_gib", float, 0.0),
+    perf = SystemPerf(
+        name=name, description=description, ranks_per_node=launch.ranks_per_node,
+        device=device, device_memory=t.get("device_memory_gib", float) * GiB,
+        memory_reserve=t.get("memory_reserve_gib", float, 0.0) * GiB,
         cores_per_node=t.get("cores_per_node", int, 0),
         flash_attention=t.get("flash_attention", bool, False),
-        base_memory_mib=t.get("base_memory_mib", float, 0.0),
-        peak_tflops=peaks, achieved_tflops=compute.numbers("achieved_tflops"),
-        layer_overhead_us=compute.get("layer_overhead_us", float),
-        optimizer_ns_per_param=compute.get("optimizer_ns_per_param", float),
-        optimizer_overhead_us=compute.get("optimizer_overhead_us", float),
-        memory_gbytes_per_s=compute.get("memory_gbytes_per_s", float, 0.0),
+        base_memory=t.get("base_memory_mib", float, 0.0) * MiB,
+        peak_flops={k: float(v) * 1e12 for k, v in peaks.items()},
+        achieved_flops={k: float(v) * 1e12
+                        for k, v in compute.numbers("achieved_tflops").items()},
+        layer_overhead_s=compute.get("layer_overhead_us", float) * 1e-6,
+        optimizer_s_per_param=compute.get("optimizer_ns_per_param", float) * 1e-9,
+        optimizer_overhead_s=compute.get("optimizer_overhead_us", float) * 1e-6,
+        memory_bandwidth=compute.get("memory_gbytes_per_s", float, 0.0) * 1e9,
         activation_passes=compute.get("activation_passes", float, 0.0),
         intra=_link(network.table("intra")), inter=_link(network.table("inter")),
-        overlap=network.get("overlap", float, 0.0), xccl=_library(network))
+        overlap=network.get("overlap", float, 0.0), xccl=_library(network), source=source)
     for table in (t, compute, network):
         table.done()
     overlaps = (perf.overlap,) + ((perf.xccl[2],) if perf.xccl else ())

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.files import chmod_as_created
+from hpctrain.file_modes import chmod_as_created
 
 LOCK_NAME = ".hpctrain.lock"
 GUARD_SUFFIX = ".takeover"

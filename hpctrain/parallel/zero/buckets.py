@@ -28,8 +28,8 @@ from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import plan_buckets
 from hpctrain.parallel.memory import tensor_bytes
 from hpctrain.parallel.shards import shard_layout
+from hpctrain.sizes import MiB
 
-MiB = 1 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIGN = 16  # shard length multiple: 64-byte aligned fp32 shards for vector kernels
 

@@ -1,4 +1,4 @@
-"""Copy a dataset to node-local disk before training (``--data.stage_dir``).
+"""A node-local copy of the dataset, made before training (``--data.local_copy_dir``).
 
 On Polaris every node has local NVMe at ``/local/scratch``: reading from there keeps
 training's small random reads off Lustre. One rank per node (local rank 0) copies each
@@ -17,26 +17,26 @@ from hpctrain.data.dataset import DatasetInfo
 from hpctrain.errors import DataError
 
 
-def staged_paths(info: DatasetInfo, stage_dir: str | os.PathLike) -> list[Path]:
-    """Where each file of ``info`` goes in ``stage_dir`` (names cannot collide)."""
-    root = Path(stage_dir)
+def local_copy_paths(info: DatasetInfo, copy_dir: str | os.PathLike) -> list[Path]:
+    """Where each file of ``info`` goes in ``copy_dir`` (names cannot collide)."""
+    root = Path(copy_dir)
     if len(info.files) == 1:
         return [root / info.files[0].name]
     return [root / f"{info.path.stem}-{i:05d}-{f.name}" for i, f in enumerate(info.files)]
 
 
-def copy_files(info: DatasetInfo, stage_dir: str | os.PathLike) -> list[Path]:
-    """Copy (or reuse) every file of ``info`` into ``stage_dir``; one process per node."""
-    dests = staged_paths(info, stage_dir)
+def make_local_copy(info: DatasetInfo, copy_dir: str | os.PathLike) -> list[Path]:
+    """Copy (or reuse) every file of ``info`` into ``copy_dir``; one process per node."""
+    dests = local_copy_paths(info, copy_dir)
     try:
-        Path(stage_dir).mkdir(parents=True, exist_ok=True)
+        Path(copy_dir).mkdir(parents=True, exist_ok=True)
         todo = [(s, d) for s, d in zip(info.files, dests) if not _same(s, d)]
         need = sum(s.stat().st_size for s, _ in todo)
-        free = shutil.disk_usage(stage_dir).free
+        free = shutil.disk_usage(copy_dir).free
         if need > free:
-            raise DataError(f"--data.stage_dir={stage_dir} has {free / 1e9:.1f} GB free, the "
+            raise DataError(f"--data.local_copy_dir={copy_dir} has {free / 1e9:.1f} GB free, the "
                             f"dataset needs {need / 1e9:.1f} GB more; free space there or "
-                            "train without --data.stage_dir")
+                            "train without --data.local_copy_dir")
         for src, dst in todo:
             tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
             try:
@@ -46,9 +46,9 @@ def copy_files(info: DatasetInfo, stage_dir: str | os.PathLike) -> list[Path]:
             finally:
                 tmp.unlink(missing_ok=True)
     except OSError as e:
-        raise DataError(f"cannot stage the dataset to --data.stage_dir={stage_dir}: {e}; "
+        raise DataError(f"cannot copy the dataset to --data.local_copy_dir={copy_dir}: {e}; "
                         "check the directory (it must be writable on every node) or train "
-                        "without --data.stage_dir") from None
+                        "without --data.local_copy_dir") from None
     return dests
 
 

@@ -1,16 +1,17 @@
-"""The doctor's report: what each check found (``sections``), the checks that failed,
-and the text rank 0 prints."""
+"""The node check's result (``NodeCheck``): what each check found (``sections``), the
+checks that failed, and the text rank 0 prints."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MiB = 2**20
+from hpctrain.sizes import MiB
+
 SECTIONS = ("ranks", "mpi", "gpu_aware", "setup", "allreduce", "p2p", "train")
 
 
 @dataclass
-class Report:
+class NodeCheck:
     sections: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
     """``"check: why"`` for each failed check."""
@@ -22,8 +23,8 @@ class Report:
         return {**self.sections, "failures": self.failures, "ok": not self.failures}
 
 
-def format_report(report: Report) -> list[str]:
-    s = report.sections
+def format_node_check(result: NodeCheck) -> list[str]:
+    s = result.sections
     w = s["world"]
     lines = [f"hpctrain doctor: {w['size']} rank(s) on {w['nodes']} node(s), device "
              f"{w['device']}", "", "ranks:"]
@@ -74,8 +75,8 @@ def format_report(report: Report) -> list[str]:
     if t["memory"]:
         lines.append(f"  {t['memory']}")
     lines.append("")
-    if report.failures:
-        lines += ["FAILED:"] + [f"  {f}" for f in report.failures]
+    if result.failures:
+        lines += ["FAILED:"] + [f"  {f}" for f in result.failures]
     else:
         lines.append("all checks passed")
     return lines

@@ -34,8 +34,9 @@ from typing import Iterator
 
 from hpctrain.data.sources import ARROW, JSONL, JSONL_GZ, JSONL_ZST, PARQUET, TEXT
 from hpctrain.errors import DataError
+from hpctrain.sizes import MiB
 
-BLOCK_BYTES = 1 << 20
+BLOCK_BYTES = MiB
 BATCH_ROWS = 1024
 SHOWN_BAD = 5  # locations kept for the message
 _EXTRA = {PARQUET: "pyarrow", ARROW: "pyarrow", JSONL_ZST: "zstandard"}

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpctrain.document import to_html, to_markdown
+from hpctrain.markdown_html import to_html, to_markdown
 from hpctrain.errors import UserError
 from hpctrain.scaling import analysis, plots
 from hpctrain.scaling.emit import collect
 from hpctrain.scaling.records import read_records
+from hpctrain.sizes import MiB
 
 DEFINITIONS = [
     "**Weak-scaling efficiency** = tok/s(N) / ((N/N0) tok/s(N0)) at a fixed batch per "
@@ -25,7 +26,7 @@ DEFINITIONS = [
     "left after backward, **bubble** the pipeline's idle time, **data** the wait for the "
     "batch, **compute** the rest (ZeRO-3 gathers and the optimizer included).",
     "TFLOP/s per rank = FLOPs/token (6N + 12LCT) x tok/s / ranks; MFU divides by the "
-    "system profile's peak per device (here: a one-thread matrix product, from calibration).",
+    "system's peak per device (here: a one-thread matrix product, from calibration).",
 ]
 BUSY_LIMIT = 0.3
 """Cores busy with other work above which a point's numbers are flagged."""
@@ -39,7 +40,7 @@ def _pct(x) -> str:
     return _f(None if x is None else 100 * x, "{:.1f}%")
 
 
-def build_report(folder: str | Path) -> list[Path]:
+def build_study_report(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if (folder / "jobs.json").is_file():  # per-point job scripts: gather finished runs
         collect(folder)
@@ -87,7 +88,7 @@ def build_blocks(meta: dict, points: list, groups: dict, pngs: dict) -> list[tup
                    f"{meta['repeats']} repeat(s); started {meta.get('started')}; commit "
                    f"`{sha}`; {env.get('host')}: {env.get('cpu')}, {env.get('cores')} cores, "
                    f"torch {env.get('torch')}, {env.get('mpi')}; spec `{meta.get('spec')}`; "
-                   f"performance profile `{meta.get('system')}`"
+                   f"system `{meta.get('system')}`"
                    + (f" calibrated by `{meta['calibration']}`" if meta.get("calibration")
                       else "") + "."))
     b += [("h2", "Definitions"), ("list", DEFINITIONS)]
@@ -137,7 +138,7 @@ def measurement_table(points) -> tuple[list, list]:
                      _f(p.tokens_per_s, "{:,.0f}"), _f(p.tokens_per_s_per_rank, "{:,.0f}"),
                      _f(p.tflops_per_rank, "{:.4f}"), _pct(p.mfu),
                      *(_pct(s.get(k)) for k in ("compute", "comm", "bubble", "data")),
-                     _f(None if p.peak_rss is None else p.peak_rss / 2 ** 20, "{:.0f}"),
+                     _f(None if p.peak_rss is None else p.peak_rss / MiB, "{:.0f}"),
                      _f(p.background, "{:.2f}")])
     return headers, rows
 
@@ -169,6 +170,6 @@ def error_table(points) -> tuple[list, list]:
                      "yes" if abs(p.error) <= analysis.TOLERANCE else "**no**",
                      ms("compute_s"), _f(q.get("tp_comm_s", 0.0) * 1e3), ms("grad_comm_s"), ms("gather_s"), ms("optimizer_s"),
                      ms("bubble_s"), ms("p2p_s"), _f(q["oversubscription"], "{:.1f}"),
-                     _f(None if p.peak_rss is None else p.peak_rss / 2 ** 20, "{:.0f}"),
-                     _f(q["memory_bytes"] / 2 ** 20, "{:.0f}")])
+                     _f(None if p.peak_rss is None else p.peak_rss / MiB, "{:.0f}"),
+                     _f(q["memory_bytes"] / MiB, "{:.0f}")])
     return headers, rows

@@ -19,7 +19,7 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.shards import shard_layout
-from hpctrain.sizes import MAX_WORLD, finite, whole
+from hpctrain.sizes import MAX_WORLD, MiB, finite, whole
 
 MAX_BUCKET_MB = float(1 << 20)
 
@@ -44,7 +44,7 @@ def inspect(path: str | Path, verify: bool = False) -> str:
              *([f"  imported from {d['imported'].get('from')} {d['imported'].get('path')} "
                 f"(weights only: step 0, Adam moments zero)"]
                if isinstance(d.get("imported"), dict) else []),
-             "  shards: " + ", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)"
+             "  shards: " + ", ".join(f"{p.name} ({p.stat().st_size / MiB:.1f} MiB)"
                                       if p.exists() else f"{p.name} (MISSING)" for p in shards)]
     if verify:
         read_full_state(m)  # reads every dataset and checks its CRC-32
