@@ -135,7 +135,7 @@ export HPCTRAIN_JOB_END
     fi
 } > "$ATTEMPT_DIR/job.txt"
 LAUNCH=(
-    srun -N"${NNODES}" -n"${NRANKS}" -c7 --gpus-per-task=1 --gpu-bind=closest --network=disable_rdzv_get
+    srun -N"${NNODES}" -n"${NRANKS}" -c7 --gpus-per-task=1 --gpu-bind=closest --network=disable_rdzv_get --kill-on-bad-exit=1
     "${PYTHON}" -m hpctrain train default
     --data.path=datasets/stdlib-char.h5
     --train.resume=auto

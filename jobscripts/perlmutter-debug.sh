@@ -129,7 +129,7 @@ export HPCTRAIN_JOB_END
     fi
 } > "$ATTEMPT_DIR/job.txt"
 LAUNCH=(
-    srun -n "${NRANKS}" --ntasks-per-node=4 --cpus-per-task=32 --cpu-bind=cores --gpus-per-node=4
+    srun -n "${NRANKS}" --ntasks-per-node=4 --cpus-per-task=32 --cpu-bind=cores --gpus-per-node=4 --kill-on-bad-exit=1
     "${PYTHON}" -m hpctrain train default
     --data.path=datasets/stdlib-char.h5
     --train.resume=auto

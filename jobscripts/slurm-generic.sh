@@ -125,7 +125,7 @@ export HPCTRAIN_JOB_END
     fi
 } > "$ATTEMPT_DIR/job.txt"
 LAUNCH=(
-    srun --mpi="${SRUN_MPI}" -n "${NRANKS}" --ntasks-per-node=4
+    srun --mpi="${SRUN_MPI}" -n "${NRANKS}" --ntasks-per-node=4 --kill-on-bad-exit=1
     "${PYTHON}" -m hpctrain train default
     --data.path=datasets/stdlib-char.h5
     --train.resume=auto

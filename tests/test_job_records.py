@@ -1,5 +1,6 @@
 """What a job keeps of each attempt: its environment (``jobs/env_record.py``: owner-only,
-secrets' values hidden) and, under Slurm, one log that every requeue appends to."""
+secrets' values hidden) and, under Slurm, one log that every requeue appends to and a
+launch that ends when a rank dies."""
 
 import os
 import stat
@@ -40,13 +41,16 @@ def test_the_record_is_owner_only_whatever_the_umask_and_never_replaces(tmp_path
 
 
 @pytest.mark.parametrize("system", ["slurm", "perlmutter", "frontier"])
-def test_slurm_scripts_append_to_their_log_on_requeue(tmp_path, system):
+def test_slurm_scripts_append_to_their_log_and_end_a_step_whose_rank_died(tmp_path, system):
     """Without --open-mode=append a requeued job truncates its output file: the first
-    attempt's stop message would be gone."""
+    attempt's stop message would be gone. Without --kill-on-bad-exit a rank that dies
+    leaves the others waiting in a collective for the whole --comm.timeout."""
     out = tmp_path / "job.sh"
     assert main(["jobscript", "--system", system, "--nodes", "1", "--walltime", "00:10:00",
                  "--account", "A", "--queue", "debug", "--output", str(out), "--", "train",
                  "default"]) == 0
     text = out.read_text()
     assert "#SBATCH --open-mode=append" in text
+    srun = next(line for line in text.splitlines() if line.lstrip().startswith("srun "))
+    assert "--kill-on-bad-exit=1" in srun  # a dead rank ends the step, not the timeout
     assert "-m hpctrain.jobs.env_record" in text and "env | sort" not in text
