@@ -86,8 +86,10 @@ class Block(nn.Module):
     inside ``forward``, so module hooks on the block (ZeRO-3's gathers) run once per
     forward (docs/design/compute-options.md)."""
 
-    def __init__(self, cfg: GPTConfig, layers: type[FamilyLayers]):
+    def __init__(self, cfg: GPTConfig, layers: type[FamilyLayers] | None = None):
+        """``layers``: the family's parts; by default those of ``cfg``'s family."""
         super().__init__()
+        layers = layers or cfg.family.layers()
         self.ln_1 = layers.norm(cfg)
         self.attn = CausalSelfAttention(cfg, layers.rotary(cfg))
         self.ln_2 = layers.norm(cfg)
