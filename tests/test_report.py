@@ -71,6 +71,7 @@ def test_a_record_still_being_written_is_skipped_and_noted(tmp_path):
     ("empty_dir", "holds no metrics.jsonl"),
     ("corrupt", "line 2"),
     ("not_a_record", "line 1"),
+    ("loss_not_a_number", "line 2: loss is 'nan?', not a number"),
 ])
 def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, case, message):
     path = tmp_path / case
@@ -80,10 +81,12 @@ def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, case, message):
         write_run(path, segment([10], 1.0, 0), tail='{"step": 20, oops}\n')
     elif case == "not_a_record":
         write_run(path, [], tail='[1, 2]\n')
+    elif case == "loss_not_a_number":
+        write_run(path, segment([10], 1.0, 0), tail='{"step": 20, "loss": "nan?"}\n')
     assert main(["report", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
-    assert not (path / "report").exists() or case != "corrupt"
+    assert not (path / "report" / "report.html").exists()
 
 
 def test_several_runs_need_an_out_folder(tmp_path, capsys):

@@ -232,3 +232,22 @@ def test_an_injected_write_failure_of_final_h5_is_one_error(tmp_path, monkeypatc
     _one_line_write_error(str(e.value), good)
     assert load_single_file(good).step == 1
     _only(tmp_path, "final.h5")
+
+
+def test_a_report_to_a_full_disk_is_one_line_exit_2_and_no_torn_page(full_disk, tmp_path,
+                                                                     capsys):
+    """The page is written whole or not at all: an earlier report.html stays as it was."""
+    from hpctrain.cli import main as cli
+    from tests.report_runs import finished_run
+
+    run_dir = finished_run(tmp_path / "run")
+    out = full_disk / "report"
+    out.mkdir()
+    (out / "report.html").write_text("the earlier page")
+    fill(full_disk, leave=0)
+    assert cli(["report", str(run_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "make room" in err and "No space left" in err, err
+    assert (out / "report.html").read_text() == "the earlier page"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
+

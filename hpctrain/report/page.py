@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpctrain.markdown_html import to_html
+from hpctrain.atomic import WRITE_ERRORS, temporary_file, write_failed
 from hpctrain.errors import UserError
+from hpctrain.markdown_html import to_html
 from hpctrain.report import plots
 from hpctrain.report.runs import Run, read_run
 
@@ -79,7 +80,10 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     except OSError as e:
         raise UserError(f"cannot create the report folder {out}: {e}; pass another --out") \
             from None
-    images = _images(runs, out / "plots")
+    try:
+        images = _images(runs, out / "plots")
+    except WRITE_ERRORS as e:  # a full disk or quota while drawing
+        raise write_failed(out / "plots", e) from None
     blocks = [("h1", "Training report"), ("table", *run_table(runs)), *images]
     notes = [n for r in runs for n in r.notes]
     if notes:
@@ -87,5 +91,6 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     blocks = [("img", str(Path(b[1]).relative_to(out)), b[2]) if b[0] == "img" else b
               for b in blocks]
     page = out / PAGE
-    page.write_text(to_html(blocks, "hpctrain report", embed_from=out))
+    with temporary_file(page) as tmp:  # whole or not at all; an earlier page stays
+        tmp.write_text(to_html(blocks, "hpctrain report", embed_from=out))
     return page

@@ -43,6 +43,15 @@ class Run:
     notes: list[str] = field(default_factory=list)
 
 
+NUMBERS = ("loss", "val_loss", "final_val_loss", "lr", "mfu", "tokens_per_s", "step_ms",
+           "elapsed_s", "started_at", "start_step", "wall_s")
+"""The fields of a record the report computes or plots with: numbers, or null."""
+
+
+def _number_or_none(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
 def read_records(path: Path) -> tuple[list[dict], list[str]]:
     """The records of a ``metrics.jsonl``. A last line without its newline is a record
     still being written (skipped, with a note); any other line that is not a JSON
@@ -65,10 +74,14 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
             record, why = None, str(e)
         else:
             why = "not a JSON object with a step"
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise UserError(f"{path}, line {n}: {why}; it is not a metrics.jsonl record "
-                            "that hpctrain wrote (repair or remove that line)")
-        records.append(record)
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            wrong = next((k for k in NUMBERS if not _number_or_none(record.get(k))), None)
+            if wrong is None:
+                records.append(record)
+                continue
+            why = f"{wrong} is {record[wrong]!r}, not a number"
+        raise UserError(f"{path}, line {n}: {why}; it is not a metrics.jsonl record "
+                        "that hpctrain wrote (repair or remove that line)")
     return records, notes
 
 
