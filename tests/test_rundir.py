@@ -52,6 +52,21 @@ def test_resume_auto_continues_the_run_in_place(dataset_path, tmp_path):
     assert trainer.start.step == 5 and read_manifest(tmp_path).step == 10
 
 
+def test_a_resume_with_another_seed_or_batch_warns_and_records_it(dataset_path, tmp_path):
+    """Allowed (a requeue may change them on purpose) but never silent: the batches then
+    differ from the ones the run would have drawn."""
+    _fit(dataset_path, tmp_path, **{"train.max_iters": 5})
+    trainer, _ = _fit(dataset_path, tmp_path, **{"train.resume": "auto", "train.seed": 7,
+                                                  "train.batch_size": 4})
+    assert trainer.start.changed == ("train.seed: 1337 -> 7", "train.batch_size: 8 -> 4")
+    assert "warning: changed since that run: train.seed: 1337 -> 7" in trainer.start.describe()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["changed_on_resume"] == list(trainer.start.changed)
+    same, _ = _fit(dataset_path, tmp_path / "same", **{"train.max_iters": 5})
+    same, _ = _fit(dataset_path, tmp_path / "same", **{"train.resume": "auto"})
+    assert same.start.changed == () and "warning" not in same.start.describe()
+
+
 def test_resume_auto_without_a_checkpoint_moves_the_earlier_attempt_aside(dataset_path,
                                                                          tmp_path):
     """A requeued job killed before its first save left outputs and no checkpoint: its

@@ -168,6 +168,8 @@ class RunOutputs:
                      "sequence_parallel": self.cfg.parallel.sequence_parallel},
             "skipped_steps": skipped,
             **({"pipeline_pass_times": passes} if passes else {}),
+            **({"changed_on_resume": self.facts["changed_on_resume"]}
+               if self.facts.get("changed_on_resume") else {}),
             "config": self.cfg.to_dict()}
         (self.out_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1))
         self.log(f"done: {t.max_iters} steps in {result.wall_s:.1f} s, "

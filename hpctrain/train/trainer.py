@@ -96,7 +96,7 @@ class Trainer:
             {"config": cfg.to_dict(), "model": self.gpt_cfg.shape(),
              "tokenizer": self.tokenizer.meta()}, t.ckpt_keep, self._log,
             on_saved=self.deadline.record_save)
-        self.start = load_starting_point(t, self.out_dir, self.engine, self.grid, self.runner,
+        self.start = load_starting_point(cfg, self.out_dir, self.engine, self.grid, self.runner,
                                          self.gpt_cfg.shape(), self.tokenizer.meta())
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
                                   append=self.start.step > 0)
@@ -105,7 +105,8 @@ class Trainer:
         self._segment = {"started_at": 0.0, "start_step": self.start.step}  # set by _fit
         self._t0 = time.perf_counter()
         facts = {"params": self.gpt_cfg.num_params(),
-                 "flops_per_token": self.gpt_cfg.flops_per_token(), "peak": self.peak}
+                 "flops_per_token": self.gpt_cfg.flops_per_token(), "peak": self.peak,
+                 "changed_on_resume": list(self.start.changed)}
         outputs = RunOutputs(cfg, self.grid, self.par, self.tokenizer, facts, self._log)
         self.end = RunEnd(cfg, world, signals=self.signals, saver=self.saver,
                           evaluator=self.evaluator, outputs=outputs, log=self._log)
