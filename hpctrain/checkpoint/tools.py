@@ -19,6 +19,7 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.shards import shard_layout
+from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
 from hpctrain.sizes import MAX_WORLD, finite, whole
 
 MAX_BUCKET_MB = float(1 << 20)
@@ -91,10 +92,6 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     """Rewrite a checkpoint for ``world`` ranks at ZeRO stage ``zero`` (bucket caps as in
     ``--parallel.*``), so that such a run reads only its own shard when it resumes. Any
     checkpoint also loads at any layout directly; this saves each rank the reshuffle."""
-    # Here, not at the top: parallel.zero imports mpi4py, which starts MPI, and the other
-    # ckpt commands run on login nodes where that can fail.
-    from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
-
     whole(world, "--world", 1, MAX_WORLD, error=CheckpointError,
           fix="give the number of ranks of the run that will resume")
     if zero not in (0, 1, 2, 3):

@@ -32,9 +32,9 @@ import socket
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 from hpctrain.comm.device import Accelerator
+from hpctrain.comm.mpi import MPI
 from hpctrain.errors import UserError
 
 BACKENDS = {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo", "fake": "gloo"}

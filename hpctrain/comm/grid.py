@@ -19,8 +19,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from mpi4py import MPI
-
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.transport import make_transport
 from hpctrain.comm.world import World

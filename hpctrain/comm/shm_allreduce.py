@@ -41,8 +41,8 @@ import os
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.resources import MPIResources
 from hpctrain.errors import ConfigError
 

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from mpi4py import MPI
-
 from hpctrain.comm.buffers import MPIBuffer, to_mpi_all
 from hpctrain.comm.device import Accelerator
 from hpctrain.comm.gpu_aware import GPUAwareness
+from hpctrain.comm.mpi import MPI
 
 
 @runtime_checkable

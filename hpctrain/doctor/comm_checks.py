@@ -9,11 +9,11 @@ import os
 import socket
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
 from hpctrain.comm.device import Accelerator
 from hpctrain.comm.gpu_aware import HOST_MEMORY, QUERIES, VENDOR_NAMES, detect_gpu_aware
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.placement import VISIBILITY_ENV
 from hpctrain.comm.transport import MPITransport, resolve_collectives
 from hpctrain.comm.watchdog import wait_all

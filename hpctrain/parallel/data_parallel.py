@@ -40,10 +40,10 @@ import functools
 import math
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.buffers import persistent_allreduce_works
 from hpctrain.comm.features import persistent_collectives
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
 from hpctrain.comm.transport import Request
@@ -118,7 +118,7 @@ class DataParallel(BucketScheduler):
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  persistent: bool | None = None, allreduce: str = "auto",
                  node_comm: MPI.Comm | None = None, norm_comms: tuple = (),
-                 tp_comm: MPI.Comm = MPI.COMM_SELF, broadcast: bool = True):
+                 tp_comm: MPI.Comm | None = None, broadcast: bool = True):
         """``optim_cfg``: the optimizer ``step()`` runs. ``broadcast``: start every rank
         from rank 0's parameters. ``norm_comms``, ``tp_comm``: see engine.py."""
         self.model = model

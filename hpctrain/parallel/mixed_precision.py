@@ -13,8 +13,8 @@ names the layout and says what it is in the start-up line.
 from __future__ import annotations
 
 import torch
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.world import World
 from hpctrain.parallel.zero import Zero
 
@@ -24,7 +24,7 @@ class MixedPrecisionDataParallel(Zero):
 
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *,
                  dtype: str = "bf16", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 norm_comms: tuple = (), tp_comm: MPI.Comm = MPI.COMM_SELF):
+                 norm_comms: tuple = (), tp_comm: MPI.Comm | None = None):
         super().__init__(model, world, optim_cfg, stage=0, dtype=dtype, bucket_mb=bucket_mb,
                          first_bucket_mb=first_bucket_mb, norm_comms=norm_comms,
                          tp_comm=tp_comm)

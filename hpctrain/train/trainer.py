@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.grid import ProcessGrid
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.small_collectives import bcast_json
 from hpctrain.comm.world import (THREAD_LEVEL_HINT, THREAD_LEVELS, Threads, World,
                                  choose_threads)

@@ -22,8 +22,8 @@ import functools
 import math
 
 import torch
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.transport import Request
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
@@ -56,7 +56,7 @@ class Zero(ShardedState, BucketScheduler):
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, stage: int,
                  dtype: str = "fp32", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = (),
-                 tp_comm: MPI.Comm = MPI.COMM_SELF, staging_mb: float | None = None):
+                 tp_comm: MPI.Comm | None = None, staging_mb: float | None = None):
         """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``,
         ``tp_comm``: see engine.py; ``staging_mb``: the byte budget of stages 2-3's fp32
         reduction buffers (default: every bucket's, so all can be in flight at once)."""
