@@ -9,7 +9,6 @@ Every field carries its help text (``opt(default, help)``, ``options.py``), so
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import typing
 from dataclasses import dataclass, field
@@ -373,10 +372,6 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
 
 
 SECTION_TYPES = typing.get_type_hints(Config)
