@@ -7,8 +7,9 @@ import inspect
 import pytest
 from mpi4py import MPI
 
-from hpctrain.config import OptimConfig
+from hpctrain.config import OptimConfig, load_config
 from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.parallel.choose_engine import build_engine, engine_class
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
@@ -73,3 +74,19 @@ def test_built_engines_are_grad_engines_and_step_returns_a_float(build):
 def test_local_runner_is_a_runner():
     runner = LocalRunner(_tiny())
     assert isinstance(runner, Runner) and isinstance(runner.stats, RunnerStats)
+
+
+@pytest.mark.parametrize("zero,dtype,expected", [
+    (0, "fp32", DataParallel), (0, "bf16", MixedPrecisionDataParallel),
+    (1, "fp32", Zero), (2, "bf16", Zero), (3, "fp32", Zero)])
+def test_one_rule_chooses_the_engine_that_parallelize_builds_and_reshard_writes_for(
+        zero, dtype, expected):
+    assert engine_class(zero, dtype) is expected
+    cfg = load_config("default", [f"--parallel.zero={zero}", f"--train.dtype={dtype}"])
+    model = _tiny()
+    engine = build_engine(model, cpu_world(MPI.COMM_SELF), cfg, blocks=list(model.h))
+    assert type(engine) is expected
+    # ckpt reshard writes the state kind of the engine that will resume the checkpoint
+    assert engine.state_shards().kind == expected.state_kind
+    assert (expected.state_kind == "replicated") == (zero == 0 and dtype == "fp32")
+    engine.close()

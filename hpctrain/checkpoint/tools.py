@@ -18,6 +18,7 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
                                          shard_name, write_shard, write_synced)
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.parallel.choose_engine import engine_class
 from hpctrain.parallel.shards import shard_layout
 from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
 from hpctrain.sizes import MAX_WORLD, finite, whole
@@ -117,7 +118,7 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     config["parallel"].update(zero=zero, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                               pp=1, tp=1, sequence_parallel=False)
     shards: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
-    if zero == 0 and config["train"]["dtype"] == "fp32":  # plain data parallelism
+    if engine_class(zero, config["train"]["dtype"]).state_kind == "replicated":
         layout, index = "replicated", {"params": {n: list(s["param"].shape)
                                                   for n, s in full.items()}}
         for n, s in full.items():

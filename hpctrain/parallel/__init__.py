@@ -2,6 +2,7 @@
 gradients -> optimizer step; ``Runner``: a step's micro-batches on this rank).
 
 - ``parallelize.py``: ``parallelize(gpt, grid, cfg)`` applies the wrappers in one order;
+- ``choose_engine.py``: the one rule that picks the gradient engine, and building it;
 - ``data_parallel.py``: replicated fp32 data parallelism with a bucketed allreduce
   (``bucketing.py``: bucket plan and launch order); ``mixed_precision.py``: the same in
   bf16, as the ZeRO engine's stage 0;

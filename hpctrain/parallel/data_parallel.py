@@ -114,6 +114,9 @@ def persistent_collectives_supported(comm: MPI.Comm) -> bool:
 class DataParallel(BucketScheduler):
     """Keeps ``model``'s gradients identical on every rank of ``world``."""
 
+    state_kind = "replicated"
+    """The ``EngineState`` kind it saves and a checkpoint for it holds (engine.py)."""
+
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg: OptimConfig, *,
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  persistent: bool | None = None, allreduce: str = "auto",
@@ -267,7 +270,7 @@ class DataParallel(BucketScheduler):
                 params[name][k] = v.detach() if v is not None else torch.zeros_like(p)
             if "step" in state:
                 step = float(state["step"])
-        return EngineState("replicated", step, params=params)
+        return EngineState(self.state_kind, step, params=params)
 
     def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Parameters and the optimizer's state by name (whole on every rank; split

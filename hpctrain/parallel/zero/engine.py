@@ -53,6 +53,9 @@ def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> No
 class Zero(ShardedState, BucketScheduler):
     """ZeRO-``stage`` data parallelism with its own sharded AdamW."""
 
+    state_kind = "zero"
+    """The ``EngineState`` kind it saves: this rank's shards, bucket by bucket."""
+
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, stage: int,
                  dtype: str = "fp32", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = (),

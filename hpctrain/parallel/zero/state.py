@@ -100,7 +100,7 @@ class ShardedState:
     def state_shards(self) -> EngineState:
         """This rank's shards, bucket by bucket (what a sharded checkpoint saves)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        return EngineState("zero", self.optimizer_step(), buckets=[
+        return EngineState(self.state_kind, self.optimizer_step(), buckets=[
             BucketShard([names[id(p)] for p in b.params], [list(p.shape) for p in b.params],
                         b.layout, dict(zip(STATE_KEYS, (b.master, b.exp_avg, b.exp_avg_sq))))
             for b in self.buckets])
