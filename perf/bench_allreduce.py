@@ -71,7 +71,7 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
     dp = DataParallel(model, world, opt)  # shared memory within the node (CPU gradients)
     dp_mpi = DataParallel(model, world, opt, allreduce="mpi")  # persistent collectives
     dp_nb = DataParallel(model, world, opt, allreduce="mpi", persistent=False)  # Iallreduce
-    assert dp.shm is not None and dp_mpi.persistent and not dp_nb.persistent
+    assert dp.transport.name == "shm" and dp_mpi.persistent and not dp_nb.persistent
     for b in dp.buckets + dp_mpi.buckets + dp_nb.buckets:
         b.flat.normal_()
     nbytes = sum(b.nbytes for b in dp.buckets)
@@ -154,7 +154,7 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
         factor = 2 * (n - 1) / n
         out.write_text(json.dumps({
             "model": model_name, "ranks": n, "bytes": nbytes, "buckets": len(dp.buckets),
-            "transport": dp.transport,
+            "transport": dp.summed_by,
             "time_ms": {k: 1e3 * v for k, v in med.items()},
             "time_ms_all": {k: [1e3 * t for t in v] for k, v in times.items()},
             "busbw_GBps": {k: nbytes * factor / v / 1e9 for k, v in med.items()},

@@ -36,7 +36,7 @@ def test_dp_matches_single_process(mpi_dataset, shared_tmp, micro_batches, allre
                                                   "parallel.first_bucket_mb": 0.005})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     assert len(trainer.engine.buckets) >= 3  # several buckets in flight, not one
-    assert (trainer.engine.shm is not None) == (allreduce == "shm")
+    assert (trainer.engine.transport.name == "shm") == (allreduce == "shm")
     fit_against_reference(trainer, cfg, COMM)
 
 

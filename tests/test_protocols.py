@@ -1,12 +1,16 @@
-"""Every gradient engine and runner implements its Protocol (``parallel/engine.py``,
-``parallel/runner.py``) with the same signatures: a caller written against the
-interface works with any of them."""
+"""Every gradient engine, runner and transport implements its Protocol
+(``parallel/engine.py``, ``parallel/runner.py``, ``comm/transport.py``) with the same
+signatures: a caller written against the interface works with any of them."""
 
 import inspect
 
 import pytest
 from mpi4py import MPI
 
+from hpctrain.comm.buffers import MPIBuffer
+from hpctrain.comm.device_collectives import DeviceBuffer, DeviceTransport
+from hpctrain.comm.shm_allreduce import ShmTransport
+from hpctrain.comm.transport import CommBuffer, MPITransport, PersistentMPITransport, Transport
 from hpctrain.config import OptimConfig, load_config
 from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.choose_engine import build_engine, engine_class
@@ -20,6 +24,8 @@ from tests.helpers import cpu_world
 
 ENGINES = [DataParallel, MixedPrecisionDataParallel, Zero]
 RUNNERS = [LocalRunner, PipelineExecutor]
+TRANSPORTS = [MPITransport, PersistentMPITransport, ShmTransport, DeviceTransport]
+BUFFERS = [MPIBuffer, DeviceBuffer]
 
 
 def _members(protocol) -> dict:
@@ -33,7 +39,9 @@ def _parameters(fn) -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize("protocol,impl", [(GradEngine, e) for e in ENGINES]
-                         + [(Runner, r) for r in RUNNERS])
+                         + [(Runner, r) for r in RUNNERS]
+                         + [(Transport, t) for t in TRANSPORTS]
+                         + [(CommBuffer, b) for b in BUFFERS])
 def test_each_implementation_has_every_member_with_the_protocols_signature(protocol, impl):
     members = _members(protocol)
     assert members, "the Protocol declares nothing"
@@ -90,3 +98,27 @@ def test_one_rule_chooses_the_engine_that_parallelize_builds_and_reshard_writes_
     assert engine.state_shards().kind == expected.state_kind
     assert (expected.state_kind == "replicated") == (zero == 0 and dtype == "fp32")
     engine.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda w: MPITransport(w.comm, w.accel, w.gpu_aware),
+    lambda w: PersistentMPITransport(w.comm, w.accel, w.gpu_aware),
+    lambda w: ShmTransport(w.comm, w.accel, w.gpu_aware, [5]),
+], ids=["iallreduce", "persistent", "shm"])
+def test_built_transports_are_transports_and_sum_a_gradient_bucket(make):
+    import torch
+    transport = make(cpu_world(MPI.COMM_SELF))
+    assert isinstance(transport, Transport)
+    flat = transport.flat(0) if isinstance(transport, ShmTransport) else torch.zeros(5)
+    flat.copy_(torch.arange(5.0))
+    buf = transport.buffer(flat, reduction=True)
+    assert isinstance(buf, CommBuffer)
+    buf.prepare()
+    assert buf.prepared and buf.ready()
+    req = transport.allreduce(buf)
+    while not req.Test():
+        pass
+    buf.complete()
+    torch.testing.assert_close(flat, torch.arange(5.0))  # one rank: the sum is itself
+    transport.close()
+    transport.close()  # idempotent

@@ -111,7 +111,7 @@ def test_data_parallel_gradients_through_shared_memory_equal_the_mpi_path(nodes)
         model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
         dp = DataParallel(model, world, OptimConfig(), bucket_mb=0.01, first_bucket_mb=0.004,
                           allreduce=allreduce, node_comm=_node_comm(nodes))
-        assert (dp.shm is not None) == (allreduce == "shm")
+        assert (dp.transport.name == "shm") == (allreduce == "shm")
         dp.prepare_for_backward(last_micro=True)
         (model(x, x) * dp.grad_scale).backward()
         dp.finish()
