@@ -212,7 +212,7 @@ def test_pipeline_checkpoint_resumes_bit_for_bit(mpi_dataset, shared_tmp, zero):
 @pytest.mark.parametrize("zero", [0, 1])
 def test_pipeline_checkpoint_reshards_to_plain_data_parallelism_and_back(mpi_dataset,
                                                                          shared_tmp, zero):
-    """pp=2 -> pp=1 (every rank data-parallel, other ZeRO stage) -> pp=2: the losses
+    """pp=2 -> pp=1 (every rank data-parallel, other ZeRO level) -> pp=2: the losses
     continue the uninterrupted run's to fp32 round-off."""
     if COMM.size % 2:
         pytest.skip("needs an even number of ranks")

@@ -63,7 +63,7 @@ def _tiny():
 @pytest.mark.parametrize("build", [
     lambda m, w: DataParallel(m, w, OptimConfig()),
     lambda m, w: MixedPrecisionDataParallel(m, w, OptimConfig()),
-    lambda m, w: Zero(m, w, OptimConfig(), stage=3, blocks=list(m.h)),
+    lambda m, w: Zero(m, w, OptimConfig(), level=3, blocks=list(m.h)),
 ], ids=["dp", "bf16-dp", "zero3"])
 def test_built_engines_are_grad_engines_and_step_returns_a_float(build):
     model = _tiny()

@@ -19,7 +19,7 @@ Two layouts. ``replicated`` (plain data parallelism): every rank holds the same 
 so rank 0's shard has each parameter and its moments by name. ``zero``: each rank's shard
 has, per bucket, its slice of the flat fp32 master weights and moments; the manifest's
 index says which parameter every element belongs to. ``read_full_state`` turns either
-into whole per-parameter tensors, so a checkpoint loads at any world size and ZeRO stage
+into whole per-parameter tensors, so a checkpoint loads at any world size and ZeRO level
 (the data position is the step: samplers are pure functions of (seed, step)).
 """
 

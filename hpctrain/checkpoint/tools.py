@@ -37,7 +37,7 @@ def inspect(path: str | Path, verify: bool = False) -> str:
     data = d["data"] if isinstance(d.get("data"), dict) else {}
     lines = [f"checkpoint {m.path}",
              f"  step {m.step} (Adam step {d['optimizer_step']:g}), {d['layout']} layout, "
-             f"{m.world_size} rank(s), ZeRO stage {_get(config, 'parallel', 'zero')}, "
+             f"{m.world_size} rank(s), ZeRO level {_get(config, 'parallel', 'zero')}, "
              f"dtype {_get(config, 'train', 'dtype')}",
              "  model " + ", ".join(f"{k}={v}" for k, v in d["model"].items()),
              f"  {len(_shapes(d))} tensors, {n_params:,} parameters",
@@ -90,13 +90,13 @@ def export(path: str | Path, fmt: str, output: str | Path) -> Path:
 
 def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
             bucket_mb: float = 25.0, first_bucket_mb: float = 1.0) -> Path:
-    """Rewrite a checkpoint for ``world`` ranks at ZeRO stage ``zero`` (bucket caps as in
+    """Rewrite a checkpoint for ``world`` ranks at ZeRO level ``zero`` (bucket caps as in
     ``--parallel.*``), so that such a run reads only its own shard when it resumes. Any
     checkpoint also loads at any layout directly; this saves each rank the reshuffle."""
     whole(world, "--world", 1, MAX_WORLD, error=CheckpointError,
           fix="give the number of ranks of the run that will resume")
     if zero not in (0, 1, 2, 3):
-        raise CheckpointError(f"--zero {zero}: use a ZeRO stage 0-3")
+        raise CheckpointError(f"--zero {zero}: use a ZeRO level 0-3")
     for option, mb in (("--bucket-mb", bucket_mb), ("--first-bucket-mb", first_bucket_mb)):
         finite(mb, option, 0.0, MAX_BUCKET_MB, low_open=True, error=CheckpointError,
                fix="give the --parallel.* value of the run that will resume")

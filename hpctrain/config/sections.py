@@ -138,7 +138,7 @@ class ParallelConfig:
                                  "shm for CPU gradients when every node holds the same "
                                  "number (>1) of ranks and /dev/shm has room; shm insists "
                                  "(an error where it cannot work)", ("auto", "shm", "mpi"))
-    zero: int = opt(0, "ZeRO stage: 0 replicates everything (plain data parallelism), 1 "
+    zero: int = opt(0, "ZeRO level: 0 replicates everything (plain data parallelism), 1 "
                        "shards optimizer state, 2 also gradients, 3 also parameters",
                     (0, 1, 2, 3))
     pp: int = opt(1, "pipeline stages: the model's layers are cut into pp stages, one per "
@@ -277,7 +277,7 @@ class TrainConfig:
                         bounds=AT_LEAST_0)
     resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "
                           "exists; a path resumes from that checkpoint (any world size or "
-                          "ZeRO stage); '' starts fresh")
+                          "ZeRO level); '' starts fresh")
     init_from: str = opt("", "start a new run (step 0, fresh optimizer and learning-rate "
                              "schedule) from the weights of this checkpoint: one `hpctrain "
                              "ckpt import` wrote, a run's out_dir or final.h5, or a "
@@ -355,14 +355,14 @@ class Config:
                  f"{self.model.block_size} tokens are more than {MAX_BATCH_TOKENS} tokens per "
                  "step; lower --train.batch_size")
         require(p.allreduce != "shm" or (p.zero == 0 and t.dtype == "fp32"),
-                 "--parallel.allreduce=shm is the plain data-parallel path (fp32, ZeRO stage "
-                 "0); ZeRO stages and bf16 reduce with MPI collectives: drop "
+                 "--parallel.allreduce=shm is the plain data-parallel path (fp32, ZeRO level "
+                 "0); ZeRO levels and bf16 reduce with MPI collectives: drop "
                  "--parallel.allreduce=shm")
         if p.pp == 1:
             return
         # What the pipeline path does not do (yet); each message names the way out.
-        require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO stage 0 or 1 along "
-                 "the data-parallel axis; use --parallel.zero=0 or 1 (stages 2-3 shard "
+        require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO level 0 or 1 along "
+                 "the data-parallel axis; use --parallel.zero=0 or 1 (levels 2-3 shard "
                  "gradients per micro-batch, which the pipeline does not support)")
         chunks = 2 if p.schedule == "zbv" else p.virtual_stages
         require(self.model.n_layer >= p.pp * chunks,

@@ -36,7 +36,7 @@ def build_engine(model: torch.nn.Module, world: World, cfg, *,
     common = {"bucket_mb": par.bucket_mb, "first_bucket_mb": par.first_bucket_mb,
               "norm_comms": norm_comms, "tp_comm": tp_comm}
     if cls is Zero:
-        return Zero(model, world, cfg.optim, stage=par.zero, dtype=dtype, blocks=blocks,
+        return Zero(model, world, cfg.optim, level=par.zero, dtype=dtype, blocks=blocks,
                     **common)
     if cls is MixedPrecisionDataParallel:
         return MixedPrecisionDataParallel(model, world, cfg.optim, dtype=dtype, **common)

@@ -300,7 +300,7 @@ class DataParallel(BucketScheduler):
 
     def describe(self) -> str:
         summed = f" summed by {self.summed_by}" if self.size > 1 else ""
-        return f"{len(self.buckets)} gradient bucket(s){summed}, ZeRO stage 0"
+        return f"{len(self.buckets)} gradient bucket(s){summed}, ZeRO level 0"
 
     def memory(self) -> MemoryReport:
         """Bytes this rank holds: replicated parameters, gradient buckets, AdamW state."""

@@ -18,7 +18,7 @@ from hpctrain.parallel.zero.buckets import pack_flat
 
 class ShardedState:
     """Checkpoint state of ``Zero`` (a mixin: it reads the engine's ``model``,
-    ``buckets``, ``optimizers``, ``world``, ``stage``, ``size``, ``dtype`` and
+    ``buckets``, ``optimizers``, ``world``, ``level``, ``size``, ``dtype`` and
     ``tensor_split``,
     and calls its ``_publish_master`` and ``_allgather_parameters``)."""
 
@@ -74,7 +74,7 @@ class ShardedState:
                 b.master.copy_(flat["param"][lo:hi].to(dev))
                 b.exp_avg.copy_(flat["exp_avg"][lo:hi].to(dev))
                 b.exp_avg_sq.copy_(flat["exp_avg_sq"][lo:hi].to(dev))
-                if self.stage < 3:  # the compute parameters, whole
+                if self.level < 3:  # the compute parameters, whole
                     b.full.copy_(flat["param"].to(dev, self.dtype))
                 elif b.shard is not b.master:
                     b.shard.copy_(b.master)
@@ -94,7 +94,7 @@ class ShardedState:
                     self._publish_master(b)
                 for st in opt.state.values():
                     st["step"].fill_(step)
-        if self.stage < 3 and self.size > 1:
+        if self.level < 3 and self.size > 1:
             self._allgather_parameters()
 
     def state_shards(self) -> EngineState:
