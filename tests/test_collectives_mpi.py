@@ -1,4 +1,4 @@
-"""``--comm.collectives=xccl``: the engines' buckets and shards moved by a device
+"""``--comm.transport=xccl``: the engines' buckets and shards moved by a device
 collective library through ``torch.distributed`` (gloo here: the CPU stands in for the
 GPU and gloo for NCCL), against the single-process result, at 2 and 4 ranks.
 

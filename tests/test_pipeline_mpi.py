@@ -167,7 +167,7 @@ def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp, a
     """MPI reductions start from the hooks of the stage's last backward pass; sums in one
     node's shared memory all wait for finish() (no hooks there)."""
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1,
-                           **{"parallel.allreduce": allreduce})
+                           **{"comm.transport": allreduce})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     dp = trainer.engine
     assert len(dp.buckets) >= 2

@@ -91,7 +91,7 @@ def test_the_choice_is_collective_and_refuses_what_cannot_work():
     assert use_shared_memory("auto", COMM, "cpu", NUMELS)  # one node, several ranks
     assert not use_shared_memory("mpi", COMM, "cpu", NUMELS)
     assert not use_shared_memory("auto", COMM, "cuda:0", NUMELS)  # GPU: (CUDA-aware) MPI
-    with pytest.raises(ConfigError, match="--parallel.allreduce=auto or mpi"):
+    with pytest.raises(ConfigError, match="--comm.transport=auto or mpi"):
         use_shared_memory("shm", COMM, "cuda:0", NUMELS)
     assert not use_shared_memory("auto", MPI.COMM_SELF, "cpu", NUMELS)  # one rank
     with pytest.raises(ConfigError, match="/dev/shm has too little room"):

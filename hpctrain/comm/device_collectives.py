@@ -1,4 +1,4 @@
-"""Device collective libraries under our own buckets (``--comm.collectives=xccl``).
+"""Device collective libraries under our own buckets (``--comm.transport=xccl``).
 
 The engines keep their logic (buckets, their order, ZeRO's shards); ``DeviceTransport``
 moves the bytes with the vendor's library through ``torch.distributed``: NCCL on NVIDIA
@@ -61,11 +61,11 @@ def start(comm: MPI.Comm, accel: Accelerator, timeout: float) -> str:
     must be all of ``MPI.COMM_WORLD``; returns the backend. Collective over ``comm``."""
     backend = backend_for(accel.kind)
     if backend is None:
-        raise UserError(f"--comm.collectives=xccl: this torch build ({torch.__version__}) has "
+        raise UserError(f"--comm.transport=xccl: this torch build ({torch.__version__}) has "
                         f"no {BACKENDS.get(accel.kind, '?')} backend for {accel.kind}; use "
-                        "--comm.collectives=mpi")
+                        "--comm.transport=mpi")
     if comm.Get_size() != MPI.COMM_WORLD.Get_size():
-        raise UserError("--comm.collectives=xccl needs a world of every rank the job "
+        raise UserError("--comm.transport=xccl needs a world of every rank the job "
                         "started (MPI.COMM_WORLD)")
     if dist.is_initialized():
         if dist.get_backend() != backend or dist.get_world_size() != comm.Get_size():

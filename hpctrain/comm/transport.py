@@ -12,13 +12,13 @@ scheduler poll)::
     ... req.Test() ...
     buf.complete()                                    # the result is in ``tensor``
 
-- ``MPITransport`` (``--comm.collectives=mpi``, the default): MPI on the communicator,
+- ``MPITransport`` (``--comm.transport=mpi``): MPI on the communicator,
   device memory handed over directly when the library is GPU-aware, else staged through
   pinned host buffers (``buffers.MPIBuffer``); ``PersistentMPITransport``: the same with
   each reduction buffer's allreduce a persistent collective (data parallelism, MPI-4).
-- ``ShmTransport`` (``shm_allreduce.py``, ``--parallel.allreduce=shm``): CPU gradient
+- ``ShmTransport`` (``shm_allreduce.py``, ``--comm.transport=shm``): CPU gradient
   buckets summed in the node's shared memory, everything else MPI's.
-- ``DeviceTransport`` (``--comm.collectives=xccl``, ``device_collectives.py``): the
+- ``DeviceTransport`` (``--comm.transport=xccl``, ``device_collectives.py``): the
   vendor's collective library through ``torch.distributed`` (NCCL, RCCL, oneCCL; gloo
   for host memory), on its own stream, nothing staged through the host.
 
@@ -199,11 +199,11 @@ COLLECTIVES = ("auto", "mpi", "xccl")
 
 def resolve_collectives(setting: str, comm: MPI.Comm, accel: Accelerator,
                         timeout: float) -> str:
-    """``--comm.collectives``: ``mpi``, ``xccl``, or ``auto`` (``xccl`` on a GPU whose
-    library this torch build has, ``mpi`` on the host). For ``xccl`` over several ranks
+    """The world's bulk transport (``CommConfig.collectives``): ``mpi``, ``xccl``, or
+    ``auto`` (``xccl`` on a GPU whose library this torch build has, ``mpi`` on the host). For ``xccl`` over several ranks
     the device library is started (``device_collectives.start``). Collective."""
     if setting not in COLLECTIVES:
-        raise ValueError(f"--comm.collectives={setting!r} is not one of {COLLECTIVES}")
+        raise ValueError(f"collectives={setting!r} is not one of {COLLECTIVES}")
     if setting == "mpi" or (setting == "auto" and not accel.is_accelerator):
         return "mpi"
     from hpctrain.comm import device_collectives

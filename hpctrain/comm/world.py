@@ -77,9 +77,9 @@ class World:
         """Build the world on ``comm`` (default ``COMM_WORLD``). Collective over ``comm``.
 
         ``device``: ``--train.device`` (auto, cpu, cuda, xpu, fake); ``gpu_aware``:
-        ``--comm.gpu_aware``; ``collectives``: ``--comm.collectives`` (mpi, xccl, auto);
-        ``system``: the system profile the job runs under (``HPCTRAIN_SYSTEM``), whose
-        GPUs ``auto`` must find."""
+        ``--comm.gpu_aware``; ``collectives``: ``CommConfig.collectives`` (mpi, xccl,
+        auto; from ``--comm.transport``); ``system``: the system profile the job runs
+        under (``HPCTRAIN_SYSTEM``), whose GPUs ``auto`` must find."""
         comm = MPI.COMM_WORLD if comm is None else comm
         rank, size = comm.Get_rank(), comm.Get_size()
         resources = MPIResources()

@@ -40,4 +40,4 @@ def build_engine(model: torch.nn.Module, world: World, cfg, *,
                     **common)
     if cls is MixedPrecisionDataParallel:
         return MixedPrecisionDataParallel(model, world, cfg.optim, dtype=dtype, **common)
-    return DataParallel(model, world, cfg.optim, allreduce=par.allreduce, **common)
+    return DataParallel(model, world, cfg.optim, allreduce=cfg.comm.allreduce, **common)

@@ -12,19 +12,19 @@ How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
    needs every rank to start collectives in the same order). Every hook also tests the
    outstanding requests, which is what makes MPICH progress them during backward.
    CPU gradients on a node with several ranks live in a shared-memory window and are
-   summed there (``hpctrain/comm/shm_allreduce.py``, ``--parallel.allreduce``). The
+   summed there (``hpctrain/comm/shm_allreduce.py``, ``--comm.transport``). The
    rank's own thread does those sums, so during backward they would overlap nothing:
    on one node there are no hooks, and ``finish()`` sums every bucket after backward
    (sums between backward's kernels cost more than the same sums after it;
    docs/design/data-parallelism.md has the measurement). Otherwise
-   (GPU gradients, ``--parallel.allreduce=mpi``) MPI reduces them: a bucket's buffer never
+   (GPU gradients, ``--comm.transport=mpi``) MPI reduces them: a bucket's buffer never
    moves, so with an MPI-4 library the reduction is a persistent collective
    (``Allreduce_init`` once, ``Start`` each step: the schedule is built once); MPI-3
    libraries (Cray MPICH 8, for one) get ``Iallreduce``. Each way is a ``Transport``
-   (``gradient_transport`` picks it), so the engine only calls ``allreduce``. On a GPU the bucket's buffer
-   goes to MPI as device memory (GPU-aware MPI) or through a host staging copy
-   (``comm/buffers.py``); its reduction starts once the event recorded behind its last
-   gradient has passed, never after a wait for the whole device.
+   (``gradient_transport`` picks it), so the engine only calls ``allreduce``. On a GPU
+   the bucket's buffer goes to MPI as device memory (GPU-aware MPI) or through a host
+   staging copy (``comm/buffers.py``); its reduction starts once the event recorded
+   behind its last gradient has passed, never after a wait for the whole device.
 4. ``finish()`` launches any bucket still pending (parameters that got no gradient, or
    no hooks) and waits for all reductions, under the watchdog deadline, before the
    optimizer step.
