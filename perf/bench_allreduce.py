@@ -1,19 +1,19 @@
 """Bus bandwidth of hpctrain's bucketed gradient reduction vs one raw MPI Allreduce of
 the same bytes vs torch.distributed (gloo) all_reduce, at 2 and 4 ranks; and a backward
 step with its reduction: our buckets over MPI, our buckets over gloo
-(``--comm.collectives=xccl`` on CPUs), torch DDP over gloo.
+(``--comm.transport=xccl`` on CPUs), torch DDP over gloo.
 
     python perf/bench_allreduce.py [--quick]  # launches the workers, prints, writes JSON
 
 "bucketed" is the production path for CPU gradients: the buckets live in the node's
 shared memory and each rank sums its slice of every bucket in place
-(``--parallel.allreduce=auto``, ``hpctrain/comm/shm_allreduce.py``). "bucketed MPI" is
-the same buckets reduced by MPI-4 persistent collectives (``--parallel.allreduce=mpi``,
+(``--comm.transport=auto``, ``hpctrain/comm/shm_allreduce.py``). "bucketed MPI" is
+the same buckets reduced by MPI-4 persistent collectives (``--comm.transport=mpi``,
 the path GPU gradients take), "bucketed Iallreduce" the path MPI-3 libraries get.
 
 Bus bandwidth = bytes x 2(n-1)/n / time (the ring-allreduce traffic per rank, as
 nccl-tests reports it). "bucketed xccl" is the same buckets handed to gloo through
-``--comm.collectives=xccl`` (``comm/device_collectives.py``), against one raw gloo
+``--comm.transport=xccl`` (``comm/device_collectives.py``), against one raw gloo
 all_reduce. The step table times forward + backward + the reduction of a batch with
 hooks on (what a training step spends), for our buckets over MPI (persistent
 collectives), over gloo, and torch DDP over gloo (25 MiB buckets each), each on its own
