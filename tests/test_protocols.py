@@ -8,8 +8,8 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
-from hpctrain.comm.device_collectives import DeviceBuffer, DeviceTransport
-from hpctrain.comm.shm_allreduce import ShmTransport
+from hpctrain.comm.xccl_transport import XcclBuffer, XcclTransport
+from hpctrain.comm.shm_transport import ShmTransport
 from hpctrain.comm.transport import CommBuffer, MPITransport, PersistentMPITransport, Transport
 from hpctrain.config import OptimConfig, load_config
 from hpctrain.model.gpt import GPT, GPTConfig
@@ -24,8 +24,8 @@ from tests.helpers import cpu_world
 
 ENGINES = [DataParallel, MixedPrecisionDataParallel, Zero]
 RUNNERS = [LocalRunner, PipelineExecutor]
-TRANSPORTS = [MPITransport, PersistentMPITransport, ShmTransport, DeviceTransport]
-BUFFERS = [MPIBuffer, DeviceBuffer]
+TRANSPORTS = [MPITransport, PersistentMPITransport, ShmTransport, XcclTransport]
+BUFFERS = [MPIBuffer, XcclBuffer]
 
 
 def _members(protocol) -> dict:

@@ -16,9 +16,9 @@ scheduler poll)::
   device memory handed over directly when the library is GPU-aware, else staged through
   pinned host buffers (``buffers.MPIBuffer``); ``PersistentMPITransport``: the same with
   each reduction buffer's allreduce a persistent collective (data parallelism, MPI-4).
-- ``ShmTransport`` (``shm_allreduce.py``, ``--comm.transport=shm``): CPU gradient
+- ``ShmTransport`` (``--comm.transport=shm``, ``shm_transport.py``): CPU gradient
   buckets summed in the node's shared memory, everything else MPI's.
-- ``DeviceTransport`` (``--comm.transport=xccl``, ``device_collectives.py``): the
+- ``XcclTransport`` (``--comm.transport=xccl``, ``xccl_transport.py``): the
   vendor's collective library through ``torch.distributed`` (NCCL, RCCL, oneCCL; gloo
   for host memory), on its own stream, nothing staged through the host.
 
@@ -222,7 +222,7 @@ def make_transport(collectives: str, comm: MPI.Comm, accel: Accelerator,
     """The transport of ``collectives`` over ``comm``; one rank moves nothing between
     ranks, so it keeps MPI's."""
     if collectives == "xccl" and comm.Get_size() > 1:
-        from hpctrain.comm.device_collectives import DeviceTransport
+        from hpctrain.comm.xccl_transport import XcclTransport
 
-        return DeviceTransport(comm, accel)
+        return XcclTransport(comm, accel)
     return MPITransport(comm, accel, aware)

@@ -149,13 +149,14 @@ def transports(world: World) -> list[tuple[str, str, object]]:
         return rows
     rows.append(("device", "mpi", MPITransport(world.comm, accel, world.gpu_aware)))
     from hpctrain.comm import device_collectives
+    from hpctrain.comm.xccl_transport import XcclTransport
 
     # NCCL refuses two ranks on one GPU (its "Duplicate GPU" error): the set-up check
     # names that mistake, and the library's rows wait for a node set up right.
     if (world.size > 1 and world.devices == world.size
             and device_collectives.backend_for(accel.kind)):
         resolve_collectives("xccl", world.comm, accel, world.timeout)
-        library = device_collectives.DeviceTransport(world.comm, accel)
+        library = XcclTransport(world.comm, accel)
         rows.append(("device", library.name, library))
     return rows
 

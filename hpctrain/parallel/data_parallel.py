@@ -45,7 +45,8 @@ import torch
 from hpctrain.comm.buffers import persistent_allreduce_works
 from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.mpi import MPI
-from hpctrain.comm.shm_allreduce import ShmTransport, use_shared_memory
+from hpctrain.comm.shm_allreduce import use_shared_memory
+from hpctrain.comm.shm_transport import ShmTransport
 from hpctrain.comm.transport import PersistentMPITransport, Request, Transport
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
