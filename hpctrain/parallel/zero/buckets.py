@@ -195,6 +195,15 @@ class ZeroBucket:
         for p, off in zip(self.params, self.layout.offsets):
             p.grad = self.grad_full[off:off + p.numel()].view(p.shape) if bind else None
 
+    def publish_master(self) -> None:
+        """bf16: round the updated fp32 master shard into the compute parameters (level
+        3: this rank's parameter shard; else its slice of the whole parameters)."""
+        if self.level == 3:
+            self.shard.copy_(self.master)
+        else:
+            lo, hi = self.layout.rank_range(self.rank)
+            self.full[lo:hi].copy_(self.master)
+
     def reduces_in_place(self) -> bool:
         """Levels 0-1 reduce the fp32 gradient buffer itself; 2-3 stage it in fp32."""
         return self.grad_full is not None

@@ -277,20 +277,14 @@ class Zero(ShardedState, BucketScheduler):
                     group["lr"] = lr
                 opt.step()
                 if self.dtype != torch.float32:
-                    self._publish_master(b)
+                    b.publish_master()
         if self.level in (1, 2) and not self.local:
-            self._allgather_parameters()
+            self.allgather_parameters()
         return norm
 
-    def _publish_master(self, b: ZeroBucket) -> None:
-        """bf16: round the updated fp32 master shard into the compute parameters."""
-        lo, hi = b.layout.rank_range(b.rank)
-        if self.level == 3:
-            b.shard.copy_(b.master)
-        else:
-            b.full[lo:hi].copy_(b.master)
-
-    def _allgather_parameters(self) -> None:
+    def allgather_parameters(self) -> None:
+        """Every rank's updated slice of the parameters to every rank (levels 0-2;
+        collective over the data-parallel ranks)."""
         with profile_range("allgather parameters"):
             # In place: each rank's updated slice already sits at its own offset.
             reqs = self.transport.allgather_each([b.full_mpi() for b in self.buckets])

@@ -19,8 +19,7 @@ from hpctrain.parallel.zero.buckets import pack_flat
 class ShardedState:
     """Checkpoint state of ``Zero`` (a mixin: it reads the engine's ``model``,
     ``buckets``, ``optimizers``, ``world``, ``level``, ``size``, ``dtype`` and
-    ``tensor_split``,
-    and calls its ``_publish_master`` and ``_allgather_parameters``)."""
+    ``tensor_split``, and calls its public ``allgather_parameters``)."""
 
     def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Full fp32 parameters and Adam moments per parameter, on every rank (collective).
@@ -91,11 +90,11 @@ class ShardedState:
                 b.exp_avg.copy_(torch.from_numpy(s["exp_avg"]).to(dev))
                 b.exp_avg_sq.copy_(torch.from_numpy(s["exp_avg_sq"]).to(dev))
                 if self.dtype != torch.float32:
-                    self._publish_master(b)
+                    b.publish_master()
                 for st in opt.state.values():
                     st["step"].fill_(step)
         if self.level < 3 and self.size > 1:
-            self._allgather_parameters()
+            self.allgather_parameters()
 
     def state_shards(self) -> EngineState:
         """This rank's shards, bucket by bucket (what a sharded checkpoint saves)."""
