@@ -3,7 +3,8 @@
 The engines keep their logic (buckets, their order, ZeRO's shards); ``XcclTransport``
 (``xccl_transport.py``) moves the bytes with the vendor's library through
 ``torch.distributed``: NCCL on NVIDIA GPUs (RCCL under ROCm, which torch also calls
-``nccl``), XCCL (oneCCL) on Intel GPUs, and gloo for host memory (the CPU and the fake device: how the tests run this path).
+``nccl``), XCCL (oneCCL) on Intel GPUs, and gloo for host memory (the CPU and the
+fake device: how the tests run this path).
 
 Start-up is MPI's, not torchrun's: rank 0 opens a ``TCPStore`` on a free port and
 broadcasts its address with mpi4py (``MASTER_ADDR`` picks the interface when set); every

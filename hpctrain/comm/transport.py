@@ -200,8 +200,9 @@ COLLECTIVES = ("auto", "mpi", "xccl")
 def resolve_collectives(setting: str, comm: MPI.Comm, accel: Accelerator,
                         timeout: float) -> str:
     """The world's bulk transport (``CommConfig.collectives``): ``mpi``, ``xccl``, or
-    ``auto`` (``xccl`` on a GPU whose library this torch build has, ``mpi`` on the host). For ``xccl`` over several ranks
-    the device library is started (``device_collectives.start``). Collective."""
+    ``auto`` (``xccl`` on a GPU whose library this torch build has, ``mpi`` on the
+    host). For ``xccl`` over several ranks the device library is started
+    (``device_collectives.start``). Collective."""
     if setting not in COLLECTIVES:
         raise ValueError(f"collectives={setting!r} is not one of {COLLECTIVES}")
     if setting == "mpi" or (setting == "auto" and not accel.is_accelerator):
