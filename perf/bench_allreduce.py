@@ -1,19 +1,19 @@
 """Bus bandwidth of hpctrain's bucketed gradient reduction vs one raw MPI Allreduce of
 the same bytes vs torch.distributed (gloo) all_reduce, at 2 and 4 ranks; and a backward
 step with its reduction: our buckets over MPI, our buckets over gloo
-(``--comm.collectives=xccl`` on CPUs), torch DDP over gloo.
+(``--comm.transport=xccl`` on CPUs), torch DDP over gloo.
 
     python perf/bench_allreduce.py [--quick]  # launches the workers, prints, writes JSON
 
 "bucketed" is the production path for CPU gradients: the buckets live in the node's
 shared memory and each rank sums its slice of every bucket in place
-(``--parallel.allreduce=auto``, ``hpctrain/comm/shm_allreduce.py``). "bucketed MPI" is
-the same buckets reduced by MPI-4 persistent collectives (``--parallel.allreduce=mpi``,
+(``--comm.transport=auto``, ``hpctrain/comm/shm_allreduce.py``). "bucketed MPI" is
+the same buckets reduced by MPI-4 persistent collectives (``--comm.transport=mpi``,
 the path GPU gradients take), "bucketed Iallreduce" the path MPI-3 libraries get.
 
 Bus bandwidth = bytes x 2(n-1)/n / time (the ring-allreduce traffic per rank, as
 nccl-tests reports it). "bucketed xccl" is the same buckets handed to gloo through
-``--comm.collectives=xccl`` (``comm/device_collectives.py``), against one raw gloo
+``--comm.transport=xccl`` (``comm/device_collectives.py``), against one raw gloo
 all_reduce. The step table times forward + backward + the reduction of a batch with
 hooks on (what a training step spends), for our buckets over MPI (persistent
 collectives), over gloo, and torch DDP over gloo (25 MiB buckets each), each on its own
@@ -72,7 +72,7 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
     dp = DataParallel(model, world, opt)  # shared memory within the node (CPU gradients)
     dp_mpi = DataParallel(model, world, opt, allreduce="mpi")  # persistent collectives
     dp_nb = DataParallel(model, world, opt, allreduce="mpi", persistent=False)  # Iallreduce
-    assert dp.shm is not None and dp_mpi.persistent and not dp_nb.persistent
+    assert dp.transport.name == "shm" and dp_mpi.persistent and not dp_nb.persistent
     for b in dp.buckets + dp_mpi.buckets + dp_nb.buckets:
         b.flat.normal_()
     nbytes = sum(b.nbytes for b in dp.buckets)
@@ -155,7 +155,7 @@ def worker(out: Path, model_name: str, repeats: int) -> None:
         factor = 2 * (n - 1) / n
         out.write_text(json.dumps({
             "model": model_name, "ranks": n, "bytes": nbytes, "buckets": len(dp.buckets),
-            "transport": dp.transport,
+            "transport": dp.summed_by,
             "time_ms": {k: 1e3 * v for k, v in med.items()},
             "time_ms_all": {k: [1e3 * t for t in v] for k, v in times.items()},
             "busbw_GBps": {k: nbytes * factor / v / 1e9 for k, v in med.items()},

@@ -79,7 +79,7 @@ def worker(out: Path, mode: str, repeats: int) -> None:
     else:
         world = World.create(comm)
         grid = ProcessGrid.create(world)
-        zero = Zero(model, world, OptimConfig(), stage=1)
+        zero = Zero(model, world, OptimConfig(), level=1)
         x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
         zero.prepare_for_backward(last_micro=True)
         model(x, x).backward()

@@ -136,7 +136,7 @@ def worker(out: Path, model: str, rounds: int, data: str) -> None:
         trainer.close()
     if comm.rank == 0:
         out.write_text(json.dumps({"rounds": records, "buckets": len(dp2.engine.buckets),
-                                   "transport": dp2.engine.transport}))
+                                   "transport": dp2.engine.summed_by}))
 
 
 def measure(name: str, data: Path, jobs: int, rounds: int) -> dict:

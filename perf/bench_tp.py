@@ -284,7 +284,7 @@ def worker_train_peak(out: Path, args: list[str]) -> None:
 
 
 CAPACITY_LAYOUTS = {
-    "data parallel": ["--parallel.allreduce=mpi"],
+    "data parallel": ["--comm.transport=mpi"],
     "tp=2 x ZeRO-3 x recompute": ["--parallel.tp=2", "--parallel.zero=3",
                                   "--parallel.sequence_parallel=true",
                                   "--model.recompute=block"]}

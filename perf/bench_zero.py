@@ -215,7 +215,7 @@ def _fits(data, width: int, stage: int) -> tuple[bool, dict]:
     # them would be counted up to 2.5 times; MPI keeps each rank's buckets private, so
     # stage 0 is measured on that path (its memory is the same, its RSS is not inflated).
     args = ["train-peak", *_overrides(data, spec, 4, 2, stage, "fp32"),
-            *(["--parallel.allreduce=mpi"] if stage == 0 else [])]
+            *(["--comm.transport=mpi"] if stage == 0 else [])]
     env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
     r = run_worker(4, __file__, args, env=env, timeout=900)
     return r["peak_rss_growth"] <= CAP_MIB * MiB, r

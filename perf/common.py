@@ -214,7 +214,7 @@ def shakespeare_dataset(text: str | Path | None = None) -> Path:
 
 def init_gloo(comm) -> None:
     """torch.distributed (gloo) on the ranks of an MPI job, started as
-    ``--comm.collectives=xccl`` starts it (``device_collectives.start``)."""
+    ``--comm.transport=xccl`` starts it (``device_collectives.start``)."""
     from hpctrain.comm import device_collectives
     from hpctrain.comm.device import Accelerator
 

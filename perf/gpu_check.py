@@ -12,7 +12,7 @@ Steps, each under its own time limit; a failed step is recorded and the others s
    (which doctor must flag).
 3. ``equivalence``: one small fp32 training (TF32 off) at 1 rank, at 2 ranks sharing the
    device with MPI (device buffers staged or handed over), and at 2 ranks with
-   ``--comm.collectives=xccl``, and tensor-parallel at 2 ranks (with and without
+   ``--comm.transport=xccl``, and tensor-parallel at 2 ranks (with and without
    sequence parallelism, over MPI): the losses and final parameters agree. The 1-rank run
    also counts the host's waits for the device per step (CUDA's sync debug mode).
 4. ``gpt2_124m``: the ``gpt2-124m`` recipe, bf16, compiled, ``--steps`` steps on one

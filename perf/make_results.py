@@ -66,7 +66,7 @@ def render_allreduce(d: dict) -> list[str]:
             return fmt_spread(r["step_ms_all"][k])
 
         out += ["A backward step with its reduction (ms, median [min, max]): our buckets "
-                "over MPI, our buckets over gloo (`--comm.collectives=xccl` on CPUs), torch "
+                "over MPI, our buckets over gloo (`--comm.transport=xccl` on CPUs), torch "
                 "DDP over gloo; each on its own copy of the model.", "",
                 *md_table(["ranks", "model", "ours MPI", "ours gloo", "DDP gloo",
                          "DDP / ours gloo"],

@@ -331,8 +331,8 @@ SGD = {"optim.name": "sgd", "optim.lr": 0.1, "optim.grad_clip": 0.0, "optim.warm
        "optim.schedule": "constant", "train.max_iters": 6}
 
 
-def bf16_accumulation_check(comm, stage: int, micro_batches: int = 16) -> tuple[float, float]:
-    """bf16 ZeRO-``stage`` over ``comm`` (collective), ``micro_batches`` micro-batches per
+def bf16_accumulation_check(comm, level: int, micro_batches: int = 16) -> tuple[float, float]:
+    """bf16 ZeRO-``level`` over ``comm`` (collective), ``micro_batches`` micro-batches per
     rank, each rank its own rows: the reduced gradient against the exact fp32 sum of the
     same bf16 per-micro-batch gradients (a bf16 copy of the model run alone on every
     rank's rows). Returns (largest error of the engine's gradient, largest error of the
@@ -348,7 +348,7 @@ def bf16_accumulation_check(comm, stage: int, micro_batches: int = 16) -> tuple[
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
     alone = copy.deepcopy(model).to(torch.bfloat16)
-    zero = Zero(model, cpu_world(comm), OptimConfig(), stage=stage, dtype="bf16",
+    zero = Zero(model, cpu_world(comm), OptimConfig(), level=level, dtype="bf16",
                 bucket_mb=0.01, first_bucket_mb=0.002, blocks=list(model.h))
     size, rank = comm.Get_size(), comm.Get_rank()
     gen = torch.Generator().manual_seed(1)

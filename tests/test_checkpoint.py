@@ -1,4 +1,4 @@
-"""Sharded checkpoints in one process: exact resume, resharding between ZeRO stages,
+"""Sharded checkpoints in one process: exact resume, resharding between ZeRO levels,
 atomic saves, pruning, every bad-input case, and the non-finite guard."""
 
 import json

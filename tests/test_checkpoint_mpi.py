@@ -1,5 +1,5 @@
 """Sharded checkpoints over real MPI ranks: exact resume, and resharding across world
-sizes and ZeRO stages (a sub-communicator plays the smaller job)."""
+sizes and ZeRO levels (a sub-communicator plays the smaller job)."""
 
 from pathlib import Path
 
@@ -40,7 +40,7 @@ def test_resume_at_the_same_world_size_is_bitwise_identical(mpi_dataset, shared_
 def test_reshard_between_world_sizes_and_stages(mpi_dataset, shared_tmp, big_zero, small_zero,
                                                 small_size):
     """A checkpoint of every rank of this job resumes on ``small_size`` of them (a
-    sub-communicator) at another ZeRO stage, and a checkpoint of the small job resumes on
+    sub-communicator) at another ZeRO level, and a checkpoint of the small job resumes on
     every rank: the losses continue the uninterrupted run's to fp32 round-off."""
     big = _fit(_cfg(mpi_dataset, f"{shared_tmp}/big", **{"parallel.zero": big_zero}))
     sub = COMM.Split(color=int(COMM.rank < small_size), key=COMM.rank)

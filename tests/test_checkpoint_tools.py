@@ -38,7 +38,7 @@ def _model(gpt_cfg, params):
 def test_inspect_names_step_layout_and_verifies(trained):
     out, _, _ = trained
     text = ckpt_commands.inspect(out, verify=True)
-    assert "step 20" in text and "zero layout" in text and "ZeRO stage 3" in text
+    assert "step 20" in text and "zero layout" in text and "ZeRO level 3" in text
     assert "verified" in text
 
 

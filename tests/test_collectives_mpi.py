@@ -1,4 +1,4 @@
-"""``--comm.collectives=xccl``: the engines' buckets and shards moved by a device
+"""``--comm.transport=xccl``: the engines' buckets and shards moved by a device
 collective library through ``torch.distributed`` (gloo here: the CPU stands in for the
 GPU and gloo for NCCL), against the single-process result, at 2 and 4 ranks.
 
@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.comm import device_collectives
-from hpctrain.comm.device_collectives import DeviceTransport
+from hpctrain.comm.xccl_transport import XcclTransport
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (cpu_world, fit_against_reference, fit_bf16_against_reference,
                            tiny_config, two_ranks_suffice)
@@ -36,7 +36,7 @@ def _fit(mpi_dataset, shared_tmp, **overrides):
     trainer = Trainer(cfg, cpu_world(COMM, collectives="xccl"), verbose=False)
     assert trainer.world.collectives == "xccl"
     if trainer.grid.dp > 1:  # the gradients go through the library, not MPI
-        assert isinstance(trainer.engine.world.transport, DeviceTransport)
+        assert isinstance(trainer.engine.world.transport, XcclTransport)
         assert trainer.engine.world.transport.name == "gloo"
     if cfg.train.dtype == "bf16":
         fit_bf16_against_reference(trainer, cfg)

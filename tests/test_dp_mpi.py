@@ -31,12 +31,12 @@ def _same_on_all_ranks(tensor: torch.Tensor) -> bool:
 def test_dp_matches_single_process(mpi_dataset, shared_tmp, micro_batches, allreduce):
     """First-step reduced gradients and norm, every loss, final parameters."""
     cfg = tiny_config(mpi_dataset, shared_tmp, **{"parallel.micro_batches": micro_batches,
-                                                  "parallel.allreduce": allreduce,
+                                                  "comm.transport": allreduce,
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     assert len(trainer.engine.buckets) >= 3  # several buckets in flight, not one
-    assert (trainer.engine.shm is not None) == (allreduce == "shm")
+    assert (trainer.engine.transport.name == "shm") == (allreduce == "shm")
     fit_against_reference(trainer, cfg, COMM)
 
 
@@ -45,7 +45,7 @@ def test_dp_with_plain_sgd_matches_single_process(mpi_dataset, shared_tmp, allre
     """No momentum, no clipping: the update is lr x gradient, so a wrong gradient scale
     changes the loss from the second step on (AdamW would hide it)."""
     cfg = tiny_config(mpi_dataset, shared_tmp, **SGD, **{"parallel.micro_batches": 2,
-                                                         "parallel.allreduce": allreduce})
+                                                         "comm.transport": allreduce})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     fit_against_reference(trainer, cfg, COMM)
 
@@ -133,7 +133,7 @@ def test_summary_times_the_reductions_of_each_step(mpi_dataset, shared_tmp, allr
     from pathlib import Path
 
     cfg = tiny_config(mpi_dataset, shared_tmp, **{"train.max_iters": 20,
-                                                  "parallel.allreduce": allreduce,
+                                                  "comm.transport": allreduce,
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)

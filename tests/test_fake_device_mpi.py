@@ -85,9 +85,9 @@ def _check_counts(trainer, counts: dict, aware: str) -> None:
 @pytest.mark.parametrize("aware", ["yes", "no"])
 def test_dp_on_the_fake_device(mpi_dataset, shared_tmp, aware):
     cfg = _config(mpi_dataset, shared_tmp, **{"parallel.micro_batches": 2,
-                                              "parallel.allreduce": "mpi"})
+                                              "comm.transport": "mpi"})
     trainer, counts = _fit_on_fake(cfg, aware)
-    assert trainer.engine.shm is None  # device gradients never go through /dev/shm
+    assert trainer.engine.transport.name != "shm"  # device gradients never go through /dev/shm
     _check_counts(trainer, counts, aware)
 
 

@@ -61,8 +61,8 @@ def test_the_profiler_option_and_its_old_name(capsys):
     assert main(base + ["--profile", "nsys", "--", *CMD]) == 0
     old = capsys.readouterr()
     assert old.out == new.out
-    assert old.err == ("--profile -> --profiler (deprecated: the old name goes in the next "
-                       "release)\n")
+    assert old.err == ("warning: --profile is deprecated (removed in the next release): "
+                       "--profile -> --profiler\n")
 
 
 def test_jobscripts_examples_are_what_the_generator_makes(tmp_path, capsys, monkeypatch):

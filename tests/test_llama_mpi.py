@@ -53,7 +53,7 @@ def _fit(cfg):
 def test_llama_data_parallel_matches_single_process(mpi_dataset, shared_tmp, micro_batches,
                                                     allreduce):
     _fit(_config(mpi_dataset, shared_tmp, **{"parallel.micro_batches": micro_batches,
-                                             "parallel.allreduce": allreduce}))
+                                             "comm.transport": allreduce}))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -70,7 +70,7 @@ def test_stages_chained_in_one_process_give_the_model_loss_and_gradients(p, v, k
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"parallel.pp": 2, "parallel.zero": 2}, "ZeRO stage 0 or 1"),
+    ({"parallel.pp": 2, "parallel.zero": 2}, "ZeRO level 0 or 1"),
     ({"parallel.pp": 3}, "cannot fill 3 stage"),
     ({"parallel.pp": 2, "parallel.virtual_stages": 2}, "schedule=interleaved"),
     ({"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2,

@@ -167,7 +167,7 @@ def test_dp_reductions_start_during_the_last_backward(mpi_dataset, shared_tmp, a
     """MPI reductions start from the hooks of the stage's last backward pass; sums in one
     node's shared memory all wait for finish() (no hooks there)."""
     cfg = _pipeline_config(mpi_dataset, shared_tmp, 2, "1f1b", 1,
-                           **{"parallel.allreduce": allreduce})
+                           **{"comm.transport": allreduce})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     dp = trainer.engine
     assert len(dp.buckets) >= 2
@@ -212,7 +212,7 @@ def test_pipeline_checkpoint_resumes_bit_for_bit(mpi_dataset, shared_tmp, zero):
 @pytest.mark.parametrize("zero", [0, 1])
 def test_pipeline_checkpoint_reshards_to_plain_data_parallelism_and_back(mpi_dataset,
                                                                          shared_tmp, zero):
-    """pp=2 -> pp=1 (every rank data-parallel, other ZeRO stage) -> pp=2: the losses
+    """pp=2 -> pp=1 (every rank data-parallel, other ZeRO level) -> pp=2: the losses
     continue the uninterrupted run's to fp32 round-off."""
     if COMM.size % 2:
         pytest.skip("needs an even number of ranks")

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
 
 LAYOUTS = [
-    {"parallel.allreduce": "shm"},  # the shared window and its communicators
-    {"parallel.allreduce": "mpi"},  # persistent requests (MPI-4) or none
+    {"comm.transport": "shm"},  # the shared window and its communicators
+    {"comm.transport": "mpi"},  # persistent requests (MPI-4) or none
     {"parallel.zero": 3},  # ZeRO-3's gather communicator
     {"parallel.pp": 2, "parallel.micro_batches": 2},  # the grid's communicators
 ]

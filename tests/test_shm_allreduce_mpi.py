@@ -91,7 +91,7 @@ def test_the_choice_is_collective_and_refuses_what_cannot_work():
     assert use_shared_memory("auto", COMM, "cpu", NUMELS)  # one node, several ranks
     assert not use_shared_memory("mpi", COMM, "cpu", NUMELS)
     assert not use_shared_memory("auto", COMM, "cuda:0", NUMELS)  # GPU: (CUDA-aware) MPI
-    with pytest.raises(ConfigError, match="--parallel.allreduce=auto or mpi"):
+    with pytest.raises(ConfigError, match="--comm.transport=auto or mpi"):
         use_shared_memory("shm", COMM, "cuda:0", NUMELS)
     assert not use_shared_memory("auto", MPI.COMM_SELF, "cpu", NUMELS)  # one rank
     with pytest.raises(ConfigError, match="/dev/shm has too little room"):
@@ -111,7 +111,7 @@ def test_data_parallel_gradients_through_shared_memory_equal_the_mpi_path(nodes)
         model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=32))
         dp = DataParallel(model, world, OptimConfig(), bucket_mb=0.01, first_bucket_mb=0.004,
                           allreduce=allreduce, node_comm=_node_comm(nodes))
-        assert (dp.shm is not None) == (allreduce == "shm")
+        assert (dp.transport.name == "shm") == (allreduce == "shm")
         dp.prepare_for_backward(last_micro=True)
         (model(x, x) * dp.grad_scale).backward()
         dp.finish()

@@ -1,5 +1,5 @@
 """ZeRO in one process: the pure shard layout, memory accounting against the paper's
-formulas, and each stage against the plain PyTorch loop (MPI tests cover N = 2, 4)."""
+formulas, and each level against the plain PyTorch loop (MPI tests cover N = 2, 4)."""
 
 import math
 
@@ -83,26 +83,26 @@ def test_zero_formulas_match_the_paper_at_large_n():
     assert zero_formula(3, "bf16", 9) == 2
 
 
-def _zero(stage, dtype, n_layer=3):
+def _zero(level, dtype, n_layer=3):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=64))
-    return model, Zero(model, cpu_world(MPI.COMM_SELF), OptimConfig(), stage=stage,
+    return model, Zero(model, cpu_world(MPI.COMM_SELF), OptimConfig(), level=level,
                        dtype=dtype, bucket_mb=0.05, first_bucket_mb=0.01,
                        blocks=list(model.h))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_memory_report_matches_the_formula_on_one_rank(stage, dtype):
-    model, zero = _zero(stage, dtype)
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_memory_report_matches_the_formula_on_one_rank(level, dtype):
+    model, zero = _zero(level, dtype)
     n = sum(p.numel() for p in model.parameters())
     per_param = zero.memory().per_param(n)
-    assert per_param == pytest.approx(zero_formula(stage, dtype, 1), rel=0.05)
+    assert per_param == pytest.approx(zero_formula(level, dtype, 1), rel=0.05)
     params = {p.dtype for p in model.parameters()}
     assert params == {torch.float32 if dtype == "fp32" else torch.bfloat16}
 
 
-def test_stage3_frees_gathered_parameters_between_uses():
+def test_level3_frees_gathered_parameters_between_uses():
     model, zero = _zero(3, "fp32", n_layer=6)
     assert all(b.full.untyped_storage().nbytes() == 0 for b in zero.buckets)
     x = torch.randint(0, 64, (2, 16))
@@ -120,9 +120,9 @@ def test_stage3_frees_gathered_parameters_between_uses():
     assert zero.gathered_bytes == 0
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_each_stage_matches_the_plain_loop_in_one_process(dataset_path, tmp_path, stage):
-    cfg = tiny_config(dataset_path, tmp_path, **{"parallel.zero": stage,
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_each_level_matches_the_plain_loop_in_one_process(dataset_path, tmp_path, level):
+    cfg = tiny_config(dataset_path, tmp_path, **{"parallel.zero": level,
                                                   "parallel.micro_batches": 2,
                                                   "parallel.bucket_mb": 0.02,
                                                   "parallel.first_bucket_mb": 0.005})
@@ -130,12 +130,12 @@ def test_each_stage_matches_the_plain_loop_in_one_process(dataset_path, tmp_path
     fit_against_reference(trainer, cfg)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_bf16_micro_batches_accumulate_in_fp32(stage):
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_bf16_micro_batches_accumulate_in_fp32(level):
     """16 micro-batches of bf16 gradients: the engine's gradient is their fp32 sum (at one
     rank, added in the same order: equal to fp32 rounding), where summing them in bf16,
     as the engine once did, is off by a few bf16 ulps of the largest element."""
-    err, err_bf16 = bf16_accumulation_check(MPI.COMM_SELF, stage)
+    err, err_bf16 = bf16_accumulation_check(MPI.COMM_SELF, level)
     assert err <= 1e-6
     assert err_bf16 > 1e-3  # the check can tell the two apart
 
@@ -153,9 +153,9 @@ class _NoReductions:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_one_rank_starts_no_reduction(stage, dtype):
-    model, zero = _zero(stage, dtype)
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_one_rank_starts_no_reduction(level, dtype):
+    model, zero = _zero(level, dtype)
     zero.transport.comm = _NoReductions(zero.transport.comm)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     for step in range(2):

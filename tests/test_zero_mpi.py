@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 and bf16 over real MPI ranks, against the single-process result.
+"""ZeRO levels 1-3 and bf16 over real MPI ranks, against the single-process result.
 
 Run under ``mpiexec -n 2`` and ``-n 4`` with pytest-mpi (``make test`` does both).
 """
@@ -28,40 +28,40 @@ def _config(data, out, **overrides):
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_matches_single_process_fp32(mpi_dataset, shared_tmp, stage, micro_batches):
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_zero_matches_single_process_fp32(mpi_dataset, shared_tmp, level, micro_batches):
     """First-step reduced gradients (shards gathered) and norm, losses, parameters."""
-    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": stage,
+    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": level,
                                               "parallel.micro_batches": micro_batches})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     fit_against_reference(trainer, cfg, COMM)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_with_plain_sgd_matches_single_process(mpi_dataset, shared_tmp, stage):
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_zero_with_plain_sgd_matches_single_process(mpi_dataset, shared_tmp, level):
     """SGD without clipping: a gradient scale error shows in the loss at the second step."""
-    cfg = _config(mpi_dataset, shared_tmp, **SGD, **{"parallel.zero": stage,
+    cfg = _config(mpi_dataset, shared_tmp, **SGD, **{"parallel.zero": level,
                                                      "parallel.micro_batches": 2})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     fit_against_reference(trainer, cfg, COMM)
 
 
 @pytest.mark.parametrize("compile_", [False, pytest.param(True, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("stage", [2, 3])
-def test_recompute_with_zero_matches_the_plain_model(mpi_dataset, shared_tmp, stage,
+@pytest.mark.parametrize("level", [2, 3])
+def test_recompute_with_zero_matches_the_plain_model(mpi_dataset, shared_tmp, level,
                                                      compile_):
     """ZeRO-3 gathers a block's parameters in its forward pre-hook and frees them after
     it, and gathers them again when the gradient reaches the block's output: the
     recomputation that backward then starts must find them gathered (it runs inside the
     block, after that gather). Two micro-batches: the second forward gathers again.
     With compile, the hooks stay outside the compiled block bodies."""
-    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": stage,
+    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": level,
                                               "parallel.micro_batches": 2,
                                               "model.recompute": "block",
                                               "train.compile": compile_})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     fit_against_reference(trainer, plain_model_config(cfg), COMM)
-    if stage == 3:  # every gathered block was freed again
+    if level == 3:  # every gathered block was freed again
         assert trainer.engine.gathered_bytes == 0
 
 
@@ -81,42 +81,42 @@ def test_grad_norm_over_shards_equals_the_unsharded_norm():
     reference = GPT(cfg)
     reference(x, x).backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
-    for stage in (1, 2, 3):
+    for level in (1, 2, 3):
         torch.manual_seed(0)
         model = GPT(cfg)
-        zero = Zero(model, cpu_world(COMM), OptimConfig(), stage=stage,
+        zero = Zero(model, cpu_world(COMM), OptimConfig(), level=level,
                     blocks=list(model.h))
         rows = slice(2 * COMM.rank, 2 * COMM.rank + 2)
         zero.prepare_for_backward(last_micro=True)
         (model(x[rows], x[rows]) * zero.grad_scale).backward()
         zero.finish()
-        assert zero.grad_norm() == pytest.approx(float(expected), rel=1e-5), stage
+        assert zero.grad_norm() == pytest.approx(float(expected), rel=1e-5), level
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_bf16_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, stage,
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_bf16_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, level,
                                                   micro_batches):
-    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": stage, "train.dtype": "bf16",
+    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": level, "train.dtype": "bf16",
                                               "parallel.micro_batches": micro_batches})
     trainer = Trainer(cfg, cpu_world(COMM), verbose=False)
     result, _ = fit_bf16_against_reference(trainer, cfg)
     assert result.losses[-1] < result.losses[0] - 0.3  # it learns
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_bf16_micro_batches_accumulate_and_reduce_in_fp32(stage):
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_bf16_micro_batches_accumulate_and_reduce_in_fp32(level):
     """16 micro-batches per rank: the reduced gradient is the fp32 sum of every rank's
     and micro-batch's bf16 gradients (to fp32 rounding: the order of the additions
     differs), where a sum in bf16, or a reduced sum rounded back to bf16, is off by bf16
     ulps of the largest element."""
-    err, err_bf16 = bf16_accumulation_check(COMM, stage)
+    err, err_bf16 = bf16_accumulation_check(COMM, level)
     assert err <= 1e-6
     assert err_bf16 > 1e-3  # the check can tell the two apart
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_every_bf16_bucket_can_be_in_flight(stage):
+@pytest.mark.parametrize("level", [2, 3])
+def test_every_bf16_bucket_can_be_in_flight(level):
     """The staging pool's default budget is every staged bucket's bytes: no gradient hook
     ever waits for a reduction to give a buffer back. A budget below one bucket keeps no
     reduction in flight when a bucket needs a buffer (hooks wait instead), holds less, and
@@ -125,7 +125,7 @@ def test_every_bf16_bucket_can_be_in_flight(stage):
     for staging_mb in (None, 1e-9):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
-        zero = Zero(model, cpu_world(COMM), OptimConfig(), stage=stage, dtype="bf16",
+        zero = Zero(model, cpu_world(COMM), OptimConfig(), level=level, dtype="bf16",
                     bucket_mb=0.01, first_bucket_mb=0.002, blocks=list(model.h),
                     staging_mb=staging_mb)
         assert len(zero.buckets) >= 4
@@ -149,28 +149,28 @@ def test_every_bf16_bucket_can_be_in_flight(stage):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_model_state_bytes_follow_the_zero_formulas(stage, dtype):
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_model_state_bytes_follow_the_zero_formulas(level, dtype):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=128))
     n = sum(p.numel() for p in model.parameters())
-    if stage == 0 and dtype == "fp32":  # plain data parallelism and its own AdamW
+    if level == 0 and dtype == "fp32":  # plain data parallelism and its own AdamW
         dp = DataParallel(model, cpu_world(COMM), OptimConfig(), allreduce="mpi")
         dp.step(1e-3, 0.0)  # AdamW makes its moments at the first step
         per_param = dp.memory().per_param(n)
         dp.close()
     else:
-        zero = Zero(model, cpu_world(COMM), OptimConfig(), stage=stage, dtype=dtype,
+        zero = Zero(model, cpu_world(COMM), OptimConfig(), level=level, dtype=dtype,
                     blocks=list(model.h))
         per_param = zero.memory().per_param(n)
-    assert per_param == pytest.approx(zero_formula(stage, dtype, COMM.size), rel=0.05)
+    assert per_param == pytest.approx(zero_formula(level, dtype, COMM.size), rel=0.05)
 
 
 def test_optimizer_state_is_exposed_per_shard():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
     n = sum(p.numel() for p in model.parameters())
-    zero = Zero(model, cpu_world(COMM), OptimConfig(), stage=1)
+    zero = Zero(model, cpu_world(COMM), OptimConfig(), level=1)
     state = zero.state_shards()
     assert state.kind == "zero"
     shards = state.buckets

@@ -18,7 +18,9 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
                                          shard_name, write_shard, write_synced)
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.parallel.choose_engine import engine_class
 from hpctrain.parallel.shards import shard_layout
+from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
 from hpctrain.sizes import MAX_WORLD, MiB, finite, whole
 
 MAX_BUCKET_MB = float(1 << 20)
@@ -35,7 +37,7 @@ def inspect(path: str | Path, verify: bool = False) -> str:
     data = d["data"] if isinstance(d.get("data"), dict) else {}
     lines = [f"checkpoint {m.path}",
              f"  step {m.step} (Adam step {d['optimizer_step']:g}), {d['layout']} layout, "
-             f"{m.world_size} rank(s), ZeRO stage {_get(config, 'parallel', 'zero')}, "
+             f"{m.world_size} rank(s), ZeRO level {_get(config, 'parallel', 'zero')}, "
              f"dtype {_get(config, 'train', 'dtype')}",
              "  model " + ", ".join(f"{k}={v}" for k, v in d["model"].items()),
              f"  {len(_shapes(d))} tensors, {n_params:,} parameters",
@@ -88,17 +90,13 @@ def export(path: str | Path, fmt: str, output: str | Path) -> Path:
 
 def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
             bucket_mb: float = 25.0, first_bucket_mb: float = 1.0) -> Path:
-    """Rewrite a checkpoint for ``world`` ranks at ZeRO stage ``zero`` (bucket caps as in
+    """Rewrite a checkpoint for ``world`` ranks at ZeRO level ``zero`` (bucket caps as in
     ``--parallel.*``), so that such a run reads only its own shard when it resumes. Any
     checkpoint also loads at any layout directly; this saves each rank the reshuffle."""
-    # Here, not at the top: parallel.zero imports mpi4py, which starts MPI, and the other
-    # ckpt commands run on login nodes where that can fail.
-    from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
-
     whole(world, "--world", 1, MAX_WORLD, error=CheckpointError,
           fix="give the number of ranks of the run that will resume")
     if zero not in (0, 1, 2, 3):
-        raise CheckpointError(f"--zero {zero}: use a ZeRO stage 0-3")
+        raise CheckpointError(f"--zero {zero}: use a ZeRO level 0-3")
     for option, mb in (("--bucket-mb", bucket_mb), ("--first-bucket-mb", first_bucket_mb)):
         finite(mb, option, 0.0, MAX_BUCKET_MB, low_open=True, error=CheckpointError,
                fix="give the --parallel.* value of the run that will resume")
@@ -120,7 +118,7 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
     config["parallel"].update(zero=zero, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                               pp=1, tp=1, sequence_parallel=False)
     shards: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
-    if zero == 0 and config["train"]["dtype"] == "fp32":  # plain data parallelism
+    if engine_class(zero, config["train"]["dtype"]).state_kind == "replicated":
         layout, index = "replicated", {"params": {n: list(s["param"].shape)
                                                   for n, s in full.items()}}
         for n, s in full.items():

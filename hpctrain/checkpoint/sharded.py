@@ -5,7 +5,7 @@ moments, RNG state) and a manifest with the layout, the tensor index and a CRC-3
 every dataset; ``latest`` names the newest complete one. A save goes through a hidden
 temporary directory, fsyncs and renames, so a crash leaves the previous checkpoint and
 ``latest`` intact. Two layouts, ``replicated`` and ``zero``; ``read_full_state`` turns
-either into whole tensors, so a checkpoint loads at any world size and ZeRO stage.
+either into whole tensors, so a checkpoint loads at any world size and ZeRO level.
 Nothing is pickled. ``docs/design/checkpoints.md``.
 """
 

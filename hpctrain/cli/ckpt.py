@@ -10,7 +10,7 @@ def add_ckpt(sub) -> None:
                        description="Work with a sharded checkpoint (a run's out_dir, its "
                                    "checkpoints/ folder, or one checkpoints/step_N) on one "
                                    "process. Any checkpoint loads at any world size and ZeRO "
-                                   "stage with `hpctrain train ... --train.resume=PATH`, or "
+                                   "level with `hpctrain train ... --train.resume=PATH`, or "
                                    "starts a new run from its weights with "
                                    "--train.init_from=PATH.")
     acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -20,7 +20,7 @@ def add_ckpt(sub) -> None:
     a = acts.add_parser("merge", help="all shards into one HDF5 file (the final.h5 format)")
     a.add_argument("path")
     a.add_argument("--output", required=True, metavar="FILE.h5")
-    a = acts.add_parser("reshard", help="rewrite for another world size / ZeRO stage, so "
+    a = acts.add_parser("reshard", help="rewrite for another world size / ZeRO level, so "
                                         "that each rank reads only its own shard")
     a.add_argument("path")
     a.add_argument("--world", type=int, required=True, metavar="N")

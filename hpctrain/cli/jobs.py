@@ -100,8 +100,9 @@ def _add_profiler(p, help: str) -> None:
 
 def _profiler(args) -> str | None:
     if args.old_profile:
-        print("--profile -> --profiler (deprecated: the old name goes in the next release)",
-              file=sys.stderr)
+        from hpctrain.config.loading import deprecation_line
+
+        print(deprecation_line("--profile", "--profiler"), file=sys.stderr)
     return args.profiler or args.old_profile
 
 

@@ -81,7 +81,7 @@ def add_plan(sub) -> None:
     p.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
                    help="default: the system's (one per GPU or tile)")
     p.add_argument("--collectives", default="auto", choices=["auto", "mpi", "xccl"],
-                   help="as --comm.collectives: whose links carry the gradients (auto: the "
+                   help="as --comm.transport: whose links carry the gradients (auto: the "
                         "GPU's library where the system has its figures)")
     p.add_argument("--calibration", metavar="FILE.json", help="measured numbers to use")
     p.add_argument("--top", type=int, default=12, metavar="K", help="rows to print")

@@ -3,6 +3,7 @@ buffers, the shared-memory gradient allreduce, small collectives with deadlines,
 job's abort; also the launcher checks (``world_check.py``) and this machine's mpiexec for
 tests and tools (``local_mpiexec.py``).
 
-Nothing here imports ``torch.nn``; importing this package does not initialize MPI
-(``hpctrain.comm.world`` does, through ``mpi4py.MPI``).
+Nothing here imports ``torch.nn``. Importing a module of hpctrain never initializes MPI:
+modules reach mpi4py through ``comm/mpi.py``, which imports ``mpi4py.MPI`` (and so starts
+MPI) at the first use, in practice ``World.create``.
 """

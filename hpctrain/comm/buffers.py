@@ -90,6 +90,11 @@ class MPIBuffer:
             self.obj = None  # to_mpi() wraps the tensor for mpi4py each time
 
     @property
+    def prepared(self) -> bool:
+        """Whether ``prepare()`` ran since the buffer was last handed to MPI."""
+        return self._prepared
+
+    @property
     def staging_nbytes(self) -> int:
         """Bytes of the host staging copy (0 when MPI reads the memory directly)."""
         return 0 if self._host is None else self._host.numel() * self._host.element_size()
@@ -152,7 +157,7 @@ def to_mpi_all(buffers: list[MPIBuffer], send: bool = True) -> list:
     prepared (``send``). The newest event is waited for first: a stream runs its work in
     order, so when it has passed the others have too and one wait covers them all."""
     for b in buffers:
-        if not b._prepared:
+        if not b.prepared:
             b.prepare(send)
     objs: dict[int, object] = {}
     for i in sorted(range(len(buffers)), key=lambda i: -buffers[i].event_serial):

@@ -10,8 +10,8 @@ and others do not would deadlock.
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.small_collectives import allreduce_array
 
 

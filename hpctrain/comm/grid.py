@@ -16,13 +16,10 @@ Built once (collective over the world) and passed to whatever needs it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
-from mpi4py import MPI
-
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.resources import MPIResources
-from hpctrain.comm.transport import make_transport
 from hpctrain.comm.world import World
 from hpctrain.errors import UserError, factor_hint
 
@@ -98,12 +95,6 @@ class ProcessGrid:
         return cls(world=world, dp=dp, pp=pp, dp_index=dp_index, stage=stage,
                    dp_world=dp_world, pp_comm=pp_comm, pipeline_inner=pipeline_inner,
                    resources=resources, tp=tp, tp_index=tp_index, tp_comm=tp_comm)
-
-    @functools.cached_property
-    def pp_transport(self):
-        """How activations move between this replica's stages (``comm/transport.py``)."""
-        return make_transport(self.world.collectives, self.pp_comm, self.world.accel,
-                              self.world.gpu_aware)
 
     @property
     def is_first(self) -> bool:

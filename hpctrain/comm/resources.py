@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 from collections.abc import Callable
 
-from mpi4py import MPI
+from hpctrain.comm.mpi import MPI
 
 
 class MPIResources:

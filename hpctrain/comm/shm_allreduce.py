@@ -41,8 +41,8 @@ import os
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.resources import MPIResources
 from hpctrain.errors import ConfigError
 
@@ -101,7 +101,7 @@ class SharedMemoryAllreduce:
             self.resources.close()
             raise ConfigError("the shared-memory allreduce needs the same number of ranks "
                               f"on every node (found {sorted(set(sizes))}); use "
-                              "--parallel.allreduce=mpi")
+                              "--comm.transport=mpi")
         self.node = node
         self.local, self.local_size = node.rank, node.size
         n_nodes = comm.size // self.local_size
@@ -216,6 +216,7 @@ class ShmReduction:
         return a.all_reached(b, DONE, e)
 
 
+
 def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[int],
                       ranks_on_node: int | None = None, collectives: str = "mpi") -> bool:
     """Decide, the same on every rank, whether gradients are summed through the node's
@@ -227,20 +228,21 @@ def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[in
     every node, and ``/dev/shm`` has room for the node's buckets. ``ranks_on_node``: all
     the job's ranks on this node (each allocates a segment, whatever group it reduces
     in: pipeline stages on one node each have a window); default, ``comm``'s.
-    ``collectives``: ``--comm.collectives``; with ``xccl`` the device library sums."""
+    ``collectives``: the world's (``CommConfig.collectives``); with ``xccl`` the device
+    library sums."""
     if setting == "mpi" or comm.size == 1:
         return False
     if collectives != "mpi":
         if setting == "shm":
-            raise ConfigError("--parallel.allreduce=shm sums through MPI's shared memory; "
-                              "with --comm.collectives=xccl the device library sums: use "
-                              "--parallel.allreduce=auto")
+            raise ConfigError("--comm.transport=shm sums through MPI's shared memory; "
+                              "with xccl the device library sums: use --comm.transport=xccl "
+                              "or auto")
         return False
     if str(device).split(":")[0] != "cpu":
         if setting == "shm":
-            raise ConfigError("--parallel.allreduce=shm sums CPU gradients; device gradients "
+            raise ConfigError("--comm.transport=shm sums CPU gradients; device gradients "
                               "go through MPI (GPU-aware or staged): use "
-                              "--parallel.allreduce=auto or mpi")
+                              "--comm.transport=auto or mpi")
         return False
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     local_size = node.size
@@ -256,6 +258,6 @@ def use_shared_memory(setting: str, comm: MPI.Comm, device: str, numels: list[in
         why = ("nodes hold different numbers of ranks" if len(sizes) > 1 else
                "every node holds a single rank" if not even else
                "/dev/shm has too little room for the node's gradient buckets")
-        raise ConfigError(f"--parallel.allreduce=shm is impossible here: {why}; use "
-                         "--parallel.allreduce=auto or mpi")
+        raise ConfigError(f"--comm.transport=shm is impossible here: {why}; use "
+                         "--comm.transport=auto or mpi")
     return even and fits

@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.watchdog import wait_all
 
 _OPTION = "--comm.timeout"
 
 
 def allreduce_array(comm: MPI.Comm, values, *, timeout: float, what: str,
-                    op: MPI.Op = MPI.SUM, option: str = _OPTION) -> np.ndarray:
-    """Elementwise reduction of a small float64 (or int64) vector over ``comm``."""
+                    op: MPI.Op | None = None, option: str = _OPTION) -> np.ndarray:
+    """Elementwise reduction (``op``, default ``MPI.SUM``) of a small float64 (or int64)
+    vector over ``comm``."""
+    op = MPI.SUM if op is None else op
     arr = np.ascontiguousarray(values)
     if arr.dtype.kind == "f":
         arr = arr.astype(np.float64)

@@ -1,4 +1,4 @@
-"""How a bucket's bytes move between ranks: one interface, two implementations.
+"""How a bucket's bytes move between ranks: one interface, four implementations.
 
 The gradient engines and the pipeline executor decide *when* data moves (bucket order,
 the schedule); a ``Transport`` decides *how*. They hand it buffers and get back requests
@@ -12,10 +12,13 @@ scheduler poll)::
     ... req.Test() ...
     buf.complete()                                    # the result is in ``tensor``
 
-- ``MPITransport`` (``--comm.collectives=mpi``, the default): MPI on the communicator,
+- ``MPITransport`` (``--comm.transport=mpi``): MPI on the communicator,
   device memory handed over directly when the library is GPU-aware, else staged through
-  pinned host buffers (``buffers.MPIBuffer``).
-- ``DeviceTransport`` (``--comm.collectives=xccl``, ``device_collectives.py``): the
+  pinned host buffers (``buffers.MPIBuffer``); ``PersistentMPITransport``: the same with
+  each reduction buffer's allreduce a persistent collective (data parallelism, MPI-4).
+- ``ShmTransport`` (``--comm.transport=shm``, ``shm_transport.py``): CPU gradient
+  buckets summed in the node's shared memory, everything else MPI's.
+- ``XcclTransport`` (``--comm.transport=xccl``, ``xccl_transport.py``): the
   vendor's collective library through ``torch.distributed`` (NCCL, RCCL, oneCCL; gloo
   for host memory), on its own stream, nothing staged through the host.
 
@@ -27,11 +30,11 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from mpi4py import MPI
-
 from hpctrain.comm.buffers import MPIBuffer, to_mpi_all
 from hpctrain.comm.device import Accelerator
 from hpctrain.comm.gpu_aware import GPUAwareness
+from hpctrain.comm.mpi import MPI
+from hpctrain.comm.resources import MPIResources
 
 
 @runtime_checkable
@@ -126,7 +129,7 @@ class MPITransport:
     def allgather(self, buf: MPIBuffer, shard: MPIBuffer | None = None) -> MPI.Request:
         if shard is None:
             return self.comm.Iallgather(MPI.IN_PLACE, buf.to_mpi())
-        if not buf._prepared:
+        if not buf.prepared:
             buf.prepare(send=False)  # only written: nothing to stage
         send, recv = to_mpi_all([shard, buf])
         return self.comm.Iallgather(send, recv)
@@ -157,16 +160,51 @@ class MPITransport:
         self._owns = False
 
 
+
+class PersistentMPITransport(MPITransport):
+    """MPI whose allreduce of a reduction buffer is a persistent collective (MPI-4
+    ``Allreduce_init`` once, when the buffer is made; ``Start`` each time: the schedule is
+    built once). The buffer never moves, so the request stays valid; buffers must be made
+    in the same order on every rank (the init is collective). Nothing else changes."""
+
+    def __init__(self, comm: MPI.Comm, accel: Accelerator, aware: GPUAwareness):
+        super().__init__(comm, accel, aware)
+        self.resources = MPIResources()
+        self._requests: dict[int, tuple[MPIBuffer, MPI.Prequest]] = {}
+
+    def buffer(self, tensor, *, reduction: bool = False, raw: bool = False) -> MPIBuffer:
+        buf = super().buffer(tensor, reduction=reduction, raw=raw)
+        if reduction:
+            req = self.comm.Allreduce_init(MPI.IN_PLACE, buf.to_mpi(), op=MPI.SUM)
+            self._requests[id(buf)] = (buf, self.resources.add(req))
+        return buf
+
+    def allreduce(self, buf: MPIBuffer) -> MPI.Request:
+        kept = self._requests.get(id(buf))
+        if kept is None:
+            return super().allreduce(buf)
+        buf.to_mpi()  # waits for the event behind the buffer's last write
+        kept[1].Start()
+        return kept[1]
+
+    def close(self) -> None:
+        """Free the persistent requests (collective; idempotent)."""
+        self._requests.clear()
+        self.resources.close()
+        super().close()
+
+
 COLLECTIVES = ("auto", "mpi", "xccl")
 
 
 def resolve_collectives(setting: str, comm: MPI.Comm, accel: Accelerator,
                         timeout: float) -> str:
-    """``--comm.collectives``: ``mpi``, ``xccl``, or ``auto`` (``xccl`` on a GPU whose
-    library this torch build has, ``mpi`` on the host). For ``xccl`` over several ranks
-    the device library is started (``device_collectives.start``). Collective."""
+    """The world's bulk transport (``CommConfig.collectives``): ``mpi``, ``xccl``, or
+    ``auto`` (``xccl`` on a GPU whose library this torch build has, ``mpi`` on the
+    host). For ``xccl`` over several ranks the device library is started
+    (``device_collectives.start``). Collective."""
     if setting not in COLLECTIVES:
-        raise ValueError(f"--comm.collectives={setting!r} is not one of {COLLECTIVES}")
+        raise ValueError(f"collectives={setting!r} is not one of {COLLECTIVES}")
     if setting == "mpi" or (setting == "auto" and not accel.is_accelerator):
         return "mpi"
     from hpctrain.comm import device_collectives
@@ -185,7 +223,7 @@ def make_transport(collectives: str, comm: MPI.Comm, accel: Accelerator,
     """The transport of ``collectives`` over ``comm``; one rank moves nothing between
     ranks, so it keeps MPI's."""
     if collectives == "xccl" and comm.Get_size() > 1:
-        from hpctrain.comm.device_collectives import DeviceTransport
+        from hpctrain.comm.xccl_transport import XcclTransport
 
-        return DeviceTransport(comm, accel)
+        return XcclTransport(comm, accel)
     return MPITransport(comm, accel, aware)

@@ -22,8 +22,7 @@ from __future__ import annotations
 import os
 import time
 
-from mpi4py import MPI
-
+from hpctrain.comm.mpi import MPI
 from hpctrain.errors import CommTimeout
 
 _CHECK_EVERY = 64  # polls between clock reads

@@ -8,12 +8,12 @@ the same code runs on ``COMM_WORLD`` or on ``COMM_SELF`` (the single-process ref
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-from mpi4py import MPI
 
 from hpctrain.comm.device import Accelerator
 from hpctrain.comm.gpu_aware import GPUAwareness, detect_gpu_aware
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.placement import choose_kind, make_accelerator, visible_devices
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.transport import Transport, make_transport, resolve_collectives
@@ -77,9 +77,9 @@ class World:
         """Build the world on ``comm`` (default ``COMM_WORLD``). Collective over ``comm``.
 
         ``device``: ``--train.device`` (auto, cpu, cuda, xpu, fake); ``gpu_aware``:
-        ``--comm.gpu_aware``; ``collectives``: ``--comm.collectives`` (mpi, xccl, auto);
-        ``system``: the system profile the job runs under (``HPCTRAIN_SYSTEM``), whose
-        GPUs ``auto`` must find."""
+        ``--comm.gpu_aware``; ``collectives``: ``CommConfig.collectives`` (mpi, xccl,
+        auto; from ``--comm.transport``); ``system``: the system profile the job runs
+        under (``HPCTRAIN_SYSTEM``), whose GPUs ``auto`` must find."""
         comm = MPI.COMM_WORLD if comm is None else comm
         rank, size = comm.Get_rank(), comm.Get_size()
         resources = MPIResources()
@@ -128,8 +128,25 @@ def count_devices(identities: list, rank: int) -> tuple[int, int]:
     return identities.count(identities[rank]), len(set(identities))
 
 
-THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-                 MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+class _ThreadLevels(Mapping):
+    """MPI thread level -> its name (``single`` ... ``multiple``); MPI's constants are
+    read when first asked for, so importing this module starts no MPI."""
+
+    def _names(self) -> dict:
+        return {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+
+    def __getitem__(self, level: int) -> str:
+        return self._names()[level]
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+THREAD_LEVELS = _ThreadLevels()
 
 
 THREAD_LEVEL_HINT = ("unset MPI4PY_RC_THREAD_LEVEL (mpi4py asks for MULTIPLE by default); "

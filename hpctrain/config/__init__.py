@@ -12,8 +12,9 @@ The package in four files, imported from here:
 """
 
 from hpctrain.config.checks import check_layout, check_out_dir
-from hpctrain.config.loading import (RENAMED, build_config, config_from_dict, describe_options,
-                                     load_config, parse_overrides, read_recipe, recipe_names)
+from hpctrain.config.loading import (DEPRECATED, RENAMED, build_config, config_from_dict,
+                                     describe_options, load_config, parse_overrides,
+                                     read_recipe, recipe_names)
 from hpctrain.config.sections import (SECTION_TYPES, CommConfig, Config, DataConfig,
                                       ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
                                       parse_hints)
@@ -23,5 +24,5 @@ __all__ = [
     "Config", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
     "CommConfig", "SECTION_TYPES", "ConfigError", "parse_hints", "check_layout",
     "check_out_dir", "recipe_names", "read_recipe", "parse_overrides", "build_config",
-    "load_config", "config_from_dict", "describe_options", "RENAMED",
+    "load_config", "config_from_dict", "describe_options", "RENAMED", "DEPRECATED",
 ]

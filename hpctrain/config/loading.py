@@ -10,6 +10,7 @@ import typing
 from importlib import resources
 from pathlib import Path
 
+from hpctrain.comm.abort import env_rank
 from hpctrain.config.options import coerce
 from hpctrain.config.sections import SECTION_TYPES, Config
 from hpctrain.errors import ConfigError
@@ -50,9 +51,36 @@ def _all_keys() -> list[str]:
 
 # Options that were renamed: the old name gets a message naming the new one.
 RENAMED = {"comm.cuda_aware": "comm.gpu_aware", "comm.device": "train.device"}
-# Options renamed in this release: the old name still works, with one line on stderr
-# naming the new one, until the next release moves it to RENAMED.
-DEPRECATED = {"data.stage_dir": "data.local_copy_dir"}
+# Options renamed in this release: the old name still works, with the same values, and
+# prints one line naming the new one; the next release moves them to RENAMED. Both
+# old transport options chose how gradients move, so both became --comm.transport.
+DEPRECATED = {"comm.collectives": "comm.transport", "parallel.allreduce": "comm.transport",
+              "data.stage_dir": "data.local_copy_dir"}
+
+
+def deprecation_line(old: str, new: str) -> str:
+    """The one line every renamed option or flag prints while its old name still works."""
+    return f"warning: {old} is deprecated (removed in the next release): {old} -> {new}"
+
+
+def _deprecated_to_new(flat: dict, *, warn: bool) -> dict:
+    """``flat`` with every DEPRECATED key under its new name. The new name, when given,
+    wins; old names that say different things (other than auto) are refused."""
+    out = {k: v for k, v in flat.items() if k not in DEPRECATED}
+    for old, new in DEPRECATED.items():
+        if old not in flat:
+            continue
+        if warn and env_rank() == 0:
+            print(deprecation_line(f"--{old}", f"--{new}"), file=sys.stderr, flush=True)
+        value = str(flat[old])
+        if new in flat or value == "auto":
+            out.setdefault(new, value)
+            continue
+        if str(out.get(new, "auto")) not in ("auto", value):
+            givers = [f"--{k}={flat[k]}" for k in DEPRECATED if DEPRECATED[k] == new and k in flat]
+            raise ConfigError(f"{' and '.join(givers)} disagree; give --{new} once")
+        out[new] = value
+    return out
 
 
 def _unknown(key: str) -> ConfigError:
@@ -84,8 +112,10 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
     return out
 
 
-def build_config(recipe: dict, overrides: dict[str, str] | None = None) -> Config:
-    """Merge a recipe dict and dotted overrides into a validated ``Config``."""
+def build_config(recipe: dict, overrides: dict[str, str] | None = None, *,
+                 warn: bool = True) -> Config:
+    """Merge a recipe dict and dotted overrides into a validated ``Config``. ``warn``: say
+    so when a deprecated option is used (not for a config a run saved)."""
     values: dict[str, dict] = {name: {} for name in SECTION_TYPES}
     flat = {}
     for section, entries in recipe.items():
@@ -95,11 +125,8 @@ def build_config(recipe: dict, overrides: dict[str, str] | None = None) -> Confi
         for key, value in entries.items():
             flat[f"{section}.{key}"] = value
     flat.update(overrides or {})
+    flat = _deprecated_to_new(flat, warn=warn)
     for dotted, value in flat.items():
-        if dotted in DEPRECATED:
-            print(f"--{dotted} -> --{DEPRECATED[dotted]} (deprecated: the old name goes in the "
-                  "next release)", file=sys.stderr)
-            dotted = DEPRECATED[dotted]
         section, _, key = dotted.partition(".")
         cls = SECTION_TYPES.get(section)
         hints = typing.get_type_hints(cls) if cls else {}
@@ -118,7 +145,7 @@ def load_config(recipe: str, overrides: list[str] | dict | None = None) -> Confi
 
 def config_from_dict(d: dict) -> Config:
     """Rebuild a config saved with ``Config.to_dict`` (checkpoints, records)."""
-    return build_config({k: v for k, v in d.items() if isinstance(v, dict)})
+    return build_config({k: v for k, v in d.items() if isinstance(v, dict)}, warn=False)
 
 
 def describe_options() -> str:

@@ -9,7 +9,6 @@ Every field carries its help text (``opt(default, help)``, ``options.py``), so
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +18,9 @@ from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE,
 from hpctrain.errors import ConfigError
 from hpctrain.model.shape import ARCHS, GPTConfig
 from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT
+
+TRANSPORTS = ("auto", "mpi", "shm", "xccl")
+"""``--comm.transport``'s values (``comm/transport.py`` has a transport for each)."""
 
 
 @dataclass
@@ -134,13 +136,7 @@ class ParallelConfig:
     first_bucket_mb: float = opt(1.0, "cap of the first bucket reduced, so that "
                                       "communication starts early in backward",
                                  bounds=POSITIVE)
-    allreduce: str = opt("auto", "how plain data parallelism sums gradients: shm sums CPU "
-                                 "gradients in the node's shared memory (and with MPI "
-                                 "between nodes), mpi with MPI collectives only, auto picks "
-                                 "shm for CPU gradients when every node holds the same "
-                                 "number (>1) of ranks and /dev/shm has room; shm insists "
-                                 "(an error where it cannot work)", ("auto", "shm", "mpi"))
-    zero: int = opt(0, "ZeRO stage: 0 replicates everything (plain data parallelism), 1 "
+    zero: int = opt(0, "ZeRO level: 0 replicates everything (plain data parallelism), 1 "
                        "shards optimizer state, 2 also gradients, 3 also parameters",
                     (0, 1, 2, 3))
     pp: int = opt(1, "pipeline stages: the model's layers are cut into pp stages, one per "
@@ -279,7 +275,7 @@ class TrainConfig:
                         bounds=AT_LEAST_0)
     resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "
                           "exists; a path resumes from that checkpoint (any world size or "
-                          "ZeRO stage); '' starts fresh")
+                          "ZeRO level); '' starts fresh")
     init_from: str = opt("", "start a new run (step 0, fresh optimizer and learning-rate "
                              "schedule) from the weights of this checkpoint: one `hpctrain "
                              "ckpt import` wrote, a run's out_dir or final.h5, or a "
@@ -331,11 +327,28 @@ class CommConfig:
                                  "buffers (no); auto asks the MPI library about this "
                                  "device's vendor (CUDA, ROCm, Level Zero)",
                          ("auto", "yes", "no"))
-    collectives: str = opt("auto", "how gradient buckets, ZeRO shards and parameters move: "
-                                   "mpi, or xccl (the device's collective library through "
-                                   "torch.distributed: NCCL, RCCL, oneCCL; gloo on CPUs); "
-                                   "auto takes xccl on GPUs whose library torch has, mpi "
-                                   "otherwise", ("auto", "mpi", "xccl"))
+    transport: str = opt("auto", "how gradient buckets, ZeRO shards and parameters move "
+                                 "(comm/transport.py): mpi (MPI collectives only), shm (as "
+                                 "mpi, but plain data parallelism sums CPU gradients in the "
+                                 "node's shared memory, with MPI between nodes; an error "
+                                 "where it cannot work), xccl (the device's collective "
+                                 "library through torch.distributed: NCCL, RCCL, oneCCL; "
+                                 "gloo on CPUs); auto takes xccl on GPUs whose library torch "
+                                 "has, else shm where every node holds the same number (>1) "
+                                 "of ranks and /dev/shm has room, else mpi",
+                         TRANSPORTS)
+
+    @property
+    def collectives(self) -> str:
+        """The world's bulk transport (``World.create``): xccl, mpi (also under shm) or
+        auto."""
+        return "mpi" if self.transport == "shm" else self.transport
+
+    @property
+    def allreduce(self) -> str:
+        """How plain data parallelism sums (``use_shared_memory``): shm, mpi or auto
+        (xccl: the device library sums, never the shared memory)."""
+        return self.transport if self.transport in ("shm", "mpi") else "auto"
 
     def __post_init__(self):
         _check_fields(self)
@@ -356,15 +369,15 @@ class Config:
                  f"train.batch_size={t.batch_size} sequences of model.block_size="
                  f"{self.model.block_size} tokens are more than {MAX_BATCH_TOKENS} tokens per "
                  "step; lower --train.batch_size")
-        require(p.allreduce != "shm" or (p.zero == 0 and t.dtype == "fp32"),
-                 "--parallel.allreduce=shm is the plain data-parallel path (fp32, ZeRO stage "
-                 "0); ZeRO stages and bf16 reduce with MPI collectives: drop "
-                 "--parallel.allreduce=shm")
+        require(self.comm.transport != "shm" or (p.zero == 0 and t.dtype == "fp32"),
+                 "--comm.transport=shm is the plain data-parallel path (fp32, ZeRO level "
+                 "0); ZeRO levels and bf16 reduce with MPI collectives: use "
+                 "--comm.transport=auto or mpi")
         if p.pp == 1:
             return
         # What the pipeline path does not do (yet); each message names the way out.
-        require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO stage 0 or 1 along "
-                 "the data-parallel axis; use --parallel.zero=0 or 1 (stages 2-3 shard "
+        require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO level 0 or 1 along "
+                 "the data-parallel axis; use --parallel.zero=0 or 1 (levels 2-3 shard "
                  "gradients per micro-batch, which the pipeline does not support)")
         chunks = 2 if p.schedule == "zbv" else p.virtual_stages
         require(self.model.n_layer >= p.pp * chunks,
@@ -374,10 +387,6 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
 
 
 SECTION_TYPES = typing.get_type_hints(Config)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.device import Accelerator
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.small_collectives import allreduce_array, any_true
 from hpctrain.comm.world import THREAD_LEVEL_HINT, THREAD_LEVELS
 from hpctrain.config import parse_hints

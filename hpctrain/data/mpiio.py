@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.resources import MPIResources
 from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.data.dataset import BaseReader, DatasetInfo, check_windows, window_pieces

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
 from hpctrain.atomic import WRITE_FIX
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.watchdog import wait
 from hpctrain.data.mpiio import make_info
 from hpctrain.errors import DataError

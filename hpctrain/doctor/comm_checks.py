@@ -9,11 +9,11 @@ import os
 import socket
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer
 from hpctrain.comm.device import Accelerator
 from hpctrain.comm.gpu_aware import HOST_MEMORY, QUERIES, VENDOR_NAMES, detect_gpu_aware
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.placement import VISIBILITY_ENV
 from hpctrain.comm.transport import MPITransport, resolve_collectives
 from hpctrain.comm.watchdog import wait_all
@@ -150,13 +150,14 @@ def transports(world: World) -> list[tuple[str, str, object]]:
         return rows
     rows.append(("device", "mpi", MPITransport(world.comm, accel, world.gpu_aware)))
     from hpctrain.comm import device_collectives
+    from hpctrain.comm.xccl_transport import XcclTransport
 
     # NCCL refuses two ranks on one GPU (its "Duplicate GPU" error): the set-up check
     # names that mistake, and the library's rows wait for a node set up right.
     if (world.size > 1 and world.devices == world.size
             and device_collectives.backend_for(accel.kind)):
         resolve_collectives("xccl", world.comm, accel, world.timeout)
-        library = device_collectives.DeviceTransport(world.comm, accel)
+        library = XcclTransport(world.comm, accel)
         rows.append(("device", library.name, library))
     return rows
 

@@ -9,9 +9,9 @@ import math
 import time
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.grid import ProcessGrid
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.world import World
 from hpctrain.config import load_config
 from hpctrain.doctor.comm_checks import agree, planted_fault

@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from mpi4py import MPI
-
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.watchdog import wait_all
 
 

@@ -12,18 +12,19 @@ How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
    needs every rank to start collectives in the same order). Every hook also tests the
    outstanding requests, which is what makes MPICH progress them during backward.
    CPU gradients on a node with several ranks live in a shared-memory window and are
-   summed there (``hpctrain/comm/shm_allreduce.py``, ``--parallel.allreduce``). The
+   summed there (``hpctrain/comm/shm_allreduce.py``, ``--comm.transport``). The
    rank's own thread does those sums, so during backward they would overlap nothing:
    on one node there are no hooks, and ``finish()`` sums every bucket after backward
    (sums between backward's kernels cost more than the same sums after it;
    docs/design/data-parallelism.md has the measurement). Otherwise
-   (GPU gradients, ``--parallel.allreduce=mpi``) MPI reduces them: a bucket's buffer never
+   (GPU gradients, ``--comm.transport=mpi``) MPI reduces them: a bucket's buffer never
    moves, so with an MPI-4 library the reduction is a persistent collective
    (``Allreduce_init`` once, ``Start`` each step: the schedule is built once); MPI-3
-   libraries (Cray MPICH 8, for one) get ``Iallreduce``. On a GPU the bucket's buffer
-   goes to MPI as device memory (GPU-aware MPI) or through a host staging copy
-   (``comm/buffers.py``); its reduction starts once the event recorded behind its last
-   gradient has passed, never after a wait for the whole device.
+   libraries (Cray MPICH 8, for one) get ``Iallreduce``. Each way is a ``Transport``
+   (``gradient_transport`` picks it), so the engine only calls ``allreduce``. On a GPU
+   the bucket's buffer goes to MPI as device memory (GPU-aware MPI) or through a host
+   staging copy (``comm/buffers.py``); its reduction starts once the event recorded
+   behind its last gradient has passed, never after a wait for the whole device.
 4. ``finish()`` launches any bucket still pending (parameters that got no gradient, or
    no hooks) and waits for all reductions, under the watchdog deadline, before the
    optimizer step.
@@ -40,13 +41,13 @@ import functools
 import math
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.buffers import persistent_allreduce_works
 from hpctrain.comm.features import persistent_collectives
-from hpctrain.comm.resources import MPIResources
-from hpctrain.comm.shm_allreduce import SharedMemoryAllreduce, use_shared_memory
-from hpctrain.comm.transport import Request
+from hpctrain.comm.mpi import MPI
+from hpctrain.comm.shm_allreduce import use_shared_memory
+from hpctrain.comm.shm_transport import ShmTransport
+from hpctrain.comm.transport import PersistentMPITransport, Request, Transport
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.config import OptimConfig
@@ -65,20 +66,19 @@ from hpctrain.sizes import MiB
 class Bucket:
     """A flat fp32 gradient buffer; each parameter's ``.grad`` is a view into it."""
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], world: World,
+    def __init__(self, index: int, params: list[torch.nn.Parameter], transport: Transport,
                  flat: torch.Tensor | None = None):
         for p in params:
             if p.dtype != torch.float32:
                 raise TypeError(f"bucketed allreduce expects fp32 parameters, got {p.dtype}")
         self.index = index
         self.params = params
-        self.world = world
+        self.transport = transport
         numel = sum(p.numel() for p in params)
         # ``flat`` given: the bucket lives in the node's shared-memory window.
         self.use_flat(torch.zeros(numel, dtype=torch.float32, device=params[0].device)
                       if flat is None else flat)
         self.pending = len(params)
-        self.persistent: MPI.Prequest | None = None
 
     def use_flat(self, flat: torch.Tensor) -> None:
         """Make ``flat`` the bucket's buffer: the per-parameter views point into it."""
@@ -88,14 +88,7 @@ class Bucket:
         for p in self.params:
             self.views.append(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.buffer = self.world.transport.buffer(flat, reduction=True)
-
-    def start_allreduce(self) -> Request:
-        if self.persistent is not None:
-            self.buffer.to_mpi()  # waits for the event behind the last gradient
-            self.persistent.Start()
-            return self.persistent
-        return self.world.transport.allreduce(self.buffer)
+        self.buffer = self.transport.buffer(flat, reduction=True)
 
     @property
     def nbytes(self) -> int:
@@ -111,20 +104,47 @@ def persistent_collectives_supported(comm: MPI.Comm) -> bool:
     return persistent_collectives(comm)
 
 
+def gradient_transport(world: World, numels: list[int], first: torch.Tensor, *,
+                       allreduce: str = "auto", persistent: bool | None = None,
+                       node_comm: MPI.Comm | None = None) -> Transport:
+    """The transport that sums the gradient buckets (of ``numels`` fp32 elements; ``first``:
+    a parameter, for its device): the node's shared memory (``allreduce``, see
+    ``use_shared_memory``), MPI persistent collectives where the library has them
+    (``persistent``: None decides so), else the world's (MPI ``Iallreduce`` or the device
+    library). Collective over ``world.comm``; every rank gets the same kind."""
+    comm = world.comm
+    if use_shared_memory(allreduce, comm, world.accel.kind, numels,
+                         ranks_on_node=world.local_size, collectives=world.collectives):
+        # node_comm: the ranks sharing a window (default: the node; tests pass less)
+        return ShmTransport(comm, world.accel, world.gpu_aware, numels, node_comm=node_comm)
+    if persistent is None:
+        persistent = (world.size > 1 and world.transport.name == "mpi"
+                      and persistent_collectives_supported(comm))
+        aware = world.gpu_aware
+        if persistent and world.accel.holds(first) and aware.direct and aware.reductions:
+            # The host probe says nothing of device memory handed over directly: try one.
+            persistent = persistent_allreduce_works(comm, world.accel, aware, world.timeout)
+    if persistent:
+        return PersistentMPITransport(comm, world.accel, world.gpu_aware)
+    return world.transport
+
+
 class DataParallel(BucketScheduler):
     """Keeps ``model``'s gradients identical on every rank of ``world``."""
+
+    state_kind = "replicated"
+    """The ``EngineState`` kind it saves and a checkpoint for it holds (engine.py)."""
 
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg: OptimConfig, *,
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  persistent: bool | None = None, allreduce: str = "auto",
                  node_comm: MPI.Comm | None = None, norm_comms: tuple = (),
-                 tp_comm: MPI.Comm = MPI.COMM_SELF, broadcast: bool = True):
+                 tp_comm: MPI.Comm | None = None, broadcast: bool = True):
         """``optim_cfg``: the optimizer ``step()`` runs. ``broadcast``: start every rank
         from rank 0's parameters. ``norm_comms``, ``tp_comm``: see engine.py."""
         self.model = model
         self.tensor_split = TensorSplit(model, tp_comm, world.timeout)
         self.norm_comms = ([tp_comm] if self.tensor_split.active else []) + list(norm_comms)
-        self.resources = MPIResources()  # persistent requests; the arena has its own
         self.world = world
         self.comm = world.comm
         self.size = world.size
@@ -133,44 +153,32 @@ class DataParallel(BucketScheduler):
         groups = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
                               int(first_bucket_mb * MiB))
         numels = [sum(order[j].numel() for j in g) for g in groups]
-        # node_comm: the ranks sharing a window (default: the node; tests pass less)
-        self.shm = SharedMemoryAllreduce(self.comm, numels, node_comm=node_comm) \
-            if use_shared_memory(allreduce, self.comm, world.accel.kind, numels,
-                                 ranks_on_node=world.local_size,
-                                 collectives=world.collectives) else None
-        self.buckets = [Bucket(i, [order[j] for j in g], world,
-                               self.shm.flat(i) if self.shm else None)
+        self.transport = gradient_transport(world, numels, order[0], allreduce=allreduce,
+                                            persistent=persistent, node_comm=node_comm)
+        """What sums the buckets (``gradient_transport``); the world's once closed."""
+        shm = self.transport if isinstance(self.transport, ShmTransport) else None
+        self.buckets = [Bucket(i, [order[j] for j in g], self.transport,
+                               shm.flat(i) if shm else None)
                         for i, g in enumerate(groups)]
         super().__init__(self.buckets, timeout=world.timeout)
         # Hooks start reductions during backward where something else then advances
         # them: MPI (GPU gradients, the MPI path) or, across nodes, the inter-node part
         # of the shared-memory sums. Not with one rank, nor for sums in one node's memory.
-        self.hooked = self.size > 1 and (self.shm is None or self.shm.cross is not None)
+        self.hooked = self.size > 1 and (shm is None or shm.across_nodes)
         if self.hooked:
             for b in self.buckets:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(
                         functools.partial(self._on_grad_ready, b))
-        if persistent is None:
-            persistent = (self.size > 1 and self.shm is None and world.transport.name == "mpi"
-                          and persistent_collectives_supported(self.comm))
-            first = self.buckets[0].buffer
-            if persistent and first.on_device and not first.staged:
-                # The host probe says nothing of device memory: try a device buffer.
-                persistent = persistent_allreduce_works(self.comm, world.accel,
-                                                        world.gpu_aware, world.timeout)
-        self.persistent = persistent
-        if self.shm is not None:
-            self.transport = "shared memory" + (" + MPI between nodes" if self.shm.cross else "")
-        elif world.transport.name != "mpi":
-            self.transport = f"{world.transport.name} allreduce"
+        self.persistent = isinstance(self.transport, PersistentMPITransport)
+        if shm is not None:
+            self.summed_by = "shared memory" + (" + MPI between nodes" if shm.across_nodes
+                                                else "")
+        elif self.transport.name != "mpi":
+            self.summed_by = f"{self.transport.name} allreduce"
         else:
-            self.transport = "MPI persistent Allreduce" if persistent else "MPI Iallreduce"
-        """How gradients are summed (kept after ``close()``, for reports)."""
-        if persistent:
-            for b in self.buckets:
-                b.persistent = self.resources.add(
-                    self.comm.Allreduce_init(MPI.IN_PLACE, b.buffer.to_mpi(), op=MPI.SUM))
+            self.summed_by = "MPI persistent Allreduce" if self.persistent else "MPI Iallreduce"
+        """How gradients are summed, in words (kept after ``close()``, for reports)."""
         self.zero_grad()
         if broadcast:
             self.broadcast_parameters()
@@ -197,7 +205,7 @@ class DataParallel(BucketScheduler):
         with torch.no_grad():
             for b in self.buckets:
                 torch.cat([p.detach().reshape(-1) for p in b.params], out=b.flat)
-                req = self.world.transport.broadcast(b.buffer, root)
+                req = self.transport.broadcast(b.buffer, root)
                 wait_all([req], timeout=self.world.timeout,
                          what=f"broadcast of parameters (bucket {b.index})")
                 b.buffer.complete()
@@ -212,19 +220,16 @@ class DataParallel(BucketScheduler):
         self.grad_ready(bucket)
 
     def bucket_ready(self, b: Bucket) -> None:
-        if self.shm is None:
-            b.buffer.prepare()  # an event behind the last gradient (or the staging copy)
+        b.buffer.prepare()  # an event behind the last gradient (or the staging copy)
 
     def can_launch(self, b: Bucket) -> bool:
-        return self.shm is not None or b.buffer.ready()
+        return b.buffer.ready()
 
     def launch(self, b: Bucket) -> Request:
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes
         with profile_range(f"allreduce bucket {b.index}"):
-            if self.shm is not None:
-                return self.shm.start(b.index)
-            return b.start_allreduce()
+            return self.transport.allreduce(b.buffer)
 
     def complete(self, b: Bucket) -> None:
         b.buffer.complete()
@@ -267,7 +272,7 @@ class DataParallel(BucketScheduler):
                 params[name][k] = v.detach() if v is not None else torch.zeros_like(p)
             if "step" in state:
                 step = float(state["step"])
-        return EngineState("replicated", step, params=params)
+        return EngineState(self.state_kind, step, params=params)
 
     def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Parameters and the optimizer's state by name (whole on every rank; split
@@ -295,8 +300,8 @@ class DataParallel(BucketScheduler):
         return nothing_to_gather(self.model)
 
     def describe(self) -> str:
-        summed = f" summed by {self.transport}" if self.size > 1 else ""
-        return f"{len(self.buckets)} gradient bucket(s){summed}, ZeRO stage 0"
+        summed = f" summed by {self.summed_by}" if self.size > 1 else ""
+        return f"{len(self.buckets)} gradient bucket(s){summed}, ZeRO level 0"
 
     def memory(self) -> MemoryReport:
         """Bytes this rank holds: replicated parameters, gradient buckets, AdamW state."""
@@ -308,12 +313,14 @@ class DataParallel(BucketScheduler):
         return MemoryReport(params=params, grads=grads, optimizer=optim, comm_buffers=staging)
 
     def close(self) -> None:
-        """Release MPI resources (persistent requests, the shared window). Collective
-        when the gradients live in shared memory; idempotent."""
-        self.resources.close()
-        if self.shm is not None:
+        """Release the gradient transport's resources (persistent requests, the shared
+        window). Collective when the gradients live in shared memory; idempotent."""
+        if self.transport is self.world.transport:
+            return  # the world's: its owner closes it
+        if isinstance(self.transport, ShmTransport):
             for b in self.buckets:  # keep the gradients readable once the window is gone
+                b.transport = self.world.transport
                 b.use_flat(b.flat.clone())
                 b.bind_grads()
-            self.shm.close()
-            self.shm = None
+        self.transport.close()
+        self.transport = self.world.transport

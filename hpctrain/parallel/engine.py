@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.parallel.bucketing import CommStats
 from hpctrain.parallel.memory import MemoryReport

@@ -41,13 +41,13 @@ class MemoryReport:
                 f"{self.comm_buffers / MiB:.1f} MiB per rank")
 
 
-def zero_formula(stage: int, dtype: str, world: int) -> float:
+def zero_formula(level: int, dtype: str, world: int) -> float:
     """Model-state bytes per parameter of ``Zero``: the ZeRO paper's (Rajbhandari et al.
     2020) Adam with fp32 master weights and moments (K = 12), except that bf16 keeps fp32
     gradients (4 bytes, not the paper's 2), as Megatron does, so micro-batches accumulate
     and reduce in fp32 and the optimizer reads unrounded sums."""
     n = world
     if dtype == "fp32":  # params 4, grads 4, moments 8 (params are the master)
-        return {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[stage]
+        return {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[level]
     # params 2, fp32 grads 4, fp32 master 4 + moments 8
-    return {0: 18, 1: 6 + 12 / n, 2: 2 + 16 / n, 3: 18 / n}[stage]
+    return {0: 18, 1: 6 + 12 / n, 2: 2 + 16 / n, 3: 18 / n}[level]

@@ -1,9 +1,9 @@
 """Replicated data parallelism in bf16: every rank holds every parameter, computes in
 bf16, keeps fp32 master weights and Adam moments, and sums fp32 gradients.
 
-This is the ZeRO engine at stage 0 (``zero/``), on purpose: stage 0 is the layout in
+This is the ZeRO engine at level 0 (``zero/``), on purpose: level 0 is the layout in
 which nothing is sharded, and what bf16 needs beyond ``DataParallel`` is exactly what
-the ZeRO engine has for every stage: parameters as bf16 views of flat buffers, fp32
+the ZeRO engine has for every level: parameters as bf16 views of flat buffers, fp32
 "main gradient" buffers that gradient hooks add autograd's bf16 gradients into, and fp32
 master weights that the optimizer updates and rounds back into the bf16 parameters.
 Writing it again beside ``DataParallel`` would duplicate that machinery; this class
@@ -13,8 +13,8 @@ names the layout and says what it is in the start-up line.
 from __future__ import annotations
 
 import torch
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.world import World
 from hpctrain.parallel.zero import Zero
 
@@ -24,8 +24,8 @@ class MixedPrecisionDataParallel(Zero):
 
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *,
                  dtype: str = "bf16", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 norm_comms: tuple = (), tp_comm: MPI.Comm = MPI.COMM_SELF):
-        super().__init__(model, world, optim_cfg, stage=0, dtype=dtype, bucket_mb=bucket_mb,
+                 norm_comms: tuple = (), tp_comm: MPI.Comm | None = None):
+        super().__init__(model, world, optim_cfg, level=0, dtype=dtype, bucket_mb=bucket_mb,
                          first_bucket_mb=first_bucket_mb, norm_comms=norm_comms,
                          tp_comm=tp_comm)
 

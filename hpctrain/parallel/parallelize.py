@@ -30,9 +30,8 @@ import torch
 
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.model.gpt import GPT, compile_model
-from hpctrain.parallel.data_parallel import DataParallel
+from hpctrain.parallel.choose_engine import build_engine
 from hpctrain.parallel.engine import GradEngine
-from hpctrain.parallel.mixed_precision import MixedPrecisionDataParallel
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD, V_PLACED
 from hpctrain.parallel.pipeline.stage import PipelineStage
@@ -40,7 +39,6 @@ from hpctrain.parallel.pipeline.pass_times import PassTimes
 from hpctrain.parallel.runner import LocalRunner, Runner
 from hpctrain.parallel.tensor.apply import tensor_parallelize
 from hpctrain.parallel.tensor.group import TensorParallelGroup
-from hpctrain.parallel.zero import Zero
 
 
 @dataclass
@@ -65,19 +63,9 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
                               v_shape=par.schedule in V_PLACED)
     else:
         model = gpt.to(device)
-    norms = {"norm_comms": (grid.pp_comm,) if pipelined else (), "tp_comm": grid.tp_comm}
-    if par.zero > 0:
-        engine = Zero(model, grid.dp_world, cfg.optim, stage=par.zero, dtype=cfg.train.dtype,
-                      bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,
-                      blocks=None if pipelined else whole_blocks(model), **norms)
-    elif cfg.train.dtype != "fp32":
-        engine = MixedPrecisionDataParallel(model, grid.dp_world, cfg.optim,
-                                            dtype=cfg.train.dtype, bucket_mb=par.bucket_mb,
-                                            first_bucket_mb=par.first_bucket_mb, **norms)
-    else:
-        engine = DataParallel(model, grid.dp_world, cfg.optim, bucket_mb=par.bucket_mb,
-                              first_bucket_mb=par.first_bucket_mb, allreduce=par.allreduce,
-                              **norms)
+    engine = build_engine(model, grid.dp_world, cfg,
+                          blocks=None if pipelined else whole_blocks(model),
+                          norm_comms=(grid.pp_comm,) if pipelined else (), tp_comm=grid.tp_comm)
     if pipelined:
         model.sync_head_dtype()  # the engine may have turned the parameters into bf16
         runner = PipelineExecutor(model, grid, kind=par.schedule, n_micro=par.micro_batches,

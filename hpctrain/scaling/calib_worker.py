@@ -19,8 +19,8 @@ import json
 import time
 
 import numpy as np
-from mpi4py import MPI  # a worker under mpiexec: MPI is what it measures
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.model.shape import GPTConfig
 

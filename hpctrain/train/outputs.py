@@ -13,7 +13,6 @@ import statistics
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.comm.small_collectives import allreduce_array
@@ -36,9 +35,9 @@ class RunOutputs:
         self.facts, self.log = facts, log
         self.out_dir = Path(cfg.train.out_dir)
 
-    def _sum(self, values, what: str, op=MPI.SUM):
+    def _sum(self, values, what: str):
         w = self.world
-        return allreduce_array(w.comm, values, op=op, timeout=w.timeout, what=what)
+        return allreduce_array(w.comm, values, timeout=w.timeout, what=what)
 
     def write(self, result: TrainResult, skipped: int, should_stop=None) -> str:
         """Collective: every rank calls it after the last step. Returns what a stop left

@@ -32,8 +32,8 @@ import signal
 import threading
 
 import numpy as np
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.comm.features import persistent_collectives
 from hpctrain.comm.resources import MPIResources

@@ -15,9 +15,9 @@ import itertools
 import weakref
 
 import torch
-from mpi4py import MPI
 
 from hpctrain.comm.buffers import MPIBuffer, to_mpi_all
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.parallel.tensor.layers import SPLIT
 from hpctrain.model.plan import ShardSpec
@@ -29,8 +29,9 @@ class TensorSplit:
     """The split parameters of ``model`` and the group (``comm``) that holds their
     slices; with no split parameter (tp = 1) every method passes its input through."""
 
-    def __init__(self, model: torch.nn.Module, comm: MPI.Comm = MPI.COMM_SELF,
+    def __init__(self, model: torch.nn.Module, comm: MPI.Comm | None = None,
                  timeout: float = 600.0):
+        comm = MPI.COMM_SELF if comm is None else comm  # tp = 1
         self.specs: dict[str, ShardSpec] = {
             n: getattr(p, SPLIT) for n, p in model.named_parameters()
             if getattr(p, SPLIT, None) is not None}

@@ -1,7 +1,7 @@
-"""ZeRO data parallelism (stages 0-3, fp32 or bf16) in four modules:
+"""ZeRO data parallelism (levels 0-3, fp32 or bf16) in four modules:
 
 - ``buckets.py``: the storage: flat buckets of parameters, their shards of fp32 master
-  weights, gradients and Adam moments, and the fp32 staging buffers of stages 2-3;
+  weights, gradients and Adam moments, and the fp32 staging buffers of levels 2-3;
 - ``engine.py``: ``Zero``, the gradient engine: reductions in bucket order, the sharded
   optimizer step and memory figures;
 - ``gather.py``: ZeRO-3's parameter gathers around each block's forward and backward;

@@ -1,20 +1,20 @@
 """The storage layer of the ZeRO engine: flat buckets, their shards, staging buffers.
 
 Parameters are grouped into buckets (``zero_buckets``: reverse registration order, as
-data parallelism does; for stage 3 one bucket per transformer block plus one for the
+data parallelism does; for level 3 one bucket per transformer block plus one for the
 embeddings and final norm). Each bucket is one flat buffer padded to a multiple of the N
 data-parallel ranks; rank r owns the slice ``[r*s, (r+1)*s)`` (``shards.shard_layout``).
 
-What a ``ZeroBucket`` keeps, per stage (compute dtype c = fp32 or bf16; gradients,
+What a ``ZeroBucket`` keeps, per level (compute dtype c = fp32 or bf16; gradients,
 master weights and Adam moments are fp32 in either dtype, Megatron's "main gradients"):
 
-    stage  parameters          gradients            master + Adam moments
+    level  parameters          gradients            master + Adam moments
     0      full (c)            full (fp32)          full        (bf16 only: fp32 uses DataParallel)
     1      full (c)            full (fp32)          shard
     2      full (c)            shard (fp32)         shard
     3      shard (c)           shard (fp32)         shard
 
-Stages 0 and 1 reduce their fp32 gradient buffer in place; stages 2 and 3 up-cast each
+Levels 0 and 1 reduce their fp32 gradient buffer in place; levels 2 and 3 up-cast each
 micro-batch's gradients into an fp32 buffer from the ``StagingPool`` and reduce-scatter
 that. Nothing here starts communication: the engine (``engine.py``) does.
 """
@@ -58,13 +58,13 @@ def refill_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
-def zero_buckets(model, stage: int, blocks, bucket_mb: float, first_bucket_mb: float
+def zero_buckets(model, level: int, blocks, bucket_mb: float, first_bucket_mb: float
                  ) -> list[list[torch.nn.Parameter]]:
     """The parameters of each ZeRO bucket, in reduction order (also what ``ckpt reshard``
-    lays a checkpoint out by). Stages 0-2: capped buckets in reverse registration order;
-    stage 3: one per block (the unit it gathers), then everything else."""
+    lays a checkpoint out by). Levels 0-2: capped buckets in reverse registration order;
+    level 3: one per block (the unit it gathers), then everything else."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if stage < 3:
+    if level < 3:
         order = params[::-1]
         plan = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
                             int(first_bucket_mb * MiB))
@@ -79,7 +79,7 @@ def zero_buckets(model, stage: int, blocks, bucket_mb: float, first_bucket_mb: f
 
 
 class StagingPool:
-    """fp32 buffers that stages 2-3 up-cast and reduce-scatter a bucket's gradients in,
+    """fp32 buffers that levels 2-3 up-cast and reduce-scatter a bucket's gradients in,
     drawn from a byte budget and reused across buckets and steps.
 
     A buffer is reused only by a bucket of the same length, so with the default budget
@@ -130,14 +130,14 @@ class StagingPool:
 class ZeroBucket:
     """One flat group of parameters and its shard of gradients and optimizer state."""
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], *, stage: int,
-                 rank: int, world: int, dtype: torch.dtype, comm_world: World):
-        """``world``: data-parallel ranks; at 1 nothing is reduced (gradients are added
-        straight into the fp32 gradient buffer or shard)."""
-        self.index, self.params, self.stage, self.dtype = index, params, stage, dtype
-        self.world = comm_world
-        self.layout = shard_layout([p.numel() for p in params], world if stage else 1, ALIGN)
-        self.rank = rank if stage else 0
+    def __init__(self, index: int, params: list[torch.nn.Parameter], *, level: int,
+                 rank: int, dp_size: int, dtype: torch.dtype, world: World):
+        """``dp_size``: data-parallel ranks; at 1 nothing is reduced (gradients are added
+        straight into the fp32 gradient buffer or shard). ``world``: theirs."""
+        self.index, self.params, self.level, self.dtype = index, params, level, dtype
+        self.world = world
+        self.layout = shard_layout([p.numel() for p in params], dp_size if level else 1, ALIGN)
+        self.rank = rank if level else 0
         lo, hi = self.layout.rank_range(self.rank)
         device = params[0].device
         lay = self.layout
@@ -147,19 +147,19 @@ class ZeroBucket:
             self.full = master_full.to(dtype) if dtype != torch.float32 else master_full
             for p, off in zip(params, lay.offsets):
                 p.data = self.full[off:off + p.numel()].view(p.shape)
-            if dtype == torch.float32 and stage < 3:
+            if dtype == torch.float32 and level < 3:
                 self.master = self.full[lo:hi]  # updated in place, then allgathered
             else:
                 self.master = master_full[lo:hi].clone()
-            self.shard = None  # stage 3: this rank's compute-dtype parameter shard
-            if stage == 3:
+            self.shard = None  # level 3: this rank's compute-dtype parameter shard
+            if level == 3:
                 self.shard = self.master if dtype == torch.float32 else self.full[lo:hi].clone()
                 free_storage(self.full)
         del master_full
-        self.local = world == 1
+        self.local = dp_size == 1
         # fp32 gradients in either compute dtype ("main gradients"): micro-batches add up
         # and reduce in fp32, and the optimizer reads them as they are.
-        if stage <= 1:
+        if level <= 1:
             self.grad_full = torch.zeros(lay.padded, dtype=torch.float32, device=device)
             self.grad_shard = self.grad_full[:lay.shard]  # in-place reduce-scatter lands here
         else:
@@ -171,17 +171,17 @@ class ZeroBucket:
         self.slot = {id(p): i for i, p in enumerate(params)}
         # fp32 ZeRO-3 reduces gradients inside the gathered parameter buffer (see
         # Zero._stage_grad); `got` marks which parameters' slices hold a gradient.
-        self.grads_in_full = stage == 3 and dtype == torch.float32 and not self.local
+        self.grads_in_full = level == 3 and dtype == torch.float32 and not self.local
         self.got = [False] * len(params)
         # Scheduling state for one backward.
         self.pending = len(params)
         self.staging: torch.Tensor | None = None
         self.staging_mpi: CommBuffer | None = None
         self.mpi: CommBuffer | None = None  # what this backward's reduction hands over
-        w = comm_world
+        w = world
         self.grad_mpi = w.transport.buffer(self.grad_full, reduction=True) \
             if self.reduces_in_place() and not self.local else None
-        self.shard_mpi = w.transport.buffer(self.shard, raw=True) if stage == 3 else None
+        self.shard_mpi = w.transport.buffer(self.shard, raw=True) if level == 3 else None
         self._full_mpi: dict[bool, CommBuffer] = {}
 
     @property
@@ -189,18 +189,27 @@ class ZeroBucket:
         return self.layout.padded * 4
 
     def bind_grads(self) -> None:
-        """fp32 stages 0-1: autograd accumulates into views of the gradient buffer; else
+        """fp32 levels 0-1: autograd accumulates into views of the gradient buffer; else
         each gradient is autograd's own tensor until the hook takes it."""
         bind = self.grad_full is not None and self.dtype == torch.float32
         for p, off in zip(self.params, self.layout.offsets):
             p.grad = self.grad_full[off:off + p.numel()].view(p.shape) if bind else None
 
+    def publish_master(self) -> None:
+        """bf16: round the updated fp32 master shard into the compute parameters (level
+        3: this rank's parameter shard; else its slice of the whole parameters)."""
+        if self.level == 3:
+            self.shard.copy_(self.master)
+        else:
+            lo, hi = self.layout.rank_range(self.rank)
+            self.full[lo:hi].copy_(self.master)
+
     def reduces_in_place(self) -> bool:
-        """Stages 0-1 reduce the fp32 gradient buffer itself; 2-3 stage in fp32."""
+        """Levels 0-1 reduce the fp32 gradient buffer itself; 2-3 stage it in fp32."""
         return self.grad_full is not None
 
     def full_mpi(self, reduction: bool = False) -> CommBuffer:
-        """The transport's view of ``full`` (``raw``: stage 3 frees and re-allocates it),
+        """The transport's view of ``full`` (``raw``: level 3 frees and re-allocates it),
         for gathers or (``reduction``) fp32 ZeRO-3's reductions."""
         if reduction not in self._full_mpi:
             self._full_mpi[reduction] = self.world.transport.buffer(

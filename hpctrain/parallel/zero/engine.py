@@ -1,19 +1,19 @@
-"""The ZeRO engine: stages 0-3 over MPI, fp32 or bf16 (Rajbhandari et al., SC'20).
+"""The ZeRO engine: levels 0-3 over MPI, fp32 or bf16 (Rajbhandari et al., SC'20).
 
-What each rank keeps per stage is in ``buckets.py``; ZeRO-3's parameter gathers are in
+What each rank keeps per level is in ``buckets.py``; ZeRO-3's parameter gathers are in
 ``gather.py``. This module moves gradients and updates the shards.
 
 A step: backward produces gradients (in bf16 autograd's gradient of one parameter is bf16
 and lives only until its hook has added it into the fp32 buffer); when a bucket's last
 gradient arrives its reduction starts (nonblocking, in bucket order on every rank):
-``Iallreduce`` for stage 0, ``Ireduce_scatter_block`` otherwise, always on fp32 data.
-Stages 0 and 1 accumulate micro-batches in their fp32 gradient buffer and reduce it in
-place once; stages 2 and 3 keep no full gradient, so they up-cast each micro-batch's
+``Iallreduce`` for level 0, ``Ireduce_scatter_block`` otherwise, always on fp32 data.
+Levels 0 and 1 accumulate micro-batches in their fp32 gradient buffer and reduce it in
+place once; levels 2 and 3 keep no full gradient, so they up-cast each micro-batch's
 gradients into an fp32 staging buffer, reduce-scatter it and add the result to the fp32
 gradient shard. The optimizer reads the fp32 gradient: nothing is rounded back to bf16.
-With one data-parallel rank no reduction is started (nor allgather of stages 1-2). Then
+With one data-parallel rank no reduction is started (nor allgather of levels 1-2). Then
 the global gradient norm is summed over the shards, each rank clips and updates its
-shard with AdamW, and stages 1 and 2 allgather the new parameters.
+shard with AdamW, and levels 1 and 2 allgather the new parameters.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import functools
 import math
 
 import torch
-from mpi4py import MPI
 
+from hpctrain.comm.mpi import MPI
 from hpctrain.comm.transport import Request
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
@@ -51,32 +51,35 @@ def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> No
 
 
 class Zero(ShardedState, BucketScheduler):
-    """ZeRO-``stage`` data parallelism with its own sharded AdamW."""
+    """ZeRO-``level`` data parallelism with its own sharded AdamW."""
 
-    def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, stage: int,
+    state_kind = "zero"
+    """The ``EngineState`` kind it saves: this rank's shards, bucket by bucket."""
+
+    def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, level: int,
                  dtype: str = "fp32", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = (),
-                 tp_comm: MPI.Comm = MPI.COMM_SELF, staging_mb: float | None = None):
+                 tp_comm: MPI.Comm | None = None, staging_mb: float | None = None):
         """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``,
-        ``tp_comm``: see engine.py; ``staging_mb``: the byte budget of stages 2-3's fp32
+        ``tp_comm``: see engine.py; ``staging_mb``: the byte budget of levels 2-3's fp32
         reduction buffers (default: every bucket's, so all can be in flight at once)."""
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 0-3, not {stage}")
-        self.model, self.world, self.stage = model, world, stage
+        if level not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO level must be 0-3, not {level}")
+        self.model, self.world, self.level = model, world, level
         self.tensor_split = TensorSplit(model, tp_comm, world.timeout)
-        # The norm's squares are summed over the shards' ranks (stages 1-3), the
+        # The norm's squares are summed over the shards' ranks (levels 1-3), the
         # tensor-parallel group, then these.
-        self.norm_comms = (([world.comm] if stage else [])
+        self.norm_comms = (([world.comm] if level else [])
                            + ([tp_comm] if self.tensor_split.active else []) + list(norm_comms))
         self.dtype = DTYPES[dtype]
         self.optim_cfg = optim_cfg
         self.transport = world.transport
-        self.gather_transport = world.transport.sibling() if stage == 3 else None
+        self.gather_transport = world.transport.sibling() if level == 3 else None
         self.size, self.rank = world.size, world.rank
         _broadcast_module(model, world)  # every rank starts from rank 0's initialization
-        groups = zero_buckets(model, stage, blocks, bucket_mb, first_bucket_mb)
-        self.buckets = [ZeroBucket(i, g, stage=stage, rank=self.rank, world=self.size,
-                                   dtype=self.dtype, comm_world=world)
+        groups = zero_buckets(model, level, blocks, bucket_mb, first_bucket_mb)
+        self.buckets = [ZeroBucket(i, g, level=level, rank=self.rank, dp_size=self.size,
+                                   dtype=self.dtype, world=world)
                         for i, g in enumerate(groups)]
         self.local = self.size == 1  # nothing to reduce or share: no MPI reduction
         device = self.buckets[0].full.device
@@ -91,7 +94,7 @@ class Zero(ShardedState, BucketScheduler):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b))
         self._open = False  # a synced backward whose reductions finish() has not completed
         self.gather = None
-        if stage == 3:
+        if level == 3:
             self.gather = ParameterGather(self.buckets, self.gather_transport, world.timeout,
                                           self.stats)
             self.gather.install_hooks(model, blocks)
@@ -125,10 +128,10 @@ class Zero(ShardedState, BucketScheduler):
         return 1.0 / self.size
 
     def prepare_for_backward(self, last_micro: bool) -> None:
-        # Stages 2 and 3 keep no full gradient, so every micro-batch is reduced (and the
+        # Levels 2 and 3 keep no full gradient, so every micro-batch is reduced (and the
         # previous micro-batch's reductions are completed before the next backward).
         sync = last_micro
-        if self.stage >= 2:
+        if self.level >= 2:
             if self._open:
                 self.finish()
             sync = True
@@ -136,23 +139,23 @@ class Zero(ShardedState, BucketScheduler):
         super().prepare_for_backward(sync)
 
     def _on_grad(self, bucket: ZeroBucket, param: torch.nn.Parameter) -> None:
-        if self.stage >= 2:
+        if self.level >= 2:
             self._stage_grad(bucket, param)
         elif self.dtype != torch.float32:
             self._add_to_main_grad(bucket, param)
         self.grad_ready(bucket)
-        if self.stage == 3 and bucket.pending == 0 and not bucket.grads_in_full:
+        if self.level == 3 and bucket.pending == 0 and not bucket.grads_in_full:
             self._release(bucket)  # its backward is done: free the gathered parameters
 
     def _add_to_main_grad(self, b: ZeroBucket, p: torch.nn.Parameter) -> None:
-        """bf16 stages 0-1: add autograd's bf16 gradient into the fp32 gradient buffer
+        """bf16 levels 0-1: add autograd's bf16 gradient into the fp32 gradient buffer
         (every micro-batch), drop it."""
         off = b.layout.offsets[b.slot[id(p)]]
         b.grad_full[off:off + p.numel()].add_(p.grad.reshape(-1))
         p.grad = None
 
     def _stage_grad(self, b: ZeroBucket, p: torch.nn.Parameter) -> None:
-        """Stages 2-3: move a fresh gradient into the bucket's reduction buffer (at one
+        """Levels 2-3: move a fresh gradient into the bucket's reduction buffer (at one
         rank: add it to the gradient shard, which is the whole bucket), drop it."""
         i = b.slot[id(p)]
         off = b.layout.offsets[i]
@@ -214,7 +217,7 @@ class Zero(ShardedState, BucketScheduler):
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes
         with profile_range(f"reduce bucket {b.index}"):
-            if self.stage == 0:
+            if self.level == 0:
                 return self.transport.allreduce(b.mpi)
             # In place: the input is the whole buffer, this rank's reduced shard lands
             # at its start (MPI standard, MPI_Reduce_scatter_block with MPI_IN_PLACE).
@@ -230,7 +233,7 @@ class Zero(ShardedState, BucketScheduler):
             b.got = [False] * len(b.params)
             self._release(b)
             return
-        if b.staging is None:  # stages 0-1 reduced their fp32 gradient buffer in place
+        if b.staging is None:  # levels 0-1 reduced their fp32 gradient buffer in place
             return
         b.grad_shard.add_(b.staging[:b.layout.shard])
         self.staging.release(b.staging)
@@ -274,20 +277,14 @@ class Zero(ShardedState, BucketScheduler):
                     group["lr"] = lr
                 opt.step()
                 if self.dtype != torch.float32:
-                    self._publish_master(b)
-        if self.stage in (1, 2) and not self.local:
-            self._allgather_parameters()
+                    b.publish_master()
+        if self.level in (1, 2) and not self.local:
+            self.allgather_parameters()
         return norm
 
-    def _publish_master(self, b: ZeroBucket) -> None:
-        """bf16: round the updated fp32 master shard into the compute parameters."""
-        lo, hi = b.layout.rank_range(b.rank)
-        if self.stage == 3:
-            b.shard.copy_(b.master)
-        else:
-            b.full[lo:hi].copy_(b.master)
-
-    def _allgather_parameters(self) -> None:
+    def allgather_parameters(self) -> None:
+        """Every rank's updated slice of the parameters to every rank (levels 0-2;
+        collective over the data-parallel ranks)."""
         with profile_range("allgather parameters"):
             # In place: each rank's updated slice already sits at its own offset.
             reqs = self.transport.allgather_each([b.full_mpi() for b in self.buckets])
@@ -297,7 +294,7 @@ class Zero(ShardedState, BucketScheduler):
             b.full_mpi().complete()
         self.stats.gathers += len(reqs)
 
-    # ---------------------------------------------------------- stage 3 gathers
+    # ---------------------------------------------------------- level 3 gathers
     def _release(self, b: ZeroBucket) -> None:
         if self.gather is not None:
             self.gather.release(b)
@@ -308,7 +305,7 @@ class Zero(ShardedState, BucketScheduler):
 
     @property
     def gathered_bytes(self) -> int:
-        """Bytes of ZeRO-3 full parameters held now (0 for other stages)."""
+        """Bytes of ZeRO-3 full parameters held now (0 for other levels)."""
         return self.gather.gathered_bytes if self.gather else 0
 
     @property
@@ -317,13 +314,13 @@ class Zero(ShardedState, BucketScheduler):
 
     # ---------------------------------------------------------- memory and close
     def describe(self) -> str:
-        return f"{len(self.buckets)} gradient bucket(s), ZeRO stage {self.stage}"
+        return f"{len(self.buckets)} gradient bucket(s), ZeRO level {self.level}"
 
     def memory(self) -> MemoryReport:
         """Bytes this rank holds for model state, and its peak communication buffers."""
         params = grads = optim = 0
         for b in self.buckets:
-            params += tensor_bytes(b.shard if self.stage == 3 else b.full)
+            params += tensor_bytes(b.shard if self.level == 3 else b.full)
             grads += tensor_bytes(b.grad_full if b.grad_full is not None else b.grad_shard)
             optim += tensor_bytes(b.exp_avg) + tensor_bytes(b.exp_avg_sq)
             if self.dtype != torch.float32:

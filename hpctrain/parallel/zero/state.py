@@ -18,9 +18,8 @@ from hpctrain.parallel.zero.buckets import pack_flat
 
 class ShardedState:
     """Checkpoint state of ``Zero`` (a mixin: it reads the engine's ``model``,
-    ``buckets``, ``optimizers``, ``world``, ``stage``, ``size``, ``dtype`` and
-    ``tensor_split``,
-    and calls its ``_publish_master`` and ``_allgather_parameters``)."""
+    ``buckets``, ``optimizers``, ``world``, ``level``, ``size``, ``dtype`` and
+    ``tensor_split``, and calls its public ``allgather_parameters``)."""
 
     def consolidated_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Full fp32 parameters and Adam moments per parameter, on every rank (collective).
@@ -74,7 +73,7 @@ class ShardedState:
                 b.master.copy_(flat["param"][lo:hi].to(dev))
                 b.exp_avg.copy_(flat["exp_avg"][lo:hi].to(dev))
                 b.exp_avg_sq.copy_(flat["exp_avg_sq"][lo:hi].to(dev))
-                if self.stage < 3:  # the compute parameters, whole
+                if self.level < 3:  # the compute parameters, whole
                     b.full.copy_(flat["param"].to(dev, self.dtype))
                 elif b.shard is not b.master:
                     b.shard.copy_(b.master)
@@ -91,16 +90,16 @@ class ShardedState:
                 b.exp_avg.copy_(torch.from_numpy(s["exp_avg"]).to(dev))
                 b.exp_avg_sq.copy_(torch.from_numpy(s["exp_avg_sq"]).to(dev))
                 if self.dtype != torch.float32:
-                    self._publish_master(b)
+                    b.publish_master()
                 for st in opt.state.values():
                     st["step"].fill_(step)
-        if self.stage < 3 and self.size > 1:
-            self._allgather_parameters()
+        if self.level < 3 and self.size > 1:
+            self.allgather_parameters()
 
     def state_shards(self) -> EngineState:
         """This rank's shards, bucket by bucket (what a sharded checkpoint saves)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        return EngineState("zero", self.optimizer_step(), buckets=[
+        return EngineState(self.state_kind, self.optimizer_step(), buckets=[
             BucketShard([names[id(p)] for p in b.params], [list(p.shape) for p in b.params],
                         b.layout, dict(zip(STATE_KEYS, (b.master, b.exp_avg, b.exp_avg_sq))))
             for b in self.buckets])

@@ -1,0 +1,27 @@
+"""``MPI``: mpi4py's ``MPI`` module, loaded when first used, so importing never starts MPI.
+
+Importing ``mpi4py.MPI`` initializes MPI. hpctrain's modules write
+``from hpctrain.comm.mpi import MPI`` and use it as mpi4py's module: the first attribute
+read imports ``mpi4py.MPI``, which initializes MPI exactly as mpi4py does by default
+(``mpi4py.rc``: thread level, finalize at exit). Login-node tools and ``--help`` that
+never touch MPI never start it. ``tests/test_imports.py`` imports every module and checks.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+
+class _LazyMPI:
+    """Stands for ``mpi4py.MPI``; each name read is fetched once, then kept."""
+
+    def __getattr__(self, name: str):
+        value = getattr(importlib.import_module("mpi4py.MPI"), name)
+        self.__dict__[name] = value  # later reads skip __getattr__
+        return value
+
+    def __repr__(self) -> str:
+        return "<mpi4py.MPI, imported at first use>"
+
+
+MPI = _LazyMPI()
