@@ -13,12 +13,15 @@ import importlib
 
 
 class _LazyMPI:
-    """Stands for ``mpi4py.MPI``; each name read is fetched once, then kept."""
+    """Stands for ``mpi4py.MPI``: every name is read from the module at each use (so a
+    test that patches ``mpi4py.MPI`` patches what hpctrain calls too)."""
+
+    _module = None
 
     def __getattr__(self, name: str):
-        value = getattr(importlib.import_module("mpi4py.MPI"), name)
-        self.__dict__[name] = value  # later reads skip __getattr__
-        return value
+        if _LazyMPI._module is None:
+            _LazyMPI._module = importlib.import_module("mpi4py.MPI")
+        return getattr(_LazyMPI._module, name)
 
     def __repr__(self) -> str:
         return "<mpi4py.MPI, imported at first use>"

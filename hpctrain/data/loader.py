@@ -1,9 +1,9 @@
-"""Open the training dataset on every rank: one metadata read, optional staging to
+"""Open the training dataset on every rank: one metadata read, an optional copy to
 node-local disk, the reader ``--data.reader`` names, and the prefetching thread; then
 ``BatchLoader`` hands the trainer each step's rows as tensors on its device.
 
 Everything here is collective over the world, and a problem any rank meets (a corrupt
-file, a full staging disk, an MPI-IO open that fails) becomes the same ``DataError`` on
+file, a full node-local disk, an MPI-IO open that fails) becomes the same ``DataError`` on
 every rank: one message, exit status 2, never a rank left waiting in a collective.
 """
 
@@ -24,7 +24,7 @@ from hpctrain.data.sampler import EVAL_STREAM, all_windows, make_sampler
 from hpctrain.data.local_copy import local_copy_paths, make_local_copy
 from hpctrain.errors import DataError, UserError
 
-_STAGE_BYTES_PER_S = 20e6  # slowest copy rate allowed for before staging times out
+_COPY_BYTES_PER_S = 20e6  # slowest rate allowed for before the node-local copy times out
 
 
 def resolve_reader(kind: str) -> str:
@@ -72,9 +72,10 @@ def open_dataset(cfg, world) -> Prefetcher:
     comm = world.comm
     if cfg.local_copy_dir:
         nbytes = sum(f.stat().st_size for f in info.files)
-        agree(world.comm, lambda: make_local_copy(info, cfg.local_copy_dir) if world.local_rank == 0
-              else None, timeout=world.timeout + nbytes / _STAGE_BYTES_PER_S,
-              what="staging the dataset")
+        agree(world.comm, lambda: make_local_copy(info, cfg.local_copy_dir)
+              if world.local_rank == 0 else None,
+              timeout=world.timeout + nbytes / _COPY_BYTES_PER_S,
+              what="making the node-local copy of the dataset")
         info = info.with_files(local_copy_paths(info, cfg.local_copy_dir))
         # Each node reads its own copy: the copies are different files, so the
         # collective reads are collective over the node's ranks only.
@@ -114,11 +115,12 @@ def thread_note(prefetch: bool, threaded: bool, level: int) -> str:
             f"{THREAD_LEVELS.get(level, '?')}, not multiple ({THREAD_LEVEL_HINT})")
 
 
-def verify_dataset(data: Prefetcher, world, staged: bool) -> None:
+def verify_dataset(data: Prefetcher, world, local_copy: bool) -> None:
     """Every rank checks the CRC of a share of the blocks; all agree on the verdict.
     Staged copies are checked node by node: each node reads its own copy."""
     w = world
-    bad = data.verify(w.local_rank if staged else w.rank, w.local_size if staged else w.size)
+    bad = data.verify(w.local_rank if local_copy else w.rank,
+                      w.local_size if local_copy else w.size)
     n_bad = int(allreduce_array(w.comm, [len(bad)], timeout=w.timeout,
                                 what="dataset checksum verdict")[0])
     if n_bad:
@@ -157,7 +159,7 @@ class BatchLoader:
         try:
             data.check_fits(cfg.model.block_size, cfg.model.vocab_size)
             if cfg.data.verify:
-                verify_dataset(data, world, staged=bool(cfg.data.local_copy_dir))
+                verify_dataset(data, world, local_copy=bool(cfg.data.local_copy_dir))
         except BaseException:
             data.close()
             raise
