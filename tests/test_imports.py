@@ -48,3 +48,23 @@ def test_the_lazy_module_starts_mpi_at_first_use():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True", "1"]
+
+
+CONFIG_ERROR = r"""
+import sys
+from hpctrain.cli import main
+code = main(["train", "default", "--train.max_iter=20"])
+print("mpi4py.MPI" in sys.modules, code)
+"""
+
+
+def test_a_config_error_of_train_exits_2_before_mpi_starts():
+    """The train command reads and checks its configuration before MPI starts: under any
+    launcher a typo is one line and exit 2 on every rank, never an MPI_Abort (srun
+    recorded 9:0) nor a shared-memory segment left in /dev/shm."""
+    done = subprocess.run([sys.executable, "-c", CONFIG_ERROR], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "2"], done.stdout
+    assert done.stderr.strip().splitlines() == [
+        "error: unknown option --train.max_iter; did you mean --train.max_iters?"]
