@@ -31,6 +31,8 @@ from hpctrain.errors import EXIT_USER_ERROR, UserError
 EXIT_INTERRUPTED = 130
 """128 + SIGINT (the shell's convention): Ctrl-C ended the run at once, a second one
 during a run, or one before the trainer set up its handler."""
+FINALIZE_S = 10.0
+"""The longest an agreed exit waits in ``MPI_Finalize`` before leaving without it."""
 AGREE_S = 5.0
 """How long a rank with a user error waits for the others to report one as well."""
 # When every rank hits the same user error without agreeing (no error communicator),
@@ -97,7 +99,7 @@ class JobExit:
             # No rank leaves before rank 0 has written its message: the launcher ends the
             # job when the first rank exits, and could take rank 0 down before it prints.
             self._agree()
-            os._exit(EXIT_USER_ERROR)
+            exit_releasing_mpi(EXIT_USER_ERROR)
         self._abort(exc, rank, size)
 
     def _agree(self) -> bool:
@@ -124,6 +126,24 @@ class JobExit:
         self.comm.Abort(code)
         # MPICH's MPI_Abort can return to the caller; never let a rank carry on after it.
         os._exit(code)
+
+
+def exit_releasing_mpi(code: int) -> None:
+    """End the process with ``code`` after ``MPI_Finalize``, which removes the shared-memory
+    segments MPI made in /dev/shm (``os._exit`` alone leaves them: on shared nodes they
+    pile up until later MPI starts fail). Every rank calls it together (they agreed);
+    should finalize hang, a timer ends the process after ``FINALIZE_S`` all the same."""
+    timer = threading.Timer(FINALIZE_S, os._exit, args=(code,))
+    timer.daemon = True
+    timer.start()
+    try:
+        from hpctrain.comm.mpi import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    except Exception:  # noqa: BLE001 - the exit status is what matters now
+        pass
+    os._exit(code)
 
 
 def install_abort_handler(comm) -> JobExit:
