@@ -40,6 +40,9 @@ MAX_BATCH_TOKENS = 1 << 32
 """Tokens of one training step, all ranks together (the largest runs take 2**24)."""
 MAX_COUNT = 1 << 40
 """Any other count: steps, batches, sequences, tokens to sample."""
+MAX_WAIT_S = 7 * 86400.0
+"""Seconds a deadline may allow a wait (``--comm.timeout``, ``--timeout``): a week; far
+more overflows the thread waits that carry it (``threading.TIMEOUT_MAX``)."""
 
 
 def whole(value, what: str, low: int, high: int, *, error: type[Exception] = ValueError,

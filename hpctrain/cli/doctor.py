@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from hpctrain.errors import UserError
+from hpctrain.sizes import MAX_WAIT_S, finite
+
 
 def add_doctor(sub) -> None:
     p = sub.add_parser(
@@ -36,6 +39,7 @@ def cmd_doctor(args) -> int:
     from hpctrain.cli.job_world import job_system, job_world
     from hpctrain.doctor.run import run_doctor
 
+    finite(args.timeout, "--timeout", 0.0, MAX_WAIT_S, low_open=True, error=UserError)
     system = job_system()
     world = job_world(timeout=args.timeout, device=args.device, gpu_aware=args.gpu_aware)
     try:

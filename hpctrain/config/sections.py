@@ -17,7 +17,7 @@ from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE,
                                      SwitchOrPath, check_fields, opt, require)
 from hpctrain.errors import ConfigError
 from hpctrain.model.shape import ARCHS, GPTConfig
-from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT
+from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT, MAX_WAIT_S
 
 TRANSPORTS = ("auto", "mpi", "shm", "xccl")
 """``--comm.transport``'s values (``comm/transport.py`` has a transport for each)."""
@@ -322,7 +322,7 @@ class TrainConfig:
 @dataclass
 class CommConfig:
     timeout: float = opt(300.0, "seconds any MPI wait may take before the job aborts",
-                        bounds=POSITIVE)
+                        bounds=Bounds(0, MAX_WAIT_S, low_open=True))
     gpu_aware: str = opt("auto", "hand device memory to MPI directly (yes) or through host "
                                  "buffers (no); auto asks the MPI library about this "
                                  "device's vendor (CUDA, ROCm, Level Zero)",

@@ -12,7 +12,6 @@ The steps and their reasons: ``docs/design/data-path.md`` ("Parallel preparation
 
 from __future__ import annotations
 
-import math
 import os
 import zlib
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
 from hpctrain.data.tokenizers import check_tokenizer_name
 from hpctrain.errors import DataError
 from hpctrain.file_modes import chmod_as_created
-from hpctrain.sizes import MiB
+from hpctrain.sizes import MAX_WAIT_S, MiB, finite
 
 __all__ = ["prepare", "combine", "expand_inputs", "assign_files", "check_output"]
 BAD_RECORD_CHOICES = ("fail", "skip")
@@ -107,8 +106,7 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
     written ("fail") or is left out ("skip"). The numbered steps are those of the module
     docstring.
     """
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise DataError(f"--timeout must be a finite number of seconds > 0, not {timeout}")
+    finite(timeout, "--timeout", 0.0, MAX_WAIT_S, low_open=True, error=DataError)
     if on_bad_record not in BAD_RECORD_CHOICES:
         raise DataError(f"--on-bad-record is skip or fail, not {on_bad_record!r}")
     group = Solo() if comm is None else Group(comm, timeout)
