@@ -127,6 +127,27 @@ def test_out_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path):
     assert (tmp_path / "somefile").read_text() == "not a directory\n"
 
 
+def test_a_tensorboard_folder_that_is_a_file_or_unwritable_is_one_line_and_exit_2(
+        tmp_path, capsys, monkeypatch):
+    """Checked with the out_dir, before MPI: a traceback from the writer before."""
+    from hpctrain.cli import main
+
+    (tmp_path / "somefile").write_text("not a directory\n")
+    argv = ["train", "default", f"--train.out_dir={tmp_path}/run"]
+    assert main([*argv, f"--train.tensorboard={tmp_path}/somefile"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --train.tensorboard={tmp_path}/somefile is a file, not a "
+                   "directory; name a directory (it is created if missing)\n")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == locked
+                        else real_access(path, mode))
+    assert main([*argv, f"--train.tensorboard={locked}/tb"]) == 2
+    assert "cannot create or write files in" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not list(locked.iterdir())
+
+
 def _read_only_bind(folder: Path) -> list[str] | None:
     """A command prefix that runs under a read-only bind mount of ``folder`` (a private
     mount namespace: nothing changes outside), or None where mounts are not allowed."""

@@ -62,6 +62,11 @@ def _train(args, overrides: list[str], signals) -> int:
         print(json.dumps(cfg.to_dict(), indent=1))
         return 0
     check_out_dir(cfg.train.out_dir)  # on every rank, before MPI: one message, no hang
+    from hpctrain.train.tensorboard import tensorboard_dir
+
+    scalars = tensorboard_dir(cfg.train.tensorboard, cfg.train.out_dir)
+    if scalars is not None:
+        check_out_dir(str(scalars), "--train.tensorboard")
 
     from hpctrain.cli.job_world import job_world
     from hpctrain.train.trainer import Trainer
