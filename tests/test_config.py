@@ -106,6 +106,18 @@ def test_unknown_recipe_lists_the_builtin_ones(tmp_path):
         load_config(str(bad))
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"\xef\x00\xff garbage", "is not UTF-8 text"),
+    (b"a = " + b"[" * 10_000 + b"]" * 10_000, "nests its values deeper"),
+    (b"# " + b"x" * (1 << 20) + b"\n", "more than any recipe"),
+], ids=["binary", "deep", "huge"])
+def test_a_recipe_file_that_is_no_recipe_is_one_config_error(tmp_path, content, message):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(bad))
+
+
 def test_batch_must_split_over_ranks_and_micro_batches():
     cfg = build_config({"train": {"batch_size": 12}, "parallel": {"micro_batches": 2}})
     check_layout(cfg, 2)  # 12 = 2 ranks x 2 micro x 3 rows

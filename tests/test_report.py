@@ -72,6 +72,7 @@ def test_a_record_still_being_written_is_skipped_and_noted(tmp_path):
     ("corrupt", "line 2"),
     ("not_a_record", "line 1"),
     ("loss_not_a_number", "line 2: loss is 'nan?', not a number"),
+    ("deep_summary", "summary.json: maximum recursion depth exceeded"),
 ])
 def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, case, message):
     path = tmp_path / case
@@ -81,6 +82,9 @@ def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, case, message):
         write_run(path, segment([10], 1.0, 0), tail='{"step": 20, oops}\n')
     elif case == "not_a_record":
         write_run(path, [], tail='[1, 2]\n')
+    elif case == "deep_summary":
+        write_run(path, segment([10], 1.0, 0))
+        (path / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
     elif case == "loss_not_a_number":
         write_run(path, segment([10], 1.0, 0), tail='{"step": 20, "loss": "nan?"}\n')
     assert main(["report", str(path)]) == 2

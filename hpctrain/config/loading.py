@@ -26,13 +26,24 @@ def recipe_names() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
 
 
+MAX_RECIPE_BYTES = 1 << 20
+"""A recipe is a few sections of keys: a larger file is not one."""
+
+
 def read_recipe(name_or_path: str) -> dict:
     """A built-in recipe by name, or a TOML file by path."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
             raise ConfigError(f"recipe file {path} does not exist")
-        text = path.read_text()
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise ConfigError(f"recipe file {path} is {path.stat().st_size:,} bytes, more "
+                              f"than any recipe ({MAX_RECIPE_BYTES:,}); name a recipe file")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"recipe file {path} is not UTF-8 text (byte {e.start}); name "
+                              "a TOML recipe file") from None
     else:
         resource = resources.files("hpctrain.recipes") / f"{name_or_path}.toml"
         if not resource.is_file():
@@ -43,6 +54,9 @@ def read_recipe(name_or_path: str) -> dict:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"recipe {name_or_path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"recipe {name_or_path} nests its values deeper than Python's "
+                          "parser goes; a recipe is sections of plain keys") from None
 
 
 def _all_keys() -> list[str]:

@@ -70,7 +70,7 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
             continue
         try:
             record = json.loads(line)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
             record, why = None, str(e)
         else:
             why = "not a JSON object with a step"
@@ -146,7 +146,7 @@ def _read_json(path: Path) -> dict | None:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise UserError(f"cannot read {path}: {e}; it is not a summary hpctrain wrote") \
             from None
     return data if isinstance(data, dict) else None
@@ -162,8 +162,8 @@ def _config_record(path: Path, summary: dict | None) -> tuple[dict, int | None]:
         manifest = json.loads((path / "checkpoints" / latest.read_text().strip()
                                / "manifest.json").read_text())
         return manifest.get("config") or {}, manifest.get("world_size")
-    except (OSError, ValueError):
-        return {}, None
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return {}, None  # no readable manifest: the label goes without the layout
 
 
 def layout_label(name: str, config: dict, world: int | None) -> str:
