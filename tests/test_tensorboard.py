@@ -79,6 +79,20 @@ def test_scalars_are_on_disk_at_every_log_interval_before_close(tmp_path):
 
 
 @pytest.mark.report
+def test_a_resumed_log_drops_the_earlier_attempts_later_steps(tmp_path):
+    """Killed at step 15 after its checkpoint of step 10: the resumed run's events replace
+    the first attempt's 15, as metrics.jsonl's records do."""
+    first = ScalarLog(tmp_path / "tb")
+    for step, loss in ((5, 3.0), (10, 2.5), (15, 2.4)):
+        first.write({"step": step, "loss": loss})
+    first.close()
+    resumed = ScalarLog(tmp_path / "tb", resumed_at=10)
+    resumed.write({"step": 15, "loss": 2.25})
+    resumed.close()
+    assert _events(tmp_path / "tb") == {"loss": [(5, 3.0), (10, 2.5), (15, 2.25)]}
+
+
+@pytest.mark.report
 def test_the_events_hold_what_metrics_jsonl_holds(dataset_path, tmp_path):
     cfg = tiny_config(dataset_path, tmp_path, **{
         "train.tensorboard": "true", "train.max_iters": 20, "train.eval_interval": 10,

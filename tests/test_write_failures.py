@@ -135,7 +135,7 @@ def test_a_torn_last_line_is_cut_when_the_log_is_opened_to_append(tmp_path, tail
     run's first record must start a line of its own."""
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 0}\n{"step": 5}\n' + tail)
-    log = MetricsLog(path, enabled=True, append=True)
+    log = MetricsLog(path, enabled=True, resumed_at=5)
     assert len(log.notes) == 1 and f"({len(tail)} bytes" in log.notes[0]
     log.write({"step": 6})
     log.close()
@@ -145,10 +145,10 @@ def test_a_torn_last_line_is_cut_when_the_log_is_opened_to_append(tmp_path, tail
 def test_a_whole_log_is_not_touched_on_append(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\n')
-    assert MetricsLog(path, enabled=True, append=True).notes == []
+    assert MetricsLog(path, enabled=True, resumed_at=1).notes == []
     torn = tmp_path / "torn.jsonl"
     torn.write_text('{"st')  # one partial line and nothing else: all of it goes
-    assert MetricsLog(torn, enabled=True, append=True).notes
+    assert MetricsLog(torn, enabled=True, resumed_at=1).notes
     assert torn.read_text() == ""
 
 
@@ -165,6 +165,35 @@ def test_a_resumed_run_repairs_a_torn_metrics_tail(dataset_path, tmp_path):
     trainer.fit()
     steps = [r["step"] for r in _records(tmp_path / "metrics.jsonl") if "step" in r]
     assert steps == sorted(steps) and steps[-1] == 10
+
+
+def test_records_past_the_resumed_step_move_aside_and_each_step_keeps_one(tmp_path):
+    """An attempt killed at step 8 after its checkpoint of step 5: the resumed run logs
+    6-8 again, so the killed attempt's 6-8 go to previous-<time>/, not deleted."""
+    path = tmp_path / "metrics.jsonl"
+    old = [{"step": s, "loss": 9.0} for s in (2, 4, 6, 8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old) + "not json\n")
+    log = MetricsLog(path, enabled=True, resumed_at=5)
+    assert len(log.notes) == 1 and "2 record(s) past step 5" in log.notes[0]
+    log.write({"step": 6, "loss": 1.0})
+    log.close()
+    assert path.read_text().splitlines()[:3] == [json.dumps(old[0]), json.dumps(old[1]),
+                                                 "not json"]
+    assert _records_of(path) == [2, 4, 6]
+    (previous,) = tmp_path.glob("previous-*")
+    assert [json.loads(x) for x in (previous / "metrics.jsonl").read_text().splitlines()] \
+        == old[2:]
+    assert MetricsLog(path, enabled=True, resumed_at=6).notes == []  # nothing past 6
+
+
+def _records_of(path) -> list[int]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line)["step"])
+        except ValueError:
+            pass
+    return out
 
 
 # ---------------------------------------------------------------- final.h5 and ckpt tools

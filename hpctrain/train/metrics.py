@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hpctrain.atomic import ROOM, write_failed
 from hpctrain.systems.devices import device_peaks, device_table, peak_for_device
+from hpctrain.train.metrics_history import set_aside_records_after
 
 # Dense peak TFLOP/s per device and compute dtype: hpctrain/systems/devices.toml.
 PEAK_TFLOPS = device_peaks()
@@ -101,17 +102,23 @@ class MetricsLog:
     cut, and ``notes`` says so, so that it never merges with the resumed run's first
     record."""
 
-    def __init__(self, path: str | Path, enabled: bool, append: bool = False):
+    def __init__(self, path: str | Path, enabled: bool, resumed_at: int = 0):
+        """``resumed_at``: the step a resumed run continues from (0: a new run); records
+        of later steps, from an attempt killed past its last checkpoint, are set aside."""
         self.enabled = enabled
         self.path = Path(path)
         self.notes: list[str] = []
         self._fd: int | None = None
+        append = resumed_at > 0
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             torn = cut_torn_tail(self.path) if append else 0
             if torn:
                 self.notes.append(f"warning: cut a partial last line ({torn} bytes, from a "
                                   "write that was interrupted) off the end of the file")
+            moved = set_aside_records_after(self.path, resumed_at) if append else None
+            if moved:
+                self.notes.append(moved)
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
             self._fd = os.open(self.path, flags, 0o666)  # a resumed run appends
 

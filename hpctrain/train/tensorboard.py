@@ -45,14 +45,18 @@ class ScalarLog:
     """Rank 0's event files; on the other ranks (``directory`` None) every call does
     nothing."""
 
-    def __init__(self, directory: Path | None, writer_class=None):
+    def __init__(self, directory: Path | None, writer_class=None, resumed_at: int = 0):
+        """``resumed_at``: the step a resumed run continues from; TensorBoard then drops
+        the earlier attempt's events of later steps (``purge_step``), as ``metrics.jsonl``
+        sets their records aside."""
         self.directory = directory
         self._writer = None
         if directory is not None:
             writer_class = writer_class or summary_writer_class()
+            purge = {"purge_step": resumed_at + 1} if resumed_at else {}
             # Flushed by ``write`` at every log interval, not on the writer's own timer.
             self._writer = writer_class(log_dir=str(directory), max_queue=10_000,
-                                        flush_secs=24 * 3600)
+                                        flush_secs=24 * 3600, **purge)
 
     def write(self, record: dict) -> None:
         """One ``metrics.jsonl`` record: each finite number at ``record["step"]``."""

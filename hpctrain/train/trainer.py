@@ -99,9 +99,9 @@ class Trainer:
         self.start = load_starting_point(cfg, self.out_dir, self.engine, self.grid, self.runner,
                                          self.gpt_cfg.shape(), self.tokenizer.meta())
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
-                                  append=self.start.step > 0)
+                                  resumed_at=self.start.step)
         self.scalars = ScalarLog(self._tensorboard if world.is_root else None,
-                                 self._writer_class)
+                                 self._writer_class, resumed_at=self.start.step)
         self._segment = {"started_at": 0.0, "start_step": self.start.step}  # set by _fit
         self._t0 = time.perf_counter()
         facts = {"params": self.gpt_cfg.num_params(),
