@@ -18,6 +18,7 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
                                          shard_name, write_shard, write_synced)
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.output_paths import check_output_file, check_output_folder
 from hpctrain.parallel.choose_engine import engine_class
 from hpctrain.parallel.shards import shard_layout
 from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
@@ -67,6 +68,7 @@ def _shapes(d: dict) -> dict[str, list[int]]:
 
 def merge(path: str | Path, output: str | Path) -> Path:
     """All shards into one HDF5 file in the ``final.h5`` format (``hpctrain sample``)."""
+    check_output_file(output, inputs=[path], example="model.h5", error=CheckpointError)
     m = read_manifest(path)
     full = read_full_state(m)
     params = {n: s["param"] for n, s in full.items()}
@@ -78,6 +80,11 @@ def merge(path: str | Path, output: str | Path) -> Path:
 
 
 def export(path: str | Path, fmt: str, output: str | Path) -> Path:
+    if fmt == "hf":  # a folder, written into when it exists (an earlier export)
+        check_output_folder(output, inputs=[path], new=False, error=CheckpointError)
+    else:
+        check_output_file(output, inputs=[path], example="model.safetensors",
+                          error=CheckpointError)
     m = read_manifest(path)
     params = {n: s["param"] for n, s in read_full_state(m, ("param",)).items()}
     if fmt == "safetensors":
@@ -102,9 +109,7 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
                fix="give the --parallel.* value of the run that will resume")
     m = read_manifest(path)
     full = read_full_state(m)
-    out = Path(output)
-    if out.exists():
-        raise CheckpointError(f"{out} exists; choose a new --output directory")
+    out = check_output_folder(output, inputs=[path], error=CheckpointError)
     with torch.device("meta"):  # only names, shapes and order: no memory
         model = GPT(GPTConfig.from_shape(m.data["model"]))
     names = {id(p): n for n, p in model.named_parameters()}

@@ -21,6 +21,7 @@ from hpctrain.checkpoint.hf_names import IGNORED, from_hf, hf_names
 from hpctrain.checkpoint.sharded import CheckpointError
 from hpctrain.checkpoint.weights import save_weights
 from hpctrain.data.tokenizers import HFTokenizer
+from hpctrain.output_paths import check_output_folder
 from hpctrain.sizes import MAX_WIDTH, MiB, whole
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -42,9 +43,7 @@ def import_hf(source: str | Path, output: str | Path, *, vocab_multiple: int = 1
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a directory; pass a Hugging Face model "
                               f"directory (config.json and {SINGLE})")
-    if out.exists() or out.is_symlink():
-        raise CheckpointError(f"{out} exists; choose a new --output directory (nothing is "
-                              "ever replaced)")
+    check_output_folder(out, inputs=[src], error=CheckpointError)
     whole(vocab_multiple, "--vocab-multiple", 1, MAX_WIDTH, error=CheckpointError,
           fix="pad to a small multiple such as 64, or 1 for none")
     config = _read_config(src)

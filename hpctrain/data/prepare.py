@@ -33,6 +33,7 @@ from hpctrain.data.split import SPLIT_RULE, SPLIT_SEED, val_tokens_per_file
 from hpctrain.data.tokenizers import check_tokenizer_name
 from hpctrain.errors import DataError
 from hpctrain.file_modes import chmod_as_created
+from hpctrain.output_paths import check_output_file
 from hpctrain.sizes import MAX_WAIT_S, MiB, finite
 
 __all__ = ["prepare", "combine", "expand_inputs", "assign_files", "check_output"]
@@ -77,16 +78,26 @@ DEFAULT_TIMEOUT_S = 300.0  # as training's --comm.timeout
 
 
 
-def check_output(output: Path, overwrite: bool, example: str = "data.h5") -> None:
-    """Refuse an output path that is a directory, or an existing file without
-    ``overwrite``: a dataset takes long to make, and runs or manifests may point at it.
-    Checked before anything is written, so a refusal leaves the disk as it was."""
-    if output.is_dir():
-        raise DataError(f"--output {output} is a directory; name the file to write, e.g. "
-                        f"--output {output / example}")
-    if os.path.lexists(output) and not overwrite:
-        raise DataError(f"--output {output} exists; add --overwrite to replace it, or "
-                        "choose another name")
+def check_output(output: Path, overwrite: bool, example: str = "data.h5",
+                 inputs=()) -> None:
+    """Refuse an output path that is a directory, device, FIFO or link, an existing file
+    without ``overwrite`` (a dataset takes long to make, and runs or manifests may point
+    at it), an input or a path inside an input folder. Checked before anything is
+    written, so a refusal leaves the disk as it was."""
+    check_output_file(output, overwrite=overwrite, example=example, inputs=inputs,
+                      error=DataError)
+
+
+def check_inputs_once(files: list[str]) -> None:
+    """The same file given twice (two globs, a folder and a file in it) would be read
+    twice: refused by name."""
+    seen: dict[str, str] = {}
+    for name in files:
+        key = os.path.realpath(name)
+        if key in seen:
+            raise DataError(f"{name} is given twice (also as {seen[key]}); name each input "
+                            "once")
+        seen[key] = name
 
 
 # --------------------------------------------------------------------------- prepare
@@ -141,8 +152,9 @@ def _plan(group, inputs, output: Path, overwrite: bool, text_field: str) -> Plan
     def listing():
         if group.rank != 0:
             return None
-        check_output(output, overwrite)
         files = [str(f) for f in expand_inputs([str(p) for p in inputs])]
+        check_output(output, overwrite, inputs=files)  # an earlier output among them
+        check_inputs_once(files)
         formats = [file_format(f) for f in files]
         for name, fmt in zip(files, formats):
             require_extra(fmt, name)
@@ -304,7 +316,8 @@ def combine(shards: list[str] | list[Path], output: str | Path, *,
             overwrite: bool = False) -> dict:
     """Write a manifest (``output``, ``.json``) that makes prepared files one dataset."""
     output = Path(output)
-    check_output(output, overwrite, example="all.json")
+    check_output(output, overwrite, example="all.json", inputs=shards)
+    check_inputs_once([str(s) for s in shards])
     if output.suffix != ".json":
         raise DataError(f"a manifest's name ends in .json, not {output.name}; e.g. "
                         f"--output {output.with_suffix('.json')}")

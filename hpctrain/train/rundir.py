@@ -32,15 +32,12 @@ from hpctrain.checkpoint.sharded import (CheckpointError, checkpoint_step, point
                                          remove_stale_temporaries, resolve)
 from hpctrain.comm.small_collectives import bcast_json
 from hpctrain.comm.world import World
+from hpctrain.output_paths import run_outputs_in
 from hpctrain.train.rundir_lock import RunDirError, RunDirLock, describe
 
-# What a run writes into its out_dir; any of them means an earlier run was here.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "final.h5", "sample.txt",
-               "tensorboard", "report")
-
-
 def earlier_outputs(out_dir: Path) -> list[str]:
-    return [name for name in RUN_OUTPUTS if (Path(out_dir) / name).exists()]
+    """What an earlier run left in ``out_dir`` (``output_paths.RUN_OUTPUTS``)."""
+    return run_outputs_in(out_dir)
 
 
 def has_checkpoint(out_dir: Path) -> bool:
