@@ -6,7 +6,8 @@ throttled), and training on it would be slow. The floors (device-library and MPI
 allreduce bandwidth, the bf16 round trip, MFU of a compiled GPT-2 124M step) are set well
 below what the hardware does. They apply on accelerators only, the bandwidths only with
 several ranks; ``hpctrain doctor --no-thresholds`` reports without judging.
-Each floor beside what a healthy node does: docs/design/devices.md ("Run ``hpctrain doctor`` first").
+Each floor beside what a healthy node does:
+docs/design/devices.md ("Run ``hpctrain doctor`` first").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ sharded AdamW). A step is the same for all: ``prepare_for_backward(last_micro)``
 backward (the runner), ``finish()``, ``norm = step(lr, clip)``, ``zero_grad()``.
 ``norm_comms`` and ``tp_comm`` finish the global gradient norm over pipeline stages and
 the tensor-parallel group (whole copies counted 1/tp, ``local_norm_squares``).
-Every member, per engine: docs/design/training-step.md ("The gradient engine").
+Every member, per engine: docs/design/training-step.md ("The gradient engine (``GradEngine``)").
 """
 
 from __future__ import annotations

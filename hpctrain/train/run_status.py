@@ -9,7 +9,8 @@ scheduler can act on:
     python -m hpctrain.train.run_status RUN_DIR
     stopped 120 2000 SIGUSR1          (status, step, max_iters, reason)
 
-The file's fields and the job's exit: docs/design/failure-handling.md ("The walltime, signals and Ctrl-C").
+The file's fields and the job's exit: docs/design/failure-handling.md
+("The walltime, signals and Ctrl-C: stop, save, exit 0").
 """
 
 from __future__ import annotations

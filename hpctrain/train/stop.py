@@ -7,7 +7,8 @@ save). Ranks may see a signal at different steps, so they agree before acting
 (``StopAgreement``: a nonblocking, persistent where MPI-4 allows, allreduce (MAX) of
 each rank's reason, read at the next check), and all stop after the same step, save the
 same checkpoint, name the same cause and exit 0. The sample checks ``local_stop`` per token.
-Where the ranks agree, and why: docs/design/failure-handling.md ("The walltime, signals and Ctrl-C").
+Where the ranks agree, and why: docs/design/failure-handling.md
+("The walltime, signals and Ctrl-C: stop, save, exit 0").
 """
 
 from __future__ import annotations
