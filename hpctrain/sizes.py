@@ -2,16 +2,11 @@
 finite before anything is allocated with it, and an HDF5 dataset is read only when the
 file stores every byte its shape declares.
 
-A size decides an allocation, a loop or a number of files. Taken as it comes, a typo
-(``--world 1000000000``), a damaged file or a crafted one (a few kilobytes of HDF5 that
-declare a dataset of 20 GB, never written: HDF5 reads its fill value) becomes a huge
-allocation on every rank, a hang, or a crash with no message. So every size is checked
-where it enters, by the functions here, against the limits here; the caller names the
-number, the error to raise (``ConfigError``, ``CheckpointError``, ``DataError``, or
-``ValueError`` in code that knows no user errors) and the fix.
-
-The limits are far above any real model or machine and far below what would exhaust a
-node: they tell a mistake from a big run, not a big run from a small one.
+A typo, a damaged file or a crafted one (kilobytes of HDF5 declaring 20 GB never
+written) would otherwise become a huge allocation on every rank, a hang or a silent
+crash. Callers check each size where it enters, against the limits here (far above any
+real run, far below what would exhaust a node), naming the number, the error and the fix.
+Every size and its limit: docs/design/checkpoints.md ("One rule for sizes").
 """
 
 from __future__ import annotations

@@ -13,14 +13,9 @@ doctor, report.
     mpiexec -n 4 hpctrain doctor --json doctor.json   # check a node before training
     hpctrain report runs/default                        # plots and an HTML page of a run
 
-Errors a user can fix print one message and exit with status 2. MPI is initialized only
-by the subcommands that need it, after the configuration has been validated.
-
-``COMMANDS`` maps each command's name to its parser and its handler, both in the module
-of its family (``prepare.py``, ``train.py``: train and sample, ``jobs.py``: jobscript and
-launch, ``ckpt.py``, ``scaling.py``: scale and plan, ``doctor.py``, ``report.py``). Those modules import
-torch, mpi4py and the package they drive inside their handlers, so that ``--help`` and
-the login-node commands start without them.
+``COMMANDS`` maps each name to its parser and handler in its family's module, which
+imports torch and mpi4py only inside the handler; a user's error is one message, exit 2.
+Why, and the families: docs/design/layers.md.
 """
 
 from __future__ import annotations

@@ -2,20 +2,12 @@
 
 Without this, an exception on one rank leaves the others blocked in their next
 collective until the batch system kills the allocation. The hook prints the failing
-rank's message or traceback, then calls ``MPI.COMM_WORLD.Abort`` so the launcher stops
-every rank and exits non-zero.
-
-``MPI_Abort`` costs the exit status, though: under ``srun`` the step is cancelled and the
-ranks are killed, so the job records 137 (128 + SIGKILL, which reads as an out-of-memory
-kill) whatever code was asked for. A user's error (``UserError``, status 2) is usually
-raised on every rank at the same point: a bad option, a layout that does not fit, a
-verdict one rank reached and shared. So a rank with a user error first waits up to
-``AGREE_S`` for every other rank to report one too, on a communicator of its own
-(``JobExit.errors``, duplicated at start-up so that this never mixes with training's
-collectives). When all arrive, rank 0 prints its message once and every rank
-exits 2 by itself, which ``srun``, PALS and ``mpirun`` report as 2. When some rank does
-not arrive (its error is its own, or it is still computing), the job is aborted as
-before. Anything else, a traceback or an error in a helper thread, aborts at once.
+rank's message or traceback, then calls ``MPI.COMM_WORLD.Abort``. A user's error
+(``UserError``, status 2) first waits up to ``AGREE_S`` for every rank to report one too
+(on ``JobExit.errors``, a communicator of its own): then rank 0 prints once and every
+rank exits 2 by itself, because under ``srun`` an abort is recorded as 137 whatever code
+was asked for. Anything else, a traceback or an error in a helper thread, aborts at once.
+Why, per launcher: docs/design/failure-handling.md ("Errors a user can fix").
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Tensors (host or device) and numpy arrays as MPI buffers.
 
-Host memory goes to MPI as a numpy view (no copy). Device memory is never turned into
-numpy: it goes to MPI directly when the library is GPU-aware for this device's vendor
-(``gpu_aware.py``), handed over through DLPack (mpi4py reads the capsule for any device
-type: CUDA, ROCm, oneAPI), or else through a host staging buffer that the ``MPIBuffer``
-keeps, so a step allocates nothing. Open MPI's nonblocking reductions cannot take device
-memory at all, so buffers made for reductions are staged there (``reduction=True``).
-
-mpi4py does not synchronize streams (it asks DLPack for ``stream=-1``): the device must
-have written a buffer before MPI reads it, and finished reading a staging buffer before
-MPI overwrites it. ``prepare()`` queues what is needed (the copy to the staging buffer)
-and records an event behind it; ``ready()`` says, without blocking, whether the event
-has passed; ``to_mpi()`` waits for that event only (never for the whole device) and
-returns what to hand to mpi4py; ``complete()`` copies a staged result back (queued on
-the stream; nothing waits).
+Host memory goes to MPI as a numpy view (no copy). Device memory goes to MPI directly
+through DLPack when the library is GPU-aware for this device's vendor (``gpu_aware.py``),
+else through a host staging buffer the ``MPIBuffer`` keeps, so a step allocates nothing;
+Open MPI's reductions are always staged (``reduction=True``). mpi4py synchronizes no
+stream, so ``prepare()`` records an event behind the buffer's writes, ``ready()`` asks
+whether it has passed without blocking, ``to_mpi()`` waits for that event only, and
+``complete()`` copies a staged result back, queued on the stream.
+Why events and staging: docs/design/devices.md ("Device memory to MPI").
 """
 
 from __future__ import annotations

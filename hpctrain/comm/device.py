@@ -3,25 +3,12 @@ staging, memory figures. Which device a rank takes: ``placement.py``; the fake o
 ``fake_device.py``; profiler ranges: ``hpctrain/profiling.py``; peak FLOP rates:
 ``hpctrain/systems/devices.toml``.
 
-Kinds (``--train.device``):
-
-- ``cpu``: tensors in host memory; nothing to wait for (``Accelerator``).
-- ``cuda``: NVIDIA GPUs, and AMD GPUs under ROCm (torch calls both ``cuda``;
-  ``torch.version.hip`` tells them apart, and MPI is asked about HIP support then).
-- ``xpu``: Intel GPUs through Level Zero (Aurora's PVC tiles).
-- ``fake``: the CPU posing as an accelerator, so that tests walk every accelerator branch
-  (docs/design/devices.md says what it proves and what it cannot).
-
-Waiting for the device. A GPU runs the work queued on a stream while the host queues
-more; mpi4py hands MPI a device pointer without synchronizing anything (it asks DLPack
-for ``stream=-1``), so the host must know the kernels that write a buffer have run before
-MPI reads it. Synchronizing the device (or the stream) before each MPI call stalls the
-host until all queued work is done and leaves the GPU idle while the host queues more
-(about 18 stalls per backward pass of a 124M model). Instead the code records an
-``Event`` on the current stream when a buffer is ready and starts the MPI call once that
-event has passed (``Event.query``), blocking on it (``Event.wait``) only when nothing else
-is left to do. Every kind counts its event records, queries, waits and device
-synchronizations in ``stats``, so tests and benchmarks can check the counts.
+Kinds (``--train.device``): ``cpu``, ``cuda`` (NVIDIA, and AMD under ROCm), ``xpu``
+(Intel, Level Zero) and ``fake`` (the CPU taking every accelerator branch). mpi4py hands
+MPI a device pointer without synchronizing, so the host records an ``Event`` when a
+buffer is ready and starts the MPI call once it has passed, never synchronizing the
+device; every kind counts its events and waits in ``stats``.
+Why events, and the kinds: docs/design/devices.md.
 """
 
 from __future__ import annotations

@@ -2,27 +2,12 @@
 
 The engines keep their logic (buckets, their order, ZeRO's shards); ``XcclTransport``
 (``xccl_transport.py``) moves the bytes with the vendor's library through
-``torch.distributed``: NCCL on NVIDIA GPUs (RCCL under ROCm, which torch also calls
-``nccl``), XCCL (oneCCL) on Intel GPUs, and gloo for host memory (the CPU and the
-fake device: how the tests run this path).
-
-Start-up is MPI's, not torchrun's: rank 0 opens a ``TCPStore`` on a free port and
-broadcasts its address with mpi4py (``MASTER_ADDR`` picks the interface when set); every
-rank then joins the default process group over the same ranks as the MPI world. The
-groups of the process grid (data-parallel replicas, pipelines, and a second group per
-data-parallel set for ZeRO-3's gathers) are created by every rank in one fixed order and
-kept per (purpose, ranks), so building the same grid again reuses them.
-
-Ordering. A bucket's buffer is written by kernels on the compute stream; ``prepare()``
-records an event there, and the collective is issued on a communication stream that
-waits for that event, so it overlaps the rest of backward without the host waiting for
-anything. ``complete()`` makes the compute stream wait for the collective (no host
-sync either). On a GPU a request therefore counts as done as soon as it is issued: the
-device orders everything, and a collective that never completes is ended by the
-library's own watchdog after ``--comm.timeout`` (the process group's timeout), which
-takes the process, and so the job, down. Host-memory backends (gloo) complete on their
-own threads: their requests answer ``Test()`` honestly, and a point-to-point request,
-which gloo cannot poll, waits when tested.
+``torch.distributed``: NCCL (RCCL under ROCm), XCCL (oneCCL) on Intel GPUs, gloo for host
+memory. This module starts it the MPI way, not torchrun's: rank 0 opens a ``TCPStore``
+and broadcasts its address with mpi4py, and the grid's groups are made in one fixed
+order and kept per (purpose, ranks). Collectives run on a communication stream ordered
+by events, so the host never waits; a hung one ends at the library's own timeout.
+Start-up, ordering and deadlines: docs/design/collectives.md.
 """
 
 from __future__ import annotations

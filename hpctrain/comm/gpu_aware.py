@@ -1,23 +1,13 @@
 """Whether MPI may read and write this rank's device memory directly ("GPU-aware" MPI).
 
-Asked per vendor (``cuda``: NVIDIA; ``hip``: AMD ROCm; ``ze``: Intel Level Zero) of the
-library loaded in this process, before any environment variable is believed: a switch
-such as ``MPICH_GPU_SUPPORT_ENABLED=1`` only means something to the library that
-documents it, and a device pointer handed to an MPI that cannot read it crashes, while
-staging through host memory only costs copies. So anything uncertain answers no.
-
-- MPICH 4 and later (Aurora's MPICH, the PyPI wheel): ``MPIX_Query_{cuda,ze,hip}_support()``,
-  else ``MPIX_GPU_query_support(type, &ok)`` with MPICH's type ids CUDA 0, ZE 1, HIP 2.
-- HPE Cray MPICH (Polaris, Perlmutter, Frontier): its GPU transfer library (GTL:
-  ``libmpi_gtl_cuda``, ``libmpi_gtl_hsa``) loaded in the process *and*
-  ``MPICH_GPU_SUPPORT_ENABLED=1``; either alone does not make device buffers work.
-- Open MPI: ``MPIX_Query_cuda_support()`` / ``MPIX_Query_rocm_support()``. Its nonblocking
-  (and persistent) reductions on device memory are unsupported and crash (ompi#9845)
-  even when the query says yes: those go through host staging (``reductions=False``).
-- MVAPICH2-GDR: ``MV2_USE_CUDA=1`` (it has no query), believed only when the library's
-  version string says MVAPICH.
-
-``--comm.gpu_aware=yes|no`` overrides the answer (not Open MPI's reduction limit).
+Asked per vendor (``cuda``, ``hip``, ``ze``) of the library loaded in this process,
+before any environment variable is believed: MPICH 4+ through its ``MPIX`` queries, HPE
+Cray MPICH by its GTL library loaded *and* ``MPICH_GPU_SUPPORT_ENABLED=1``, Open MPI
+through its queries (but its nonblocking reductions on device memory are always staged,
+ompi#9845), MVAPICH2-GDR by ``MV2_USE_CUDA=1``. A device pointer handed to an MPI that
+cannot read it crashes, while staging only costs copies, so anything uncertain answers
+no. ``--comm.gpu_aware=yes|no`` overrides the answer (not Open MPI's reduction limit).
+Each library's test and why: docs/design/devices.md ("Device memory to MPI").
 """
 
 from __future__ import annotations

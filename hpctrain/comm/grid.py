@@ -1,16 +1,12 @@
 """The process grid: data-parallel x pipeline-parallel x tensor-parallel ranks and their
 communicators.
 
-The tensor-parallel ranks are innermost: rank r belongs to tensor-parallel group
-``r // tp`` at position ``r % tp``, so the ranks that exchange activations inside every
-layer are adjacent and, with the usual block placement of ranks on nodes, share a node
-(NVLink, shared memory). Of what is left (``r // tp``), the pipeline comes next by
-default: position q sits at stage ``q % pp`` of data-parallel replica ``q // pp``, so a
-replica's stages are close together too and the frequent point-to-point activation
-traffic stays near, while the once-per-step gradient reduction crosses nodes.
-``pipeline_inner=False`` puts data-parallel replicas next to each other instead.
-
-Built once (collective over the world) and passed to whatever needs it.
+The tensor-parallel ranks are innermost (adjacent, so with block placement on one node),
+then by default the pipeline's stages of a replica, then the data-parallel replicas: the
+frequent traffic stays near and the once-per-step gradient reduction crosses nodes
+(``pipeline_inner=False`` puts replicas next to each other instead). Built once
+(collective over the world) and passed to whatever needs it.
+The rank arithmetic and why: docs/design/training-step.md ("The grid and the next dimensions").
 """
 
 from __future__ import annotations

@@ -7,36 +7,10 @@
 or from a shell (the Makefile's test legs):
 ``python -m hpctrain.comm.local_mpiexec -n 2 CMD...``.
 
-Which binary: ``MPIEXEC`` from the environment (it may carry flags:
-``MPIEXEC="mpirun --bind-to none"``), else the ``mpiexec`` next to the running Python
-(the ``mpich`` wheel installs one there, and it matches the mpi4py beside it), else
-``mpiexec`` on ``PATH``.
-
-Which family, from what ``LAUNCHER --version`` prints, and what each needs to start N
-ranks on this one machine:
-
-============  =======================================  ===================================
-family        ``--version`` says                       added here
-============  =======================================  ===================================
-``hydra``     ``HYDRA build details`` (MPICH)          ``-launcher fork``: inside a batch
-                                                       allocation Hydra would otherwise
-                                                       start the ranks through ``srun`` or
-                                                       the PBS agent
-``openmpi``   ``mpirun (Open MPI) 4.1.4``              ``--oversubscribe`` (more ranks than
-                                                       cores is an error otherwise); when
-                                                       run as root, the two
-                                                       ``OMPI_ALLOW_RUN_AS_ROOT*`` variables
-``intel``     ``Intel(R) MPI Library``                 nothing (no Intel MPI to try
-                                                       Hydra's flags on)
-``pals``      ``PALS`` (HPE Cray: Polaris, Aurora)     nothing
-``slurm``     ``slurm 23.11.4`` (``srun``)             nothing
-``unknown``   anything else, or no answer              nothing
-============  =======================================  ===================================
-
-Open MPI refuses to run as root unless told twice; test containers and CI run as root,
-so the permission is given here, in the tests' and benchmarks' launches only. Job
-scripts and ``hpctrain launch`` (``hpctrain/jobs``) build the site's own launch line and
-never add it.
+The binary is ``MPIEXEC``, else the ``mpiexec`` beside this Python, else the one on
+``PATH``; its family (``--version``) decides the flags added to start N ranks here (Open
+MPI: ``--oversubscribe``, and permission to run as root, which job scripts never add).
+Which, and why: docs/systems/mpi.md ("Testing against another MPI").
 """
 
 from __future__ import annotations

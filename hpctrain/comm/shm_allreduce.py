@@ -1,37 +1,13 @@
 """Gradient allreduce through the node's shared memory (MPI-3 shared windows), for CPU
 gradients.
 
-An MPI allreduce between ranks of one node copies every byte through the library's
-shared-memory cells: the sender copies in, the receiver copies out and adds, and the
-result travels back the same way. Here the gradient buckets themselves live in one
-``MPI_Win_allocate_shared`` window per node, so each rank reads its peers' gradients in
-place and writes its sums into theirs (a ring's reduce-scatter and allgather, without
-the messages):
-
-1. ARRIVED  a rank's bucket is complete (its backward wrote the last gradient);
-2. DONE     once every local rank has arrived, rank i adds its peers' slice i into its
-            own slice i; on several nodes it then allreduces that slice with the ranks
-            holding the same slice on the other nodes (a communicator per local index),
-            which is the hierarchical allreduce (node reduce-scatter, inter-node
-            allreduce, node allgather). Then it writes the summed slice i into every
-            peer's bucket itself. Slice i of every bucket is touched by rank i only, so
-            once every rank is done, every bucket holds the sum and nobody reads or
-            writes another rank's bucket until the next reduction.
-
-Rank i *writes* its sums into the peers' buckets rather than each peer *reading* them
-(the allgather of a ring): a core reads lines that another core has just written, and
-still holds in its cache, far more slowly than lines it has read before, while rank i
-writes lines it has just read. Pushing also saves the step a phase to wait for.
-docs/design/shm-allreduce.md has the measurements.
-
-Each phase is announced by writing the bucket's reduction count (its epoch) into the
-rank's flag row; peers poll the rows. ``MPI_Win_sync`` is the memory barrier between
-data and flag (MPI's separate/unified memory model for shared windows): after writing
-data before raising a flag, and after seeing a flag before reading data.
-
-Each slice is summed by one rank only, so every rank ends with the same bits. How this
-path compares with MPICH's ``Allreduce`` (``perf/bench_allreduce.py``) is in
-docs/design/shm-allreduce.md.
+An MPI allreduce inside a node copies every byte through the library's message cells;
+here the gradient buckets live in one ``MPI_Win_allocate_shared`` window per node, so
+rank i sums its peers' slice i in place, allreduces it across nodes (hierarchical), and
+pushes the sum into every peer's bucket (pushing writes lines the writer has just read).
+Phases are announced through epoch flags, with ``MPI_Win_sync`` between data and flag;
+each slice is summed by one rank, so every rank ends with the same bits.
+Phases, the measurements against MPICH's ``Allreduce``, and when: docs/design/shm-allreduce.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """How a bucket's bytes move between ranks: one interface, four implementations.
 
 The gradient engines and the pipeline executor decide *when* data moves (bucket order,
-the schedule); a ``Transport`` decides *how*. They hand it buffers and get back requests
-that answer ``Test()`` without blocking (what ``watchdog.wait_all`` and the bucket
-scheduler poll)::
-
-    buf = transport.buffer(tensor, reduction=True)   # once, for a tensor that stays
-    buf.prepare()                                     # the device has queued its writes
-    if buf.ready():                                   # never blocks
-        req = transport.allreduce(buf)                # sum over the ranks, in place
-    ... req.Test() ...
-    buf.complete()                                    # the result is in ``tensor``
-
-- ``MPITransport`` (``--comm.transport=mpi``): MPI on the communicator,
-  device memory handed over directly when the library is GPU-aware, else staged through
-  pinned host buffers (``buffers.MPIBuffer``); ``PersistentMPITransport``: the same with
-  each reduction buffer's allreduce a persistent collective (data parallelism, MPI-4).
-- ``ShmTransport`` (``--comm.transport=shm``, ``shm_transport.py``): CPU gradient
-  buckets summed in the node's shared memory, everything else MPI's.
-- ``XcclTransport`` (``--comm.transport=xccl``, ``xccl_transport.py``): the
-  vendor's collective library through ``torch.distributed`` (NCCL, RCCL, oneCCL; gloo
-  for host memory), on its own stream, nothing staged through the host.
-
-MPI stays in charge of everything else either way: start-up, small metadata
-(``small_collectives.py``), stop agreement, deadlines, aborts and MPI-IO.
+the schedule); a ``Transport`` decides *how*. They hand it buffers (``prepare``,
+``ready``, the operation, ``complete``) and get back requests that answer ``Test()``
+without blocking. ``MPITransport`` and ``PersistentMPITransport`` are here;
+``ShmTransport`` (``shm_transport.py``) and ``XcclTransport`` (``xccl_transport.py``)
+beside. MPI stays in charge of everything else: start-up, small metadata, the stop
+agreement, deadlines, aborts and MPI-IO.
+The interface, each implementation and why: docs/design/collectives.md.
 """
 
 from __future__ import annotations

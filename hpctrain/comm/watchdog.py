@@ -3,18 +3,10 @@
 A plain ``MPI.Request.Waitall`` blocks forever if a peer never arrives. Here every wait
 polls with ``Testall`` (which also drives MPICH's progress engine) and raises
 ``CommTimeout`` naming what was awaited once the deadline passes; the abort handler
-(``hpctrain.comm.abort``) then takes the whole job down with that message.
-
-How it polls matters for speed. A collective on shared memory advances only while every
-rank is inside MPI, so sleeping between polls stalls the peer at each stage of the
-algorithm, and spinning without yielding starves a peer that shares our core when ranks
-oversubscribe cores (docs/design/failure-handling.md has the measurements of both).
-So every failed poll yields the core (``sched_yield`` returns at once when nothing else
-is runnable), and only waits longer than a second sleep between polls, to stop burning
-a core while, say, rank 0 writes a file. On a node with more ranks than cores
-(``pace_for_node``, set when the world is built) a failed poll sleeps briefly instead:
-the rank we wait for may need our core, and a yield gives it back only for a moment
-(docs/design/failure-handling.md has the measurements).
+(``abort.py``) then takes the whole job down with that message. A failed poll yields the
+core (waits longer than a second sleep between polls), and on a node with more ranks than
+cores (``pace_for_node``) it sleeps briefly instead, so a peer sharing the core runs.
+How it polls, and the measurements: docs/design/failure-handling.md ("Every wait has a deadline").
 """
 
 from __future__ import annotations

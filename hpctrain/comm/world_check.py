@@ -1,17 +1,11 @@
 """Does the MPI world match what the launcher started?
 
-A launcher that cannot wire its processes into one MPI job starts N independent
-1-rank jobs instead: under Slurm, ``srun`` without an MPI plugin that matches the
-library (``MpiDefault=none`` and no ``--mpi=``) does exactly that, and every copy then
-trains alone into the same run directory and reports success. The launcher still tells
-each process how many it started, so a mismatch is caught at start-up:
-
-- ``OMPI_COMM_WORLD_SIZE`` (Open MPI's ``mpirun``), ``PMI_SIZE`` (MPICH Hydra, Cray
-  PALS and PMI-2 launchers) name the world the process belongs to;
-- ``SLURM_STEP_NUM_TASKS`` is the number of tasks of the ``srun`` step; it is compared
-  only when this process was started by ``srun`` as a task (``SLURM_PROCID`` set) and
-  its world is a single rank, since an ``mpiexec`` inside an allocation may start its
-  ranks through ``srun`` proxies (one task per node, many ranks each).
+A launcher that cannot wire its processes into one MPI job starts N independent 1-rank
+jobs instead (``srun`` without the library's MPI plugin does exactly that), and every
+copy trains alone into the same run directory and reports success. The launcher still
+tells each process how many it started (``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE``,
+``SLURM_STEP_NUM_TASKS``), so a mismatch is caught at start-up.
+Which variable, when: docs/design/failure-handling.md ("One run per output directory").
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Reading one unit of work (``sources.py``) as batches of documents, with bounded memory.
 
-``read_unit`` yields lists of document strings; a reader holds one batch at a time:
-
-* JSON lines: about ``BLOCK_BYTES`` of lines (plus the line that passes the mark), read
-  through a buffered file or a streaming decompressor;
-* Parquet: one record batch of at most ``BATCH_ROWS`` rows of the text column, read with
-  ``ParquetFile.iter_batches`` from one row group (pyarrow holds that row group's
-  compressed column chunk while it decodes);
-* Arrow streams: one record batch as written (``datasets`` writes 1,000 rows a batch).
-
-A text file is one document of the whole file (the format before records existed).
-
-A record that is not a document is a *bad record*: a line that is not UTF-8 or not JSON
-(or whose string holds a lone surrogate escape, ``"\\ud800"``, which is no text),
-a JSON value that is not an object, an object without the field, a field or a Parquet
-value that is not a string (null included). ``BadRecords`` counts them and keeps the first
-few locations (``file:line N``, ``file:row group G:row R``); ``prepare`` skips or fails
-on them (``--on-bad-record``). A file without the column at all is no record's fault: it
-fails the command with the columns it does have.
-
-``pyarrow`` (Parquet, Arrow) and ``zstandard`` (``.zst``) are the optional ``corpora``
-extra; a missing one is a one-line error naming it.
+``read_unit`` yields lists of document strings and a reader holds one batch at a time:
+about ``BLOCK_BYTES`` of JSON lines, at most ``BATCH_ROWS`` rows of a Parquet row group,
+or one Arrow record batch; a text file is one document of the whole file. A record that
+is not a document is a *bad record*: ``BadRecords`` counts them and keeps the first few
+locations, and ``prepare`` skips or fails on them (``--on-bad-record``). ``pyarrow`` and
+``zstandard`` are the optional ``corpora`` extra.
+The memory bound and what makes a record bad: docs/design/data-path.md ("Parallel preparation").
 """
 
 from __future__ import annotations

@@ -2,20 +2,12 @@
 
 A node below a floor works, but something in it is set up wrong (a link that falls back
 to PCIe or TCP, a staging path where GPU-aware MPI was expected, a GPU shared or
-throttled), and training on it would be slow. The floors are set well below what the
-hardware does, so a healthy node passes with room to spare:
-
-| measurement | floor | what a healthy node does |
-|---|---|---|
-| device-memory allreduce, largest size, bus bandwidth, device library (NCCL, RCCL, oneCCL) | 40 GB/s | GPUs of a node talk over NVLink / Infinity Fabric / Xe Link: hundreds of GB/s (nccl-tests on 4x A100 NVLink: about 230) |
-| the same through MPI reading device memory directly | 5 GB/s | GPU-aware Cray MPICH / MPICH: tens of GB/s within a node |
-| the same through MPI staged in host memory | 1 GB/s | two PCIe copies per bucket and a sum on CPU cores: a few GB/s |
-| bf16 round trip between rank pairs, device memory | 1 GB/s | NVLink or shared memory: tens of GB/s even for 1 MiB |
-| MFU of a compiled GPT-2 124M bf16 step (``--model gpt2-124m``, the default on a GPU) | 20% | nanoGPT-class training reaches about 40% on A100 and H100 |
-
-They apply on accelerators only (CPU nodes vary too much), the bandwidths only with
-several ranks (one rank moves nothing), and only to rows whose transport is there.
-``hpctrain doctor --no-thresholds`` reports the numbers without judging them.
+throttled), and training on it would be slow. The floors (device-library and MPI
+allreduce bandwidth, the bf16 round trip, MFU of a compiled GPT-2 124M step) are set well
+below what the hardware does. They apply on accelerators only, the bandwidths only with
+several ranks; ``hpctrain doctor --no-thresholds`` reports without judging.
+Each floor beside what a healthy node does:
+docs/design/devices.md ("Run ``hpctrain doctor`` first").
 """
 
 from __future__ import annotations

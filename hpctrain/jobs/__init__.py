@@ -5,16 +5,8 @@
         --account PROJECT --output job.sh -- train default
     hpctrain launch --dry-run -- train default          # inside a job (or on this machine)
 
-- ``job_system.py``  a system's ``[batch]`` and ``[launch]`` checked for jobs, and
-                     ``--list-systems``
-- ``validate.py``    pure checks with messages that name the fix
-- ``command.py``     the hpctrain command after ``--``, validated like ``hpctrain train``
-- ``spec.py``        a whole request, validated before anything is written
-- ``shell.py``       quoting: a user's string is always one bash word, never code
-- ``launch_line.py`` the launch line (one builder for scripts and ``hpctrain launch``)
-- ``render.py``      Jinja2 templates (``templates/``) -> script text, atomic writes
-- ``bind.py``        per-rank device selection and profiler, run before MPI starts
-- ``srun_mpi.py``    which ``srun --mpi=`` plugin the job's MPI library needs
-
+A request is validated in full (system, queue limits, the training command) before
+anything is written, and the launch line has one builder for scripts and ``launch``.
 Nothing here imports torch or mpi4py: it runs on login nodes.
+Each module's part and the script's steps: docs/design/job-scripts.md.
 """

@@ -3,18 +3,12 @@
     mpiexec ... python -m hpctrain.jobs.bind --device-env CUDA_VISIBLE_DEVICES \\
         --devices 4 --order reverse [--nsys-dir DIR] -- python -m hpctrain train ...
 
-- **Device**: importing ``mpi4py.MPI`` initializes MPI (and with GPU-aware MPI, the GPU
-  runtime), so ``CUDA_VISIBLE_DEVICES``/``ZE_AFFINITY_MASK`` must be set before that. The
-  launcher announces each rank's local rank in its environment (PALS_LOCAL_RANKID,
-  PMI_LOCAL_RANK, SLURM_LOCALID, ...); ``direct`` gives local rank ``r`` device
-  ``r % devices``, ``reverse`` device ``devices - 1 - r % devices`` (Polaris, where GPU0
-  is nearest the last cores: ALCF's ``set_affinity_gpu_polaris.sh``).
-- **Profiler**: with ``--nsys-dir``, local rank 0 of each node runs under
-  ``nsys profile`` (one report per node, named by hostname and global rank); the other
-  ranks run plain, as the systems' guides advise.
-
-It imports neither torch nor mpi4py and replaces itself with the command (``os.execvp``),
-so the rank's process, environment and CPU binding stay the launcher's.
+Importing ``mpi4py.MPI`` initializes MPI (and the GPU runtime, with GPU-aware MPI), so the
+device mask is set here first, from the local rank the launcher announces (``direct`` or
+``reverse`` order); with ``--nsys-dir`` local rank 0 of each node runs under ``nsys``.
+It imports neither torch nor mpi4py and replaces itself with the command
+(``os.execvp``), so the rank's process, environment and CPU binding stay the launcher's.
+The orders and why: docs/design/job-scripts.md ("Per-rank set-up before MPI starts").
 """
 
 from __future__ import annotations

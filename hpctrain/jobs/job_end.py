@@ -3,22 +3,12 @@
     python -m hpctrain.jobs.job_end [WALLTIME_S]      ->  1767225600 squeue
 
 A generated script exports the first word as ``HPCTRAIN_JOB_END`` (epoch seconds), which
-the trainer's deadline reads (``train/deadline.py``): training saves and stops early
-enough to finish before it. Asking the scheduler, rather than trusting the walltime the
-script was generated with, honours what the submission changed (``sbatch --time=...``,
-``qsub -l walltime=...``) and a requeued job's new start:
-
-- Slurm: ``squeue -h -j $SLURM_JOB_ID -o %e``, the expected end (Slurm 22.05 has no
-  ``$SLURM_JOB_END_TIME``; newer ones do, and the deadline reads it too). squeue prints
-  local time; ``SLURM_TIME_FORMAT=standard`` pins the format.
-- PBS: ``qstat -f $PBS_JOBID``: the job's start (``stime``) plus its
-  ``Resource_List.walltime``. (``resources_used.walltime`` is only refreshed every few
-  minutes, so "now + requested - used" would overstate the end.)
-- Otherwise, or when the command fails: ``$HPCTRAIN_JOB_START`` + ``WALLTIME_S`` (the
-  walltime the script asked for), if given.
-
-The second word says which (``squeue``, ``qstat``, ``walltime``); nothing is printed
-when no end is known.
+the trainer's deadline reads (``train/deadline.py``). Asking the scheduler (``squeue`` on
+Slurm, ``qstat`` on PBS), rather than trusting the walltime the script was generated
+with, honours what the submission changed and a requeued job's new start; without an
+answer, ``$HPCTRAIN_JOB_START`` + ``WALLTIME_S``. The second word says which; nothing is
+printed when no end is known.
+Each scheduler's query and why: docs/design/job-scripts.md ("The job's end").
 """
 
 from __future__ import annotations

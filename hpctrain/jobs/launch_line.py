@@ -6,17 +6,9 @@
 
 ``launch_line`` returns words that may hold shell variables (a job script only learns its
 node count inside the job) or plain strings (``hpctrain launch`` reads the allocation
-first), so the script and the command can never disagree about flags.
-
-``hpctrain launch`` finds the allocation like ezpz does: ``PBS_JOBID`` -> PBS, nodes from
-the unique hosts of ``PBS_NODEFILE``; ``SLURM_JOB_ID`` -> SLURM, nodes from
-``SLURM_JOB_NUM_NODES``/``SLURM_NNODES``; neither -> this machine, ``mpiexec -n <ranks>``
-with one rank per CPU core unless ``--ranks`` says otherwise.
-
-Ranks follow the allocation when it was sized in tasks: ``salloc -n 2`` (``SLURM_NTASKS``,
-``SLURM_NTASKS_PER_NODE``) or a PBS ``mpiprocs`` > 1 (``PBS_NODEFILE`` lists each host
-once per rank slot). Otherwise, and always with ``--ranks-per-node`` or ``--nodes``, the
-count is nodes x the system's ranks per node.
+first), so the script and the command can never disagree about flags. ``hpctrain
+launch`` finds the allocation from PBS's or Slurm's variables, else uses this machine.
+How the allocation and the rank count are read: docs/design/job-scripts.md ("``hpctrain launch``").
 """
 
 from __future__ import annotations

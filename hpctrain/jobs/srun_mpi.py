@@ -3,24 +3,12 @@
     python -m hpctrain.jobs.srun_mpi      # prints e.g. pmi2; the reason goes to stderr
 
 ``srun`` starts tasks; they form one MPI job only if srun's MPI plugin speaks the
-process-management interface of the MPI library. With the wrong one (or ``none``, the
-usual ``MpiDefault``) every task is a 1-rank job (``comm/world_check.py`` stops those).
-
-- Open MPI (>= 5) speaks only PMIx: ``pmix``.
-- HPE Cray MPICH: ``cray_shasta`` where the site offers it (Perlmutter, Frontier).
-- MPICH and its derivatives (MVAPICH, Intel MPI) speak PMI-1/PMI-2, and PMIx only when
-  built ``--with-pmix``. The ``mpich`` wheel from PyPI (what ``make install`` puts into
-  the virtualenv) is not: under ``srun --mpi=pmix`` it aborts ("unsupported PMI version
-  PMIx"), under ``--mpi=pmi2`` it works; checked with Slurm 22.05 (Debian 12) and
-  MPICH 5.0.
-- Anything else (or no mpi4py): ``pmix`` where offered, else ``pmi2``.
-
-A plugin is chosen only among those ``srun --mpi=list`` offers. Offered is not the same as
-working (Debian lists ``pmix`` without the ``libpmix.so`` it loads), which is why the
-library decides the order rather than the list alone.
-
-Job scripts run this in the job (``SRUN_MPI=$("$PYTHON" -m hpctrain.jobs.srun_mpi)``);
-``hpctrain launch`` runs it as a subprocess, so that its own process never loads MPI.
+process-management interface of the MPI library, else every task is a 1-rank job
+(``comm/world_check.py`` stops those). The library decides (Open MPI: ``pmix``, HPE Cray
+MPICH: ``cray_shasta``, MPICH and the PyPI wheel: ``pmi2``), among the plugins
+``srun --mpi=list`` offers. Job scripts run this in the job; ``hpctrain launch`` runs it
+as a subprocess, so that its own process never loads MPI.
+Each library's plugin and why: docs/systems/generic-slurm.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
-"""Data parallelism with a hand-written, bucketed gradient allreduce.
+"""Data parallelism with a hand-written, bucketed gradient allreduce (after PyTorch DDP,
+Li et al., VLDB 2020).
 
-How a step's gradients move (after PyTorch DDP, Li et al., VLDB 2020):
-
-1. Parameters are grouped into buckets in *reverse* registration order, because backward
-   produces gradients roughly from the last layer to the first. The first bucket is small
-   (1 MiB) so the first reduction starts early; the rest are capped at ``bucket_mb``.
-2. Each bucket owns one flat fp32 buffer; every parameter's ``.grad`` is a view into it,
-   so autograd accumulates straight into the buffer and nothing is copied.
-3. A post-accumulate-grad hook counts the gradients a bucket still waits for. When the
-   count reaches zero the bucket's reduction is started, strictly in bucket order (MPI
-   needs every rank to start collectives in the same order). Every hook also tests the
-   outstanding requests, which is what makes MPICH progress them during backward.
-   CPU gradients on a node with several ranks live in a shared-memory window and are
-   summed there (``hpctrain/comm/shm_allreduce.py``, ``--comm.transport``). The
-   rank's own thread does those sums, so during backward they would overlap nothing:
-   on one node there are no hooks, and ``finish()`` sums every bucket after backward
-   (sums between backward's kernels cost more than the same sums after it;
-   docs/design/data-parallelism.md has the measurement). Otherwise
-   (GPU gradients, ``--comm.transport=mpi``) MPI reduces them: a bucket's buffer never
-   moves, so with an MPI-4 library the reduction is a persistent collective
-   (``Allreduce_init`` once, ``Start`` each step: the schedule is built once); MPI-3
-   libraries (Cray MPICH 8, for one) get ``Iallreduce``. Each way is a ``Transport``
-   (``gradient_transport`` picks it), so the engine only calls ``allreduce``. On a GPU
-   the bucket's buffer goes to MPI as device memory (GPU-aware MPI) or through a host
-   staging copy (``comm/buffers.py``); its reduction starts once the event recorded
-   behind its last gradient has passed, never after a wait for the whole device.
-4. ``finish()`` launches any bucket still pending (parameters that got no gradient, or
-   no hooks) and waits for all reductions, under the watchdog deadline, before the
-   optimizer step.
-
-Averaging is folded into the loss: the trainer scales the loss by ``grad_scale`` (1/dp),
-so the summed gradients are already the mean. With gradient accumulation, hooks do
-nothing on all but the last micro-batch (``prepare_for_backward(last_micro=False)``).
-The engine owns its fused AdamW (``step``), as ``Zero`` does (``engine.py``).
+Parameters are grouped into buckets in reverse registration order; each bucket owns one
+flat fp32 buffer that the parameters' ``.grad`` views, and a post-accumulate-grad hook
+starts its reduction, in bucket order, once its last gradient lands. The sum goes
+through a ``Transport`` (MPI persistent or nonblocking collectives, or one node's shared
+memory, where ``finish()`` sums after backward instead). Averaging is folded into the
+loss (``grad_scale``). The engine owns its fused AdamW (``step``), as ``Zero`` does.
+Buckets, transports, GPUs and the measurements: docs/design/data-parallelism.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The gradient-engine interface: what the trainer and checkpoints need from the part that
 turns each rank's gradients into an optimizer step.
 
-Three engines implement it: ``DataParallel`` (fp32, replicated parameters, bucketed
-allreduce, one fused AdamW), ``MixedPrecisionDataParallel`` (bf16 compute, replicated,
-fp32 master weights) and ``Zero`` (stages 1-3, fp32 or bf16, sharded AdamW). A step is
-the same for all::
-
-    engine.prepare_for_backward(last_micro)   # before each micro-batch's backward
-    ... backward passes (the runner) ...
-    engine.finish()                           # every reduction complete
-    norm = engine.step(lr, clip)              # global norm, clip, update (skipped if inf/NaN)
-    engine.zero_grad()
-
-``norm_comms`` let an engine finish the global gradient norm over ranks that hold other
-parameters (the pipeline's stages): the squares are summed over each of them. Under
-tensor parallelism (``tp_comm``) the group's ranks hold other slices of the split
-parameters and copies of the rest: the squares are summed over the group too, each
-copy of a whole parameter counted 1/tp (``local_norm_squares``). An engine keeps its
-state interface in whole tensors either way (``tensor/split_state.py``).
+Three engines implement it: ``DataParallel`` (fp32, replicated, bucketed allreduce),
+``MixedPrecisionDataParallel`` (bf16, fp32 master weights) and ``Zero`` (stages 1-3,
+sharded AdamW). A step is the same for all: ``prepare_for_backward(last_micro)``,
+backward (the runner), ``finish()``, ``norm = step(lr, clip)``, ``zero_grad()``.
+``norm_comms`` and ``tp_comm`` finish the global gradient norm over pipeline stages and
+the tensor-parallel group (whole copies counted 1/tp, ``local_norm_squares``).
+Every member, per engine: docs/design/training-step.md ("The gradient engine (``GradEngine``)").
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """``parallelize(gpt, grid, cfg)``: wrap a whole GPT for this rank's place in the grid.
 
 One fixed order (as torchtitan's ``parallelize``), because each step needs the previous:
-
-0. **Tensor split** (tp > 1): every layer keeps this rank's slice of its weights and
-   exchanges activations with the rest of its tensor-parallel group
-   (``tensor/apply.py``); the pipeline cut then takes the split layers.
-1. **Pipeline cut** (pp > 1): keep this rank's stage of the model (its chunks of layers,
-   plus the embedding on the first stage and the head on the last). Every rank built the
-   whole model from the same seed, so the stages fit together.
-2. **Device**: what this rank keeps goes to its device.
-3. **Gradient engine** over the data-parallel ranks of this stage: ``Zero`` for ZeRO
-   stages 1-3; without sharding, ``DataParallel`` in fp32 and
-   ``MixedPrecisionDataParallel`` (fp32 master weights) in bf16. The engine
-   may turn the parameters into bf16 views of its buffers, so it comes before anything
-   that reads their dtype. With a pipeline, the gradient norm also sums over the stages.
-4. **Runner**: the pipeline executor, or ``LocalRunner`` when the model is whole.
-5. **Compute settings**: TF32 for fp32 matrix multiplies on GPUs (``--train.tf32``), then
-   ``torch.compile`` of each block and of the head with its loss (``--train.compile``)
-   last, once the parameters have their final dtype and the engine's hooks are in place
-   (they stay outside the compiled code). Activation recomputation
-   (``--model.recompute``) was built into the blocks with the model (``gpt.py``).
+0. tensor split (tp > 1, ``tensor/apply.py``); 1. pipeline cut (pp > 1: this rank's
+stage); 2. device; 3. gradient engine over the stage's data-parallel ranks (``Zero``,
+``DataParallel`` or ``MixedPrecisionDataParallel``; it may turn parameters into bf16
+views, so it comes before anything that reads their dtype); 4. runner (pipeline
+executor or ``LocalRunner``); 5. compute settings (TF32, then ``torch.compile`` of each
+block and of the head, last, so the engine's hooks stay outside the compiled code).
+Each step and why: docs/design/training-step.md ("``parallelize(gpt, grid, cfg)``").
 """
 
 from __future__ import annotations

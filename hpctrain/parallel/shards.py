@@ -1,15 +1,11 @@
 """Where each rank's shard of a flat parameter buffer lies: one pure function for ZeRO.
 
-A ZeRO bucket concatenates its tensors into one flat buffer, pads it to a multiple of
-the data-parallel size N, and gives rank r the contiguous slice ``[r*s, (r+1)*s)`` with
-``s = padded / N`` (as Megatron's distributed optimizer and DeepSpeed's ZeRO do). Equal
-slices are what ``MPI_Reduce_scatter_block`` and ``MPI_Allgather`` need; the padding
-(fewer than N elements, or more with ``align``) is never read by the optimizer.
-
-A tensor may straddle two or more shards, and a shard may hold pieces of several tensors;
-``pieces(r)`` lists them so the optimizer can treat each piece as its own 1-D tensor
-(weight decay differs between tensors). With more ranks than elements, some ranks own
-only padding and get no pieces.
+A ZeRO bucket's flat buffer is padded to a multiple of the data-parallel size N and rank
+r gets the contiguous slice ``[r*s, (r+1)*s)`` with ``s = padded / N`` (as Megatron's
+distributed optimizer and DeepSpeed's ZeRO do): equal slices are what
+``MPI_Reduce_scatter_block`` and ``MPI_Allgather`` need. ``pieces(r)`` lists the pieces
+of tensors in a shard, each its own 1-D tensor for the optimizer.
+The layout and its edge cases: docs/design/zero.md ("Shards").
 """
 
 from __future__ import annotations

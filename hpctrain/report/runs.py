@@ -1,19 +1,13 @@
 """A run as the report sees it: its ``metrics.jsonl`` records on one clock, its summary
 and a label that names its layout.
 
-A resumed run appends a segment to ``metrics.jsonl`` each time it starts; each record
-says which (``started_at``, ``start_step``) and how far into it (``elapsed_s``). Joined:
-
-- the wall clock runs on across segments: a segment's times start where the previous
-  segment's last record ended (the time between jobs, queued or set up, is not counted);
-- a step logged again after a resume from an older checkpoint is the later segment's:
-  the records the older segment wrote after the resume point describe training that was
-  abandoned (its checkpoints set aside), so they are dropped from the curves. Their time
-  stays on the clock: it was spent.
-
-Records written before these fields existed are split where the step goes back; such a
-segment is taken to resume after the last earlier step logged before its first one, and
-its clock is the sum of its step times.
+A resumed run appends a segment to ``metrics.jsonl`` each time it starts (``started_at``,
+``start_step``, ``elapsed_s``). Joined, the wall clock runs on across segments (the time
+between jobs is not counted), and a step logged again after a resume from an older
+checkpoint is the later segment's: the abandoned records are dropped from the curves,
+their time stays on the clock. Older records without these fields are split where the
+step goes back.
+The joining rules: docs/design/run-report.md ("Segments of a resumed run").
 """
 
 from __future__ import annotations

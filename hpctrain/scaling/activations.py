@@ -3,13 +3,10 @@ it: activations per layer (Korthikanti et al. 2022, "Reducing Activation Recompu
 in Large Transformer Models", arXiv 2205.05198), the head's logits, and the micro-batches
 a pipeline stage holds at once. Pure functions of the shape and the arrangement's numbers.
 
-Tensor parallelism over t ranks (``tp``) splits everything between a column-parallel
-layer's input and the row-parallel layer's output (heads, the MLP's hidden width): those
-activations divide by t. The norms, the residual stream and the column-parallel layers'
-inputs stay whole on every rank. Sequence parallelism (``sp``) cuts the norms and the
-residual stream along the sequence, so they divide by t too, and so do the
-column-parallel layers' inputs: each keeps only its rank's tokens and gathers them again
-in backward (``sequence_gathered_linear``), as Korthikanti's 34/t assumes.
+Tensor parallelism over t ranks divides what lies between a column-parallel layer's input
+and the row-parallel layer's output; sequence parallelism divides the rest too (the
+column-parallel inputs gathered again in backward), as Korthikanti's 34/t assumes.
+The words per layer and token: docs/design/scaling-model.md ("The performance model").
 """
 
 from __future__ import annotations

@@ -2,14 +2,11 @@
 
     mpiexec -n 4 python -m hpctrain.scaling.calib_worker --output fits.json
 
-Times ``Allreduce``, ``Reduce_scatter_block``, ``Allgather``, a neighbour exchange
-(``Sendrecv``, the pipeline's point-to-point) and, where the ranks share a node, the
-trainer's shared-memory gradient allreduce on fp32 buffers of several sizes, the way
-mpi4py's benchmarks do (``Barrier``, then ``Wtime`` around the call, after warm-up; the
-slowest rank's time counts), and fits ``t = alpha + beta * bytes`` per collective by
-least squares. ``--busy-ms`` puts a burst of computation on every rank before each call
-(the cost of waiting for a rank the OS descheduled); by default the library alone is
-timed and the performance model accounts for shared cores itself.
+Times ``Allreduce``, ``Reduce_scatter_block``, ``Allgather``, a neighbour exchange and,
+where the ranks share a node, the shared-memory gradient allreduce, as mpi4py's
+benchmarks do (``Barrier``, ``Wtime``, after warm-up; the slowest rank counts), and fits
+``t = alpha + beta * bytes`` per collective. ``--busy-ms`` adds computation before each call.
+How and why: docs/design/scaling-model.md ("``scale calibrate``").
 """
 
 from __future__ import annotations

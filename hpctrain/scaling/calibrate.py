@@ -1,20 +1,12 @@
 """``hpctrain scale calibrate``: measure this machine for the performance model.
 
-Four measurements, none of them a training run of the study:
-
-1. **Compute** per model shape and dtype, in this process on one thread: forward +
-   backward of ``hpctrain.model.gpt.GPT`` at two batch sizes, fitted as
-   ``t = layers x overhead + tokens x FLOPs/token / rate``.
-2. **Optimizer**: the trainer's fused AdamW step, gradient norm and zeroing on flat
-   fp32 parameters of two sizes, fitted as ``overhead + params x cost``.
-3. **Collectives** at each group size: ``mpiexec -n P python -m
-   hpctrain.scaling.calib_worker`` (allreduce, reduce-scatter, allgather, neighbour
-   exchange; a fitted line each), and in the same job forward + backward on all P ranks
-   at once: how much slower a rank computes when P ranks share the cores.
-4. **Peak**: a large fp32/bf16 matrix product on one thread, the denominator of MFU.
-
-The result is a JSON file that names its base system (``local``); studies use it with
-``calibration = FILE``.
+Four measurements, none of them a training run of the study: compute per model shape and
+dtype (forward + backward at two batch sizes, fitted as layers x overhead + FLOPs / rate),
+the optimizer (fused AdamW, fitted as overhead + params x cost), collectives at each
+group size (``mpiexec`` of ``calib_worker``, plus how much slower ranks compute when they
+share cores), and the peak matrix-product rate for MFU. The result is a JSON file that
+names its base system (``local``); studies use it with ``calibration = FILE``.
+Each measurement and its fit: docs/design/scaling-model.md ("``scale calibrate``").
 """
 
 from __future__ import annotations

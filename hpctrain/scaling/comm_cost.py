@@ -1,24 +1,12 @@
 """Alpha-beta cost of the collectives a training step uses (pure functions, seconds).
 
 A message of ``n`` bytes over one link costs ``alpha + n / bandwidth`` (Hockney's model).
-The ring algorithms' costs are the classic ones (Thakur, Rabenseifner and Gropp,
-"Optimization of collective communication operations in MPICH", IJHPCA 2005; Patarasuk
-and Yuan 2009 for the bandwidth optimality of the ring allreduce), for a group of ``p``
-ranks and a buffer of ``n`` bytes (the whole gradient for reduce-scatter, the whole
-gathered result for allgather):
-
-    reduce-scatter, allgather   (p-1) alpha + (p-1)/p n / bw
-    allreduce (ring)            2 (p-1) alpha + 2 (p-1)/p n / bw
-    point-to-point              alpha + n / bw
-
-At large p the ring's 2(p-1) latencies dominate small buckets, and MPI libraries switch
-to recursive halving/doubling (Rabenseifner's allreduce: 2 log2(p) alpha plus the same
-bandwidth term; reduce-scatter and allgather: log2(p) alpha). ``FORMULAS`` takes the
-cheaper of the two, as the library's algorithm selection does.
-
-Where calibration measured a collective at exactly this group size (``Fit``), the fit is
-used as is: on one shared-memory machine the measured line already holds the
-oversubscription and the library's choice of algorithm.
+Reduce-scatter, allgather and allreduce cost what the ring algorithms cost (Thakur,
+Rabenseifner and Gropp, IJHPCA 2005), or recursive halving/doubling where that is
+cheaper, as the library's algorithm selection does (``FORMULAS`` takes the cheaper).
+A calibrated ``Fit`` at exactly this group size is used as is: it already holds the
+machine's oversubscription and the library's choice of algorithm.
+The formulas and their sources: docs/design/scaling-model.md ("The performance model").
 """
 
 from __future__ import annotations

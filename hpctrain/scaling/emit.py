@@ -1,16 +1,12 @@
 """``hpctrain scale run STUDY --jobs DIR``: job scripts instead of local runs.
 
 Per point (default): one script per point and repeat, each made by the job generator
-(``hpctrain.jobs``: directives, queue limits, module setup, binding, records), with its
-run directory under ``DIR/runs``; ``DIR/submit_all.sh`` submits them all and
-``DIR/jobs.json`` maps job names to points, so ``hpctrain scale report DIR`` turns the
-finished runs' ``summary.json`` files into records.
-
-One job (``--one-job``): the generator's script for the largest point's node count, whose
-``JobSpec.launch`` is ``python -m hpctrain scale run STUDY --launch-system SYSTEM``
-(rendered and quoted like every launch line): inside the allocation the study runner
-starts each point with the system's own launch line (``hpctrain.jobs.launch_line.plan_launch``)
-on as many nodes as the point needs.
+(``hpctrain.jobs``), plus ``DIR/submit_all.sh`` and ``DIR/jobs.json`` (job names to
+points), so ``hpctrain scale report DIR`` collects the finished runs. One job
+(``--one-job``): one script for the largest point's nodes, whose launch is ``hpctrain
+scale run STUDY --launch-system SYSTEM``: inside the allocation each point starts with the
+system's own launch line on as many nodes as it needs.
+Both ways: docs/design/scaling-model.md ("``scale run``").
 """
 
 from __future__ import annotations

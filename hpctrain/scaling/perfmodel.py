@@ -1,42 +1,12 @@
 """Predict a training step's time and memory from the model shape, the parallel arrangement
 and a system's performance figures. Pure functions; every term is reported.
 
-step = pipeline compute (m micro-batches of forward + backward on the largest stage)
-     + pipeline bubble               (p-1)/(m+p-1) of the pipeline, 1F1B and GPipe;
-                                     (p-1)/(v m) of the useful work, interleaved (v chunks)
-     + point-to-point activations    2 transfers per micro-batch slot and chunk
-     + exposed gradient reduction    what backward does not hide (``overlap``); plain
-                                     data parallelism of CPU gradients uses the
-                                     calibrated shared-memory allreduce where there is one
-     + ZeRO parameter gathers        allgather after the step (ZeRO-1/2), per block
-                                     before forward and backward (ZeRO-3, 3 Psi in all)
-     + tensor-parallel collectives   the group's sums of activations (``tensor_cost``)
-     + optimizer                     AdamW over the parameters this rank updates
-
-Compute of one micro-batch is ``layers x overhead + FLOPs / rate + traffic / bandwidth``
-(the overhead is kernel launches and Python per block; FLOPs as ``GPT.flops_per_token``,
-divided over the tensor-parallel group). The last term is the work that is not a matrix
-multiply (norms, activation functions, softmax, the residual stream, the loss over the
-logits): memory-bound, it moves ``activation_passes`` times the bytes the step keeps for
-backward through the device's memory. Per token a layer's FLOPs grow as the width
-squared and these bytes as the width, so the achieved rate rises with the width toward
-``achieved_tflops`` (the rate of the matrix multiplies): small models run well below it,
-as published runs show (docs/design/scaling-model.md). A shape calibrated on the machine
-(``scale calibrate``) has a measured rate that already holds that work. Recomputation
-(``recompute="block"``) runs each block's forward twice: its blocks cost 8 FLOPs per
-weight and token instead of 6 (forward 2, backward 4, the forward again 2). A chunked head
-(``loss_chunk``) computes its logits again in backward: 8 instead of 6 per head weight.
-MFU still counts the model's 6N (recomputed FLOPs are not useful work). CPU ranks that
-share cores (more ranks than cores on a node) run slower by the factor calibration
-measured with every rank computing and synchronizing at once (else ``ranks / cores``):
-compute and optimizer are scaled by it; measured collective fits already include it.
-
-Memory per rank = model state from the ZeRO formulas (Rajbhandari et al. 2020) on the
-largest stage's share of a tensor-parallel group + activations (``activations.py``:
-Korthikanti et al., arXiv 2205.05198, with their tensor- and sequence-parallel forms)
-for the micro-batches a stage holds at once, or with recomputation each layer's input and
-one layer's full set + logits (one chunk of them with ``loss_chunk``, a slice of the
-vocabulary with tp) + communication buffers + the rank's base.
+A step is pipeline compute + bubble + point-to-point activations + the gradient
+reduction backward does not hide + ZeRO parameter gathers + tensor-parallel sums +
+the optimizer. Compute is ``layers x overhead + FLOPs / rate + traffic / bandwidth``;
+memory per rank is the ZeRO formulas (Rajbhandari et al. 2020) plus activations
+(Korthikanti et al., arXiv 2205.05198, ``activations.py``), logits, buffers and a base.
+Every term and why: docs/design/scaling-model.md ("The performance model").
 """
 
 from __future__ import annotations

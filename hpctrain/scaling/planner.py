@@ -1,17 +1,11 @@
 """``hpctrain plan``: every legal (dp, pp, tp, ZeRO, micro-batch) arrangement of a model on N
 nodes that fits device memory, ranked by the performance model's step time.
 
-Legal means what the trainer accepts: dp x pp x tp = ranks, pp <= layers, the global batch
-splits into dp x micro-batches, pipelines only with ZeRO 0 or 1, and for pipelines 1F1B (GPipe is never faster and holds
-more activations) and interleaved 1F1B with 2 chunks per rank where the layers allow it.
-Tensor-parallel groups stay inside a node (tp divides the ranks per node: their
-collectives block every layer, and only the node's links are fast enough), and split the
-heads, key/value heads, hidden width and vocabulary evenly; each comes with sequence
-parallelism (the same bytes moved, less activation memory and memory traffic: never
-slower in the model).
-The micro-batch size ranges over 1, 2, 4, ... rows (gradient accumulation makes up the
-rest of the batch). Pipelines with fewer micro-batches than stages are left out: most of
-such a step would be bubble.
+Legal means what the trainer accepts (dp x pp x tp = ranks, the batch splits, pipelines
+only with ZeRO 0 or 1, 1F1B or interleaved); tensor-parallel groups stay inside a node
+and come with sequence parallelism. GPipe (never faster, more activations) and pipelines
+with fewer micro-batches than stages (mostly bubble) are left out.
+What is enumerated and why: docs/design/scaling-model.md ("``hpctrain plan``").
 """
 
 from __future__ import annotations

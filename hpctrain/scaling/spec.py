@@ -1,40 +1,12 @@
 """A scaling study: a TOML sweep spec, checked in full and expanded into points.
 
-    [study]
-    name = "local"
-    scaling = "weak"              # weak: batch per data-parallel rank fixed; strong: global
-    ranks = [1, 2, 4]             # or nodes = [1, 2, 4] (x the system's ranks per node)
-    steps = 30                    # optimizer steps per run (the trainer drops a warm-up)
-    repeats = 1
-    recipe = "default"            # what `hpctrain train` starts from
-    system = "local"              # hpctrain/systems/<name>.toml: ranks per node, [perf]
-    calibration = "local-calibration.json"   # from `hpctrain scale calibrate`, optional
-    timeout_s = 300               # limit of each mpiexec
-    overrides = ["--data.path=datasets/stdlib-char.h5"]
-
-    [batch]
-    per_rank = 8                  # weak: sequences per data-parallel rank; strong: global = 32
-
-    [[models]]                    # one or more; a preset (models.toml) or a shape
-    name = "tiny"
-    n_layer = 4
-    n_head = 4
-    n_embd = 128
-    block_size = 128              # vocab_size: from the data file unless given
-
-    [[parallel]]                  # one or more; list values expand as a product
-    name = "zero"
-    zero = [0, 1, 2, 3]
-    pp = [1]
-    micro_batches = [1]
-    schedule = "1f1b"             # pp > 1: 1f1b | gpipe | interleaved | zb-h1
-    virtual_stages = 1
-    tp = [1]                      # tensor-parallel ranks (n_head must divide by tp)
-    sequence_parallel = false     # with tp > 1: norms and residual split too
-
+A spec names the study (weak or strong scaling, rank or node counts, steps, repeats,
+recipe, system, calibration), the ``[batch]``, one or more ``[[models]]`` (presets or
+shapes) and one or more ``[[parallel]]`` entries whose list values expand as a product.
 Points are models x parallel configurations x rank counts, in that order. A combination
 the trainer cannot run (pp not dividing the ranks, a batch that does not split) is left
 out with the reason, never run.
+Every key, with an annotated example: docs/design/scaling-model.md ("A study").
 """
 
 from __future__ import annotations

@@ -2,19 +2,11 @@
 parameters a rank holds, and the collectives of its group (Shoeybi et al. 2019,
 "Megatron-LM"; Korthikanti et al. 2022 for sequence parallelism). Pure functions.
 
-Per layer and micro-batch the group sums the (B, T, C) activation twice in forward (after
-the attention's and the MLP's row-parallel projection) and twice in backward (before their
-column-parallel inputs), and twice more when recomputation runs the forward again. The
-vocabulary-parallel embedding sums its output in forward and the head its input's
-gradient in backward: two more. With sequence parallelism each sum becomes an all-gather
-plus a reduce-scatter, which move the same bytes (ring: the allreduce is exactly the
-pair), and each column-parallel layer gathers its input again in backward: two more
-all-gathers per layer. The loss adds three sums of one number per token (the max, the sum of
-exponentials, the target's logit). All of them block the rank: nothing hides them.
-
-Under MPI the group sums bf16 in fp32 (``parallel/tensor/group.py``: exact sums), so an
-allreduce or reduce-scatter of bf16 activations moves 4 bytes a number; the GPU's
-library sums bf16 natively (2 bytes); all-gathers move the activation's own words.
+Per layer and micro-batch the group sums the (B, T, C) activation twice in forward and
+twice in backward (more with recomputation), the embedding and head add two, the loss
+three sums of one number per token; with sequence parallelism each sum is an all-gather
+plus a reduce-scatter. All of them block the rank. Under MPI bf16 is summed in fp32.
+Where each sum comes from, and the bytes: docs/design/scaling-model.md ("The performance model").
 """
 
 from __future__ import annotations

@@ -1,53 +1,13 @@
 """The system registry: one TOML file per machine, read by one loader.
 
 ``hpctrain/systems/<name>.toml`` describes a machine once for every command that needs
-it: ``hpctrain jobscript`` and ``hpctrain launch`` (batch system, launch line),
-``hpctrain plan`` and ``hpctrain scale`` (performance model), and the MFU of
-``hpctrain train`` (device peaks, ``devices.toml``). ``--system NAME`` reads the same file
-in all of them; ``--system PATH.toml`` reads your own: copy the closest file and edit it.
-
-A file has a ``description`` and three tables (``polaris.toml`` is a commented example):
-
-``[batch]``, the batch system; every limit keeps its source in a comment.
-    ``scheduler``: ``pbs``, ``slurm`` or ``none``. ``directives``: templates with
-    ``{placeholders}`` (``hpctrain.jobs.job_system`` lists them). ``requires``: what a job
-    must name (``account``, ``queue``, ``walltime``). ``filesystems``,
-    ``default_filesystems``. ``[batch.queues.NAME]``: ``nodes = [min, max]``,
-    ``walltime``, optional ``min_walltime``, ``walltime_by_nodes``
-    (``[[max_nodes, walltime], ...]``), ``directives``, ``array_throttle``, and
-    ``partition``: what ``{queue}`` becomes in the directives when the queue is not a
-    partition of its own (Frontier's ``debug`` is a QOS of ``batch``).
-``[launch]``, starting and binding the ranks.
-    ``ranks_per_node`` (0: one per CPU core, local only), ``gpus_per_node``;
-    ``cpus_per_node`` (CPUs the launcher hands out, hardware threads on SLURM; 0: unknown,
-    no binding) and ``threads_per_core``: a rank gets ``cpus_per_node // ranks_per_node``
-    CPUs and as many OpenMP threads as whole cores. ``cpu_sockets``: core ranges
-    ``[first, last]`` per socket for explicit CPU lists (Aurora), so that no rank crosses
-    a socket or touches a reserved core. ``max_ranks_per_node``: a hard limit below the
-    CPU count (Frontier: one rank per GCD). ``device_env``, ``device_order``: which
-    variable selects a rank's GPU before MPI starts (``CUDA_VISIBLE_DEVICES``,
-    ``ZE_AFFINITY_MASK``) and how (``direct``: local_rank % gpus, ``reverse``:
-    gpus - 1 - local_rank % gpus). ``setup``: shell commands (module loads) run in order,
-    each checked; ``[launch.env]``: variables exported for the run. ``profilers``.
-    ``launcher``: the launch command, a template. ``srun_mpi``: the ``--mpi=`` plugin for
-    ``{srun_mpi}`` (``pmi2``, ``pmix``, ...), or ``auto``: chosen inside the job.
-    ``vendor_mpi``: the MPI the site provides, which mpi4py should be built against.
-``[perf]``, optional: the performance model's figures.
-    ``device``: a table of ``devices.toml``, which holds its peaks (a device not listed
-    there gives ``[perf.compute] peak_tflops``). ``device_memory_gib`` (0: the ranks share
-    the host's memory), ``memory_reserve_gib``, ``cores_per_node`` (CPU ranks share them;
-    0: the cores of this machine), ``flash_attention``, ``base_memory_mib``.
-    ``[perf.compute]``: ``achieved_tflops`` per dtype (the matrix multiplies' rate),
-    ``layer_overhead_us``, ``optimizer_ns_per_param``, ``optimizer_overhead_us``, and
-    optionally ``memory_gbytes_per_s`` (the device memory's bandwidth) with
-    ``activation_passes`` (how often the kept activations cross it per step). ``[perf.network]``: ``intra``-
-    and ``inter``-node links (``alpha_us``, ``gbytes_per_s``) and ``overlap`` (0 to 1) of
-    MPI, and ``[perf.network.xccl]`` the same of the GPU's collective library.
-
-The loader checks structure and types and names the fix, and converts ``[perf]`` to SI
-units (``systems.perf.SystemPerf``); ``jobs.job_system`` checks what the values mean to a
-job script, ``scaling.system_perf`` adds calibrations. Tier 0 (docs/design/layers.md): it
-imports only ``errors``, ``sizes`` and its own package.
+it: ``jobscript`` and ``launch`` (batch system, launch line), ``plan`` and ``scale``
+(performance model), and the MFU of ``train`` (device peaks, ``devices.toml``).
+``--system NAME`` reads the same file in all of them; ``--system PATH.toml`` reads your
+own. A file has a ``description`` and three tables, ``[batch]``, ``[launch]`` and an
+optional ``[perf]``; ``polaris.toml`` is a commented example. The loader checks
+structure and types, names the fix, and converts ``[perf]`` to SI units.
+Every field: docs/design/job-scripts.md ("Your own cluster").
 """
 
 from __future__ import annotations

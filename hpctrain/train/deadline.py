@@ -1,29 +1,13 @@
 """Stopping before the job's walltime, whatever the launcher does with signals.
 
-Schedulers send SIGTERM (or Slurm's ``--signal``) shortly before they kill a job, but
-not every launcher passes it on in time: Open MPI's ``mpirun`` follows SIGTERM with
-SIGKILL about two seconds later, too soon for a checkpoint. So the trainer also keeps
-its own clock. The deadline is the earliest of ``--train.time_limit`` seconds after the
-job's start (``$HPCTRAIN_JOB_START``, epoch seconds, which generated job scripts export
-first thing; else this process's start), the job's end as the scheduler tells it
-(``$HPCTRAIN_JOB_END``, which generated scripts read from squeue or qstat:
-``jobs/job_end.py``, so that ``sbatch --time`` overrides count) and Slurm's
-``$SLURM_JOB_END_TIME`` (newer Slurm releases; 22.05 has none). After each step the
-trainer asks ``passed()``: true once the time left is less than the margin,
-
-    margin = base + 2 x (the longest checkpoint save so far) + 2 x (the longest step
-             of the last 20) + shutdown
-
-with ``base`` = 5% of the limit, at most 60 s. Two saves, because a periodic save may
-fall on the step before the stop, and two steps, because the ranks agree on a stop one
-step after asking (``stop.py``). ``shutdown`` is what the processes need after the last
-save to leave (MPI's finalize, freeing the device, the interpreter's exit): it cannot be
-measured before it happens, so the time this process took from its start to its first
-step stands in for it (imports, MPI's start, opening the data: the same kind of work,
-and as slow as the node is loaded). Before the first save nothing is known about its
-length: runs with a time limit should save periodically (``--train.ckpt_interval``).
-The answer goes into the ranks' stop agreement (``stop.py``) like a signal: every rank
-stops after the same step, saves, and exits 0.
+Not every launcher passes the scheduler's SIGTERM on in time (Open MPI's ``mpirun``
+follows it with SIGKILL about two seconds later), so the trainer keeps its own clock:
+the earliest of ``--train.time_limit`` after the job's start, ``$HPCTRAIN_JOB_END`` and
+``$SLURM_JOB_END_TIME``. ``passed()`` is true once the time left is below a margin that
+learns the longest save and step and stands in the start-up time for the shutdown; the
+answer goes into the ranks' stop agreement (``stop.py``) like a signal. Runs with a time
+limit should save periodically (``--train.ckpt_interval``).
+The margin's formula and why: docs/design/failure-handling.md ("The trainer's own deadline").
 """
 
 from __future__ import annotations

@@ -3,15 +3,14 @@
 A run stopped by a signal or by its time limit saves a checkpoint and exits 0, exactly as
 a finished one does, so the exit status alone cannot tell them apart. Rank 0 writes this
 file at the end of every run (and removes a stale one when a run starts), and job scripts
-read it after the launcher returns:
+read it after the launcher returns, to print the truth and exit with a status the
+scheduler can act on:
 
     python -m hpctrain.train.run_status RUN_DIR
     stopped 120 2000 SIGUSR1          (status, step, max_iters, reason)
 
-so that they print the truth ("stopped after step 120 of 2000 ...; resubmit or requeue
-to continue") and exit with a status the scheduler can act on (``hpctrain jobscript
---stop-exit-code``). ``summary.json`` carries the same ``status`` field when it is
-written; this file exists for every run, with or without a summary.
+The file's fields and the job's exit: docs/design/failure-handling.md
+("The walltime, signals and Ctrl-C: stop, save, exit 0").
 """
 
 from __future__ import annotations

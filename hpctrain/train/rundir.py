@@ -1,25 +1,13 @@
 """One run per output directory: a lock, and no silent mixing with an earlier run.
 
 Two jobs writing the same ``--train.out_dir`` replace each other's checkpoints and
-interleave ``metrics.jsonl``; a fresh run in the directory of an earlier one would prune
-or shadow its checkpoints. So before anything is written, rank 0:
-
-1. takes ``<out_dir>/.hpctrain.lock`` (``rundir_lock.py``: it holds host, PID, job id
-   and start time). A lock whose holder is on this host and no longer alive is stale and
-   is taken over, by one starter only however many race for it; any other lock is an
-   error naming its holder. ``--train.overwrite`` does not break a lock: a live job is
-   never overwritten.
-2. looks for an earlier run's outputs. A fresh run (``--train.resume=''``) in such a
-   directory is refused with the two ways on (``--train.resume=auto`` or
-   ``--train.overwrite``); with ``--train.overwrite``, or with ``auto`` and no checkpoint
-   to continue (a requeued job killed before its first save), the earlier outputs are
-   moved into ``<out_dir>/previous-<UTC time>/`` and the run starts fresh: nothing is
-   deleted.
-3. on a resume from an older step of this out_dir, moves the newer checkpoints it
-   abandons into ``previous-<UTC time>/checkpoints/`` (``set_aside_newer``).
-
-Every rank receives the verdict, so an error is raised everywhere alike (and printed
-once by rank 0).
+interleave ``metrics.jsonl``, and a fresh run in an earlier one's directory would prune
+or shadow its checkpoints. So before anything is written rank 0 takes the lock
+(``rundir_lock.py``), refuses a fresh run over an earlier run's outputs unless told
+(``--train.resume=auto`` or ``--train.overwrite``, which move them into
+``previous-<UTC time>/``: nothing is deleted), and on a resume from an older step sets
+the newer checkpoints aside (``set_aside_newer``). Every rank receives the verdict.
+The rules and why: docs/design/failure-handling.md ("One run per output directory").
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """``<out_dir>/.hpctrain.lock``: one run per output directory, also when many start at once.
 
-The lock file holds its holder (host, PID, job id, start time) and is made whole or not
-at all: the record is written to a temporary file first and linked to the lock's name
-(``link`` fails if the name exists: an atomic create-if-absent, and nobody ever reads a
-half-written lock). A lock whose holder is on this host and no longer alive is stale;
-any other lock is refused, naming its holder.
-
-Taking over a stale lock is where starters race: deleting the stale file and creating a
-new one lets a second starter delete the lock a first one has just created, and both
-hold it. So a takeover happens only under a guard (``.hpctrain.lock.takeover``, created
-exclusively, removed at once): its holder reads the lock again and, if it is still the
-stale one it judged, replaces it with its own record by an atomic ``rename``. The lock's
-name never goes missing during a takeover, and only the guard's holder replaces a lock;
-every other starter then finds a live holder and is refused. ``flock`` is not used: its
-support varies between the parallel file systems of clusters (node-local or absent),
-while exclusive create, ``link`` and ``rename`` are atomic on all of them.
-
-A guard is held for a read and a rename; one left behind (its holder killed in between)
-is not guessed at: the error names it for removal.
+The lock file holds its holder (host, PID, job id, start time) and is created whole by
+``link`` from a temporary file (an atomic create-if-absent). A lock whose holder is on
+this host and no longer alive is stale; any other lock is refused, naming its holder. A
+stale lock is taken over only under an exclusive guard (``.hpctrain.lock.takeover``)
+whose holder reads the lock again and replaces it by an atomic ``rename``, so two
+starters never both hold it; ``flock`` is not used (node-local or absent on some
+cluster file systems). A guard left behind is named for removal, never guessed at.
+The race and how it is tested: docs/design/failure-handling.md ("One run per output directory").
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Stopping on the scheduler's signal, on Ctrl-C, or at the trainer's own deadline
 (``deadline.py``): save a checkpoint and exit cleanly.
 
-PBS and Slurm send SIGTERM (Slurm also SIGUSR1 with ``--signal``) before they kill a job
-at its walltime; ``mpiexec`` forwards it to every rank, and Ctrl-C (SIGINT) too. The
-handler only records the signal (``SignalFlag``), for the whole life of a run: set-up,
-training, the final evaluation, the saves and the sample. Nothing is interrupted
-half-way; the run acts at the next point where every rank can agree. A second Ctrl-C
-means "now": it raises ``KeyboardInterrupt``, and the job ends at once without a save
-(``comm/abort.py``). The sample, which only rank 0 computes, checks the flag itself
-after every token (``local_stop``).
-
-Ranks may see the signal at different steps, so they agree before acting
-(``StopAgreement``): every ``every`` steps each rank starts a nonblocking allreduce (MAX)
-of why it would stop (``NO_STOP``, ``DEADLINE_CODE`` or ``SIGNAL_BASE`` plus the signal
-it had), and the next agreement reads it; a rank with no reason of its own takes the
-agreed one, so every rank, rank 0's log and the job's exit message included, names the
-same cause. Every rank reads the same reduction, so all stop after the same step, save
-the same checkpoint, and exit 0. With
-``every=1`` (``--train.stop_check_steps``, the default) a signal is acted on within 2
-steps; the allreduce of one integer overlaps a whole step. Its buffers never change, so
-where the library has MPI-4 persistent collectives it is built once (``Allreduce_init``)
-and only started each time, which costs less than a new ``Iallreduce`` right after a
-training step, when MPICH's data is out of cache (docs/design/data-parallelism.md has
-the measurement). Outside the loop
-(``now()``), the agreement is a blocking allreduce at fixed points every rank passes.
+The handler only records the signal (``SignalFlag``), for the whole life of a run, and
+nothing is interrupted half-way; a second Ctrl-C means "now" (``KeyboardInterrupt``, no
+save). Ranks may see a signal at different steps, so they agree before acting
+(``StopAgreement``: a nonblocking, persistent where MPI-4 allows, allreduce (MAX) of
+each rank's reason, read at the next check), and all stop after the same step, save the
+same checkpoint, name the same cause and exit 0. The sample checks ``local_stop`` per token.
+Where the ranks agree, and why: docs/design/failure-handling.md
+("The walltime, signals and Ctrl-C: stop, save, exit 0").
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """The storage layer of the ZeRO engine: flat buckets, their shards, staging buffers.
 
-Parameters are grouped into buckets (``zero_buckets``: reverse registration order, as
-data parallelism does; for level 3 one bucket per transformer block plus one for the
-embeddings and final norm). Each bucket is one flat buffer padded to a multiple of the N
-data-parallel ranks; rank r owns the slice ``[r*s, (r+1)*s)`` (``shards.shard_layout``).
-
-What a ``ZeroBucket`` keeps, per level (compute dtype c = fp32 or bf16; gradients,
-master weights and Adam moments are fp32 in either dtype, Megatron's "main gradients"):
-
-    level  parameters          gradients            master + Adam moments
-    0      full (c)            full (fp32)          full        (bf16 only: fp32 uses DataParallel)
-    1      full (c)            full (fp32)          shard
-    2      full (c)            shard (fp32)         shard
-    3      shard (c)           shard (fp32)         shard
-
-Levels 0 and 1 reduce their fp32 gradient buffer in place; levels 2 and 3 up-cast each
-micro-batch's gradients into an fp32 buffer from the ``StagingPool`` and reduce-scatter
-that. Nothing here starts communication: the engine (``engine.py``) does.
+Parameters are grouped into buckets (``zero_buckets``: reverse registration order; at
+level 3 one bucket per transformer block plus one for the embeddings and final norm).
+Each bucket is one flat buffer padded to a multiple of the N data-parallel ranks; rank r
+owns the slice ``[r*s, (r+1)*s)`` (``shards.shard_layout``). A ``ZeroBucket`` keeps full
+or sharded parameters, fp32 gradients and fp32 master weights and moments as its level
+says; levels 2 and 3 reduce-scatter through fp32 buffers from the ``StagingPool``.
+Nothing here starts communication: the engine (``engine.py``) does.
+What each level keeps, and why fp32 gradients: docs/design/zero.md.
 """
 
 from __future__ import annotations

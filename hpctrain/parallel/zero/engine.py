@@ -1,19 +1,13 @@
 """The ZeRO engine: levels 0-3 over MPI, fp32 or bf16 (Rajbhandari et al., SC'20).
 
 What each rank keeps per level is in ``buckets.py``; ZeRO-3's parameter gathers are in
-``gather.py``. This module moves gradients and updates the shards.
-
-A step: backward produces gradients (in bf16 autograd's gradient of one parameter is bf16
-and lives only until its hook has added it into the fp32 buffer); when a bucket's last
-gradient arrives its reduction starts (nonblocking, in bucket order on every rank):
-``Iallreduce`` for level 0, ``Ireduce_scatter_block`` otherwise, always on fp32 data.
-Levels 0 and 1 accumulate micro-batches in their fp32 gradient buffer and reduce it in
-place once; levels 2 and 3 keep no full gradient, so they up-cast each micro-batch's
-gradients into an fp32 staging buffer, reduce-scatter it and add the result to the fp32
-gradient shard. The optimizer reads the fp32 gradient: nothing is rounded back to bf16.
-With one data-parallel rank no reduction is started (nor allgather of levels 1-2). Then
-the global gradient norm is summed over the shards, each rank clips and updates its
-shard with AdamW, and levels 1 and 2 allgather the new parameters.
+``gather.py``. This module moves gradients and updates the shards: a bucket's reduction
+starts when its last gradient arrives, in bucket order on every rank (``Iallreduce`` at
+level 0, ``Ireduce_scatter_block`` otherwise, always on fp32 data: nothing is rounded
+back to bf16); levels 2 and 3 reduce-scatter every micro-batch. Then the global norm is
+summed over the shards, each rank clips and updates its shard with AdamW, and levels 1
+and 2 allgather the new parameters.
+The step per level, and why fp32 gradients: docs/design/zero.md.
 """
 
 from __future__ import annotations

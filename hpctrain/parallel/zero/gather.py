@@ -1,16 +1,11 @@
 """ZeRO-3's parameter gathers: a block's full parameters exist only while it computes.
 
 Each rank keeps only its shard of every bucket's parameters. Module hooks allgather a
-block's bucket right before its forward and again when the gradient reaches its output
-(backward), free it after each use, and start the next block's gather before the
-current block computes (a prefetch, so communication overlaps compute). The bucket of
-everything outside the blocks (embeddings, final norm) is gathered for the whole forward
-and for backward's end. Gathers use their own communicator, so they never interleave
-with gradient reductions on the engine's.
-
-A bucket's full buffer is in one of three states: ``FREE`` (no memory), ``IN_FLIGHT``
-(allocated, the allgather started) and ``HELD`` (complete). ``gathered()`` holds every
-bucket (to save, evaluate on every rank, or sample) and pins them until it exits.
+block's bucket before its forward and again in backward, free it after each use, and
+start the next block's gather early (a prefetch), on a communicator of their own. A full
+buffer is ``FREE``, ``IN_FLIGHT`` or ``HELD``; ``gathered()`` holds every bucket (to
+save, evaluate or sample) and pins them until it exits.
+When each bucket is gathered, and why: docs/design/zero.md ("ZeRO-3").
 """
 
 from __future__ import annotations
