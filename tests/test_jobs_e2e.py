@@ -64,7 +64,7 @@ while [ $# -gt 0 ]; do
         --ntasks=*) n=${1#--ntasks=}; shift ;;
         -n*) n=${1#-n}; shift ;;
         -N|-c|--nodes|--cpus-per-task|--ntasks-per-node|--gpus-per-node|--gpus-per-task|--cpu-bind|--gpu-bind) shift 2 ;;
-        -N*|-c*|--nodes=*|--cpus-per-task=*|--ntasks-per-node=*|--gpus-per-node=*|--gpus-per-task=*|--cpu-bind=*|--gpu-bind=*|--mpi=*) shift ;;
+        -N*|-c*|--nodes=*|--cpus-per-task=*|--ntasks-per-node=*|--gpus-per-node=*|--gpus-per-task=*|--cpu-bind=*|--gpu-bind=*|--mpi=*|--kill-on-bad-exit=*) shift ;;
         -*) echo "fake srun: unknown flag $1" >&2; exit 99 ;;
         *) break ;;
     esac
