@@ -6,6 +6,7 @@ PBS and Slurm) and tests/test_slurm_real.py (a real Slurm)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from datetime import datetime
@@ -93,6 +94,18 @@ def test_the_records_of_attempts_are_found_newest_last(tmp_path):
         time.sleep(0.01)
     assert [p.name for p in attempts(tmp_path)] == ["777", "777.2", "801"]
     assert latest_attempt(tmp_path).name == "801"
+
+
+def test_attempts_go_by_the_time_they_were_made_not_their_names(tmp_path):
+    """Job ids outgrow a digit ("999" sorts after "1000" by name) and requeues pass
+    ".9" (".10" sorts before it): the order is the folders' times."""
+    made = ["999", "999.9", "999.10", "1000"]
+    for t, name in enumerate(made):
+        folder = tmp_path / "jobs" / name
+        folder.mkdir(parents=True)
+        os.utime(folder, (1_000_000 + t, 1_000_000 + t))
+    assert [p.name for p in attempts(tmp_path)] == made
+    assert latest_attempt(tmp_path).name == "1000"
 
 
 def test_status_file_round_trip_and_the_line_a_script_reads(tmp_path, capsys):
