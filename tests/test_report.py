@@ -35,6 +35,20 @@ def test_a_resumed_run_is_joined_on_one_clock_and_the_later_segment_wins(tmp_pat
     assert run.label == "r: dp=1 pp=2 tp=1 zero=0, gpt 2x32"
 
 
+def test_three_segments_run_on_one_clock_each_after_the_last():
+    """Resumed twice: each segment's clock starts where the one before it ended (two
+    segments cannot tell an offset that only counts the latest segment)."""
+    first = segment(range(10, 61, 10), 1000.0, 0)  # 1.0 .. 6.0 s
+    second = segment(range(50, 81, 10), 2000.0, 40)  # from step 40: 1.0 .. 4.0 s
+    third = segment(range(80, 101, 10), 3000.0, 70)  # from step 70: 1.0 .. 3.0 s
+    steps, _ = join_segments(split_segments(first + second + third))
+    assert [(r["step"], r["segment"]) for r in steps] == [
+        (10, 0), (20, 0), (30, 0), (40, 0), (50, 1), (60, 1), (70, 1), (80, 2), (90, 2),
+        (100, 2)]
+    assert [r["wall_s"] for r in steps] == pytest.approx(
+        [1.0, 2.0, 3.0, 4.0, 7.0, 8.0, 9.0, 11.0, 12.0, 13.0])
+
+
 def test_a_final_evaluation_abandoned_by_a_resume_is_dropped():
     first = segment(range(10, 41, 10), 1.0, 0) + [
         {"step": 40, "final_val_loss": 2.5, "elapsed_s": 5.0, "started_at": 1.0,
