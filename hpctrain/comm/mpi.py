@@ -13,15 +13,19 @@ import importlib
 
 
 class _LazyMPI:
-    """Stands for ``mpi4py.MPI``: every name is read from the module at each use (so a
-    test that patches ``mpi4py.MPI`` patches what hpctrain calls too)."""
+    """Stands for ``mpi4py.MPI``. Objects (communicators, constants, classes) are kept
+    after their first read, as a plain module attribute costs; functions are read from
+    the module at each use, so a test that patches one patches what hpctrain calls."""
 
     _module = None
 
     def __getattr__(self, name: str):
         if _LazyMPI._module is None:
             _LazyMPI._module = importlib.import_module("mpi4py.MPI")
-        return getattr(_LazyMPI._module, name)
+        value = getattr(_LazyMPI._module, name)
+        if isinstance(value, type) or not callable(value):
+            self.__dict__[name] = value  # later reads skip __getattr__
+        return value
 
     def __repr__(self) -> str:
         return "<mpi4py.MPI, imported at first use>"
