@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -334,3 +335,28 @@ def test_a_stalled_rank_ends_prepare_through_the_watchdog_naming_the_operation(
     assert f"CommTimeout: {waits_in} did not complete within 3 s (--timeout)" in p.stderr, \
         p.stderr
     assert not out.exists()
+
+
+@pytest.mark.slow  # starts a process and stops it while it tokenizes
+def test_sigterm_during_prepare_removes_its_spill_files(tmp_path):
+    """The default action of SIGTERM left each rank's hidden spill file (about 100 MB
+    a rank); prepare now ends like Ctrl-C: exit 143, one line, nothing left behind."""
+
+    out = tmp_path / "out"
+    out.mkdir()
+    p = subprocess.Popen(hpctrain_cmd("prepare", "--corpus", "stdlib", "--max-bytes",
+                                      "40000000", "--output", str(out / "d.h5")),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not [f for f in out.iterdir() if f.name.startswith(".")]:
+            assert p.poll() is None and time.monotonic() < deadline, "no spill file seen"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].startswith("prepare: stopped by SIGTERM"), err
+    assert list(out.iterdir()) == []
+

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
@@ -56,6 +57,19 @@ def add_prepare(sub) -> None:
                         "training's --comm.timeout)")
 
 
+class Stopped(Exception):
+    """A signal that ends ``prepare``: raised, not the default action, so that its spill
+    files are removed on the way out (the default action left them, 100 MB a rank)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum, _frame) -> None:
+    raise Stopped(signum)
+
+
 def cmd_prepare(args) -> int:
     from hpctrain.config import parse_hints
     from hpctrain.data.corpus import DEFAULT_BYTES, stdlib_files
@@ -84,10 +98,18 @@ def cmd_prepare(args) -> int:
     root = comm is None or comm.Get_rank() == 0
     inputs = args.input or stdlib_files(args.max_bytes or DEFAULT_BYTES)
     show = root and (sys.stderr.isatty() or (comm is not None and comm.Get_size() > 1))
-    s = prepare(inputs, args.output, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                show_progress=show, comm=comm, romio_hints=hints, overwrite=args.overwrite,
-                timeout=args.timeout, text_field=args.text_field,
-                on_bad_record=args.on_bad_record)
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        s = prepare(inputs, args.output, tokenizer=args.tokenizer,
+                    val_fraction=args.val_fraction, show_progress=show, comm=comm,
+                    romio_hints=hints, overwrite=args.overwrite, timeout=args.timeout,
+                    text_field=args.text_field, on_bad_record=args.on_bad_record)
+    except Stopped as stop:  # the spill files went on the way out (prepare's finally)
+        print(f"prepare: stopped by {signal.Signals(stop.signum).name}; {args.output} was "
+              "not written", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if root and s["bad_records"]:
         print(f"skipped {s['bad_records']:,} bad record(s); the first: "
               + "; ".join(s["bad_record_examples"]), file=sys.stderr)
