@@ -321,12 +321,11 @@ def test_a_stalled_rank_ends_prepare_through_the_watchdog_naming_the_operation(
         cmd = [sys.executable, "-m", "hpctrain"]
         env = {"HPCTRAIN_TEST_STALL_PREPARE_RANK": "1",
                "HPCTRAIN_TEST_STALL_PREPARE_AT": stall_at}
-    t0 = time.monotonic()
+    # The watchdog (--timeout 3) ends the job; a hang instead runs into run()'s limit,
+    # which fails the test (no assertion on the clock: a loaded machine is slow).
     p = run(mpiexec(2, *cmd, "prepare", "--input", str(corpus), "--output", str(out),
                     "--timeout", "3"), timeout=90, env=env)
-    elapsed = time.monotonic() - t0
     assert p.returncode != 0, p.stderr
-    assert elapsed < 30, f"took {elapsed:.0f} s"
     if (stall_at == "write round 1" and launcher().family == "openmpi"
             and mpiio_component("Open MPI")[0] == "OMPIO"):
         # Open MPI's OMPIO completes rank 0's part of a nonblocking collective write

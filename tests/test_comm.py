@@ -1,7 +1,6 @@
 """The comm layer in one process: buffers on a real GPU, deadlines, the world.
 (The device layer and buffers on the fake device: test_device.py.)"""
 
-import time
 
 import numpy as np
 import pytest
@@ -21,10 +20,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_watchdog_raises_instead_of_hanging():
     buf = np.zeros(1)
     req = MPI.COMM_SELF.Irecv(buf, source=0, tag=99)  # nobody will ever send this
-    t0 = time.monotonic()
     with pytest.raises(CommTimeout, match=r"test receive did not complete within 0.3 s"):
         wait_all([req], timeout=0.3, what="test receive")
-    assert time.monotonic() - t0 < 2
     req.Cancel()
     req.Wait()
 

