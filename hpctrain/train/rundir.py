@@ -23,11 +23,6 @@ from hpctrain.comm.world import World
 from hpctrain.output_paths import run_outputs_in
 from hpctrain.train.rundir_lock import RunDirError, RunDirLock, describe
 
-def earlier_outputs(out_dir: Path) -> list[str]:
-    """What an earlier run left in ``out_dir`` (``output_paths.RUN_OUTPUTS``)."""
-    return run_outputs_in(out_dir)
-
-
 def has_checkpoint(out_dir: Path) -> bool:
     return (Path(out_dir) / "checkpoints" / "latest").is_file()
 
@@ -99,7 +94,7 @@ def _claim(out_dir: Path, resume: str, overwrite: bool, lock: RunDirLock) -> dic
     rollback = set_aside_newer(out_dir, resume)
     if rollback:
         notes.append(rollback)
-    found = earlier_outputs(out_dir)
+    found = run_outputs_in(out_dir)  # what an earlier run left there
     continuing = resume not in ("", "auto") or (resume == "auto" and has_checkpoint(out_dir))
     if found and not continuing:
         if resume == "auto":
