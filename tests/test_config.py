@@ -72,7 +72,7 @@ def test_unknown_option_suggests_the_close_one():
 @pytest.mark.parametrize("args, message", [
     (["--train.max_iters=ten"], "--train.max_iters expects int"),
     (["--model.n_embd=100", "--model.n_head=3"], "must be a multiple of model.n_head"),
-    (["--optim.schedule=linear"], "not one of cosine, constant"),
+    (["--optim.schedule=linear"], "not one of cosine, wsd, constant"),
     (["--optim.min_lr=1"], r"optim.min_lr must be in \[0, optim.lr\]"),
     (["--train.batch_size=0"], "train.batch_size must be at least 1"),
     (["train.max_iters=5"], "options look like --section.key=value"),

@@ -52,6 +52,7 @@ class Bounds:
 AT_LEAST_0, AT_LEAST_1 = Bounds(0), Bounds(1)
 POSITIVE = Bounds(0, low_open=True)
 FRACTION = Bounds(0, 1, high_open=True)  # [0, 1)
+SHARE = Bounds(0, 1, low_open=True)  # (0, 1]
 
 
 def opt(default, help: str, choices: tuple | None = None, bounds: Bounds | None = None):

@@ -13,7 +13,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 
-from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Bounds,
+from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, SHARE, Bounds,
                                      SwitchOrPath, check_fields, opt, require)
 from hpctrain.errors import ConfigError
 from hpctrain.model.shape import ARCHS, GPTConfig
@@ -211,12 +211,17 @@ class OptimConfig:
                              "so any error in the gradient's scale shows at the first step)",
                     ("adamw", "sgd"))
     lr: float = opt(1e-3, "peak learning rate", bounds=POSITIVE)
-    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay",
+    min_lr: float = opt(1e-4, "learning rate at the end of the decay (cosine or wsd)",
                          bounds=AT_LEAST_0)
     warmup_iters: int = opt(100, "linear warm-up steps", bounds=AT_LEAST_0)
-    lr_decay_iters: int = opt(0, "steps of cosine decay; 0 means train.max_iters",
-                              bounds=AT_LEAST_0)
-    schedule: str = opt("cosine", "learning-rate schedule", ("cosine", "constant"))
+    lr_decay_iters: int = opt(0, "the step the decay ends at (min_lr from there on); 0 means "
+                                 "train.max_iters", bounds=AT_LEAST_0)
+    schedule: str = opt("cosine", "learning-rate schedule after the warm-up: cosine (decay "
+                                  "to min_lr), wsd (warmup-stable-decay: lr held, then a "
+                                  "linear decay over the last --optim.decay_fraction), "
+                                  "constant", ("cosine", "wsd", "constant"))
+    decay_fraction: float = opt(0.2, "wsd: the share of the steps after the warm-up spent "
+                                     "decaying to min_lr (the last ones)", bounds=SHARE)
     weight_decay: float = opt(0.1, "AdamW weight decay (matrices and embeddings only)",
                                bounds=AT_LEAST_0)
     beta1: float = opt(0.9, "AdamW beta1", bounds=FRACTION)
