@@ -13,14 +13,29 @@ from pathlib import Path
 
 from hpctrain.errors import UserError
 
+RUN_CONFIG = "config.toml"
+"""The run's resolved configuration (``config/recipe_file.py``)."""
+RUN_CONFIG_HEADER = "# hpctrain: the resolved configuration of a run"
+"""Its first line: a ``config.toml`` without it is the user's own recipe, not an output."""
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "final.h5", "sample.txt",
-               "tensorboard", "report")
+               "tensorboard", "report", RUN_CONFIG)
 """What a training run writes into its out_dir; any of them means a run was there."""
 
 
+def is_run_config(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a ``config.toml`` hpctrain wrote (a regular file, our header)."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_file():
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.readline(len(RUN_CONFIG_HEADER) + 2).rstrip("\n") == RUN_CONFIG_HEADER
+
+
 def run_outputs_in(folder: str | os.PathLike) -> list[str]:
-    """The names of ``RUN_OUTPUTS`` present in ``folder``."""
-    return [name for name in RUN_OUTPUTS if os.path.lexists(Path(folder) / name)]
+    """The names of ``RUN_OUTPUTS`` present in ``folder`` (a user's own ``config.toml``
+    there is not one)."""
+    return [name for name in RUN_OUTPUTS if os.path.lexists(Path(folder) / name)
+            and (name != RUN_CONFIG or is_run_config(Path(folder) / name))]
 
 
 def _inside(path: Path, folder: Path) -> bool:

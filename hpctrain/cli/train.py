@@ -16,7 +16,9 @@ def add_train(sub) -> None:
                        description="Train RECIPE; override any option with --section.key=value.")
     p.add_argument("recipe", nargs="?", help="built-in recipe name or a .toml file")
     p.add_argument("-h", "--help", action="store_true", help="list every option and exit")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config")
+    p.add_argument("--print-config", nargs="?", const="toml", choices=("toml", "json"),
+                   help="print the resolved config and exit: a TOML recipe that reproduces "
+                        "the run (the default), or json")
 
 
 def add_sample(sub) -> None:
@@ -34,9 +36,11 @@ def cmd_train(args, overrides: list[str]) -> int:
     from hpctrain.config import describe_options, recipe_names
 
     if args.help:
+        values = (f"the values of {args.recipe}" if args.recipe else
+                  "the built-in defaults (name a recipe to see its values)")
         print("usage: hpctrain train RECIPE [--section.key=value ...]\n\n"
-              f"built-in recipes: {', '.join(recipe_names())}\n\noptions:\n"
-              + describe_options())
+              f"built-in recipes: {', '.join(recipe_names())}\n\noptions, with {values}:\n"
+              + describe_options(args.recipe, overrides))
         return 0
     if not args.recipe:
         raise UserError(f"name a recipe: hpctrain train RECIPE (built-in: "
@@ -58,8 +62,14 @@ def _train(args, overrides: list[str], signals) -> int:
     from hpctrain.config import check_out_dir, load_config
 
     cfg = load_config(args.recipe, overrides)
-    if args.print_config:
+    if args.print_config == "json":
         print(json.dumps(cfg.to_dict(), indent=1))
+        return 0
+    if args.print_config:
+        from hpctrain.config.recipe_file import recipe_toml
+
+        print(recipe_toml(cfg, note="save it as a .toml file: hpctrain train FILE trains it"),
+              end="")
         return 0
     check_out_dir(cfg.train.out_dir)  # on every rank, before MPI: one message, no hang
     from hpctrain.train.tensorboard import tensorboard_dir

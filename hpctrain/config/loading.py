@@ -162,15 +162,27 @@ def config_from_dict(d: dict) -> Config:
     return build_config({k: v for k, v in d.items() if isinstance(v, dict)}, warn=False)
 
 
-def describe_options() -> str:
-    """Every option with its default and help, for ``--help``."""
+def describe_options(recipe: str | None = None, overrides: list[str] | None = None) -> str:
+    """Every option with its value and help, for ``--help``: the built-in defaults, or,
+    with a recipe, the values it (and ``overrides``) resolve to, each set one marked."""
+    cfg, given = None, {}
+    if recipe:
+        flat = parse_overrides(overrides or [])
+        cfg = build_config(read_recipe(recipe), flat, warn=False)
+        given = {f"{s}.{k}": "recipe" for s, kv in read_recipe(recipe).items()
+                 if isinstance(kv, dict) for k in kv}
+        given.update({DEPRECATED.get(k, k): "command line" for k in flat})
     lines = []
     for section, cls in SECTION_TYPES.items():
         lines.append(f"[{section}]")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            value = getattr(getattr(cfg, section), f.name) if cfg else f.default
             choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
             extra = f" ({'|'.join(map(str, choices))})" if choices else ""
             extra += f" ({bounds.describe(hints[f.name])})" if bounds else ""
-            lines.append(f"  --{section}.{f.name}={f.default!r}{extra}\n      {f.metadata['help']}")
+            if key in given:
+                extra += f"  [set by the {given[key]}; default {f.default!r}]"
+            lines.append(f"  --{key}={value!r}{extra}\n      {f.metadata['help']}")
     return "\n".join(lines)

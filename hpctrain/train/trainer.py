@@ -17,7 +17,7 @@ import torch
 
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import Threads, World, choose_threads
-from hpctrain.config import Config, check_layout
+from hpctrain.config import Config, check_layout, write_run_config
 from hpctrain.data.loader import BatchLoader
 from hpctrain.errors import CommTimeout
 from hpctrain.model.gpt import GPT
@@ -100,6 +100,7 @@ class Trainer:
                                          self.gpt_cfg.shape(), self.tokenizer.meta())
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
                                   resumed_at=self.start.step)
+        self.lock.notes.append(write_run_config(self.out_dir, cfg) if world.is_root else "")
         self.scalars = ScalarLog(self._tensorboard if world.is_root else None,
                                  self._writer_class, resumed_at=self.start.step)
         self._segment = {"started_at": 0.0, "start_step": self.start.step}  # set by _fit
@@ -166,7 +167,7 @@ class Trainer:
                   f"per rank ({self.threads.why})")
         for note in self.metrics.notes:
             self._log(f"metrics.jsonl: {note}")
-        for note in self.lock.notes:
+        for note in filter(None, self.lock.notes):
             self._log(f"out_dir: {note}")
         for part in (self.model.tensor_parallel, self.runner):
             if part is not None and part.describe():
