@@ -4,7 +4,7 @@
 #   make test-fast   the same without the `slow` end-to-end tests
 #
 # Overrides (see README, "HPC systems"):
-#   TORCH="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124"   GPU build
+#   TORCH="torch==2.5.1 --index-url https://download.pytorch.org/whl/cu124"   another build
 #   TORCH=  VENV_FLAGS=--system-site-packages   reuse the site's torch
 #   MPI_PACKAGES="--no-binary mpi4py mpi4py"    build mpi4py against the system MPI
 #   MPIEXEC=mpiexec NP=4 ARGS="--train.max_iters=100"
@@ -12,7 +12,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
-TORCH ?= torch==2.13.0
+# torch: PyTorch's CPU build (its CPU wheel index) on a Linux machine without an NVIDIA
+# GPU, PyPI's build (CUDA on Linux, CPU on macOS) where nvidia-smi finds a GPU or on macOS.
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_FLAVOUR := $(shell { [ "$$(uname -s)" = Darwin ] || nvidia-smi -L >/dev/null 2>&1; } \
+	&& echo pypi || echo cpu)
+TORCH ?= $(if $(filter cpu,$(TORCH_FLAVOUR)),torch==$(TORCH_VERSION)+cpu \
+	--extra-index-url $(TORCH_CPU_INDEX),torch==$(TORCH_VERSION))
 MPI_PACKAGES ?= mpi4py mpich
 NP ?= 2
 ARGS ?=
