@@ -9,9 +9,8 @@ def job_world(*, timeout: float, device: str, gpu_aware: str, collectives: str =
     """Abort every rank when one fails, check the launcher wired one job (not N one-rank
     jobs), and build the ``World`` over ``COMM_WORLD`` under the job's system
     (``HPCTRAIN_SYSTEM``). Collective."""
-    from mpi4py import MPI
-
     from hpctrain.comm.abort import install_abort_handler
+    from hpctrain.comm.mpi import MPI  # checks the launcher is this MPI's before it starts
     from hpctrain.comm.world import World
     from hpctrain.comm.world_check import check_world_size
 

@@ -86,9 +86,8 @@ def cmd_prepare(args) -> int:
         return 0
     comm = None
     if _launched_by_mpi():  # every rank takes part; one rank's failure ends the job
-        from mpi4py import MPI
-
         from hpctrain.comm.abort import install_abort_handler
+        from hpctrain.comm.mpi import MPI  # checks the launcher is this MPI's first
 
         comm = MPI.COMM_WORLD
         install_abort_handler(comm)

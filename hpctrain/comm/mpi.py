@@ -3,7 +3,8 @@
 Importing ``mpi4py.MPI`` initializes MPI. hpctrain's modules write
 ``from hpctrain.comm.mpi import MPI`` and use it as mpi4py's module: the first attribute
 read imports ``mpi4py.MPI``, which initializes MPI exactly as mpi4py does by default
-(``mpi4py.rc``: thread level, finalize at exit). Login-node tools and ``--help`` that
+(``mpi4py.rc``: thread level, finalize at exit), after checking that the launcher
+belongs to the same MPI (``world_check.py``). Login-node tools and ``--help`` that
 never touch MPI never start it. ``tests/test_imports.py`` imports every module and checks.
 """
 
@@ -21,6 +22,9 @@ class _LazyMPI:
 
     def __getattr__(self, name: str):
         if _LazyMPI._module is None:
+            from hpctrain.comm.world_check import check_library_matches_launcher
+
+            check_library_matches_launcher()  # one line, not the MPI's own abort
             _LazyMPI._module = importlib.import_module("mpi4py.MPI")
         value = getattr(_LazyMPI._module, name)
         if isinstance(value, type) or not callable(value):
