@@ -220,7 +220,8 @@ OMPI_LAUNCH := $(OMPI_PY) -m hpctrain.comm.local_mpiexec
 OMPI_UNIT_TESTS ?= tests/test_stop.py tests/test_failures.py tests/test_cli.py \
 	tests/test_jobs_e2e.py tests/test_scaling_e2e.py tests/test_bad_input.py \
 	tests/test_io.py::test_prepare_under_mpiexec_writes_what_one_process_writes \
-	tests/test_io.py::test_corrupt_data_under_mpiexec_is_one_message_and_a_failed_exit
+	tests/test_io.py::test_corrupt_data_under_mpiexec_is_one_message_and_a_failed_exit \
+	tests/test_launch_mismatch.py
 
 .PHONY: test-openmpi openmpi-install
 
