@@ -129,6 +129,17 @@ def verify_dataset(data: Prefetcher, world, local_copy: bool) -> None:
                         f"{detail}; the file is corrupt, re-create it with `hpctrain prepare`")
 
 
+def check_can_decode(tokenizer) -> None:
+    """Before step 0: the end-of-run sample will decode with ``tokenizer``, whose files or
+    package (GPT-2's BPE file, ``tokenizers``) a compute node may lack; a run must not
+    train to its end and fail there."""
+    try:
+        tokenizer.decode([0])
+    except DataError as e:
+        raise DataError(f"the run's end samples text (--train.sample_tokens), which needs "
+                        f"the tokenizer: {e} (or pass --train.sample_tokens=0)") from None
+
+
 class BatchLoader:
     """This rank's rows of each global batch, as (inputs, targets) on ``device`` (the
     rank's device layer, ``comm/device.py``: pinned and copied without blocking on a GPU).
@@ -158,6 +169,8 @@ class BatchLoader:
         data = open_dataset(cfg.data, world)
         try:
             data.check_fits(cfg.model.block_size, cfg.model.vocab_size)
+            if cfg.train.sample_tokens > 0:
+                check_can_decode(data.tokenizer)
             if cfg.data.verify:
                 verify_dataset(data, world, local_copy=bool(cfg.data.local_copy_dir))
         except BaseException:

@@ -1,0 +1,49 @@
+"""What a run needs at its end is checked before step 0: a GPT-2 dataset whose sample
+cannot be decoded here (no tiktoken, or no BPE file in its cache) fails at start-up with
+one message naming the fix, not after the last step."""
+
+import zlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpctrain.data.format import create_token_file
+from hpctrain.errors import DataError
+from hpctrain.train.trainer import Trainer
+from tests.helpers import cpu_world, tiny_config
+
+
+def _gpt2_dataset(path):
+    tokens = {name: (np.arange(n) % 50000).astype("<u2")
+              for name, n in (("train", 4096), ("val", 1024))}
+    offsets = create_token_file(
+        path, n_tokens={k: len(v) for k, v in tokens.items()}, dtype=np.dtype("<u2"),
+        tokenizer_meta={"name": "gpt2", "vocab_size": 50257}, sources=[],
+        crcs={k: np.array([zlib.crc32(v.tobytes())], np.uint32) for k, v in tokens.items()})
+    with open(path, "r+b") as f:
+        for split, at in offsets.items():
+            f.seek(at)
+            f.write(tokens[split].tobytes())
+    return path
+
+
+def test_a_sample_that_cannot_be_decoded_fails_before_the_first_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
+    data = _gpt2_dataset(tmp_path / "gpt2.h5")
+    cfg = tiny_config(data, tmp_path / "run", **{"train.sample_tokens": 5,
+                                                 "train.save_checkpoint": True})
+    with pytest.raises(DataError, match=r"sample_tokens.*(tiktoken|BPE file).*"
+                                        r"--train.sample_tokens=0"):
+        Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "final.h5").exists()
+
+
+def test_without_a_sample_the_same_dataset_trains(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
+    data = _gpt2_dataset(tmp_path / "gpt2.h5")
+    cfg = tiny_config(data, tmp_path / "run", **{"train.sample_tokens": 0,
+                                                 "train.max_iters": 2})
+    result = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False).fit()
+    assert len(result.losses) == 2
