@@ -7,9 +7,10 @@ window as the shared-memory allreduce does. Other jobs run on this machine at th
 time, so a test counts only the entries its own job created: each rank names the /dev/shm
 files it maps (before anything unlinks them); none may exist after the job.
 
-Two mechanisms, each tested alone: ``MPI_Finalize`` on the paths that live to call it
-(``kept``: the names are not unlinked at start), and the names unlinked once every rank
-has joined (``comm/shm_segments.py``), which covers the paths that cannot finalize.
+Three mechanisms, each tested alone: ``MPI_Finalize`` on the paths that live to call it
+(``kept``: the names are not unlinked at start), the names unlinked once every rank has
+joined (``comm/shm_segments.py``), which covers the paths that cannot finalize, and the
+watcher ``local_mpiexec`` leaves, which removes what a launch left when it ends.
 Each job takes under a second; the abort and the kill run in ``make test``, the rest in
 the ``slow`` leg.
 """
@@ -19,11 +20,12 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from hpctrain.comm.shm_segments import MPICH_SEGMENT, linked_mappings
+from hpctrain.comm.shm_segments import MPICH_SEGMENT, leftovers, linked_mappings
 from tests.helpers import launcher, mpiexec, run
 
 SCRIPT = r'''
@@ -128,3 +130,34 @@ def test_only_linked_mpich_segments_under_dev_shm_are_named():
     everything = linked_mappings(maps, re.compile(".+"))
     assert "/dev/shm/ucx_shm_posix_600ce6d9" in everything
     assert not any("deleted" in p or p.startswith("/tmp") for p in everything)
+
+
+def test_a_launch_through_local_mpiexec_removes_what_its_aborted_ranks_left(tmp_path):
+    """The ranks keep the names (as a program that never unlinks them would) and abort;
+    the watcher the launcher left removes the segment once the launch has ended."""
+    if launcher().family != "hydra":
+        pytest.skip(f"MPICH's segments: the launcher is {launcher().describe()}")
+    script, record = tmp_path / "exit_path.py", tmp_path / "maps"
+    script.write_text(SCRIPT)
+    p = run([sys.executable, "-m", "hpctrain.comm.local_mpiexec", "-n", "2", sys.executable,
+             str(script), "abort", "kept", str(record)], timeout=60,
+            env={"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode == 1, p.stderr
+    mpich = {s for s in _job_segments(record) if MPICH_SEGMENT.fullmatch(os.path.basename(s))}
+    assert mpich
+    for _ in range(300):  # the watcher runs once the launch has ended: a bounded wait
+        if not any(os.path.exists(s) for s in mpich):
+            break
+        time.sleep(0.05)
+    assert not [s for s in mpich if os.path.exists(s)]
+
+
+def test_a_leftover_is_this_users_new_segment_that_no_live_process_holds(tmp_path):
+    since = time.time() - 1.0
+    for name in ("mpich_shm_ab_0", "mpich_shm_cd_0", "ucx_shm_posix_ef", "mpich_shm_12_3x"):
+        (tmp_path / name).write_bytes(b"\0" * 64)
+    with open(tmp_path / "mpich_shm_cd_0", "rb"):  # a live job holds its segment open
+        assert leftovers(since, str(tmp_path)) == [str(tmp_path / "mpich_shm_ab_0")]
+    assert leftovers(since, str(tmp_path)) == [str(tmp_path / f"mpich_shm_{n}_0")
+                                               for n in ("ab", "cd")]
+    assert leftovers(time.time() + 60, str(tmp_path)) == []  # none made since the launch
