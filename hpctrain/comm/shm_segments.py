@@ -1,19 +1,14 @@
-"""MPI's shared-memory segment names removed from /dev/shm once every rank has joined.
+"""MPI's shared-memory segments kept out of /dev/shm on every exit path.
 
-MPICH (ch4's POSIX shared memory) opens one segment per node by name, ``mpich_shm_<job
-id hex>_<node>``, and unlinks that name only in ``MPI_Finalize``. Every exit that skips
-finalize (an abort, a kill, a signal the rank dies of) left a 2 MiB file behind, and on
-shared nodes they pile up until later MPI starts fail. Once every rank of the job is past
-``MPI_Init`` (a barrier), every rank of a node has the segment open and mapped, and
-nobody opens it by name again, so the name can go at once: the memory stays shared
-while mapped and the kernel frees it when the last rank's process ends, whatever way it
-ends. ``MPI_Finalize`` later unlinks a name that is gone and ignores the error.
-
-Only names this process itself maps and that match MPICH's pattern are touched, never
-another job's. Windows from ``MPI_Win_allocate_shared`` (our shared-memory allreduce)
-need nothing: MPICH unlinks their files as soon as they are mapped. Other MPIs (Open MPI)
-use other names and are left alone. Why and what was measured:
-docs/design/failure-handling.md ("Shared-memory leftovers").
+MPICH opens one segment per node by name, ``mpich_shm_<job id hex>_<node>``, and unlinks
+the name only in ``MPI_Finalize``: an abort or a kill leaves 2 MiB behind, and on shared
+nodes they pile up until later MPI starts fail. ``unlink_segment_names`` removes the
+names once every rank has joined (the memory stays shared while mapped and goes with the
+last rank, however it ends); ``sweep_when_done`` leaves a launcher's watcher that removes
+what a launch left anyway (``leftovers``: this user's, new, held by no live process).
+Windows from ``MPI_Win_allocate_shared`` need neither: MPICH unlinks their files at once.
+Why each is safe, and what was measured: docs/design/failure-handling.md
+("Shared-memory leftovers").
 """
 
 from __future__ import annotations
