@@ -7,7 +7,8 @@ and must give the single-process losses, gradients and parameters, with
 - no whole-device synchronization inside a backward pass;
 - host staging bytes exactly when MPI is "not GPU-aware", device handoffs when it is;
 - no device buffer handed to MPI before its event was waited; no ``.numpy()`` of device
-  memory (the fake device raises, as a GPU does).
+  memory (the fake device raises, as a GPU does);
+- under ``--comm.transport=xccl`` (gloo), none handed to the device library unwaited.
 
 What the fake device cannot prove (real device memory, a GPU-aware library, streams
 running concurrently): docs/design/devices.md.
@@ -16,9 +17,12 @@ running concurrently): docs/design/devices.md.
 import pytest
 from mpi4py import MPI
 
+from hpctrain.comm import device_collectives
 from hpctrain.comm.world import World
+from hpctrain.comm.xccl_transport import XcclTransport
 from hpctrain.train.trainer import Trainer
-from tests.helpers import fit_against_reference, fit_bf16_against_reference, tiny_config
+from tests.helpers import (fit_against_reference, fit_bf16_against_reference, tiny_config,
+                           two_ranks_suffice)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -32,11 +36,11 @@ def _config(data, out, **overrides):
                                      "parallel.first_bucket_mb": 0.005, **overrides})
 
 
-def _fit_on_fake(cfg, aware: str, check=None) -> tuple:
+def _fit_on_fake(cfg, aware: str, check=None, collectives: str = "mpi") -> tuple:
     """Train ``cfg`` on the fake device and compare with the reference (``check``,
     default ``fit_against_reference``); returns the trainer and the device counters of
     the training steps (set-up and checks left out)."""
-    world = World.create(COMM, device="fake", gpu_aware=aware)
+    world = World.create(COMM, device="fake", gpu_aware=aware, collectives=collectives)
     trainer = Trainer(cfg, world, verbose=False)
     stats, counts = world.accel.stats, {}
     fit, before = trainer.fit, stats.snapshot()
@@ -123,3 +127,27 @@ def test_pipeline_on_the_fake_device(mpi_dataset, shared_tmp, schedule, virtual,
     stats = trainer.runner.stats
     assert stats.messages > 0 and 0 < stats.sends_deferred <= stats.messages
     _check_counts(trainer, counts, aware)
+
+
+@two_ranks_suffice("each rank's handoffs are checked on their own; four ranks change "
+                   "only the shard sizes")
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_device_library_waits_for_the_fake_devices_events(mpi_dataset, shared_tmp,
+                                                                stage):
+    """``--comm.transport=xccl`` on the fake device (gloo reads its memory from the host):
+    each bucket and shard goes to the library only after the event of its last device
+    work was waited for (a host backend reads at once; the fake device's events pass only
+    when waited for or seen), and the run gives the single-process result."""
+    cfg = _config(mpi_dataset, shared_tmp, **{"parallel.zero": stage,
+                                              "parallel.micro_batches": 2})
+    try:
+        trainer, counts = _fit_on_fake(cfg, "yes", collectives="xccl")
+    finally:  # gloo's threads keep polling their sockets: leave the group
+        COMM.Barrier()
+        device_collectives.stop()
+    assert isinstance(trainer.engine.world.transport, XcclTransport)
+    assert trainer.engine.world.transport.name == "gloo"
+    assert counts["direct_handoffs"] > 0  # the library was handed device memory
+    assert counts["unready_handoffs"] == 0, counts
+    assert counts["staged_bytes"] == 0 and counts["numpy_on_device"] == 0
+    assert counts["device_syncs"] == 0

@@ -140,7 +140,13 @@ def exit_releasing_mpi(code: int) -> None:
 
 def install_abort_handler(comm) -> JobExit:
     """Route uncaught exceptions (main thread and helper threads) to a ``JobExit`` over
-    ``comm``. Collective: it duplicates ``comm`` for the agreement on user errors."""
+    ``comm``, and unlink MPI's shared-memory segment names now that every rank has
+    joined, so that no exit, even an abort or a kill, leaves them in /dev/shm
+    (``shm_segments.py``). Collective: it duplicates ``comm`` for the agreement on user
+    errors."""
+    from hpctrain.comm.shm_segments import unlink_segment_names
+
+    unlink_segment_names(comm)
     handler = JobExit(comm, comm.Dup() if comm.Get_size() > 1 else None)
     sys.excepthook = handler.on_exception
     threading.excepthook = handler.on_thread_exception

@@ -39,12 +39,14 @@ class DeviceStats:
     pinned_batches_reused: int = 0
     """Batches copied to the device from a page-locked buffer made at an earlier step."""
     direct_handoffs: int = 0
-    """Device buffers handed to MPI as device memory (GPU-aware MPI)."""
+    """Device buffers handed to MPI as device memory (GPU-aware MPI), or to the device
+    collective library (``--comm.transport=xccl``)."""
     handoffs_off_main_thread: int = 0
     """Buffers made ready for MPI on a thread other than the main one (autograd's)."""
     unready_handoffs: int = 0
-    """Buffers handed to MPI before the event of their last device work had passed (the
-    fake device also counts those whose DLPack capsule mpi4py took too early)."""
+    """Buffers handed to MPI or to a host-ordered device library (gloo) before the event
+    of their last device work had passed (the fake device also counts those whose DLPack
+    capsule mpi4py took too early)."""
     numpy_on_device: int = 0
     """Fake device: ``.numpy()`` asked of device memory (a real GPU raises)."""
 
@@ -213,7 +215,8 @@ class Accelerator:
         passes()
 
     def note_handoff(self, direct: bool, ready: Event | None) -> None:
-        """A buffer of this device goes to MPI (``ready``: the event it had to pass)."""
+        """A buffer of this device goes to MPI or to the device library (``ready``: the
+        event it had to pass)."""
         if direct:
             self.stats.direct_handoffs += 1
         if ready is not None and not ready.done:

@@ -10,7 +10,8 @@ or from a shell (the Makefile's test legs):
 The binary is ``MPIEXEC``, else the ``mpiexec`` beside this Python, else the one on
 ``PATH``; its family (``--version``) decides the flags added to start N ranks here (Open
 MPI: ``--oversubscribe``, and permission to run as root, which job scripts never add).
-Which, and why: docs/systems/mpi.md ("Testing against another MPI").
+Which, and why: docs/systems/mpi.md ("Testing against another MPI"). Under MPICH, a
+watcher removes the shared-memory segments a launch leaves (``shm_segments.py``).
 """
 
 from __future__ import annotations
@@ -134,6 +135,10 @@ def main(args: list[str]) -> int:
         return 0
     env = launcher.environ()
     sys.stdout.flush()
+    if launcher.family == "hydra":  # what MPICH's ranks leave in /dev/shm goes after
+        from hpctrain.comm.shm_segments import sweep_when_done
+
+        sweep_when_done()
     os.execvpe(argv[0], argv, env)
 
 

@@ -41,6 +41,9 @@ class XcclBuffer:
         self.on_device = accel.holds(tensor)
         self._event = accel.event() if self.on_device else None
         self._ready = None
+        self.recorded = None
+        """The event of the last ``prepare()``, kept after it is waited for (see
+        ``XcclTransport._hand_over``)."""
         self.work = None
         self.after = None
         """A copy queued once the collective is done (the reduce-scatter's shard)."""
@@ -49,7 +52,7 @@ class XcclBuffer:
 
     def prepare(self, send: bool = True) -> None:
         if self._event is not None:
-            self._ready = self._event.record()
+            self._ready = self.recorded = self._event.record()
 
     def ready(self) -> bool:
         return self.stream_ordered or self._ready is None or self._ready.query()
@@ -90,8 +93,17 @@ class XcclTransport:
     def buffer(self, tensor, *, reduction: bool = False, raw: bool = False) -> XcclBuffer:
         return XcclBuffer(tensor, self.accel, self.stream_ordered)
 
-    def _issue(self, buf: XcclBuffer, op, *, pollable: bool = True) -> XcclRequest:
+    def _hand_over(self, buf: XcclBuffer) -> None:
+        """Order the library's read of ``buf`` after its last device work, and tell the
+        device of the handoff: a host backend must have waited for the event (the fake
+        device's events pass only when waited for or seen, so a skipped wait counts as an
+        unready handoff); a GPU's stream waits on the device instead."""
         buf.wait_ready(self.stream)
+        if buf.on_device:
+            self.accel.note_handoff(True, None if self.stream_ordered else buf.recorded)
+
+    def _issue(self, buf: XcclBuffer, op, *, pollable: bool = True) -> XcclRequest:
+        self._hand_over(buf)
         if self.stream is not None:
             with self.accel.module.stream(self.stream):
                 buf.work = op()
@@ -119,7 +131,7 @@ class XcclTransport:
         t = buf.tensor
         n = t.numel() // self.size
         if shard is not None:
-            shard.wait_ready(self.stream)
+            self._hand_over(shard)
             source = shard.tensor
         else:  # the input is part of the output: gather from a copy of it
             source = t[self.rank * n:(self.rank + 1) * n].clone()
