@@ -92,6 +92,8 @@ def _check_column(schema, path: str, text_field: str) -> None:
         raise DataError(f"{path} has no column {text_field!r} (its columns: "
                         f"{', '.join(schema.names)}); name the text column with --text-field")
     kind = schema.field(text_field).type
+    if pa.types.is_dictionary(kind):  # a categorical column of text (pandas writes them)
+        kind = kind.value_type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
             or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
         raise DataError(f"column {text_field!r} of {path} holds {kind}, not text; name the "
