@@ -41,6 +41,9 @@ Arrow value) that ``prepare`` tokenizes: tokenizing it costs about ten times its
 memory, and the longest documents of public corpora (whole books) are a few MiB."""
 MAX_LINE_BYTES = 2 * MAX_DOCUMENT_BYTES
 """Bytes of one JSON line (its escapes, ``\\u00e9``, take more room than the text)."""
+MAX_PAGE_BYTES = MAX_LINE_BYTES
+"""Bytes a Parquet page decompresses to (a page holds whole values, so a document at the
+limit fits; writers cut pages at about 1 MiB)."""
 MAX_TEXT_FILE_BYTES = 256 * MiB
 """Bytes of a text file, which ``prepare`` reads and tokenizes whole as one document (a
 single-file corpus such as enwik8, 95 MiB, fits)."""

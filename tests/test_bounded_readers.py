@@ -198,6 +198,41 @@ def test_a_repeated_dictionary_value_over_the_limit_fails_before_rows_are_decode
     assert decoded == []
 
 
+def test_a_parquet_page_over_the_limit_fails_before_it_is_decompressed(tmp_path, monkeypatch):
+    monkeypatch.setattr(document_reader, "MAX_PAGE_BYTES", 64 << 10)
+    docs = [f"{i:03d}" + "q" * 10_000 for i in range(12)]  # each under the document limit
+    pq.write_table(pa.table({"text": docs}), tmp_path / "c.parquet", use_dictionary=False,
+                   compression="zstd", data_page_size=1 << 20)  # one page of 120 KB
+    monkeypatch.setattr(document_reader, "_column_batches", None)  # nothing is decoded
+    with pytest.raises(DataError) as err:
+        prepare([tmp_path / "c.parquet"], tmp_path / "o.h5", show_progress=False)
+    assert str(err.value).startswith(f"{tmp_path / 'c.parquet'}:row group 0 holds a page of "
+                                     "120,")
+    assert "hpctrain.sizes.MAX_PAGE_BYTES" in str(err.value)
+
+
+@pytest.mark.parametrize("options", [
+    {"use_dictionary": False}, {}, {"dictionary_pagesize_limit": 2000},
+    {"data_page_version": "2.0", "compression": "zstd"}, {"write_statistics": False}])
+def test_page_headers_give_each_pages_size_and_values(tmp_path, options):
+    from hpctrain.data.parquet_pages import DICTIONARY_PAGE, chunk_pages
+
+    docs = [f"doc {i} " + "w" * (i % 97) for i in range(5000)]
+    pq.write_table(pa.table({"id": list(range(5000)), "text": docs}), tmp_path / "c.parquet",
+                   row_group_size=2000, data_page_size=8000, write_batch_size=100, **options)
+    md = pq.ParquetFile(tmp_path / "c.parquet").metadata
+    with open(tmp_path / "c.parquet", "rb") as f:
+        for g in range(md.num_row_groups):
+            chunk = md.row_group(g).column(1)
+            pages = chunk_pages(f, chunk)
+            data = [p for p in pages if p[0] != DICTIONARY_PAGE]
+            assert sum(n for _, _, n in data) == md.row_group(g).num_rows
+            assert len(pages) >= 2  # a dictionary and its indices, or plain pages of 8 KB
+            assert (pages[0][0] == DICTIONARY_PAGE) == chunk.has_dictionary_page
+            assert sum(size for _, size, _ in pages) <= chunk.total_uncompressed_size
+            assert sum(size for _, size, _ in pages) > 0.9 * chunk.total_uncompressed_size
+
+
 def test_parquet_batches_hold_about_a_block_of_long_rows(tmp_path, monkeypatch):
     block = 64 << 10
     monkeypatch.setattr(document_reader, "BLOCK_BYTES", block)
@@ -267,16 +302,21 @@ def test_the_command_exits_2_with_one_line_on_a_broken_stream(tmp_path, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["nul.jsonl.zst", "nul.jsonl.gz", "nul.parquet"])
+@pytest.mark.parametrize("name", ["nul.jsonl.zst", "nul.jsonl.gz", "nul.parquet",
+                                  "nul-plain.parquet"])
 def test_gigabytes_of_nuls_end_with_exit_2_and_one_line_in_bounded_memory(tmp_path, name):
     """At the default limits: 4 GB of NULs in 130 KB of zstd, 1 GB in 1 MB of gzip, a
-    Parquet column of 40 MB values (3 GB decoded) in 2 MB: each is refused at its first
-    line or row, and the command's peak RSS stays under 512 MiB."""
+    Parquet column of 40 MB values (3 GB decoded) in 2 MB, a Parquet page of 90 MB in
+    10 KB of zstd: each is refused at its first line, row or page, and the command's peak
+    RSS stays under 512 MiB."""
     path = tmp_path / name
     if name.endswith(".zst"):
         path.write_bytes(_nul_zst(4096 * MiB))
     elif name.endswith(".gz"):
         path.write_bytes(gzip.compress(b"\0" * (64 * MiB), 1) * 16)
+    elif name == "nul-plain.parquet":
+        pq.write_table(pa.table({"text": ["\0" * (30 * MiB)] * 3}), path,
+                       use_dictionary=False, compression="zstd")
     else:
         column = pa.DictionaryArray.from_arrays(pa.array([0] * 80, pa.int32()),
                                                 pa.array(["\0" * (40 * MiB)]))

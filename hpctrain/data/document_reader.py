@@ -22,7 +22,9 @@ from typing import Iterator
 from hpctrain.data.bounded_read import gzip_chunks, line_end, lines, plain_chunks, zstd_chunks
 from hpctrain.data.sources import ARROW, JSONL, JSONL_GZ, JSONL_ZST, PARQUET, TEXT
 from hpctrain.errors import DataError
-from hpctrain.sizes import MAX_DOCUMENT_BYTES, MAX_LINE_BYTES, MAX_TEXT_FILE_BYTES, MiB
+from hpctrain.data.parquet_pages import DICTIONARY_PAGE, chunk_pages
+from hpctrain.sizes import (MAX_DOCUMENT_BYTES, MAX_LINE_BYTES, MAX_PAGE_BYTES,
+                            MAX_TEXT_FILE_BYTES, MiB)
 
 BLOCK_BYTES = MiB
 BATCH_ROWS = 1024
@@ -293,10 +295,11 @@ def _parquet_row_groups(path: str, start: int, stop: int, text_field: str,
     import pyarrow.parquet as pq
 
     try:
-        with pq.ParquetFile(path) as plain, \
+        with pq.ParquetFile(path) as plain, open(path, "rb") as raw, \
                 pq.ParquetFile(path, read_dictionary=[text_field]) as coded:
             for g in range(start, stop):
-                rows, as_dictionary = _read_plan(plain.metadata.row_group(g), text_field)
+                rows, as_dictionary = _read_plan(raw, plain.metadata.row_group(g), text_field,
+                                                 f"{path}:row group {g}")
                 row = 0
                 for batch in (coded if as_dictionary else plain).iter_batches(
                         batch_size=rows, row_groups=[g], columns=[text_field],
@@ -306,26 +309,33 @@ def _parquet_row_groups(path: str, start: int, stop: int, text_field: str,
                         batch.column(0),
                         lambda i, first=first, g=g: f"{path}:row group {g}:row {first + i}", bad)
                     row += batch.num_rows
-    except (pa.ArrowException, OSError) as e:
+    except (pa.ArrowException, OSError, ValueError) as e:
         raise DataError(_unreadable(path, "Parquet", e)) from None
 
 
-def _read_plan(row_group, text_field: str) -> tuple[int, bool]:
-    """How to read a row group's text column, from the footer: the rows of a batch
-    (about ``BLOCK_BYTES`` of text by the mean row, at most ``BATCH_ROWS``), and whether to
-    read it as a dictionary. A dictionary-encoded column may repeat one long value in
-    every row: read as a dictionary, the value is held once and each row's length is
-    known before the row is decoded. Pages written plain after the dictionary (a
-    writer's fallback) add to that dictionary, so a column over ``DICTIONARY_READ_BYTES``
-    is read row by row."""
-    for c in range(row_group.num_columns):
-        chunk = row_group.column(c)
-        if chunk.path_in_schema == text_field:
-            stored = chunk.total_uncompressed_size
-            per_row = stored / max(row_group.num_rows, 1)
-            return (max(1, min(BATCH_ROWS, int(BLOCK_BYTES // max(per_row, 1)))),
-                    chunk.has_dictionary_page and stored <= DICTIONARY_READ_BYTES)
-    return BATCH_ROWS, False
+def _read_plan(raw, row_group, text_field: str, where: str) -> tuple[int, bool]:
+    """How to read a row group's text column, from its page headers (``raw``: the file):
+    the rows of a batch, and whether to read it as a dictionary. A page that decompresses
+    past ``MAX_PAGE_BYTES`` fails first. A batch holds about ``BLOCK_BYTES`` at the
+    densest page's bytes per value (at most ``BATCH_ROWS`` rows): a batch's rows then
+    take at most that plus the two pages it begins and ends in. A dictionary-encoded
+    column may repeat one long value in every row: read as a dictionary, the value is
+    held once and each row's length is known before the row is decoded. Pages written
+    plain after the dictionary (a writer's fallback) add to that dictionary, so a column
+    over ``DICTIONARY_READ_BYTES`` is read row by row."""
+    chunk = next((row_group.column(c) for c in range(row_group.num_columns)
+                  if row_group.column(c).path_in_schema == text_field), None)
+    if chunk is None:
+        return BATCH_ROWS, False
+    pages = chunk_pages(raw, chunk)
+    largest = max((size for _, size, _ in pages), default=0)
+    if largest > MAX_PAGE_BYTES:
+        raise too_large(where, f"a page of {largest:,} bytes decompressed,", MAX_PAGE_BYTES,
+                        "MAX_PAGE_BYTES", "split its documents into smaller ones")
+    per_value = max((size / max(n, 1) for kind, size, n in pages if kind != DICTIONARY_PAGE),
+                    default=1.0)
+    return (max(1, min(BATCH_ROWS, int(BLOCK_BYTES // max(per_value, 1)))),
+            chunk.has_dictionary_page and chunk.total_uncompressed_size <= DICTIONARY_READ_BYTES)
 
 
 def _unreadable(path: str, kind: str, e: Exception) -> str:
