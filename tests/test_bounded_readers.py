@@ -177,25 +177,33 @@ def test_a_document_over_the_limit_fails_in_each_records_format(tmp_path, small_
 
 
 def test_a_repeated_dictionary_value_over_the_limit_fails_before_rows_are_decoded(
-        tmp_path, small_limits):
-    """One long value in every row of a dictionary-encoded column: read as a dictionary,
-    each row's length is known without decoding it."""
+        tmp_path, small_limits, monkeypatch):
+    """One long value in every row of a dictionary-encoded column of strings: read as a
+    dictionary, the value is held once and each row's length is known without decoding
+    the rows (4,000 rows of 20 KiB would be 80 MB)."""
     column = pa.DictionaryArray.from_arrays(pa.array([0] * 4000, pa.int32()),
                                             pa.array(["y" * (20 << 10)]))
-    pq.write_table(pa.table({"text": column}), tmp_path / "d.parquet")
-    decoded = []
-    real = document_reader._column_documents
+    pq.write_table(pa.table({"text": column}), tmp_path / "d.parquet", store_schema=False)
+    held = []
+    real = document_reader._column_batches
 
-    def spy(values, where, bad):
-        decoded.append(len(values))
-        return real(values, where, bad)
-    document_reader._column_documents = spy
-    try:
-        with pytest.raises(DataError, match=r"d.parquet:row group 0:row 0 holds a document"):
-            prepare([tmp_path / "d.parquet"], tmp_path / "o.h5", show_progress=False)
-    finally:
-        document_reader._column_documents = real
-    assert decoded == []
+    def spy(column, where, bad):
+        held.append(column.nbytes)
+        return real(column, where, bad)
+    monkeypatch.setattr(document_reader, "_column_batches", spy)
+    with pytest.raises(DataError, match=r"d.parquet:row group 0:row 0 holds a document"):
+        prepare([tmp_path / "d.parquet"], tmp_path / "o.h5", show_progress=False)
+    assert held and max(held) < 64 << 10
+
+
+def test_a_dictionary_column_of_text_is_text(tmp_path):
+    """A categorical column (pandas writes them, the Arrow schema kept in the file)."""
+    column = pa.DictionaryArray.from_arrays(pa.array([1, 0, 1] * 10, pa.int32()),
+                                            pa.array(["ab", "c"]))
+    pq.write_table(pa.table({"text": column}), tmp_path / "d.parquet")
+    s = prepare([tmp_path / "d.parquet"], tmp_path / "o.h5", tokenizer="byte",
+                show_progress=False)
+    assert (s["tokens"], s["bad_records"]) == (len("\nc\nab\nc") * 10, 0)
 
 
 def test_a_parquet_page_over_the_limit_fails_before_it_is_decompressed(tmp_path, monkeypatch):
