@@ -196,6 +196,29 @@ def test_a_repeated_dictionary_value_over_the_limit_fails_before_rows_are_decode
     assert held and max(held) < 64 << 10
 
 
+def test_a_large_dictionary_column_read_plainly_counts_rows_as_its_longest_value(
+        tmp_path, monkeypatch):
+    """Over ``DICTIONARY_READ_BYTES`` a dictionary-encoded column is read plainly: a
+    batch then takes as few rows as the longest dictionary value allows."""
+    block = 64 << 10
+    monkeypatch.setattr(document_reader, "BLOCK_BYTES", block)
+    monkeypatch.setattr(document_reader, "DICTIONARY_READ_BYTES", 1000)
+    column = pa.DictionaryArray.from_arrays(pa.array([0, 1] * 2000, pa.int32()),
+                                            pa.array(["y" * 10_000, "short"]))
+    pq.write_table(pa.table({"text": column}), tmp_path / "d.parquet", store_schema=False)
+    held = []
+    real = document_reader._column_batches
+
+    def spy(column, where, bad):
+        held.append(column.nbytes)
+        return real(column, where, bad)
+    monkeypatch.setattr(document_reader, "_column_batches", spy)
+    docs = [d for b in read_unit(str(tmp_path / "d.parquet"), "parquet", 0, 1, "text",
+                                 BadRecords()) for d in b]
+    assert docs == ["y" * 10_000, "short"] * 2000
+    assert max(held) < block + 10_000  # 1,024 rows a batch would hold 5 MB
+
+
 def test_a_dictionary_column_of_text_is_text(tmp_path):
     """A categorical column (pandas writes them, the Arrow schema kept in the file)."""
     column = pa.DictionaryArray.from_arrays(pa.array([1, 0, 1] * 10, pa.int32()),

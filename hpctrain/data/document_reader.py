@@ -298,7 +298,7 @@ def _parquet_row_groups(path: str, start: int, stop: int, text_field: str,
         with pq.ParquetFile(path) as plain, open(path, "rb") as raw, \
                 pq.ParquetFile(path, read_dictionary=[text_field]) as coded:
             for g in range(start, stop):
-                rows, as_dictionary = _read_plan(raw, plain.metadata.row_group(g), text_field,
+                rows, as_dictionary = _read_plan(raw, coded, g, text_field,
                                                  f"{path}:row group {g}")
                 row = 0
                 for batch in (coded if as_dictionary else plain).iter_batches(
@@ -313,16 +313,20 @@ def _parquet_row_groups(path: str, start: int, stop: int, text_field: str,
         raise DataError(_unreadable(path, "Parquet", e)) from None
 
 
-def _read_plan(raw, row_group, text_field: str, where: str) -> tuple[int, bool]:
-    """How to read a row group's text column, from its page headers (``raw``: the file):
-    the rows of a batch, and whether to read it as a dictionary. A page that decompresses
-    past ``MAX_PAGE_BYTES`` fails first. A batch holds about ``BLOCK_BYTES`` at the
-    densest page's bytes per value (at most ``BATCH_ROWS`` rows): a batch's rows then
-    take at most that plus the two pages it begins and ends in. A dictionary-encoded
-    column may repeat one long value in every row: read as a dictionary, the value is
-    held once and each row's length is known before the row is decoded. Pages written
-    plain after the dictionary (a writer's fallback) add to that dictionary, so a column
-    over ``DICTIONARY_READ_BYTES`` is read row by row."""
+def _read_plan(raw, coded, g: int, text_field: str, where: str) -> tuple[int, bool]:
+    """How to read row group ``g``'s text column, from its page headers (``raw``: the
+    file): the rows of a batch, and whether to read it as a dictionary (``coded`` reads
+    so). A page that decompresses past ``MAX_PAGE_BYTES`` fails first. A batch holds
+    about ``BLOCK_BYTES`` at the densest page's bytes per value (at most ``BATCH_ROWS``
+    rows): its rows then take at most that plus the two pages it begins and ends in.
+    A dictionary-encoded page may repeat one long value in every row: read as a
+    dictionary, the value is held once and each row's length is known before it is
+    decoded. Pages written plain after the dictionary (a writer's fallback) add to that
+    dictionary, so a column over ``DICTIONARY_READ_BYTES`` is read plainly, each row
+    counted as long as the dictionary's longest value."""
+    import pyarrow.compute as pc
+
+    row_group = coded.metadata.row_group(g)
     chunk = next((row_group.column(c) for c in range(row_group.num_columns)
                   if row_group.column(c).path_in_schema == text_field), None)
     if chunk is None:
@@ -334,8 +338,15 @@ def _read_plan(raw, row_group, text_field: str, where: str) -> tuple[int, bool]:
                         "MAX_PAGE_BYTES", "split its documents into smaller ones")
     per_value = max((size / max(n, 1) for kind, size, n in pages if kind != DICTIONARY_PAGE),
                     default=1.0)
-    return (max(1, min(BATCH_ROWS, int(BLOCK_BYTES // max(per_value, 1)))),
-            chunk.has_dictionary_page and chunk.total_uncompressed_size <= DICTIONARY_READ_BYTES)
+    as_dictionary = (chunk.has_dictionary_page
+                     and chunk.total_uncompressed_size <= DICTIONARY_READ_BYTES)
+    if chunk.has_dictionary_page and not as_dictionary:  # one row: just the dictionary page
+        first = next(coded.iter_batches(batch_size=1, row_groups=[g], columns=[text_field],
+                                        use_threads=False), None)
+        if first is not None and hasattr(first.column(0), "dictionary"):
+            longest = pc.max(pc.binary_length(first.column(0).dictionary)).as_py()
+            per_value = max(per_value, longest or 0)
+    return max(1, min(BATCH_ROWS, int(BLOCK_BYTES // max(per_value, 1)))), as_dictionary
 
 
 def _unreadable(path: str, kind: str, e: Exception) -> str:
