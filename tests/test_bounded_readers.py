@@ -131,7 +131,8 @@ def test_a_line_over_the_limit_fails_by_its_number_before_more_of_it_is_read(
             yield chunk
     monkeypatch.setattr(document_reader, "zstd_chunks", counted)
     path = tmp_path / "nul.jsonl.zst"
-    path.write_bytes(zstandard.ZstdCompressor().compress(LINES[:40]) + _nul_zst(256 * MiB))  # 2 lines and the start of a 3rd
+    # two lines and the start of a third, which runs on into 256 MiB of NULs
+    path.write_bytes(zstandard.ZstdCompressor().compress(LINES[:40]) + _nul_zst(256 * MiB))
     with pytest.raises(DataError) as err:
         docs_of(path)
     assert str(err.value).startswith(f"{path}:line 3 holds a JSON line over 65,536 bytes")

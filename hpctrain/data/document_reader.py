@@ -122,7 +122,7 @@ def read_unit(path: str, fmt: str, start: int, stop: int, text_field: str,
         raise ValueError(f"unknown format {fmt!r}")
 
 
-def too_large(where: str, what: str, limit: int, name: str, fix: str) -> DataError:
+def _too_large(where: str, what: str, limit: int, name: str, fix: str) -> DataError:
     """The one message for a document over one of hpctrain's size limits."""
     return DataError(f"{where} holds {what} over {limit:,} bytes ({limit / MiB:g} MiB), the "
                      f"most hpctrain takes (a limit of hpctrain's, hpctrain.sizes.{name}); {fix}")
@@ -134,7 +134,7 @@ _SPLIT = "split that document into smaller ones"
 def _read_text(path: str, raw: bool):
     size = os.stat(path).st_size
     if size > MAX_TEXT_FILE_BYTES:
-        raise too_large(path, f"{size:,} bytes: a text file is one document, and that is",
+        raise _too_large(path, f"{size:,} bytes: a text file is one document, and that is",
                         MAX_TEXT_FILE_BYTES, "MAX_TEXT_FILE_BYTES",
                         "split it into smaller files or give its documents as JSON lines")
     data = Path(path).read_bytes()
@@ -180,7 +180,7 @@ def _jsonl_lines(chunks, path: str, pos: int, lines_before, stop: int, text_fiel
         return base[0] + k
 
     def too_long(k: int):
-        raise too_large(f"{path}:line {line_number(k)}", "a JSON line", MAX_LINE_BYTES,
+        raise _too_large(f"{path}:line {line_number(k)}", "a JSON line", MAX_LINE_BYTES,
                         "MAX_LINE_BYTES", _SPLIT)
     batch, held, k = [], 0, 0
     for line in lines(chunks, MAX_LINE_BYTES, too_long):
@@ -193,7 +193,7 @@ def _jsonl_lines(chunks, path: str, pos: int, lines_before, stop: int, text_fiel
             bad.add(f"{path}:line {line_number(k)}", why)
         elif text is not None:
             if _utf8_over(text, MAX_DOCUMENT_BYTES):
-                raise too_large(f"{path}:line {line_number(k)}", "a document",
+                raise _too_large(f"{path}:line {line_number(k)}", "a document",
                                 MAX_DOCUMENT_BYTES, "MAX_DOCUMENT_BYTES", _SPLIT)
             batch.append(text)
             held += len(line)
@@ -276,7 +276,7 @@ def _column_batches(column, where, bad: BadRecords) -> Iterator[list]:
     sizes = sizes.fill_null(0).to_numpy(zero_copy_only=False)
     over = np.flatnonzero(sizes > MAX_DOCUMENT_BYTES)
     if over.size:
-        raise too_large(where(int(over[0])), "a document", MAX_DOCUMENT_BYTES,
+        raise _too_large(where(int(over[0])), "a document", MAX_DOCUMENT_BYTES,
                         "MAX_DOCUMENT_BYTES", _SPLIT)
     ends, i = np.cumsum(sizes), 0
     while i < len(sizes):  # rows i..j-1: the first run that reaches BLOCK_BYTES
@@ -334,7 +334,7 @@ def _read_plan(raw, coded, g: int, text_field: str, where: str) -> tuple[int, bo
     pages = chunk_pages(raw, chunk)
     largest = max((size for _, size, _ in pages), default=0)
     if largest > MAX_PAGE_BYTES:
-        raise too_large(where, f"a page of {largest:,} bytes decompressed,", MAX_PAGE_BYTES,
+        raise _too_large(where, f"a page of {largest:,} bytes decompressed,", MAX_PAGE_BYTES,
                         "MAX_PAGE_BYTES", "split its documents into smaller ones")
     per_value = max((size / max(n, 1) for kind, size, n in pages if kind != DICTIONARY_PAGE),
                     default=1.0)

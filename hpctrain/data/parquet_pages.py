@@ -10,8 +10,6 @@ hold a whole value) is skipped by seeking, never read.
 
 from __future__ import annotations
 
-import struct
-
 DICTIONARY_PAGE = 2
 """``PageHeader.type`` of a dictionary page (parquet-format's ``PageType``)."""
 _DATA_HEADERS = (5, 7, 8)  # data_page_header, dictionary_page_header, data_page_header_v2
@@ -110,4 +108,4 @@ def _byte(f) -> int:
     byte = f.read(1)
     if not byte:
         raise ValueError("a page header runs past the end of the file")
-    return struct.unpack("B", byte)[0]
+    return byte[0]
