@@ -19,7 +19,7 @@ from hpctrain.data.document_reader import BadRecords, read_unit
 from hpctrain.data.prepare import prepare
 from hpctrain.data.sources import file_format
 from hpctrain.errors import EXIT_USER_ERROR, DataError
-from hpctrain.sizes import MAX_DOCUMENT_BYTES, MAX_LINE_BYTES, MiB
+from hpctrain.sizes import MAX_DOCUMENT_BYTES, MAX_LINE_BYTES, MAX_TEXT_FILE_BYTES, MiB
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -331,6 +331,17 @@ def test_the_command_exits_2_with_one_line_on_a_broken_stream(tmp_path, case):
     assert r.returncode == EXIT_USER_ERROR, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {path} is not a complete")
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # nothing written
+
+
+def test_the_command_exits_2_with_one_line_on_a_text_file_over_the_limit(tmp_path):
+    path = tmp_path / "book.txt"
+    with open(path, "wb") as f:
+        f.truncate(MAX_TEXT_FILE_BYTES + 1)  # sparse: refused by its size, never read
+    r = _run_prepare(tmp_path, path)
+    assert r.returncode == EXIT_USER_ERROR and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {path} holds {MAX_TEXT_FILE_BYTES + 1:,} bytes: a text")
+    assert "hpctrain.sizes.MAX_TEXT_FILE_BYTES); split it into smaller files" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["book.txt"]
 
 
 @pytest.mark.slow
