@@ -35,6 +35,18 @@ MAX_BATCH_TOKENS = 1 << 32
 """Tokens of one training step, all ranks together (the largest runs take 2**24)."""
 MAX_COUNT = 1 << 40
 """Any other count: steps, batches, sequences, tokens to sample."""
+MAX_DOCUMENT_BYTES = 32 * MiB
+"""UTF-8 bytes of one document of a records file (a JSON line's text field, a Parquet or
+Arrow value) that ``prepare`` tokenizes: tokenizing it costs about ten times its size in
+memory, and the longest documents of public corpora (whole books) are a few MiB."""
+MAX_LINE_BYTES = 2 * MAX_DOCUMENT_BYTES
+"""Bytes of one JSON line (its escapes, ``\\u00e9``, take more room than the text)."""
+MAX_PAGE_BYTES = MAX_LINE_BYTES
+"""Bytes a Parquet page decompresses to (a page holds whole values, so a document at the
+limit fits; writers cut pages at about 1 MiB)."""
+MAX_TEXT_FILE_BYTES = 256 * MiB
+"""Bytes of a text file, which ``prepare`` reads and tokenizes whole as one document (a
+single-file corpus such as enwik8, 95 MiB, fits)."""
 MAX_WAIT_S = 7 * 86400.0
 """Seconds a deadline may allow a wait (``--comm.timeout``, ``--timeout``): a week; far
 more overflows the thread waits that carry it (``threading.TIMEOUT_MAX``)."""

@@ -156,7 +156,9 @@ def test_a_file_larger_than_the_bound_streams_in_bounded_memory(tmp_path, monkey
             seen.append(len(batch))
     peak = _peak_bytes(stream)
     assert sum(seen) == len(docs) and len(seen) >= 50
-    assert peak < 8 * block, f"peak {peak} bytes while reading {len(docs) * 1000} bytes"
+    # zstd hands out a whole block of output at once (up to 128 KiB)
+    bound = 8 * block + (zstandard.BLOCKSIZE_MAX if name.endswith(".zst") else 0)
+    assert peak < bound, f"peak {peak} bytes while reading {len(docs) * 1000} bytes"
 
 
 def test_a_whole_prepare_keeps_memory_bounded_whatever_the_input_size(tmp_path, monkeypatch):

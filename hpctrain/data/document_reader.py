@@ -1,8 +1,10 @@
 """Reading one unit of work (``sources.py``) as batches of documents, with bounded memory.
 
 ``read_unit`` yields lists of document strings and a reader holds one batch at a time:
-about ``BLOCK_BYTES`` of JSON lines, at most ``BATCH_ROWS`` rows of a Parquet row group,
-or one Arrow record batch; a text file is one document of the whole file. A record that
+about ``BLOCK_BYTES`` of documents (JSON lines, Parquet rows, Arrow rows), plus the one
+that passes the mark; a text file is one document of the whole file. Nothing longer than
+the limits of ``hpctrain.sizes`` (a document, a JSON line, a text file) is held: it fails
+the command with its location (``bounded_read.py`` cuts the lines). A record that
 is not a document is a *bad record*: ``BadRecords`` counts them and keeps the first few
 locations, and ``prepare`` skips or fails on them (``--on-bad-record``). ``pyarrow`` and
 ``zstandard`` are the optional ``corpora`` extra.
@@ -11,19 +13,24 @@ The memory bound and what makes a record bad: docs/design/data-path.md ("Paralle
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from hpctrain.data.bounded_read import gzip_chunks, line_end, lines, plain_chunks, zstd_chunks
 from hpctrain.data.sources import ARROW, JSONL, JSONL_GZ, JSONL_ZST, PARQUET, TEXT
 from hpctrain.errors import DataError
-from hpctrain.sizes import MiB
+from hpctrain.data.parquet_pages import DICTIONARY_PAGE, chunk_pages
+from hpctrain.sizes import (MAX_DOCUMENT_BYTES, MAX_LINE_BYTES, MAX_PAGE_BYTES,
+                            MAX_TEXT_FILE_BYTES, MiB)
 
 BLOCK_BYTES = MiB
 BATCH_ROWS = 1024
+"""The most rows of a Parquet row group read at a time (fewer where its rows are long)."""
+DICTIONARY_READ_BYTES = 64 * MiB
+"""The most uncompressed bytes of a Parquet text column read as a dictionary (``_read_plan``)."""
 SHOWN_BAD = 5  # locations kept for the message
 _EXTRA = {PARQUET: "pyarrow", ARROW: "pyarrow", JSONL_ZST: "zstandard"}
 
@@ -87,6 +94,8 @@ def _check_column(schema, path: str, text_field: str) -> None:
         raise DataError(f"{path} has no column {text_field!r} (its columns: "
                         f"{', '.join(schema.names)}); name the text column with --text-field")
     kind = schema.field(text_field).type
+    if pa.types.is_dictionary(kind):  # a categorical column of text (pandas writes them)
+        kind = kind.value_type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
             or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
         raise DataError(f"column {text_field!r} of {path} holds {kind}, not text; name the "
@@ -102,17 +111,32 @@ def read_unit(path: str, fmt: str, start: int, stop: int, text_field: str,
     elif fmt == JSONL:
         yield from _jsonl_range(path, start, stop, text_field, bad)
     elif fmt in (JSONL_GZ, JSONL_ZST):
-        with _open_compressed(path, fmt) as stream:
-            yield from _jsonl_lines(stream, path, 0, lambda: 0, 1 << 62, text_field, bad)
+        require_extra(fmt, path)
+        chunks = gzip_chunks(path) if fmt == JSONL_GZ else zstd_chunks(path)
+        yield from _jsonl_lines(chunks, path, 0, lambda: 0, 1 << 62, text_field, bad)
     elif fmt == PARQUET:
         yield from _parquet_row_groups(path, start, stop, text_field, bad)
     elif fmt == ARROW:
-        yield from _arrow_stream(path, text_field, bad)
+        yield from _arrow_batches(path, text_field, bad)
     else:
         raise ValueError(f"unknown format {fmt!r}")
 
 
+def _too_large(where: str, what: str, limit: int, name: str, fix: str) -> DataError:
+    """The one message for a document over one of hpctrain's size limits."""
+    return DataError(f"{where} holds {what} over {limit:,} bytes ({limit / MiB:g} MiB), the "
+                     f"most hpctrain takes (a limit of hpctrain's, hpctrain.sizes.{name}); {fix}")
+
+
+_SPLIT = "split that document into smaller ones"
+
+
 def _read_text(path: str, raw: bool):
+    size = os.stat(path).st_size
+    if size > MAX_TEXT_FILE_BYTES:
+        raise _too_large(path, f"{size:,} bytes: a text file is one document, and that is",
+                        MAX_TEXT_FILE_BYTES, "MAX_TEXT_FILE_BYTES",
+                        "split it into smaller files or give its documents as JSON lines")
     data = Path(path).read_bytes()
     if raw:
         return data
@@ -123,28 +147,18 @@ def _read_text(path: str, raw: bool):
                         "use --tokenizer byte for arbitrary bytes") from None
 
 
-def _open_compressed(path: str, fmt: str):
-    if fmt == JSONL_GZ:
-        return gzip.open(path, "rb")
-    require_extra(fmt, path)
-    import zstandard
-
-    raw = open(path, "rb")
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-
-
 def _jsonl_range(path: str, start: int, stop: int, text_field: str,
                  bad: BadRecords) -> Iterator[list]:
     """The lines that start in bytes ``[start, stop)`` of a plain JSON-lines file."""
     with open(path, "rb") as f:
-        pos = start
-        if start > 0:  # the line running through ``start - 1`` belongs to the range before
-            f.seek(start - 1)
-            pos = start - 1 + len(f.readline())
+        # the line running through ``start - 1`` belongs to the range before
+        pos = line_end(f, start - 1) if start > 0 else 0
+        f.seek(pos)
 
-        def first_line_number() -> int:  # only asked when a bad record needs a location
+        def first_line_number() -> int:  # only asked when a location is needed
             return _count_newlines(path, pos)
-        yield from _jsonl_lines(f, path, pos, first_line_number, stop, text_field, bad)
+        yield from _jsonl_lines(plain_chunks(f), path, pos, first_line_number, stop,
+                                text_field, bad)
 
 
 def _count_newlines(path: str, end: int) -> int:
@@ -155,23 +169,32 @@ def _count_newlines(path: str, end: int) -> int:
     return n
 
 
-def _jsonl_lines(stream, path: str, pos: int, lines_before, stop: int, text_field: str,
+def _jsonl_lines(chunks, path: str, pos: int, lines_before, stop: int, text_field: str,
                  bad: BadRecords) -> Iterator[list]:
-    """Documents of the lines of ``stream`` that start before byte ``stop`` (``pos`` is
-    where the stream stands; ``lines_before()`` how many lines precede it in the file)."""
-    batch, held, k, base = [], 0, 0, None
-    while pos < stop:
-        line = stream.readline()
-        if not line:
+    """Documents of the lines of ``chunks`` that start before byte ``stop`` (``pos`` is
+    where the chunks start; ``lines_before()`` how many lines precede it in the file)."""
+    base: list[int] = []  # lines_before(), asked once and only for a location
+
+    def line_number(k: int) -> int:
+        base[:] = base or [lines_before()]
+        return base[0] + k
+
+    def too_long(k: int):
+        raise _too_large(f"{path}:line {line_number(k)}", "a JSON line", MAX_LINE_BYTES,
+                        "MAX_LINE_BYTES", _SPLIT)
+    batch, held, k = [], 0, 0
+    for line in lines(chunks, MAX_LINE_BYTES, too_long):
+        if pos >= stop:
             break
         pos += len(line)
         k += 1
         text, why = _document(line, text_field)
         if why:
-            if base is None:
-                base = lines_before()
-            bad.add(f"{path}:line {base + k}", why)
+            bad.add(f"{path}:line {line_number(k)}", why)
         elif text is not None:
+            if _utf8_over(text, MAX_DOCUMENT_BYTES):
+                raise _too_large(f"{path}:line {line_number(k)}", "a document",
+                                MAX_DOCUMENT_BYTES, "MAX_DOCUMENT_BYTES", _SPLIT)
             batch.append(text)
             held += len(line)
             if held >= BLOCK_BYTES:
@@ -179,6 +202,13 @@ def _jsonl_lines(stream, path: str, pos: int, lines_before, stop: int, text_fiel
                 batch, held = [], 0
     if batch:
         yield batch
+
+
+def _utf8_over(text: str, limit: int) -> bool:
+    """Whether ``text`` takes more than ``limit`` bytes in UTF-8 (4 at most a character)."""
+    if len(text) * 4 <= limit:
+        return False
+    return len(text) > limit or (not text.isascii() and len(text.encode("utf-8")) > limit)
 
 
 def _document(line: bytes, text_field: str) -> tuple[str | None, str | None]:
@@ -231,41 +261,143 @@ def _column_documents(values: list, where, bad: BadRecords) -> list[str]:
     return docs
 
 
+def _column_batches(column, where, bad: BadRecords) -> Iterator[list]:
+    """The documents of one record batch's text column, in runs of about ``BLOCK_BYTES``;
+    a value over ``MAX_DOCUMENT_BYTES`` fails before any value becomes a Python string.
+    ``where(i)`` names row ``i`` of the batch."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(column.type):  # a row's length without decoding it
+        sizes = pc.take(pc.binary_length(column.dictionary), column.indices)
+    else:
+        sizes = pc.binary_length(column)
+    sizes = sizes.fill_null(0).to_numpy(zero_copy_only=False)
+    over = np.flatnonzero(sizes > MAX_DOCUMENT_BYTES)
+    if over.size:
+        raise _too_large(where(int(over[0])), "a document", MAX_DOCUMENT_BYTES,
+                        "MAX_DOCUMENT_BYTES", _SPLIT)
+    ends, i = np.cumsum(sizes), 0
+    while i < len(sizes):  # rows i..j-1: the first run that reaches BLOCK_BYTES
+        j = min(len(sizes), 1 + int(np.searchsorted(ends, ends[i] - sizes[i] + BLOCK_BYTES)))
+        docs = _column_documents(column.slice(i, j - i).to_pylist(),
+                                 lambda r, i=i: where(i + r), bad)
+        if docs:
+            yield docs
+        i = j
+
+
 def _parquet_row_groups(path: str, start: int, stop: int, text_field: str,
                         bad: BadRecords) -> Iterator[list]:
     require_extra(PARQUET, path)
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with pq.ParquetFile(path) as pf:
-        for g in range(start, stop):
-            row = 0
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g],
-                                         columns=[text_field], use_threads=False):
-                first = row
-                docs = _column_documents(batch.column(0).to_pylist(),
-                                         lambda i: f"{path}:row group {g}:row {first + i}", bad)
-                row += batch.num_rows
-                if docs:
-                    yield docs
+    try:
+        with pq.ParquetFile(path) as plain, open(path, "rb") as raw, \
+                pq.ParquetFile(path, read_dictionary=[text_field]) as coded:
+            for g in range(start, stop):
+                rows, as_dictionary = _read_plan(raw, coded, g, text_field,
+                                                 f"{path}:row group {g}")
+                row = 0
+                for batch in (coded if as_dictionary else plain).iter_batches(
+                        batch_size=rows, row_groups=[g], columns=[text_field],
+                        use_threads=False):
+                    first = row
+                    yield from _column_batches(
+                        batch.column(0),
+                        lambda i, first=first, g=g: f"{path}:row group {g}:row {first + i}", bad)
+                    row += batch.num_rows
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DataError(_unreadable(path, "Parquet", e)) from None
 
 
-def _arrow_stream(path: str, text_field: str, bad: BadRecords) -> Iterator[list]:
+def _read_plan(raw, coded, g: int, text_field: str, where: str) -> tuple[int, bool]:
+    """How to read row group ``g``'s text column, from its page headers (``raw``: the
+    file): the rows of a batch, and whether to read it as a dictionary (``coded`` reads
+    so). A page that decompresses past ``MAX_PAGE_BYTES`` fails first. A batch holds
+    about ``BLOCK_BYTES`` at the densest page's bytes per value (at most ``BATCH_ROWS``
+    rows): its rows then take at most that plus the two pages it begins and ends in.
+    A dictionary-encoded page may repeat one long value in every row: read as a
+    dictionary, the value is held once and each row's length is known before it is
+    decoded. Pages written plain after the dictionary (a writer's fallback) add to that
+    dictionary, so a column over ``DICTIONARY_READ_BYTES`` is read plainly, each row
+    counted as long as the dictionary's longest value."""
+    import pyarrow.compute as pc
+
+    row_group = coded.metadata.row_group(g)
+    chunk = next((row_group.column(c) for c in range(row_group.num_columns)
+                  if row_group.column(c).path_in_schema == text_field), None)
+    if chunk is None:
+        return BATCH_ROWS, False
+    pages = chunk_pages(raw, chunk)
+    largest = max((size for _, size, _ in pages), default=0)
+    if largest > MAX_PAGE_BYTES:
+        raise _too_large(where, f"a page of {largest:,} bytes decompressed,", MAX_PAGE_BYTES,
+                        "MAX_PAGE_BYTES", "split its documents into smaller ones")
+    per_value = max((size / max(n, 1) for kind, size, n in pages if kind != DICTIONARY_PAGE),
+                    default=1.0)
+    as_dictionary = (chunk.has_dictionary_page
+                     and chunk.total_uncompressed_size <= DICTIONARY_READ_BYTES)
+    if chunk.has_dictionary_page and not as_dictionary:  # one row: just the dictionary page
+        first = next(coded.iter_batches(batch_size=1, row_groups=[g], columns=[text_field],
+                                        use_threads=False), None)
+        if first is not None and hasattr(first.column(0), "dictionary"):
+            longest = pc.max(pc.binary_length(first.column(0).dictionary)).as_py()
+            per_value = max(per_value, longest or 0)
+    return max(1, min(BATCH_ROWS, int(BLOCK_BYTES // max(per_value, 1)))), as_dictionary
+
+
+def _unreadable(path: str, kind: str, e: Exception) -> str:
+    why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return (f"{path} cannot be read as {kind} ({why}): the file is truncated or corrupt; "
+            "copy or write it again")
+
+
+def _arrow_batches(path: str, text_field: str, bad: BadRecords) -> Iterator[list]:
     require_extra(ARROW, path)
     import pyarrow as pa
 
     try:
-        reader = pa.ipc.open_stream(pa.memory_map(path))
-    except pa.ArrowInvalid:  # the random-access file format instead of a stream
-        reader = pa.ipc.open_file(pa.memory_map(path))
-        reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    else:
-        _check_column(reader.schema, path, text_field)
-    row = 0
-    for batch in reader:
-        _check_column(batch.schema, path, text_field)
-        first = row
-        docs = _column_documents(batch.column(text_field).to_pylist(),
-                                 lambda i: f"{path}:row {first + i}", bad)
-        row += batch.num_rows
-        if docs:
-            yield docs
+        row = 0
+        for batch in _arrow_record_batches(path, text_field):
+            first = row
+            yield from _column_batches(batch.column(text_field),
+                                       lambda i, first=first: f"{path}:row {first + i}", bad)
+            row += batch.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(_unreadable(path, "Arrow", e)) from None
+
+
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def _arrow_record_batches(path: str, text_field: str):
+    """The record batches of an Arrow IPC stream (what ``datasets`` writes) or file. A
+    stream must end with its end-of-stream marker: one cut after a whole record batch
+    would otherwise read as a shorter stream."""
+    import pyarrow as pa
+
+    source = pa.memory_map(path)
+    try:
+        stream = pa.ipc.open_stream(source)
+    except pa.ArrowInvalid:  # the random-access file format, or not Arrow at all
+        stream = None
+    if stream is not None:
+        _check_column(stream.schema, path, text_field)
+        yield from stream
+        with open(path, "rb") as f:
+            f.seek(max(0, os.stat(path).st_size - len(_END_OF_STREAM)))
+            if f.read() != _END_OF_STREAM:
+                raise DataError(_unreadable(path, "Arrow", "no end-of-stream marker"))
+        return
+    try:
+        file = pa.ipc.open_file(source)
+    except pa.ArrowInvalid:
+        raise DataError(f"{path} is neither an Arrow IPC stream nor an Arrow IPC file; "
+                        "give .arrow only to Arrow data (datasets.save_to_disk writes it)"
+                        ) from None
+    _check_column(file.schema, path, text_field)
+    for i in range(file.num_record_batches):
+        yield file.get_batch(i)

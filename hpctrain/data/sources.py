@@ -1,6 +1,6 @@
 """What ``prepare`` reads, and how the reading is shared out among ranks. No MPI here.
 
-An input is a text file, a file of records (JSON lines, Parquet, Arrow streams; read by
+An input is a text file, a file of records (JSON lines, Parquet, Arrow IPC; read by
 ``document_reader.py``), or a directory or glob of those; a dataset directory contributes only
 its records files. The work is planned as units, each one piece of one file in input
 order (byte ranges of plain JSON lines, Parquet row groups, other files whole), and
