@@ -1,7 +1,10 @@
-"""What a run needs at its end is checked before step 0: a GPT-2 dataset whose sample
-cannot be decoded here (no tiktoken, or no BPE file in its cache) fails at start-up with
-one message naming the fix, not after the last step."""
+"""Traps a newcomer met, each closed at the start: a GPT-2 dataset whose end-of-run sample
+cannot be decoded here (no tiktoken, or no BPE file in its cache) fails before step 0
+with one message naming the fix, not after the last step; a token file given to
+``prepare`` as text is refused, naming ``--format``."""
 
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -47,3 +50,19 @@ def test_without_a_sample_the_same_dataset_trains(tmp_path, monkeypatch):
                                                  "train.max_iters": 2})
     result = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False).fit()
     assert len(result.losses) == 2
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "char"])
+def test_prepare_refuses_a_token_file_given_as_text(tmp_path, tokenizer):
+    """A nanoGPT train.bin (uint16 ids) under --tokenizer byte became 80M tokens of
+    garbage with exit 0; any text tokenizer now refuses it and names --format."""
+    binary = tmp_path / "train.bin"
+    binary.write_bytes((np.arange(20_000) % 50257).astype("<u2").tobytes())
+    out = tmp_path / "out.h5"
+    done = subprocess.run([sys.executable, "-m", "hpctrain", "prepare", "--input", str(binary),
+                           "--output", str(out), "--tokenizer", tokenizer],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is binary, not text" in lines[0], done.stderr
+    assert "--format nanogpt-bin" in lines[0] and not out.exists()

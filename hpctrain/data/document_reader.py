@@ -138,13 +138,30 @@ def _read_text(path: str, raw: bool):
                         MAX_TEXT_FILE_BYTES, "MAX_TEXT_FILE_BYTES",
                         "split it into smaller files or give its documents as JSON lines")
     data = Path(path).read_bytes()
+    check_looks_like_text(path, data)
     if raw:
         return data
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                        "use --tokenizer byte for arbitrary bytes") from None
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert "
+                        "it to UTF-8 (e.g. iconv -t UTF-8), or use --tokenizer byte, which "
+                        "takes the bytes as they are") from None
+
+
+BINARY_PROBE_BYTES = 8000
+"""A NUL byte this early makes a file binary (git's rule): text never holds one."""
+
+
+def check_looks_like_text(path: str, data: bytes) -> None:
+    """Refuse a binary file given as text: a token file (nanoGPT's ``train.bin``) or an
+    archive would become millions of tokens of garbage under any tokenizer."""
+    at = data.find(b"\0", 0, BINARY_PROBE_BYTES)
+    if at >= 0:
+        raise DataError(f"{path} is binary, not text (a NUL byte at offset {at}); token "
+                        "files go through --format (nanoGPT's .bin: --format nanogpt-bin; "
+                        "Megatron's .bin/.idx: --format megatron), text in UTF-16 or "
+                        "another encoding must be converted to UTF-8 first")
 
 
 def _jsonl_range(path: str, start: int, stop: int, text_field: str,
