@@ -20,7 +20,7 @@ from hpctrain.cli.dispatch import main
 from hpctrain.cli.prepare import TOKEN_FORMATS
 from hpctrain.data import token_import
 from hpctrain.data.dataset import BaseReader, read_info
-from hpctrain.data.megatron_index import MAGIC
+from hpctrain.data.megatron_index import MAGIC, read_megatron_index
 from hpctrain.data.tokenizers import tokenizer_from_meta
 from hpctrain.errors import DataError
 from hpctrain.train.trainer import Trainer
@@ -122,6 +122,18 @@ def test_megatron_converts_whole_documents_and_records_the_ids(tmp_path):
     meta = json.loads(attrs["tokenizer"])
     assert meta == {"name": "ids", "vocab_size": 100000, "eot_id": 99999,
                     "imported_from": "megatron"}
+
+
+def test_the_megatron_cut_is_the_document_start_nearest_the_target(tmp_path):
+    """Against every target: the nearest start in [2, n - 2], the earlier on a tie."""
+    docs = [[np.arange(k)] for k in (1, 4, 4, 2, 7, 1, 3, 5)]
+    write_megatron(tmp_path / "m", docs)
+    index = read_megatron_index(str(tmp_path / "m"))
+    n = index.n_tokens
+    starts = [s for s in np.cumsum([0] + [len(d[0]) for d in docs]).tolist() if 2 <= s <= n - 2]
+    for target in range(-1, n + 2):
+        best = min(starts, key=lambda s: (abs(s - target), s))
+        assert index.nearest_document_start(target, 2, n - 2) == best, target
 
 
 def test_megatron_gpt2_ids_record_the_gpt2_tokenizer(tmp_path):
