@@ -154,6 +154,18 @@ def test_chunked_conversion_writes_the_same_bytes(tmp_path, monkeypatch):
     assert (tmp_path / "one.h5").read_bytes() == (tmp_path / "many.h5").read_bytes()
 
 
+def test_a_split_over_two_checksum_blocks_converts_in_chunks(tmp_path, monkeypatch):
+    """34M tokens: /train spans two 64 MiB checksum blocks, written in 16 MiB chunks, so a
+    chunk's checksum pieces must land in the block of their place in the array."""
+    ids = np.resize(np.concatenate(gpt2_documents(200)).astype("<u2"), 34_000_000)
+    write_nanogpt(tmp_path / "big.bin", ids)
+    monkeypatch.setattr(token_import, "CHUNK_BYTES", 16 * 2**20)
+    token_import.import_tokens([str(tmp_path / "big.bin")], tmp_path / "big.h5",
+                               fmt="nanogpt-bin", val_fraction=1e-6)
+    train, val, _ = read_splits(tmp_path / "big.h5")  # verifies both blocks' CRC-32
+    assert len(train) * 2 > 64 * 2**20 and np.array_equal(np.concatenate([train, val]), ids)
+
+
 def test_the_cut_is_found_far_from_the_target(tmp_path):
     """One end-of-text near the start of a 6M-token file: the search windows grow."""
     ids = np.zeros(6_000_000, "<u2")
