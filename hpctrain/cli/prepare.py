@@ -10,13 +10,14 @@ import sys
 
 def add_prepare(sub) -> None:
     p = sub.add_parser(
-        "prepare", help="tokenize text or records files into an HDF5 token file (in parallel "
-                        "under mpiexec)",
+        "prepare", help="tokenize text or records files, or convert nanoGPT or Megatron "
+                        "token files, into an HDF5 token file (in parallel under mpiexec)",
         description="Tokenize text into the HDF5 token format (io/FORMAT.md). Under "
                     "`mpiexec -n N` the input (files, JSON-lines byte ranges, Parquet row "
                     "groups) is shared out among the ranks, tokenized in "
                     "parallel and written into one file with MPI-IO; the file is the same "
-                    "for any N.")
+                    "for any N. With --format, token files made by nanoGPT or Megatron-LM "
+                    "are converted instead, their ids checked, in parallel alike.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", metavar="PATH",
                      help="text files, records files (.jsonl, .json, .jsonl.gz, .jsonl.zst, "
