@@ -273,8 +273,8 @@ class IdsTokenizer:
     def _why(self, done: str) -> str:
         return (f"these tokens were imported as ids ({self.imported_from or 'prepare --format'}"
                 f", a vocabulary of {self.vocab_size}) without their tokenizer, so text "
-                f"cannot be {done}; convert GPT-2 tokens with --vocab-size 50257 --eot-id "
-                "50256 to record the gpt2 tokenizer")
+                f"cannot be {done} (of converted ids, only GPT-2's, --vocab-size 50257 "
+                "--eot-id 50256, record a tokenizer)")
 
     def meta(self) -> dict:
         return {"name": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id,
