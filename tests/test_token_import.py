@@ -166,16 +166,23 @@ def test_a_split_over_two_checksum_blocks_converts_in_chunks(tmp_path, monkeypat
     assert len(train) * 2 > 64 * 2**20 and np.array_equal(np.concatenate([train, val]), ids)
 
 
-def test_the_cut_is_found_far_from_the_target(tmp_path):
-    """One end-of-text near the start of a 6M-token file: the search windows grow."""
-    ids = np.zeros(6_000_000, "<u2")
-    ids[100] = EOT
+@pytest.mark.parametrize("scan", [3, 7, 1 << 20])
+def test_the_nanogpt_cut_is_the_document_start_nearest_the_target(tmp_path, monkeypatch,
+                                                                  scan):
+    """Against every target, read in rings of ``scan`` tokens: the nearest start (a token
+    after an end-of-text) in [2, n - 2], the earlier on a tie; None without one."""
+    monkeypatch.setattr(token_import, "SCAN_TOKENS", scan)
+    ids = np.ones(90, "<u2")
+    ids[[0, 5, 9, 13, 40, 41, 88]] = EOT
     write_nanogpt(tmp_path / "a.bin", ids)
-    assert token_import._nearest_eot_boundary(str(tmp_path / "a.bin"), ids.size, EOT,
-                                              5_400_000) == 101
-    ids[[20, 40]] = EOT  # a tie: the earlier start
-    write_nanogpt(tmp_path / "b.bin", ids)
-    assert token_import._nearest_eot_boundary(str(tmp_path / "b.bin"), ids.size, EOT, 31) == 21
+    n = ids.size
+    starts = [int(p) + 1 for p in np.flatnonzero(ids == EOT) if 2 <= p + 1 <= n - 2]
+    for target in range(-1, n + 2):
+        best = min(starts, key=lambda s: (abs(s - target), s))
+        assert token_import._nearest_eot_boundary(str(tmp_path / "a.bin"), n, EOT,
+                                                  target) == best, target
+    write_nanogpt(tmp_path / "none.bin", np.ones(50))
+    assert token_import._nearest_eot_boundary(str(tmp_path / "none.bin"), 50, EOT, 45) is None
 
 
 def test_imported_ids_open_but_a_sample_fails_before_the_first_step(tmp_path):

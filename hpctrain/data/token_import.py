@@ -34,6 +34,8 @@ GPT2_VOCAB, GPT2_EOT = 50257, 50256
 SPLIT_RULES = {"cut": "last-documents", "files": "train-val-files"}
 CHUNK_BYTES = WRITE_CHUNK_BYTES
 """Output bytes a rank checks, converts and writes at a time (its memory besides MPI's)."""
+SCAN_TOKENS = 16 * MiB
+"""Tokens read at a time on each side while looking for the cut (memory: that many bytes)."""
 HDF5_MAGIC, LLMC_MAGIC = b"\x89HDF\r\n\x1a\n", 20240520
 
 
@@ -279,16 +281,19 @@ def _nanogpt_tokens(name: str) -> int:
 
 def _nearest_eot_boundary(name: str, n: int, eot: int, target: int) -> int | None:
     """The document start (a token after an end-of-text id) nearest ``target`` that
-    leaves each split two tokens or more, the earlier on a tie; windows around the target
-    grow until one holds a start, so a file is read near its cut only."""
+    leaves each split two tokens or more, the earlier on a tie. Read in rings of
+    ``SCAN_TOKENS`` on each side of the target, outwards until no unread start could be
+    nearer: a file is read near its cut only, in bounded memory."""
     low, high = 2, n - 2
-    target, width = min(max(target, low), high), MiB
-    ids = np.memmap(name, np.dtype("<u2"), "r", shape=(n,))
-    while True:
-        a, b = max(low - 1, target - width - 1), max(low - 1, min(high, target + width))
-        starts = np.flatnonzero(ids[a:b] == eot) + a + 1  # starts in [a + 1, b]
-        if starts.size:
-            return int(starts[np.argmin(np.abs(starts - target))])
-        if a <= low - 1 and b >= high:
-            return None
-        width *= 4
+    target = min(max(target, low), high)
+    ids, found = np.memmap(name, np.dtype("<u2"), "r", shape=(n,)), []
+    for d in range(0, max(target - low, high - target) + 1, SCAN_TOKENS):
+        if found and abs(found[0] - target) < d:
+            break
+        for a, b in ((target - d - SCAN_TOKENS, target - d),
+                     (target + d, target + d + SCAN_TOKENS)):
+            a, b = max(a, low), min(b, high + 1)  # starts s in [a, b): ids[s - 1] == eot
+            if a < b:
+                found += (np.flatnonzero(ids[a - 1:b - 1] == eot) + a).tolist()
+        found = sorted(found, key=lambda s: (abs(s - target), s))[:1]
+    return found[0] if found else None
