@@ -145,7 +145,6 @@ def cmd_prepare(args) -> int:
                               eot_id=args.eot_id, val_fraction=args.val_fraction, comm=comm,
                               romio_hints=hints, overwrite=args.overwrite,
                               timeout=args.timeout)
-            s["bad_records"] = 0
         else:
             s = prepare(inputs, args.output, tokenizer=args.tokenizer or "char",
                         val_fraction=args.val_fraction, show_progress=show, comm=comm,
@@ -157,7 +156,7 @@ def cmd_prepare(args) -> int:
         return 128 + stop.signum
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if root and s["bad_records"]:
+    if root and s.get("bad_records"):  # records files only
         print(f"skipped {s['bad_records']:,} bad record(s); the first: "
               + "; ".join(s["bad_record_examples"]), file=sys.stderr)
     if root:
