@@ -301,3 +301,24 @@ def test_an_existing_output_is_kept(tmp_path, capsys):
     assert main(["prepare", *argv, "--output", str(tmp_path / "out.h5")]) == 2
     assert "exists; add --overwrite" in capsys.readouterr().err
     assert (tmp_path / "out.h5").read_bytes() == b"earlier"
+
+
+@pytest.mark.slow
+def test_the_command_under_mpiexec_writes_what_one_process_writes(tmp_path):
+    """``mpiexec -n 2 hpctrain prepare --format ...``: the one-process bytes; an id past
+    the vocabulary is one line from the job, exit 2, nothing written."""
+    from tests.helpers import hpctrain_cmd, mpiexec, run
+
+    src = write_nanogpt(tmp_path / "c.bin", np.concatenate(gpt2_documents(500)))
+    args = ("prepare", "--format", "nanogpt-bin", "--input", str(tmp_path / "c.bin"))
+    p = run(mpiexec(2, *hpctrain_cmd(*args, "--output", str(tmp_path / "two.h5"))))
+    assert p.returncode == 0 and "2 rank(s)" in p.stdout, p.stderr
+    p = run(hpctrain_cmd(*args, "--output", str(tmp_path / "one.h5")))
+    assert p.returncode == 0 and "1 rank(s)" in p.stdout, p.stderr
+    assert (tmp_path / "one.h5").read_bytes() == (tmp_path / "two.h5").read_bytes()
+    assert np.array_equal(np.concatenate(read_splits(tmp_path / "two.h5")[:2]), src)
+    p = run(mpiexec(2, *hpctrain_cmd(*args, "--vocab-size", "1000", "--eot-id", "0",
+                                     "--output", str(tmp_path / "bad.h5"))))
+    assert p.returncode == 2 and not (tmp_path / "bad.h5").exists()
+    errors = [line for line in p.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "not an id of a vocabulary of 1000" in errors[0], p.stderr
