@@ -252,6 +252,7 @@ BAD = {
                         r"is one of the inputs"),
     "eot_past_vocab": (lambda t: _nanogpt(t) + ["--vocab-size", "100", "--eot-id", "100"],
                        r"--eot-id is 100, not a whole number in \[0, 99\]"),
+    "one_token": (lambda t: _nano_file(t, [EOT]), r"a.bin has 1 token\(s\): too few"),
     "no_eot_in_file": (lambda t: _nano_file(t, np.arange(5000) % 50000),
                        r"no end-of-text id 50256 to split train and val at"),
     "two_other_names": (lambda t: _nanogpt(t) + _nano_file(t, [1, 2, 3], "b.bin")[-1:],

@@ -216,6 +216,7 @@ def _find(inputs: list[str], output: Path, overwrite: bool, fmt: str, eot: int |
         raise DataError(f"--format nanogpt-bin takes one .bin (split at end-of-text ids) or "
                         f"train.bin and val.bin, not {len(inputs)} files")
     name, n = inputs[0], sizes[0]
+    _enough(n, name, 4)
     if eot is None:
         raise DataError(f"{name} is split into train and val at end-of-text ids: pass "
                         "--eot-id, or give train.bin and val.bin")
@@ -232,8 +233,8 @@ def _find_megatron(inputs: list[str], output: Path, overwrite: bool,
     if len(prefixes) != 1:
         raise DataError(f"--format megatron converts one .bin/.idx pair, not {len(prefixes)} "
                         f"({', '.join(prefixes)}); convert each and list them with --combine")
+    check_output(output, overwrite, inputs=[prefixes[0] + ".bin", prefixes[0] + ".idx"])
     index = read_megatron_index(prefixes[0])
-    check_output(output, overwrite, inputs=[index.bin_path, index.idx_path])
     n = index.n_tokens
     cut = index.nearest_document_start(int(n * (1.0 - val_fraction)), 2, n - 2)
     if cut is None:
@@ -254,9 +255,10 @@ def _segment(path: str, dtype: str, first: int, count: int) -> dict:
     return {"path": str(path), "dtype": dtype, "first": first, "count": count}
 
 
-def _enough(count: int, what: str) -> None:
-    if count < 2:
-        raise DataError(f"{what} has {count} token(s): too few for a split")
+def _enough(count: int, what: str, least: int = 2) -> None:
+    if count < least:
+        raise DataError(f"{what} has {count} token(s): too few for a train and a "
+                        "validation split")
 
 
 def _nanogpt_tokens(name: str) -> int:
