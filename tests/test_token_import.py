@@ -68,6 +68,40 @@ def megatron_docs(n_docs: int, high: int, seed: int = 1) -> list[list[np.ndarray
             for _ in range(n_docs)]
 
 
+def reference_val_ranges(starts: list[int], n: int, val_fraction: float,
+                         stripes: int = token_import.STRIPES) -> list[list[int]]:
+    """The documented rule (io/README.md) from the list of document starts, each nearest
+    start found by looking at every one."""
+    def nearest(target, low, high):
+        near = [s for s in starts if low <= s <= high]
+        return min(near, key=lambda s: (abs(s - target), s)) if near else None
+    n_val, ranges, low = n - int(n * (1 - val_fraction)), [], 2
+    for i in range(1, stripes + 1):
+        share = n_val * i // stripes - n_val * (i - 1) // stripes
+        first = nearest(n * i // stripes - share, low, n - 2)
+        if first is None:
+            break
+        low = n if i == stripes else nearest(n * i // stripes, first, n - 2)
+        ranges += [[first, low - first]] if low > first else []
+    return ranges
+
+
+def check_striped_split(src: np.ndarray, train: np.ndarray, val: np.ndarray,
+                        starts: list[int], val_fraction: float) -> None:
+    """``val`` is the reference ranges of ``src``, ``train`` the rest, both whole
+    documents; about ``val_fraction`` of the tokens, from all along the input."""
+    ranges = reference_val_ranges(starts, src.size, val_fraction)
+    assert np.array_equal(val, np.concatenate([src[a:a + c] for a, c in ranges]))
+    keep = np.ones(src.size, bool)
+    for a, c in ranges:
+        keep[a:a + c] = False
+        assert a in starts and (a + c in starts or a + c == src.size)
+    assert np.array_equal(train, src[keep])
+    longest = max(np.diff(starts + [src.size]))
+    assert abs(val.size - val_fraction * src.size) <= 2 * token_import.STRIPES * longest
+    assert len({a * token_import.STRIPES // src.size for a, _ in ranges}) >= 12  # all along
+
+
 def read_splits(path: Path) -> tuple[np.ndarray, np.ndarray, dict]:
     assert not BaseReader(read_info(path)).verify(0, 1)  # every block's CRC-32 holds
     with h5py.File(path) as f:
@@ -78,19 +112,17 @@ def test_the_cli_formats_are_the_importers():
     assert TOKEN_FORMATS == token_import.FORMATS
 
 
-def test_a_nanogpt_bin_converts_to_its_tokens_split_after_an_end_of_text(tmp_path, capsys):
-    src = write_nanogpt(tmp_path / "owt.bin", np.concatenate(gpt2_documents(400)))
+def test_a_nanogpt_bin_converts_to_its_tokens_with_whole_documents_in_each_split(tmp_path, capsys):
+    src = write_nanogpt(tmp_path / "owt.bin", np.concatenate(gpt2_documents(1000)))
     out = tmp_path / "owt.h5"
     assert main(["prepare", "--format", "nanogpt-bin", "--input", str(tmp_path / "owt.bin"),
                  "--output", str(out)]) == 0
     assert "converted (nanogpt-bin)" in capsys.readouterr().out
     train, val, attrs = read_splits(out)
     assert train.dtype == np.dtype("<u2")
-    assert np.array_equal(np.concatenate([train, val]), src)
-    assert train[-1] == EOT  # the validation split starts a document
-    ends = np.flatnonzero(src == EOT) + 1  # every document start, the cut the nearest one
-    target = int(src.size * 0.9)
-    assert len(train) == ends[np.argmin(np.abs(ends - target))]
+    starts = [0] + (np.flatnonzero(src[:-1] == EOT) + 1).tolist()
+    check_striped_split(src, train, val, starts, 0.1)
+    assert '"striped-documents"' in attrs["split"]
     assert tokenizer_from_meta(
         json.loads(attrs["tokenizer"])).name == "gpt2"  # samples decode
 
@@ -107,7 +139,7 @@ def test_train_and_val_files_are_the_splits_in_either_order(tmp_path):
 
 
 def test_megatron_converts_whole_documents_and_records_the_ids(tmp_path):
-    docs = megatron_docs(80, 100_000)
+    docs = megatron_docs(400, 100_000)
     src = write_megatron(tmp_path / "web_text_document", docs)
     out = tmp_path / "web.h5"
     assert main(["prepare", "--format", "megatron", "--input",
@@ -115,10 +147,8 @@ def test_megatron_converts_whole_documents_and_records_the_ids(tmp_path):
                  "--vocab-size", "100000", "--eot-id", "99999", "--val-fraction", "0.2"]) == 0
     train, val, attrs = read_splits(out)
     assert train.dtype == np.dtype("<u4")  # above 65,536 ids
-    assert np.array_equal(np.concatenate([train, val]), src)
-    starts = np.cumsum([0] + [sum(len(s) for s in d) for d in docs])
-    assert len(train) in starts  # whole documents
-    assert len(train) == starts[np.argmin(np.abs(starts - int(src.size * 0.8)))]
+    starts = np.cumsum([0] + [sum(len(s) for s in d) for d in docs])[:-1].tolist()
+    check_striped_split(src, train, val, starts, 0.2)
     meta = json.loads(attrs["tokenizer"])
     assert meta == {"name": "ids", "vocab_size": 100000, "eot_id": 99999,
                     "imported_from": "megatron"}
@@ -169,20 +199,24 @@ def test_a_split_over_two_checksum_blocks_converts_in_chunks(tmp_path, monkeypat
 @pytest.mark.parametrize("scan", [3, 7, 1 << 20])
 def test_the_nanogpt_cut_is_the_document_start_nearest_the_target(tmp_path, monkeypatch,
                                                                   scan):
-    """Against every target, read in rings of ``scan`` tokens: the nearest start (a token
-    after an end-of-text) in [2, n - 2], the earlier on a tie; None without one."""
+    """Against every target and a few bounds, read in rings of ``scan`` tokens: the
+    nearest start (a token after an end-of-text) in the bounds, the earlier on a tie;
+    None without one."""
     monkeypatch.setattr(token_import, "SCAN_TOKENS", scan)
     ids = np.ones(90, "<u2")
     ids[[0, 5, 9, 13, 40, 41, 88]] = EOT
     write_nanogpt(tmp_path / "a.bin", ids)
     n = ids.size
-    starts = [int(p) + 1 for p in np.flatnonzero(ids == EOT) if 2 <= p + 1 <= n - 2]
-    for target in range(-1, n + 2):
-        best = min(starts, key=lambda s: (abs(s - target), s))
-        assert token_import._nearest_eot_boundary(str(tmp_path / "a.bin"), n, EOT,
-                                                  target) == best, target
+    starts = [int(p) + 1 for p in np.flatnonzero(ids == EOT)]
+    for low, high in ((2, n - 2), (10, 41), (15, 39), (0, n)):
+        near = [s for s in starts if low <= s <= high]
+        for target in range(-1, n + 2):
+            best = min(near, key=lambda s: (abs(s - target), s)) if near else None
+            assert token_import._nearest_eot_boundary(str(tmp_path / "a.bin"), n, EOT,
+                                                      target, low, high) == best, target
     write_nanogpt(tmp_path / "none.bin", np.ones(50))
-    assert token_import._nearest_eot_boundary(str(tmp_path / "none.bin"), 50, EOT, 45) is None
+    assert token_import._nearest_eot_boundary(str(tmp_path / "none.bin"), 50, EOT, 45,
+                                              2, 48) is None
 
 
 def test_imported_ids_open_but_a_sample_fails_before_the_first_step(tmp_path):
@@ -317,7 +351,8 @@ def test_the_command_under_mpiexec_writes_what_one_process_writes(tmp_path):
     p = run(hpctrain_cmd(*args, "--output", str(tmp_path / "one.h5")))
     assert p.returncode == 0 and "1 rank(s)" in p.stdout, p.stderr
     assert (tmp_path / "one.h5").read_bytes() == (tmp_path / "two.h5").read_bytes()
-    assert np.array_equal(np.concatenate(read_splits(tmp_path / "two.h5")[:2]), src)
+    starts = [0] + (np.flatnonzero(src[:-1] == EOT) + 1).tolist()
+    check_striped_split(src, *read_splits(tmp_path / "two.h5")[:2], starts, 0.1)
     p = run(mpiexec(2, *hpctrain_cmd(*args, "--vocab-size", "1000", "--eot-id", "0",
                                      "--output", str(tmp_path / "bad.h5"))))
     assert p.returncode == 2 and not (tmp_path / "bad.h5").exists()

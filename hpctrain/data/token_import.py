@@ -4,9 +4,10 @@ one HDF5 token file (``format.py``), without the text, on one process or every r
 A nanoGPT ``.bin`` is a raw little-endian uint16 array of token ids; Megatron-LM's pair
 ``prefix.bin`` + ``prefix.idx`` is read through ``megatron_index.py``. Rank 0 checks the
 inputs and chooses the split: two nanoGPT files named ``train.bin`` and ``val.bin`` are
-the splits; a single file gives its last whole documents to validation, cut at the
-document start nearest the ``--val-fraction`` target (nanoGPT: after an end-of-text id;
-Megatron: a start in ``doc_idx``). Then each rank takes an equal run of every split's
+the splits; a single file gives validation whole documents from ``STRIPES`` places along
+it, each cut at the document starts nearest its share of the ``--val-fraction`` target
+(nanoGPT: after an end-of-text id; Megatron: a start in ``doc_idx``), so that a sorted
+input is sampled all along. Then each rank takes an equal run of every split's
 tokens, checks every id against the vocabulary and checksums its run, and the file is
 written as ``prepare.py`` writes one (its header, collective MPI-IO writes, the read-back,
 the rename): the same bytes at any number of ranks.
@@ -31,26 +32,43 @@ from hpctrain.sizes import MAX_VOCAB, MAX_WAIT_S, MiB, finite, whole
 
 FORMATS = ("nanogpt-bin", "megatron")
 GPT2_VOCAB, GPT2_EOT = 50257, 50256
-SPLIT_RULES = {"cut": "last-documents", "files": "train-val-files"}
+SPLIT_RULES = {"cut": "striped-documents", "files": "train-val-files"}
+STRIPES = 16
+"""Places along a single input that give the validation split its documents: an input in
+sorted order (by source, by date) is sampled all along, not only at its end."""
 CHUNK_BYTES = WRITE_CHUNK_BYTES
 """Output bytes a rank checks, converts and writes at a time (its memory besides MPI's)."""
-SCAN_TOKENS = 16 * MiB
+SCAN_TOKENS = MiB
 """Tokens read at a time on each side while looking for the cut (memory: that many bytes)."""
 HDF5_MAGIC, LLMC_MAGIC = b"\x89HDF\r\n\x1a\n", 20240520
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One split's tokens: ``count`` values of ``dtype`` from token ``first`` of ``path``."""
+    """One split's tokens: the ``ranges`` ``[first, count]`` of ``path`` (values of
+    ``dtype``), one after the other."""
     path: str
     dtype: str
-    first: int
-    count: int
+    ranges: list
 
-    def tokens(self, a: int, b: int) -> np.ndarray:
-        """Tokens ``[a, b)`` of the segment (a view of the file)."""
-        mm = np.memmap(self.path, np.dtype(self.dtype), "r", shape=(self.first + b,))
-        return mm[self.first + a:self.first + b]
+    @property
+    def count(self) -> int:
+        return sum(count for _, count in self.ranges)
+
+    def pieces(self, lo: int, hi: int, itemsize: int):
+        """Tokens ``[lo, hi)`` of the split as (first token in the file, first token in
+        the split, count), each within one range and of at most ``CHUNK_BYTES`` written
+        at ``itemsize`` bytes a token."""
+        step, pos = max(1, CHUNK_BYTES // itemsize), 0
+        for first, count in self.ranges:
+            for at in range(max(lo, pos), min(hi, pos + count), step):
+                yield first + at - pos, at, min(hi, pos + count, at + step) - at
+            pos += count
+
+    def tokens(self, first: int, count: int) -> np.ndarray:
+        """Tokens ``[first, first + count)`` of the file (a view of it)."""
+        mm = np.memmap(self.path, np.dtype(self.dtype), "r", shape=(first + count,))
+        return mm[first:first + count]
 
 
 def vocabulary(fmt: str, vocab_size: int | None, eot_id: int | None) -> tuple[int, int | None]:
@@ -136,35 +154,31 @@ def _run(count: int, rank: int, size: int) -> tuple[int, int]:
     return count * rank // size, count * (rank + 1) // size
 
 
-def _chunks(lo: int, hi: int, itemsize: int):
-    step = max(1, CHUNK_BYTES // itemsize)
-    return ((a, min(hi, a + step)) for a in range(lo, hi, step))
-
-
 def _check_run(seg: Segment, run: tuple[int, int], vocab: int, dtype: np.dtype,
                fmt: str) -> list:
     """Every id of this rank's run below ``vocab`` (and not negative), else one message
     naming the file and the position; returns the run's checksum pieces."""
     pieces = []
-    for a, b in _chunks(*run, dtype.itemsize):
-        ids = seg.tokens(a, b)
+    for first, at, count in seg.pieces(*run, dtype.itemsize):
+        ids = seg.tokens(first, count)
         if ids.size and (int(ids.max()) >= vocab or int(ids.min()) < 0):
-            k = a + int(np.flatnonzero((ids >= vocab) | (ids < 0))[0])
-            pos = seg.first + k
+            k = int(np.flatnonzero((ids >= vocab) | (ids < 0))[0])
+            pos = first + k
             raise DataError(
                 f"{seg.path}: token {pos:,} (byte {pos * np.dtype(seg.dtype).itemsize:,}) is "
-                f"{int(ids[k - a])}, not an id of a vocabulary of {vocab}; pass the "
+                f"{int(ids[k])}, not an id of a vocabulary of {vocab}; pass the "
                 f"tokenizer's --vocab-size (above every id), or check that the file is a "
                 f"{fmt} token file")
         out = memoryview(np.ascontiguousarray(ids.astype(dtype, copy=False))).cast("B")
-        pieces += crc_pieces(out, a * dtype.itemsize)
+        pieces += crc_pieces(out, at * dtype.itemsize)
     return pieces
 
 
 def _rounds(group, segments: dict, runs: dict, dtype: np.dtype, offsets: dict) -> _Rounds:
     """The writes of this rank's runs, one chunk a round, as many rounds on every rank."""
-    mine = [(offsets[name] + a * dtype.itemsize, segments[name], a, b)
-            for name in SPLITS for a, b in _chunks(*runs[name], dtype.itemsize)]
+    mine = [(offsets[name] + at * dtype.itemsize, segments[name], first, count)
+            for name in SPLITS
+            for first, at, count in segments[name].pieces(*runs[name], dtype.itemsize)]
     return _Rounds(mine, dtype, max(group.allgather(len(mine), "write rounds")))
 
 
@@ -179,8 +193,8 @@ class _Rounds:
         return self.n
 
     def __iter__(self):
-        for offset, seg, a, b in self.chunks:
-            ids = np.ascontiguousarray(seg.tokens(a, b).astype(self.dtype, copy=False))
+        for offset, seg, first, count in self.chunks:
+            ids = np.ascontiguousarray(seg.tokens(first, count).astype(self.dtype, copy=False))
             yield [(offset, memoryview(ids).cast("B"))]
         for _ in range(self.n - len(self.chunks)):
             yield []
@@ -206,12 +220,13 @@ def _find(inputs: list[str], output: Path, overwrite: bool, fmt: str, eot: int |
         if set(by_stem) != {"train", "val"}:
             raise DataError(f"two nanoGPT files are the splits, named train.bin and val.bin, "
                             f"not {', '.join(Path(n).name for n in inputs)}; or give one file")
-        segs = {name: _segment(by_stem[name][0], "<u2", 0, by_stem[name][1]) for name in SPLITS}
-        for name, seg in segs.items():
-            _enough(seg["count"], f"{seg['path']} ({name})")
+        for name in SPLITS:
+            _enough(by_stem[name][1], f"{by_stem[name][0]} ({name})")
+        segs = {name: _segment(by_stem[name][0], "<u2", [[0, by_stem[name][1]]])
+                for name in SPLITS}
         files = [by_stem["train"][0], by_stem["val"][0]]
         return {"files": files, "segments": segs, "split": {"rule": SPLIT_RULES["files"]},
-                "source_tokens": [[segs["train"]["count"], 0], [0, segs["val"]["count"]]]}
+                "source_tokens": [[by_stem["train"][1], 0], [0, by_stem["val"][1]]]}
     if len(inputs) != 1:
         raise DataError(f"--format nanogpt-bin takes one .bin (split at end-of-text ids) or "
                         f"train.bin and val.bin, not {len(inputs)} files")
@@ -220,11 +235,12 @@ def _find(inputs: list[str], output: Path, overwrite: bool, fmt: str, eot: int |
     if eot is None:
         raise DataError(f"{name} is split into train and val at end-of-text ids: pass "
                         "--eot-id, or give train.bin and val.bin")
-    cut = _nearest_eot_boundary(name, n, eot, int(n * (1.0 - val_fraction)))
-    if cut is None:
+    val = _val_ranges(n, val_fraction, lambda target, low, high: _nearest_eot_boundary(
+        name, n, eot, target, low, high))
+    if not val:
         raise DataError(f"{name} has no end-of-text id {eot} to split train and val at; "
                         "pass the right --eot-id, or give train.bin and val.bin")
-    return _cut_plan(name, "<u2", n, cut, {"eot_id": eot, "val_fraction": val_fraction})
+    return _striped_plan(name, "<u2", n, val, {"eot_id": eot, "val_fraction": val_fraction})
 
 
 def _find_megatron(inputs: list[str], output: Path, overwrite: bool,
@@ -236,23 +252,55 @@ def _find_megatron(inputs: list[str], output: Path, overwrite: bool,
     check_output(output, overwrite, inputs=[prefixes[0] + ".bin", prefixes[0] + ".idx"])
     index = read_megatron_index(prefixes[0])
     n = index.n_tokens
-    cut = index.nearest_document_start(int(n * (1.0 - val_fraction)), 2, n - 2)
-    if cut is None:
+    val = _val_ranges(n, val_fraction, index.nearest_document_start)
+    if not val:
         raise DataError(f"{index.idx_path} has no document start to split train and val at "
                         f"({index.n_documents:,} document(s), {n:,} tokens); it needs two "
                         "documents of at least two tokens")
-    return _cut_plan(str(index.bin_path), index.dtype.str, n, cut,
-                     {"documents": "doc_idx", "val_fraction": val_fraction})
+    return _striped_plan(str(index.bin_path), index.dtype.str, n, val,
+                         {"documents": "doc_idx", "val_fraction": val_fraction})
 
 
-def _cut_plan(path: str, dtype: str, n: int, cut: int, rule: dict) -> dict:
-    segs = {"train": _segment(path, dtype, 0, cut), "val": _segment(path, dtype, cut, n - cut)}
+def _val_ranges(n: int, val_fraction: float, nearest) -> list[list[int]]:
+    """The validation split of one input of ``n`` tokens, as ``[first, count]`` ranges of
+    whole documents: in each of ``STRIPES`` equal parts of the input, the documents from
+    the start nearest (the part's end - its share of the ``--val-fraction`` tokens) to the
+    start nearest the part's end (the last part: to the end of the input). ``nearest(
+    target, low, high)`` is the document start nearest ``target`` in ``[low, high]``, the
+    earlier on a tie, or None. The train split keeps the first two tokens or more."""
+    n_val, ranges, low = n - int(n * (1.0 - val_fraction)), [], 2
+    for i in range(1, STRIPES + 1):
+        end = n * i // STRIPES
+        share = n_val * i // STRIPES - n_val * (i - 1) // STRIPES
+        first = nearest(end - share, low, n - 2)
+        if first is None:
+            break
+        last = n if i == STRIPES else nearest(end, first, n - 2)
+        if last > first:
+            ranges.append([first, last - first])
+        low = last
+    return ranges
+
+
+def _striped_plan(path: str, dtype: str, n: int, val: list, rule: dict) -> dict:
+    """The plan of one input whose validation ranges are ``val``: train is the rest."""
+    train, pos = [], 0
+    for first, count in val:
+        if first > pos:
+            train.append([pos, first - pos])
+        pos = first + count
+    if pos < n:
+        train.append([pos, n - pos])
+    n_val = sum(count for _, count in val)
+    _enough(n_val, f"the validation split of {path}")
+    segs = {"train": _segment(path, dtype, train), "val": _segment(path, dtype, val)}
     return {"files": [path], "segments": segs,
-            "split": {"rule": SPLIT_RULES["cut"], **rule}, "source_tokens": [[cut, n - cut]]}
+            "split": {"rule": SPLIT_RULES["cut"], "stripes": STRIPES, **rule},
+            "source_tokens": [[n - n_val, n_val]]}
 
 
-def _segment(path: str, dtype: str, first: int, count: int) -> dict:
-    return {"path": str(path), "dtype": dtype, "first": first, "count": count}
+def _segment(path: str, dtype: str, ranges: list) -> dict:
+    return {"path": str(path), "dtype": dtype, "ranges": ranges}
 
 
 def _enough(count: int, what: str, least: int = 2) -> None:
@@ -281,12 +329,13 @@ def _nanogpt_tokens(name: str) -> int:
     return size // 2
 
 
-def _nearest_eot_boundary(name: str, n: int, eot: int, target: int) -> int | None:
-    """The document start (a token after an end-of-text id) nearest ``target`` that
-    leaves each split two tokens or more, the earlier on a tie. Read in rings of
+def _nearest_eot_boundary(name: str, n: int, eot: int, target: int, low: int,
+                          high: int) -> int | None:
+    """The document start (a token after an end-of-text id) nearest ``target`` within
+    ``[low, high]``, the earlier on a tie, or None. Read in rings of
     ``SCAN_TOKENS`` on each side of the target, outwards until no unread start could be
     nearer: a file is read near its cut only, in bounded memory."""
-    low, high = 2, n - 2
+    low, high = max(low, 1), min(high, n - 1)  # a start has an end-of-text before it
     target = min(max(target, low), high)
     ids, found = np.memmap(name, np.dtype("<u2"), "r", shape=(n,)), []
     for d in range(0, max(target - low, high - target) + 1, SCAN_TOKENS):
