@@ -32,7 +32,7 @@ from hpctrain.sizes import MAX_VOCAB, MAX_WAIT_S, MiB, finite, whole
 
 FORMATS = ("nanogpt-bin", "megatron")
 GPT2_VOCAB, GPT2_EOT = 50257, 50256
-SPLIT_RULES = {"cut": "striped-documents", "files": "train-val-files"}
+SPLIT_RULES = {"single": "striped-documents", "files": "train-val-files"}
 STRIPES = 16
 """Places along a single input that give the validation split its documents: an input in
 sorted order (by source, by date) is sampled all along, not only at its end."""
@@ -295,7 +295,7 @@ def _striped_plan(path: str, dtype: str, n: int, val: list, rule: dict) -> dict:
     _enough(n_val, f"the validation split of {path}")
     segs = {"train": _segment(path, dtype, train), "val": _segment(path, dtype, val)}
     return {"files": [path], "segments": segs,
-            "split": {"rule": SPLIT_RULES["cut"], "stripes": STRIPES, **rule},
+            "split": {"rule": SPLIT_RULES["single"], "stripes": STRIPES, **rule},
             "source_tokens": [[n - n_val, n_val]]}
 
 
