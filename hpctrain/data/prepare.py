@@ -246,10 +246,12 @@ def _create_header(tmp: Path, split: _Split, gathered: list, tokenizer_meta: dic
                              split=rule, source_tokens=split.source_tokens)
 
 
-def _write_token_file(group, output: Path, hints: dict, split: _Split, create_header) -> None:
+def _write_token_file(group, output: Path, hints: dict, split: _Split, create_header,
+                      rounds=None) -> None:
     """Steps 5-6 under a temporary name: rank 0 writes the header (``create_header(tmp)``
     returns the arrays' byte offsets), then every rank its tokens; the file takes its
-    name only once complete, and a failure removes it."""
+    name only once complete, and a failure removes it. ``rounds(group, split, offsets)``
+    gives the writes (``_write_rounds`` by default; ``token_import.py`` its own)."""
     tmp = None
     try:
         tmp = group.create(output, hints)
@@ -264,7 +266,7 @@ def _write_token_file(group, output: Path, hints: dict, split: _Split, create_he
             except WRITE_ERRORS as e:  # h5py: OSError or RuntimeError
                 raise write_failed(output, e) from None
         offsets = group.bcast(attempt(group, header, "HDF5 metadata"), "array offsets")
-        per_round = _write_rounds(group, split, offsets)
+        per_round = (rounds or _write_rounds)(group, split, offsets)
         attempt(group, lambda: group.write(tmp, output, hints, per_round),
                 "writing the tokens")
         attempt(group, lambda: _check_written(tmp, output, group.rank, group.size),

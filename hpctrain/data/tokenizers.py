@@ -243,6 +243,44 @@ class HFTokenizer:
                 "json_zlib": self._packed}
 
 
+class IdsTokenizer:
+    """Token ids imported without their tokenizer (``prepare --format``): the vocabulary
+    size and end-of-text id are known, the text is not. Training needs nothing more; a
+    sample cannot be decoded, which ``decode`` says as a ``DataError`` (so a run that
+    samples fails before step 0, not after training)."""
+
+    name = "ids"
+
+    def __init__(self, vocab_size: int, eot_id: int | None, imported_from: str):
+        self.vocab_size, self.eot_id, self.imported_from = vocab_size, eot_id, imported_from
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> IdsTokenizer:
+        vocab = whole(meta.get("vocab_size"), "the recorded vocab_size", 1, MAX_VOCAB,
+                      error=DataError, fix="prepare the data again")
+        eot = meta.get("eot_id")
+        if eot is not None:
+            whole(eot, "the recorded eot_id", 0, vocab - 1, error=DataError,
+                  fix="prepare the data again")
+        return cls(vocab, eot, str(meta.get("imported_from", "")))
+
+    def encode(self, text: str) -> np.ndarray:
+        raise DataError(self._why("encoded"))
+
+    def decode(self, ids) -> str:
+        raise DataError(self._why("decoded"))
+
+    def _why(self, done: str) -> str:
+        return (f"these tokens were imported as ids ({self.imported_from or 'prepare --format'}"
+                f", a vocabulary of {self.vocab_size}) without their tokenizer, so text "
+                f"cannot be {done} (of converted ids, only GPT-2's, --vocab-size 50257 "
+                "--eot-id 50256, record a tokenizer)")
+
+    def meta(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id,
+                "imported_from": self.imported_from}
+
+
 def _build_hf(text: str, where: str):
     try:
         from tokenizers import Tokenizer
@@ -327,6 +365,8 @@ def tokenizer_from_meta(meta: dict):
         return GPT2Tokenizer()
     if name == HFTokenizer.name:
         return HFTokenizer.from_meta(meta)
+    if name == IdsTokenizer.name:
+        return IdsTokenizer.from_meta(meta)
     raise DataError(f"unknown tokenizer {name!r}; this hpctrain knows "
                     f"{', '.join(TOKENIZERS)} and {HFTokenizer.name}")
 
