@@ -2,9 +2,10 @@
 during start-up, in the loop or after the last step; each said in rank 0's log and in
 ``status.json`` (``run_status.py``).
 
-A stop keeps what a resumed run needs: the loop's last step is saved; after the last
-step the final checkpoint comes first, so a signal during the final evaluation,
-``final.h5`` or the sample costs only those extras. Every method is collective (every
+A stop keeps what a resumed run needs: the loop's last step is saved (a periodic
+evaluation the stop cut short is abandoned; a stop agreed right after a checkpoint keeps
+that one); after the last step the final checkpoint comes first, so a signal during the
+final evaluation, ``final.h5`` or the sample costs only those extras. Every method is collective (every
 rank calls it at the same point) unless its docstring says otherwise."""
 
 from __future__ import annotations
@@ -62,12 +63,18 @@ class RunEnd:
         return result
 
     def stopped_in_training(self, result: TrainResult) -> TrainResult:
-        """The loop stopped after ``result.stopped_at``: save that step."""
-        self.saver.save(result.stopped_at)
-        self.log(f"stopped by {self.signals.name} after step {result.stopped_at}; "
-                 "checkpoint saved; run the same command with --train.resume=auto to "
-                 "continue")
-        self.record(STOPPED, result.stopped_at)
+        """The loop stopped after ``result.stopped_at``: save that step, unless the stop
+        was agreed right after its checkpoint."""
+        step, every = result.stopped_at, self.cfg.train.eval_interval
+        if self.saver.saved_step != step:
+            self.saver.save(step)
+        # The evaluation due at this step, abandoned at the stop (a resumed run goes on
+        # from the next step and does not redo it).
+        cut = every > 0 and step % every == 0 and step not in result.val_losses
+        self.log(f"stopped by {self.signals.name} after step {step}"
+                 f"{' (its evaluation abandoned)' if cut else ''}; checkpoint saved; run "
+                 "the same command with --train.resume=auto to continue")
+        self.record(STOPPED, step)
         return result
 
     def finish(self, result: TrainResult, stop: StopAgreement, skipped_steps: int,
