@@ -258,6 +258,36 @@ def test_a_signal_during_a_long_sample_stops_it_within_a_token(dataset_path, tmp
         ("stopped", 10, "SIGTERM", "the sample")
 
 
+# ---------------------------------------------------------------- issue 39, item 9
+
+def test_a_stopped_run_makes_its_job_script_exit_75(dataset_path, tmp_path):
+    """The requeue-able exit status, end to end without a batch system: a run stopped by
+    SIGTERM leaves status.json, and the generated script's ending (from its launch on,
+    the launcher standing in as ``true``) reads it and exits 75 (``RequeueExit=75``,
+    docs/design/job-scripts.md). Before, only the slow leg's fake batch jobs ran it."""
+    import subprocess
+    import sys
+
+    from tests.jobs_common import script
+
+    out, attempt = tmp_path / "run", tmp_path / "run" / "jobs" / "77"
+    attempt.mkdir(parents=True)
+    (attempt / "job.txt").write_text("job 77\n")
+    os.utime(attempt / "job.txt", (1_000_000, 1_000_000))  # the attempt began before the run
+    trainer = _trainer(dataset_path, out, **{"train.max_iters": 40})
+    _signal_before(trainer, "train_step", when=lambda step: step == 2)
+    stopped = trainer.fit().stopped_at
+    text = script("slurm", run_dir=str(out))
+    ending = text[text.index('"${LAUNCH[@]}" &'):]
+    p = subprocess.run(["bash", "-c", "LAUNCH=(true); " + ending], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable,
+                                                   "RUN_DIR": str(out),
+                                                   "ATTEMPT_DIR": str(attempt)})
+    assert p.returncode == 75, p.stdout + p.stderr
+    assert f"stopped after step {stopped} of 40 (SIGTERM), checkpoint saved" in p.stdout
+    assert (attempt / "exit_code").read_text() == "75\n"
+
+
 # ---------------------------------------------------------------- issue 29, item 1
 
 def test_a_finished_run_says_so_and_a_resumed_finished_run_has_nothing_to_do(
