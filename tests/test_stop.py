@@ -381,3 +381,73 @@ def test_ctrl_c_ends_hpctrain_sample_with_130_and_no_traceback(dataset_path, tmp
         assert out == "" and "interrupted" in err
     assert signal.getsignal(signal.SIGINT) == before
 
+
+
+# ---------------------------------------------------------------- issue 39, item 12
+
+def _ranks_of(job, out) -> list[int]:
+    import subprocess
+
+    found = subprocess.run(["pgrep", "-f", f"python.*train.out_dir={out}"],
+                           capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found if int(pid) != job.pid]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second_to", ["ranks", "launcher"])
+def test_a_second_ctrl_c_under_mpiexec_during_the_stops_save(dataset_path, tmp_path,
+                                                             second_to):
+    """Two ranks under mpiexec, the first Ctrl-C (SIGINT to mpiexec, which forwards it)
+    stopping them into a save made 60 s slow. A second SIGINT that reaches the ranks (as
+    ``srun`` forwards a double Ctrl-C, or ``kill -INT``) ends every rank at once with
+    130, one line each, nothing published. MPICH's Hydra never forwards a second one: it
+    kills the ranks itself and exits 255 whatever they would do
+    (docs/design/failure-handling.md); that case pins the fact the notes state."""
+    import subprocess
+    import time
+
+    from hpctrain.checkpoint.distributed import SLOW_SAVE_ENV
+    from tests.helpers import hpctrain_cmd, launcher, mpiexec
+
+    family = launcher().family
+    if family == "openmpi":
+        pytest.skip("Open MPI's mpirun follows SIGINT with SIGKILL 1-2 s later")
+    if second_to == "launcher" and family != "hydra":
+        pytest.skip(f"what the launcher does with a second SIGINT is Hydra's ({family})")
+    out = tmp_path / "run"
+    job = subprocess.Popen(mpiexec(2, *hpctrain_cmd(
+        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}",
+        "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32",
+        "--model.block_size=32", "--train.batch_size=8", "--train.max_iters=100000",
+        "--train.log_interval=5", "--train.eval_interval=0", "--train.ckpt_interval=0",
+        "--train.sample_tokens=0", "--train.progress=false", "--train.threads=1")),
+        env=launcher().environ(OMP_NUM_THREADS="1", **{SLOW_SAVE_ENV: "60"}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, checkpoints = out / "metrics.jsonl", out / "checkpoints"
+        for _ in range(600):  # polled a bounded number of times: training has begun
+            if metrics.exists() and metrics.stat().st_size:
+                break
+            time.sleep(0.1)
+        job.send_signal(signal.SIGINT)
+        for _ in range(600):  # the stop's save has begun (its hidden folder exists)
+            if checkpoints.exists() and any(checkpoints.glob(".step_*")):
+                break
+            time.sleep(0.1)
+        if second_to == "launcher":
+            job.send_signal(signal.SIGINT)
+        else:
+            for pid in _ranks_of(job, out):
+                os.kill(pid, signal.SIGINT)
+        stdout, stderr = job.communicate(timeout=45)  # well before the 60 s save ends
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert not (checkpoints / "latest").exists() and not (out / "status.json").exists()
+    if second_to == "launcher":
+        assert job.returncode == 255 and "Ctrl-C caught... cleaning up processes" in stdout
+        return
+    assert job.returncode == 130, stderr
+    assert stderr.count("interrupted (Ctrl-C): stopped at once, without saving") == 2
+    assert "Traceback" not in stderr
