@@ -451,3 +451,45 @@ def test_a_second_ctrl_c_under_mpiexec_during_the_stops_save(dataset_path, tmp_p
     assert job.returncode == 130, stderr
     assert stderr.count("interrupted (Ctrl-C): stopped at once, without saving") == 2
     assert "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_sigterm_to_mpiexec_during_a_long_evaluation_saves_and_stops(dataset_path, tmp_path):
+    """The issue's run, end to end at 2 ranks: SIGTERM to mpiexec while a periodic
+    evaluation of a million batches runs (the signal goes a second after step 4's record;
+    step 5 takes milliseconds, its evaluation far longer than the 60 s the test waits).
+    The ranks abandon it together, save step 5 and exit 0 with status "stopped"."""
+    import subprocess
+    import time
+
+    from tests.helpers import hpctrain_cmd, launcher, mpiexec
+
+    if launcher().family == "openmpi":
+        pytest.skip("Open MPI's mpirun follows SIGTERM with SIGKILL 1-2 s later")
+    out = tmp_path / "run"
+    job = subprocess.Popen(mpiexec(2, *hpctrain_cmd(
+        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}",
+        "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32",
+        "--model.block_size=32", "--train.batch_size=8", "--train.max_iters=100",
+        "--train.log_interval=1", "--train.eval_interval=5", "--train.eval_iters=1000000",
+        "--train.ckpt_interval=0", "--train.sample_tokens=0", "--train.progress=false",
+        "--train.threads=1")), env=launcher().environ(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        for _ in range(600):  # polled a bounded number of times: step 4 is logged
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.1)
+        time.sleep(1)
+        job.send_signal(signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 0, stderr
+    assert "stopped by SIGTERM after step 5 (its evaluation abandoned)" in stdout, stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000005"
+    status = json.loads((out / "status.json").read_text())
+    assert (status["status"], status["step"], status["reason"]) == ("stopped", 5, "SIGTERM")
