@@ -398,9 +398,9 @@ def _ranks_of(job, out) -> list[int]:
 def test_a_second_ctrl_c_under_mpiexec_during_the_stops_save(dataset_path, tmp_path,
                                                              second_to):
     """Two ranks under mpiexec, the first Ctrl-C (SIGINT to mpiexec, which forwards it)
-    stopping them into a save made 60 s slow. A second SIGINT that reaches the ranks (as
-    ``srun`` forwards a double Ctrl-C, or ``kill -INT``) ends every rank at once with
-    130, one line each, nothing published. MPICH's Hydra never forwards a second one: it
+    stopping them into a save made 60 s slow. A second SIGINT that reaches the ranks (a
+    ``kill -INT`` of them) ends every rank at once with 130, one line each, nothing
+    published. MPICH's Hydra never forwards a second one: it
     kills the ranks itself and exits 255 whatever they would do
     (docs/design/failure-handling.md); that case pins the fact the notes state."""
     import subprocess
