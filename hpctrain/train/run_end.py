@@ -5,8 +5,8 @@ during start-up, in the loop or after the last step; each said in rank 0's log a
 A stop keeps what a resumed run needs: the loop's last step is saved (a periodic
 evaluation the stop cut short is abandoned; a stop agreed right after a checkpoint keeps
 that one); after the last step the final checkpoint comes first, so a signal during the
-final evaluation, ``final.h5`` or the sample costs only those extras. Every method is collective (every
-rank calls it at the same point) unless its docstring says otherwise."""
+final evaluation, ``final.h5`` or the sample costs only those extras. Every method is
+collective (every rank calls it at the same point) unless its docstring says otherwise."""
 
 from __future__ import annotations
 
