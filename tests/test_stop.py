@@ -400,8 +400,8 @@ def test_a_second_ctrl_c_under_mpiexec_during_the_stops_save(dataset_path, tmp_p
     """Two ranks under mpiexec, the first Ctrl-C (SIGINT to mpiexec, which forwards it)
     stopping them into a save made 60 s slow. A second SIGINT that reaches the ranks (a
     ``kill -INT`` of them) ends every rank at once with 130, one line each, nothing
-    published. MPICH's Hydra never forwards a second one: it
-    kills the ranks itself and exits 255 whatever they would do
+    published. MPICH's Hydra never forwards a second one: it kills the ranks itself and
+    exits 255 or 0 (a race of its own) whatever they would do
     (docs/design/failure-handling.md); that case pins the fact the notes state."""
     import subprocess
     import time
@@ -445,8 +445,9 @@ def test_a_second_ctrl_c_under_mpiexec_during_the_stops_save(dataset_path, tmp_p
             job.kill()
             job.communicate()
     assert not (checkpoints / "latest").exists() and not (out / "status.json").exists()
-    if second_to == "launcher":
-        assert job.returncode == 255 and "Ctrl-C caught... cleaning up processes" in stdout
+    if second_to == "launcher":  # Hydra killed the ranks before they saw a second SIGINT
+        assert "Ctrl-C caught... cleaning up processes" in stdout, stdout + stderr
+        assert job.returncode in (0, 255) and "interrupted (Ctrl-C)" not in stderr
         return
     assert job.returncode == 130, stderr
     assert stderr.count("interrupted (Ctrl-C): stopped at once, without saving") == 2
