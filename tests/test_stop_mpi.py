@@ -1,5 +1,6 @@
 """A signal that reaches one rank only stops every rank at the same point: in the loop
-within two steps, and during the final evaluation with the final checkpoint on disk."""
+within two steps, in a periodic evaluation within two forward passes, and during the
+final evaluation with the final checkpoint on disk."""
 
 import os
 import signal
@@ -50,6 +51,27 @@ def test_one_signalled_rank_during_the_final_evaluation_leaves_the_final_checkpo
     result = trainer.fit()
     assert COMM.allgather(result.final_val_loss) == [None] * COMM.size
     assert result.stopped_at == 10 and read_manifest(shared_tmp).step == 10
+
+
+def test_one_signalled_rank_during_a_long_evaluation_stops_every_rank_at_the_same_pass(
+        mpi_dataset, shared_tmp):
+    """Issue 39, item 12: the ranks agree before each forward pass of a periodic
+    evaluation, so every rank abandons it after the same pass, far short of its 1,000
+    batches, and saves the step it evaluated."""
+    trainer = _trainer(mpi_dataset, shared_tmp, **{
+        "train.max_iters": 30, "train.eval_interval": 5, "train.eval_iters": 1000})
+    passes, loss = [], trainer.evaluator._loss
+
+    def counted(x, y):
+        passes.append(1)
+        if len(passes) == 3 and COMM.rank == COMM.size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss(x, y)
+
+    trainer.evaluator._loss = counted
+    result = trainer.fit()
+    assert COMM.allgather((len(passes), result.stopped_at)) == [(4, 5)] * COMM.size
+    assert read_manifest(shared_tmp).step == 5
 
 
 @pytest.mark.parametrize("persistent", [True, False])

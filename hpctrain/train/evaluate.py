@@ -35,39 +35,53 @@ class Evaluator:
         return None if loss is None else loss.item()
 
     @torch.no_grad()
-    def estimate(self) -> float:
-        """Mean loss over ``eval_iters`` fixed global batches of the validation split."""
+    def estimate(self, stop=None) -> float | None:
+        """Mean loss over ``eval_iters`` fixed global batches of the validation split;
+        None when ``stop`` (the run's ``StopAgreement``) agrees on a stop: thousands of
+        batches outlast a scheduler's grace period, so the ranks ask before each forward
+        pass (``StopAgreement.poll``, the training loop's agreement), all at the same
+        pass, and abandon the evaluation together."""
         self.model.eval()
-        local = 0.0
-        for k in range(self.eval_iters):
-            x, y = self.batches.val(k)
-            for xs, ys in zip(x.split(FULL_EVAL_ROWS), y.split(FULL_EVAL_ROWS)):
-                local += (self._loss(xs, ys) or 0.0) * len(xs) / len(x)  # the batch mean
-        self.model.train()
+        try:
+            local = 0.0
+            for k in range(self.eval_iters):
+                x, y = self.batches.val(k)
+                for xs, ys in zip(x.split(FULL_EVAL_ROWS), y.split(FULL_EVAL_ROWS)):
+                    if _stopping(stop):
+                        return None
+                    local += (self._loss(xs, ys) or 0.0) * len(xs) / len(x)  # batch mean
+        finally:
+            self.model.train()
         total = self._sum([local / self.eval_iters], "validation estimate")
         return float(total[0]) / self.loss_ranks  # the same loss from each of them
 
     @torch.no_grad()
     def whole_split(self, stop=None) -> float | None:
         """Token-weighted loss over every non-overlapping window of the validation split;
-        None when ``stop`` (a ``StopAgreement``) reports a signal, checked before each
-        forward pass: the evaluation can take longer than a scheduler's grace period."""
+        None when ``stop`` agrees on a stop, asked before each forward pass as in
+        ``estimate``."""
         self.model.eval()
         starts, mine = self.batches.val_windows()
         # Every rank runs the same number of forward passes (ZeRO-3 gathers parameters
         # inside forward, collectively); a rank out of windows runs one and ignores it.
         most = -(-len(starts) // self.batches.dp)
         total, count = 0.0, 0
-        for i in range(0, most, FULL_EVAL_ROWS):
-            if stop is not None and stop.now("final evaluation"):
-                self.model.train()
-                return None
-            rows = mine[i:i + FULL_EVAL_ROWS]
-            x, y = self.batches.rows("val", rows if len(rows) else starts[:1])
-            loss = self._loss(x, y)
-            if len(rows) and loss is not None:
-                total += loss * y.numel()
-                count += y.numel()
-        self.model.train()
+        try:
+            for i in range(0, most, FULL_EVAL_ROWS):
+                if _stopping(stop):
+                    return None
+                rows = mine[i:i + FULL_EVAL_ROWS]
+                x, y = self.batches.rows("val", rows if len(rows) else starts[:1])
+                loss = self._loss(x, y)
+                if len(rows) and loss is not None:
+                    total += loss * y.numel()
+                    count += y.numel()
+        finally:
+            self.model.train()
         sums = self._sum([total, count], "final validation loss")
         return float(sums[0] / sums[1])
+
+
+def _stopping(stop) -> bool:
+    """Whether the ranks agree on a stop before this forward pass (collective)."""
+    return stop is not None and stop.poll()

@@ -2,16 +2,19 @@
 during start-up, in the loop or after the last step; each said in rank 0's log and in
 ``status.json`` (``run_status.py``).
 
-A stop keeps what a resumed run needs: the loop's last step is saved; after the last
-step the final checkpoint comes first, so a signal during the final evaluation,
-``final.h5`` or the sample costs only those extras. Every method is collective (every
-rank calls it at the same point) unless its docstring says otherwise."""
+A stop keeps what a resumed run needs: the loop's last step is saved (a periodic
+evaluation the stop cut short is abandoned; a stop agreed right after a checkpoint keeps
+that one); after the last step the final checkpoint comes first, so a signal during the
+final evaluation, ``final.h5`` or the sample costs only those extras. Every method is
+collective (every rank calls it at the same point) unless its docstring says otherwise."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from hpctrain.comm.small_collectives import bcast_json
+from hpctrain.config import write_run_config
+from hpctrain.output_paths import RUN_CONFIG, is_run_config
 from hpctrain.train.run_status import (FINISHED, STOPPED, clear_status, read_status,
                                        status_record, write_status)
 from hpctrain.train.result import TrainResult
@@ -39,18 +42,21 @@ class RunEnd:
                     and found.get("max_iters") == t.max_iters)
         return bool(bcast_json(w.comm, done, timeout=w.timeout, what="the run's status"))
 
-    def clear_previous(self) -> None:
-        """Rank 0 removes an earlier attempt's status: this run's end will say how it
-        went (local)."""
-        if self.world.is_root:
-            clear_status(self.out_dir)
+    def begin_attempt(self) -> str:
+        """Rank 0 removes an earlier attempt's status (this run's end will say how it
+        went) and writes the run's resolved configuration, ``config.toml`` (local).
+        Returns a line for the log ('' when there is nothing to say)."""
+        if not self.world.is_root:
+            return ""
+        clear_status(self.out_dir)
+        return write_run_config(self.out_dir, self.cfg)
 
     def stopped_during_start_up(self, result: TrainResult, step: int,
                                 metrics) -> TrainResult:
         """A signal before the first step (``step``: the one the run started from):
         nothing trained, nothing saved. A fresh run's empty metrics.jsonl (``metrics``:
-        its ``MetricsLog``) goes, so that the next attempt starts as this one would
-        have."""
+        its ``MetricsLog``) and its config.toml go, so that the next attempt starts as
+        this one would have."""
         result.stopped_at = step
         kept = (f"the checkpoint of step {step} is unchanged" if step
                 else "nothing was trained")
@@ -58,16 +64,24 @@ class RunEnd:
         if self.world.is_root and not step:
             metrics.close()
             (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+            if is_run_config(self.out_dir / RUN_CONFIG):  # ours, written at the start
+                (self.out_dir / RUN_CONFIG).unlink()
         self.record(STOPPED, step)
         return result
 
     def stopped_in_training(self, result: TrainResult) -> TrainResult:
-        """The loop stopped after ``result.stopped_at``: save that step."""
-        self.saver.save(result.stopped_at)
-        self.log(f"stopped by {self.signals.name} after step {result.stopped_at}; "
-                 "checkpoint saved; run the same command with --train.resume=auto to "
-                 "continue")
-        self.record(STOPPED, result.stopped_at)
+        """The loop stopped after ``result.stopped_at``: save that step, unless the stop
+        was agreed right after its checkpoint."""
+        step, every = result.stopped_at, self.cfg.train.eval_interval
+        if self.saver.saved_step != step:
+            self.saver.save(step)
+        # The evaluation due at this step, abandoned at the stop (a resumed run goes on
+        # from the next step and does not redo it).
+        cut = every > 0 and step % every == 0 and step not in result.val_losses
+        self.log(f"stopped by {self.signals.name} after step {step}"
+                 f"{' (its evaluation abandoned)' if cut else ''}; checkpoint saved; run "
+                 "the same command with --train.resume=auto to continue")
+        self.record(STOPPED, step)
         return result
 
     def finish(self, result: TrainResult, stop: StopAgreement, skipped_steps: int,

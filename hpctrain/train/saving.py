@@ -20,9 +20,13 @@ class CheckpointSaver:
         self.root, self.engine, self.grid = root, engine, grid
         self.run, self.keep, self.log, self.on_saved = run, keep, log, on_saved
         self._pending: PendingSave | None = None
+        self.saved_step: int | None = None
+        """The step of the newest checkpoint this run published (None: none yet)."""
 
     def save(self, step: int, background: bool = False) -> Path | None:
-        """Every rank writes its shard of ``<root>/step_<step>`` (collective)."""
+        """Every rank writes its shard of ``<root>/step_<step>`` (collective). The write
+        is never cut short by a stop: it is published whole (renamed into place) or not at
+        all, and the trainer asks for a stop right after it (``saved_step``)."""
         self.finish_pending()
         t0 = time.perf_counter()
         pending = begin_save(self.root, step, self.engine, self.grid, run=self.run,
@@ -31,6 +35,7 @@ class CheckpointSaver:
             self._pending = pending
             return None
         path = pending.finish()
+        self.saved_step = step
         if self.on_saved is not None:
             self.on_saved(time.perf_counter() - t0)
         self.log(f"checkpoint: {path}")
@@ -41,3 +46,4 @@ class CheckpointSaver:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.log(f"checkpoint: {pending.finish()}")
+            self.saved_step = pending.step

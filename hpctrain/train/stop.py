@@ -6,7 +6,9 @@ nothing is interrupted half-way; a second Ctrl-C means "now" (``KeyboardInterrup
 save). Ranks may see a signal at different steps, so they agree before acting
 (``StopAgreement``: a nonblocking, persistent where MPI-4 allows, allreduce (MAX) of
 each rank's reason, read at the next check), and all stop after the same step, save the
-same checkpoint, name the same cause and exit 0. The sample checks ``local_stop`` per token.
+same checkpoint, name the same cause and exit 0. Evaluations check before each forward
+pass (``poll``), and right after a checkpoint (``now``); the sample checks ``local_stop``
+per token.
 Where the ranks agree, and why: docs/design/failure-handling.md
 ("The walltime, signals and Ctrl-C: stop, save, exit 0").
 """
@@ -114,6 +116,13 @@ class StopAgreement:
         previous agreement (then all ranks return True after the same step)."""
         if step % self.every:
             return False
+        return self.poll()
+
+    def poll(self) -> bool:
+        """One agreement, whatever the step: read the one started last (True when some
+        rank had a reason to stop by then) and start the next. Every rank calls it at
+        the same points: after a step (``agreed``), before each forward pass of an
+        evaluation, so that a long evaluation stops within two of its passes."""
         stop = self._finish_pending()
         self._send[0] = self._reason_code()
         if self._persistent is not None:

@@ -17,7 +17,7 @@ import torch
 
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.world import Threads, World, choose_threads
-from hpctrain.config import Config, check_layout, write_run_config
+from hpctrain.config import Config, check_layout
 from hpctrain.data.loader import BatchLoader
 from hpctrain.errors import CommTimeout
 from hpctrain.model.gpt import GPT
@@ -100,7 +100,6 @@ class Trainer:
                                          self.gpt_cfg.shape(), self.tokenizer.meta())
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
                                   resumed_at=self.start.step)
-        self.lock.notes.append(write_run_config(self.out_dir, cfg) if world.is_root else "")
         self.scalars = ScalarLog(self._tensorboard if world.is_root else None,
                                  self._writer_class, resumed_at=self.start.step)
         self._segment = {"started_at": 0.0, "start_step": self.start.step}  # set by _fit
@@ -113,7 +112,7 @@ class Trainer:
                           evaluator=self.evaluator, outputs=outputs, log=self._log)
         self.finished_before = self.end.finished_before(self.start.step)
         if not self.finished_before:
-            self.end.clear_previous()
+            self.lock.notes.append(self.end.begin_attempt())
 
     def _log(self, line: str, bar: Progress | None = None) -> None:
         if not self.log_enabled:
@@ -196,9 +195,8 @@ class Trainer:
             self._log(f"nothing to do: {self.out_dir} holds this run, finished at step "
                       f"{t.max_iters}; raise --train.max_iters to train on")
             return result
-        w = self.world
-        stop = self._stop = StopAgreement(w.comm, self.signals, w.timeout, t.stop_check_steps,
-                                          self.deadline)
+        stop = self._stop = StopAgreement(self.world.comm, self.signals, self.world.timeout,
+                                          t.stop_check_steps, self.deadline)
         if stop.now("start-up"):  # a signal while the job was setting up
             return self.end.stopped_during_start_up(result, self.start.step, self.metrics)
         bar = Progress(t.max_iters - self.start.step, "train",
@@ -209,8 +207,7 @@ class Trainer:
         bar.close()
         self.saver.finish_pending()
         result.wall_s = time.perf_counter() - start
-        train_time = sum(result.step_times)
-        steps_run = len(result.step_times)
+        train_time, steps_run = sum(result.step_times), len(result.step_times)
         result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
         if result.stopped_at is not None:
             return self.end.stopped_in_training(result)
@@ -248,13 +245,13 @@ class Trainer:
                                  *means, flops_per_token=self.gpt_cfg.flops_per_token(),
                                  peak=self.peak, skipped=self.guard.skipped)
             if is_eval:
-                record["val_loss"] = result.val_losses[done] = self.evaluator.estimate()
-                self._log(f"step {done}: val loss {record['val_loss']:.4f}", bar)
+                val = self.evaluator.estimate(stop)  # None: the ranks agreed on a stop in it
+                stopping = val is None
+                if not stopping:
+                    record["val_loss"] = result.val_losses[done] = val
+                    self._log(f"step {done}: val loss {val:.4f}", bar)
             self._write_record(record)
             bar.update(1, bar_text(record), force=True)
-            if stopping:
-                result.stopped_at = done
-                return
             if is_ckpt and self.guard.in_row:
                 # Mid-way through non-finite steps the model may be what diverged: keep
                 # the last good checkpoint as the one to resume from.
@@ -262,13 +259,16 @@ class Trainer:
                           "step(s) were non-finite)", bar)
             elif is_ckpt:
                 self.saver.save(done, background=t.ckpt_background)
+                stopping = stop.now(f"after the checkpoint of step {done}")  # sent during it
+            if stopping:
+                result.stopped_at = done
+                return
             window.restart()
 
     def _write_record(self, record: dict) -> None:
-        """Rank 0: one record into metrics.jsonl (and TensorBoard), with where it sits in
-        time: ``elapsed_s`` since this process's first step, ``started_at`` (the Unix
-        time of that step) and ``start_step`` (the step it started from). A resumed run
-        appends a segment of its own; `hpctrain report` joins segments by these fields
+        """Rank 0: one record into metrics.jsonl (and TensorBoard), with ``elapsed_s``
+        since this process's first step, ``started_at`` (that step's Unix time) and
+        ``start_step``, by which `hpctrain report` joins a resumed run's segments
         (docs/design/run-report.md)."""
         record = {**record, "elapsed_s": time.perf_counter() - self._t0, **self._segment}
         self.metrics.write(record)
