@@ -160,14 +160,18 @@ def test_summary_times_the_reductions_of_each_step(mpi_dataset, shared_tmp, allr
     COMM.Barrier()
 
 
-def test_final_evaluation_covers_the_whole_split_across_replicas(mpi_dataset, shared_tmp):
-    """Each data-parallel replica evaluates its share of the validation windows; the
-    final loss is the token-weighted mean over all of them, the single-process number
-    (a replica that reported only its own share differs at 2 ranks already)."""
+@pytest.mark.parametrize("batches", [0, 2])
+def test_final_evaluation_covers_its_windows_across_replicas(mpi_dataset, shared_tmp,
+                                                             batches):
+    """Each data-parallel replica evaluates its share of the validation windows (every
+    one, or 2 x 64 spread over the split); the final loss is the token-weighted mean over
+    all of them, the single-process number (a replica that reported only its own share
+    differs at 2 ranks already; so does a spread that depended on the rank count)."""
     from pathlib import Path
 
-    common = {"train.final_eval": True, "train.max_iters": 4}
-    out = Path(shared_tmp)
+    common = {"train.final_eval": True, "train.max_iters": 4,
+              "train.final_eval_batches": batches}
+    out = Path(shared_tmp) / str(batches)
     result = Trainer(tiny_config(mpi_dataset, out / "dp", **common), cpu_world(COMM),
                      verbose=False).fit()
     assert same_on_all_ranks(COMM, torch.tensor([result.final_val_loss]))

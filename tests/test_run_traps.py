@@ -66,3 +66,22 @@ def test_prepare_refuses_a_token_file_given_as_text(tmp_path, tokenizer):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "is binary, not text" in lines[0], done.stderr
     assert "--format nanogpt-bin" in lines[0] and not out.exists()
+
+
+def test_the_final_evaluation_is_an_even_spread_of_at_most_its_batches(dataset_path, tmp_path):
+    """By default it covered every window of the validation split (about 1,950 passes
+    after a 50-step run, with nothing shown); now at most final_eval_batches x 64 windows,
+    evenly spread, first and last included, with a bar."""
+    cfg = tiny_config(dataset_path, tmp_path / "run", **{
+        "train.final_eval": True, "train.max_iters": 2, "train.final_eval_batches": 2})
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
+    starts, mine, every = trainer.batches.val_windows(2 * 64)
+    assert every > 128 and len(starts) == len(set(starts.tolist())) == 128
+    assert starts[0] == 0 and starts[-1] == (every - 1) * cfg.model.block_size
+    assert np.all(np.diff(starts) >= (every // 128) * cfg.model.block_size)  # a spread
+    passes = []
+    forward = trainer.runner.forward_loss
+    trainer.runner.forward_loss = lambda x, y: passes.append(len(x)) or forward(x, y)
+    result = trainer.fit()
+    assert passes == [64, 64] and result.final_val_loss is not None
+    assert trainer.evaluator.covered.startswith(f"128 of the split's {every:,} windows")

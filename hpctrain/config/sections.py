@@ -245,7 +245,12 @@ class TrainConfig:
     eval_interval: int = opt(250, "steps between validation estimates; 0 disables",
                             bounds=AT_LEAST_0)
     eval_iters: int = opt(20, "batches per validation estimate", bounds=AT_LEAST_1)
-    final_eval: bool = opt(True, "evaluate on the whole validation split at the end")
+    final_eval: bool = opt(True, "evaluate on the validation split at the end (its size: "
+                                 "--train.final_eval_batches)")
+    final_eval_batches: int = opt(100, "the final evaluation's size: at most this many "
+                                       "batches of 64 windows, spread evenly over the "
+                                       "validation split (the same windows at any rank "
+                                       "count); 0 takes every window", bounds=AT_LEAST_0)
     out_dir: str = opt("runs/default", "where metrics.jsonl, the checkpoint and the "
                                        "sample are written")
     tensorboard: SwitchOrPath = opt("false", "also write metrics.jsonl's numbers as TensorBoard "

@@ -201,10 +201,15 @@ class BatchLoader:
         """The ``k``-th fixed batch of the periodic validation estimate."""
         return self.rows("val", self.eval_sampler.local_starts(k, self.dp_index, self.dp))
 
-    def val_windows(self) -> tuple[np.ndarray, np.ndarray]:
-        """(every non-overlapping window of the validation split, this replica's share)."""
+    def val_windows(self, most: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+        """(the non-overlapping windows of the validation split to evaluate, this
+        replica's share of them, how many the split has). ``most`` > 0 keeps at most that
+        many, evenly spaced over the split (a sorted corpus's tail is not a sample)."""
         starts = all_windows(self.data.splits["val"].n_tokens, self.block)
-        return starts, np.array_split(starts, self.dp)[self.dp_index]
+        every = len(starts)
+        if 0 < most < every:
+            starts = starts[np.linspace(0, every - 1, most).round().astype(np.int64)]
+        return starts, np.array_split(starts, self.dp)[self.dp_index], every
 
     def rows(self, split: str, starts) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.data.submit(self._load, split, np.array(starts, dtype=np.int64))

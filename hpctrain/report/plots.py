@@ -55,7 +55,7 @@ def _loss(runs: list[Run], ax, x: str) -> None:
 
 
 LOSS_AXES = {
-    "step": ("step", "loss against step (star: whole validation split)"),
+    "step": ("step", "loss against step (star: the final evaluation)"),
     "wall_s": ("training time, s (segments of a resumed run joined)",
                "loss against wall-clock time"),
 }

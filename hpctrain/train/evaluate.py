@@ -1,5 +1,7 @@
-"""Validation losses: a periodic estimate over fixed batches, and the whole split at the
-end. Both are collective and return the same number on every rank."""
+"""Validation losses: a periodic estimate over fixed batches, and the final evaluation
+over windows spread evenly across the split (all of them when the split is small or
+``--train.final_eval_batches=0``). Both are collective and return the same number on
+every rank."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 
 from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.data.loader import BatchLoader
+from hpctrain.progress import Progress
 
 FULL_EVAL_ROWS = 64
 """Windows per forward pass in both evaluations. Training bounds its memory with
@@ -20,12 +23,17 @@ class Evaluator:
     pipeline stage of each replica); the others add zeros to the sums."""
 
     def __init__(self, model: torch.nn.Module, runner, batches: BatchLoader, world,
-                 eval_iters: int, loss_ranks: int | None = None):
-        """``loss_ranks``: how many ranks compute each batch's loss (``ProcessGrid``;
-        default one per data-parallel replica)."""
+                 train, loss_ranks: int | None = None):
+        """``train``: the run's ``TrainConfig`` (``eval_iters``, ``final_eval_batches``,
+        ``progress``); ``loss_ranks``: how many ranks compute each batch's loss
+        (``ProcessGrid``; default one per data-parallel replica)."""
         self.model, self.runner, self.batches = model, runner, batches
-        self.world, self.eval_iters = world, eval_iters
+        self.world, self.eval_iters = world, train.eval_iters
+        self.final_windows = train.final_eval_batches * FULL_EVAL_ROWS
+        self.progress = train.progress and world.is_root
         self.loss_ranks = loss_ranks or batches.dp
+        self.covered = ""
+        """What the last final evaluation covered, for the log."""
 
     def _sum(self, values, what: str):
         return allreduce_array(self.world.comm, values, timeout=self.world.timeout, what=what)
@@ -56,16 +64,20 @@ class Evaluator:
         return float(total[0]) / self.loss_ranks  # the same loss from each of them
 
     @torch.no_grad()
-    def whole_split(self, stop=None) -> float | None:
-        """Token-weighted loss over every non-overlapping window of the validation split;
-        None when ``stop`` agrees on a stop, asked before each forward pass as in
-        ``estimate``."""
+    def final_loss(self, stop=None) -> float | None:
+        """Token-weighted loss over the validation windows ``val_windows`` chooses (every
+        one, or ``final_eval_batches`` x 64 spread over the split); None when ``stop``
+        agrees on a stop, asked before each forward pass as in ``estimate``."""
         self.model.eval()
-        starts, mine = self.batches.val_windows()
+        starts, mine, every = self.batches.val_windows(self.final_windows)
+        self.covered = (f"the whole split ({every:,} windows)" if len(starts) == every else
+                        f"{len(starts):,} of the split's {every:,} windows, spread evenly "
+                        "(--train.final_eval_batches)")
         # Every rank runs the same number of forward passes (ZeRO-3 gathers parameters
         # inside forward, collectively); a rank out of windows runs one and ignores it.
         most = -(-len(starts) // self.batches.dp)
         total, count = 0.0, 0
+        bar = Progress(-(-most // FULL_EVAL_ROWS), "final eval", enabled=self.progress)
         try:
             for i in range(0, most, FULL_EVAL_ROWS):
                 if _stopping(stop):
@@ -76,7 +88,9 @@ class Evaluator:
                 if len(rows) and loss is not None:
                     total += loss * y.numel()
                     count += y.numel()
+                bar.update(1)
         finally:
+            bar.close()
             self.model.train()
         sums = self._sum([total, count], "final validation loss")
         return float(sums[0] / sums[1])

@@ -19,7 +19,8 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     """Periodic validation estimates by step."""
     final_val_loss: float | None = None
-    """Loss over the whole validation split at the end."""
+    """Loss over the final evaluation's windows (the whole validation split, or an even
+    spread of --train.final_eval_batches x 64 of them)."""
     step_times: list[float] = field(default_factory=list)
     data_times: list[float] = field(default_factory=list)
     """Seconds each step waited for its batch (the reader thread was behind)."""

@@ -95,11 +95,12 @@ class RunEnd:
         if stop.now("after training"):
             return self.stopped_after_training(result, "the final evaluation")
         if t.final_eval:
-            result.final_val_loss = self.evaluator.whole_split(stop)
+            result.final_val_loss = self.evaluator.final_loss(stop)
             if result.final_val_loss is None:
                 return self.stopped_after_training(result, "the final evaluation")
             write_record({"step": t.max_iters, "final_val_loss": result.final_val_loss})
-            self.log(f"final validation loss over the whole split: {result.final_val_loss:.4f}")
+            self.log(f"final validation loss {result.final_val_loss:.4f} over "
+                     f"{self.evaluator.covered}")
             if stop.now("after the final evaluation"):
                 return self.stopped_after_training(result, "final.h5 and the sample")
         undone = self.outputs.write(result, skipped_steps, stop.local_stop)

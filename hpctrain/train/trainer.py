@@ -81,7 +81,7 @@ class Trainer:
         self.model, self.engine, self.runner = self.par.model, self.par.engine, self.par.runner
         self.micro = cfg.parallel.micro_batches
         self.clock = PhaseClock(self.runner, self.engine)
-        self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t.eval_iters,
+        self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t,
                                    self.grid.loss_ranks)
         self.tokens_per_step = t.batch_size * cfg.model.block_size
         self.peak = device_peak(world.accel.name, t.dtype, tf32=t.tf32,
