@@ -18,7 +18,7 @@ from mpi4py import MPI
 from hpctrain.errors import ConfigError, UserError
 from hpctrain.train.tensorboard import ScalarSinks, scalars_of
 from hpctrain.train.trainer import Trainer
-from hpctrain.train.wandb_log import RUN_ID_FILE, run_id
+from hpctrain.train.wandb_log import RUN_ID_FILE, offline_folders, run_id
 from tests.helpers import cpu_world, tiny_config
 
 
@@ -112,7 +112,23 @@ def test_other_ranks_and_off_start_no_w_and_b_run(dataset_path, tmp_path, monkey
     off = ScalarSinks.check(tiny_config(dataset_path, tmp_path)).open(is_root=True)
     off.write({"step": 5, "loss": 2.0})
     off.close()
-    assert fake.runs == [] and not (tmp_path / "wandb").exists()
+    assert fake.runs == [] and not (tmp_path / "wandb").exists()  # off by default
+
+
+def test_online_is_only_where_asked_and_prints_no_sync_command(dataset_path, tmp_path,
+                                                               monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    printed = []
+    cfg = tiny_config(dataset_path, tmp_path / "mine", **{
+        "train.wandb": "online", "train.wandb_project": "p", "train.wandb_name": "n"})
+    log = ScalarSinks.check(cfg).open(is_root=True, log=printed.append)
+    log.write({"step": 5, "loss": 2.0, "val_loss": 2.5})
+    log.close()
+    run, = fake.runs
+    assert (run.kwargs["mode"], run.kwargs["project"], run.kwargs["name"]) == (
+        "online", "p", "n")
+    assert run.logged == [(5, {"train/loss": 2.0, "val/loss": 2.5})] and printed == []
 
 
 def test_without_the_package_training_is_refused_before_anything_is_written(
@@ -141,6 +157,19 @@ def test_without_the_package_the_command_is_one_line_and_exit_2(tmp_path):
         "error: --train.wandb=offline needs the wandb package (import of wandb halted; None "
         "in sys.modules): run `pip install 'hpctrain[wandb]'`, or pass --train.wandb=off"]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_folders_of_the_offline_starts_go_oldest_first(tmp_path):
+    """W&B adds -1, -2... to a folder whose start second another start of the run took."""
+    names = ["offline-run-20260101_000002-abc", "offline-run-20260101_000001-abc-10",
+             "offline-run-20260101_000001-abc", "offline-run-20260101_000001-abc-2",
+             "offline-run-20260101_000001-abcd", "run-20260101_000001-abc", "latest-run"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    assert [p.name for p in offline_folders(tmp_path, "abc")] == [
+        "offline-run-20260101_000001-abc", "offline-run-20260101_000001-abc-2",
+        "offline-run-20260101_000001-abc-10", "offline-run-20260101_000002-abc"]
+    assert offline_folders(tmp_path / "none", "abc") == []
 
 
 def test_the_run_id_is_kept_and_a_damaged_one_is_named(tmp_path):
@@ -216,7 +245,7 @@ def test_wandbs_own_records_hold_the_losses_and_config_of_an_offline_run(
     lines = _train(tiny_config(dataset_path, out, **{**common, "train.max_iters": 15,
                                                      "train.resume": "auto"}), capsys)
     identifier = (out / "wandb" / RUN_ID_FILE).read_text().strip()
-    folders = sorted((out / "wandb").glob(f"offline-run-*-{identifier}"))
+    folders = offline_folders(out / "wandb", identifier)
     assert len(folders) == 2  # one per start, one W&B run id
     assert _sync_line(lines).split() == [str(f) for f in folders]
     got: dict[str, list] = {}

@@ -69,10 +69,20 @@ def run_id(folder: Path, new_id: Callable[[], str] = new_run_id) -> str:
     return identifier
 
 
+def offline_folders(folder: Path, identifier: str) -> list[Path]:
+    """The folders of the run's offline starts, oldest first: W&B names each
+    ``offline-run-<start second>-<id>``, with ``-1``, ``-2``... added when a folder of
+    that second already exists."""
+    name = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(identifier)}(?:-(\d+))?")
+    found = [(m.group(1), int(m.group(2) or 0), path) for path in folder.iterdir()
+             if (m := name.fullmatch(path.name))] if folder.is_dir() else []
+    return [path for _, _, path in sorted(found)]
+
+
 def sync_command(folder: Path, identifier: str) -> str:
     """The command that uploads every offline start of the run, oldest first."""
-    dirs = sorted(folder.glob(f"offline-run-*-{identifier}"))
-    return "wandb sync " + " ".join(shlex.quote(str(d)) for d in dirs)
+    return "wandb sync " + " ".join(shlex.quote(str(d))
+                                    for d in offline_folders(folder, identifier))
 
 
 class WandbLog:
