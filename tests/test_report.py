@@ -187,17 +187,14 @@ def _training_lines(ax) -> list:
 
 
 def _legend_clear_of_the_data(fig, ax) -> None:
-    """The legend's box, in display coordinates, meets neither the axes nor any point of
-    the curves, and lies inside what ``savefig(bbox_inches="tight")`` keeps."""
-    from matplotlib.transforms import Bbox
-
+    """The legend's box, in display coordinates, meets neither the axes nor the extent of
+    their data (every curve's point, every bar), and lies inside what
+    ``savefig(bbox_inches="tight")`` keeps."""
     fig.canvas.draw()
     legend = ax.get_legend().get_window_extent()
     kept = fig.get_tightbbox().transformed(fig.dpi_scale_trans)
     assert kept.contains(legend.x0, legend.y0) and kept.contains(legend.x1, legend.y1)
-    points = [p for ln in ax.get_lines() for p in ax.transData.transform(ln.get_xydata())]
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    assert not legend.overlaps(Bbox.from_extents(min(xs), min(ys), max(xs), max(ys)))
+    assert not legend.overlaps(ax.dataLim.transformed(ax.transData))
     assert not legend.overlaps(ax.get_window_extent())
 
 
@@ -220,6 +217,11 @@ def test_coinciding_runs_each_keep_a_style_and_the_legend_covers_no_data(tmp_pat
             _legend_clear_of_the_data(fig, ax)
         pyplot().close(fig)
     assert len({(s["linestyle"], s["marker"]) for s in map(plots.run_style, range(28))}) == 28
+    fig = plots.draw_memory(runs)
+    legends = [ax for ax in fig.axes if ax.get_legend() is not None]
+    assert legends == [fig.axes[2]]  # one, beside the last run's stacked bars
+    _legend_clear_of_the_data(fig, legends[0])
+    pyplot().close(fig)
 
 
 def test_without_an_mfu_the_throughput_has_no_empty_panel_and_the_page_says_why(tmp_path):

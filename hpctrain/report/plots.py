@@ -171,9 +171,10 @@ def memory_rows(run: Run) -> list[tuple[str, dict]]:
     return []
 
 
-def memory(runs: list[Run], path: Path) -> Path:
+def draw_memory(runs: list[Run]):
     """One column per run: model-state MiB of each rank stacked by part (top), and each
-    rank's peak resident memory (bottom; the process, torch and MPI included)."""
+    rank's peak resident memory (bottom; the process, torch and MPI included); one legend
+    of the parts, right of the last column."""
     shown = [(run.label, rows) for run in runs if (rows := memory_rows(run))]
     n = max(1, len(shown))
     fig, axes = pyplot().subplots(2, n, figsize=(3.6 * n + 1, 5.5), squeeze=False)
@@ -190,6 +191,10 @@ def memory(runs: list[Run], path: Path) -> Path:
         state.set_ylabel("model state, MiB")
         rss.set_ylabel("peak RSS, MiB")
         rss.set_xlabel("rank")
-        state.legend(fontsize=7)
+    _legend(axes[0][-1])
     fig.suptitle("memory per rank", fontsize=10)
-    return save_figure(fig, path)
+    return fig
+
+
+def memory(runs: list[Run], path: Path) -> Path:
+    return save_figure(draw_memory(runs), path, outside=True)
