@@ -153,9 +153,9 @@ def test_without_the_package_the_command_is_one_line_and_exit_2(tmp_path):
     done = subprocess.run([sys.executable, "-c", WITHOUT_WANDB, str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines() == [
-        "error: --train.wandb=offline needs the wandb package (import of wandb halted; None "
-        "in sys.modules): run `pip install 'hpctrain[wandb]'`, or pass --train.wandb=off"]
+    line, = done.stderr.strip().splitlines()
+    assert line.startswith("error: --train.wandb=offline needs the wandb package (")
+    assert line.endswith("): run `pip install 'hpctrain[wandb]'`, or pass --train.wandb=off")
     assert not (tmp_path / "run").exists()
 
 
