@@ -18,7 +18,7 @@ from mpi4py import MPI
 from hpctrain.errors import ConfigError, UserError
 from hpctrain.train.tensorboard import ScalarSinks, scalars_of
 from hpctrain.train.trainer import Trainer
-from hpctrain.train.wandb_log import RUN_ID_FILE, offline_folders, run_id
+from hpctrain.train.wandb_log import RUN_ID_FILE, WandbLog, offline_folders, run_id
 from tests.helpers import cpu_world, tiny_config
 
 
@@ -157,6 +157,19 @@ def test_without_the_package_the_command_is_one_line_and_exit_2(tmp_path):
     assert line.startswith("error: --train.wandb=offline needs the wandb package (")
     assert line.endswith("): run `pip install 'hpctrain[wandb]'`, or pass --train.wandb=off")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_w_and_b_run_that_cannot_start_is_one_message_naming_the_way_out(
+        dataset_path, tmp_path):
+    class NoLogin(FakeWandb):
+        def init(self, **kwargs):
+            raise RuntimeError("api_key not configured (no-tty)")
+
+    cfg = tiny_config(dataset_path, tmp_path, **{"train.wandb": "online"})
+    with pytest.raises(UserError, match=re.escape(
+            "W&B could not start the run (RuntimeError: api_key not configured (no-tty)); "
+            "online, run `wandb login` first; or pass --train.wandb=offline (or off)")):
+        WandbLog.start(NoLogin(), cfg)
 
 
 def test_the_folders_of_the_offline_starts_go_oldest_first(tmp_path):

@@ -19,6 +19,7 @@ import string
 from pathlib import Path
 from typing import Any, Callable
 
+from hpctrain.atomic import temporary_file
 from hpctrain.errors import ConfigError, UserError
 
 WANDB_DIR = "wandb"
@@ -26,7 +27,6 @@ WANDB_DIR = "wandb"
 RUN_ID_FILE = "hpctrain-run-id"
 """In ``WANDB_DIR``: the id every start of this run logs to."""
 INSTALL = "pip install 'hpctrain[wandb]'"
-MODES = ("off", "offline", "online")
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -64,8 +64,8 @@ def run_id(folder: Path, new_id: Callable[[], str] = new_run_id) -> str:
                             "start a new W&B run")
         return text
     identifier = new_id()
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(identifier + "\n")
+    with temporary_file(path) as tmp:  # whole or absent, whenever the job is killed
+        tmp.write_text(identifier + "\n")
     return identifier
 
 
@@ -109,9 +109,9 @@ class WandbLog:
                              # The run's own output stays as it is: no capture of stdout.
                              settings=wandb.Settings(console="off"))
         except Exception as e:  # wandb's errors share no base class of their own
-            raise UserError(f"W&B could not start the run ({type(e).__name__}: {e}): run "
-                            "`wandb login` on a node with network, or pass "
-                            "--train.wandb=offline") from None
+            raise UserError(f"W&B could not start the run ({type(e).__name__}: {e}); online, "
+                            "run `wandb login` first; or pass --train.wandb=offline (or "
+                            "off)") from None
         return cls(wandb, run, t.wandb, folder, identifier, log)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
