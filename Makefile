@@ -175,7 +175,7 @@ test-slurm: $(STAMP)
 	$(RUN_ENV) timeout $(TIME_LIMIT) $(PY) -m tests.slurm_harness -- $(PY) -m pytest -q -m slurm tests/test_slurm_real.py --junitxml=test-reports/slurm.xml
 
 # ---- the report leg: TensorBoard and the report's page in a real browser ------------
-#   make test-report  installs the report extra (tensorboard, selenium) and Debian's
+#   make test-report  installs the report and wandb extras (tensorboard, selenium, wandb), Debian's
 #                     chromium and chromium-driver if missing (root), then runs the
 #                     `report` tests: TensorBoard's reader against metrics.jsonl, and
 #                     `hpctrain report`'s page in headless chromium (its screenshot is
@@ -184,7 +184,7 @@ REPORT_STAMP := $(VENV)/.installed-report
 REPORT_PACKAGES ?= chromium chromium-driver
 .PHONY: test-report
 $(REPORT_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,report]'
+	$(PY) -m pip install -q -e '.[dev,report,wandb]'
 	touch $@
 
 test-report: $(REPORT_STAMP)

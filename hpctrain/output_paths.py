@@ -18,7 +18,7 @@ RUN_CONFIG = "config.toml"
 RUN_CONFIG_HEADER = "# hpctrain: the resolved configuration of a run"
 """Its first line: a ``config.toml`` without it is the user's own recipe, not an output."""
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "final.h5", "sample.txt",
-               "tensorboard", "report", RUN_CONFIG)
+               "tensorboard", "wandb", "report", RUN_CONFIG)
 """What a training run writes into its out_dir; any of them means a run was there."""
 
 

@@ -2,6 +2,7 @@
 joining a resumed run's segments, labels, and the page with every plot embedded."""
 
 import base64
+import html
 import json
 import re
 import sys
@@ -168,7 +169,7 @@ def test_the_overlay_draws_one_line_per_run_and_segment(tmp_path):
     runs = [read_run(finished_run(tmp_path / "a")), read_run(resumed_run(tmp_path / "b"))]
     fig, ax = pyplot().subplots()
     plots._loss(runs, ax, "wall_s")
-    lines = [ln for ln in ax.get_lines() if ln.get_linestyle() == "-"]
+    lines = [ln for ln in ax.get_lines() if ln.get_linestyle() != "None"]  # no validation
     # a: one segment; b: two, drawn in one colour, one legend entry.
     assert len(lines) == 3 and lines[1].get_color() == lines[2].get_color()
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
@@ -177,6 +178,68 @@ def test_the_overlay_draws_one_line_per_run_and_segment(tmp_path):
     assert list(lines[2].get_xdata()) == [r["wall_s"] for r in runs[1].records
                                           if r["segment"] == 1]
     pyplot().close(fig)
+
+
+def _training_lines(ax) -> list:
+    """The first line of each run's curve (the labelled one; validation has no line)."""
+    return [ln for ln in ax.get_lines() if ln.get_linestyle() != "None"
+            and not ln.get_label().startswith("_")]
+
+
+def _legend_clear_of_the_data(fig, ax) -> None:
+    """The legend's box, in display coordinates, meets neither the axes nor the extent of
+    their data (every curve's point, every bar), and lies inside what
+    ``savefig(bbox_inches="tight")`` keeps."""
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    kept = fig.get_tightbbox().transformed(fig.dpi_scale_trans)
+    assert kept.contains(legend.x0, legend.y0) and kept.contains(legend.x1, legend.y1)
+    assert not legend.overlaps(ax.dataLim.transformed(ax.transData))
+    assert not legend.overlaps(ax.get_window_extent())
+
+
+def test_coinciding_runs_each_keep_a_style_and_the_legend_covers_no_data(tmp_path):
+    """Three runs with the same losses and throughput (1, 2 and 4 ranks of one model):
+    each curve has its own (line style, marker) and its markers on other points, so none
+    hides another; every legend lies outside its axes."""
+    from hpctrain.plotting import pyplot
+    from hpctrain.report import plots
+
+    runs = [read_run(finished_run(tmp_path / f"dp{n}", dp=n)) for n in (1, 2, 4)]
+    for fig in (plots.draw_loss(runs, "step"), plots.draw_loss(runs, "wall_s"),
+                plots.draw_throughput(runs)):
+        for ax in fig.axes:
+            lines = _training_lines(ax)
+            assert [ln.get_label() for ln in lines] == [r.label for r in runs]
+            assert len({(ln.get_linestyle(), ln.get_marker()) for ln in lines}) == 3
+            assert len({ln.get_markevery() for ln in lines}) == 3
+            assert lines[0].get_ydata().tolist() == lines[2].get_ydata().tolist()
+            _legend_clear_of_the_data(fig, ax)
+        pyplot().close(fig)
+    assert len({(s["linestyle"], s["marker"]) for s in map(plots.run_style, range(28))}) == 28
+    fig = plots.draw_memory(runs)
+    legends = [ax for ax in fig.axes if ax.get_legend() is not None]
+    assert legends == [fig.axes[2]]  # one, beside the last run's stacked bars
+    _legend_clear_of_the_data(fig, legends[0])
+    pyplot().close(fig)
+
+
+def test_without_an_mfu_the_throughput_has_no_empty_panel_and_the_page_says_why(tmp_path):
+    from hpctrain.plotting import pyplot
+    from hpctrain.report import plots
+
+    cpu = write_run(tmp_path / "cpu", [{**r, "mfu": None} for r in segment(
+        range(10, 51, 10), 1.0, 0)])
+    gpu = write_run(tmp_path / "gpu", segment(range(10, 51, 10), 1.0, 0))
+    fig = plots.draw_throughput([read_run(cpu)])
+    assert len(fig.axes) == 1 and fig.axes[0].get_ylabel() == "tokens/s (all ranks)"
+    pyplot().close(fig)
+    fig = plots.draw_throughput([read_run(cpu), read_run(gpu)])
+    assert [ax.get_ylabel() for ax in fig.axes] == ["tokens/s (all ranks)", "MFU, %"]
+    assert [ln.get_label() for ln in _training_lines(fig.axes[1])] == ["gpu"]
+    pyplot().close(fig)
+    page = html.unescape(build_report([cpu, gpu], tmp_path / "out").read_text())
+    assert "No MFU for cpu: the device's peak is unknown" in page
 
 
 def test_a_summary_of_an_earlier_segment_is_noted(tmp_path):

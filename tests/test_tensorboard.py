@@ -1,6 +1,7 @@
-"""``--train.tensorboard``: the same scalars as ``metrics.jsonl``, read back with
-TensorBoard's own reader (the ``report`` leg, which installs the package), and a clear
-refusal before anything is written when the package is missing."""
+"""``--train.tensorboard``: the same scalars as ``metrics.jsonl``, under grouped tags
+(``train/loss``, ``perf/mfu``...), read back with TensorBoard's own reader (the ``report``
+leg, which installs the package), and a clear refusal before anything is written when the
+package is missing."""
 
 import json
 import sys
@@ -9,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.errors import ConfigError
-from hpctrain.train.tensorboard import ScalarLog, tensorboard_dir
+from hpctrain.train.tensorboard import NOT_SCALARS, TAGS, ScalarLog, tag, tensorboard_dir
 from hpctrain.train.trainer import Trainer
 from tests.helpers import cpu_world, tiny_config
 
@@ -27,6 +28,25 @@ def test_without_the_package_training_is_refused_before_anything_is_written(
     with pytest.raises(ConfigError, match=r"pip install tensorboard"):
         Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_every_field_a_run_records_has_a_group(dataset_path, tmp_path):
+    """Each number a run writes to metrics.jsonl (training, validation, the final
+    evaluation) is shown under a named group, none under ``other/``; the groups are the
+    sections TensorBoard and W&B draw."""
+    cfg = tiny_config(dataset_path, tmp_path, **{"train.eval_interval": 5,
+                                                 "train.eval_iters": 1,
+                                                 "train.final_eval": True})
+    Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False).fit()
+    fields = {key for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+              for key in json.loads(line)} - set(NOT_SCALARS)
+    assert {"loss", "val_loss", "final_val_loss", "mfu", "tokens_per_s"} <= fields
+    assert fields <= TAGS.keys(), fields - TAGS.keys()
+    assert {tag(k).split("/")[0] for k in fields & TAGS.keys()} <= {
+        "train", "val", "perf", "time"}
+    assert tag("loss") == "train/loss" and tag("val_loss") == "val/loss"
+    assert tag("mfu") == "perf/mfu" and tag("tokens_per_s") == "perf/tokens_per_s"
+    assert tag("peak_rss_bytes") == "memory/peak_rss_bytes" and tag("x") == "other/x"
 
 
 class RecordingWriter:
@@ -53,9 +73,9 @@ def test_each_record_is_flushed_and_the_end_closes(tmp_path):
     log.write({"step": 10, "final_val_loss": 2.0})
     log.close()
     log.close()  # a second close (an error after the end) does nothing
-    assert writer.calls == [("open", str(tmp_path)), ("loss", 2.5, 5), ("elapsed_s", 1.0, 5),
-                            ("skipped_steps", 0, 5), "flush", ("final_val_loss", 2.0, 10),
-                            "flush", "close"]
+    assert writer.calls == [("open", str(tmp_path)), ("train/loss", 2.5, 5),
+                            ("time/elapsed_s", 1.0, 5), ("train/skipped_steps", 0, 5), "flush",
+                            ("val/final_loss", 2.0, 10), "flush", "close"]
     ScalarLog(None).write({"step": 1, "loss": 1.0})  # other ranks: nothing, no package
 
 
@@ -72,10 +92,10 @@ def _events(directory) -> dict[str, list[tuple[int, float]]]:
 def test_scalars_are_on_disk_at_every_log_interval_before_close(tmp_path):
     log = ScalarLog(tmp_path / "tb")
     log.write({"step": 5, "loss": 2.5, "mfu": None, "started_at": 1.0, "start_step": 0})
-    assert _events(tmp_path / "tb") == {"loss": [(5, 2.5)]}  # flushed, not yet closed
+    assert _events(tmp_path / "tb") == {"train/loss": [(5, 2.5)]}  # flushed, not yet closed
     log.write({"step": 10, "loss": 2.25})
     log.close()
-    assert _events(tmp_path / "tb") == {"loss": [(5, 2.5), (10, 2.25)]}
+    assert _events(tmp_path / "tb") == {"train/loss": [(5, 2.5), (10, 2.25)]}
 
 
 @pytest.mark.report
@@ -89,7 +109,7 @@ def test_a_resumed_log_drops_the_earlier_attempts_later_steps(tmp_path):
     resumed = ScalarLog(tmp_path / "tb", resumed_at=10)
     resumed.write({"step": 15, "loss": 2.25})
     resumed.close()
-    assert _events(tmp_path / "tb") == {"loss": [(5, 3.0), (10, 2.5), (15, 2.25)]}
+    assert _events(tmp_path / "tb") == {"train/loss": [(5, 3.0), (10, 2.5), (15, 2.25)]}
 
 
 @pytest.mark.report
@@ -103,10 +123,11 @@ def test_the_events_hold_what_metrics_jsonl_holds(dataset_path, tmp_path):
     for r in records:
         for key, value in r.items():
             if key not in ("step", "started_at", "start_step") and value is not None:
-                want.setdefault(key, []).append((r["step"], value))
+                want.setdefault(tag(key), []).append((r["step"], value))
     got = _events(tmp_path / "tensorboard")
-    assert {"loss", "val_loss", "final_val_loss", "tokens_per_s", "elapsed_s"} <= got.keys()
+    assert {"train/loss", "val/loss", "val/final_loss", "perf/tokens_per_s",
+            "time/elapsed_s"} <= got.keys()
     assert got.keys() == want.keys()
-    for tag, points in want.items():
-        assert [s for s, _ in got[tag]] == [s for s, _ in points], tag
-        assert [v for _, v in got[tag]] == pytest.approx([v for _, v in points], rel=1e-6), tag
+    for name, points in want.items():
+        assert [s for s, _ in got[name]] == [s for s, _ in points], name
+        assert [v for _, v in got[name]] == pytest.approx([v for _, v in points], rel=1e-6), name

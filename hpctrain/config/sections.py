@@ -317,12 +317,20 @@ class TrainConfig:
     compile: bool = opt(False, "compile each transformer block, and the head with its loss, "
                                "with torch.compile (minutes of compilation at the first "
                                "step, then faster steps on GPUs)")
+    wandb: str = opt("off", "also log metrics.jsonl's numbers and the config to Weights & "
+                            "Biases, from rank 0 (needs `pip install 'hpctrain[wandb]'`): "
+                            "'offline' into <out_dir>/wandb (the run's end prints the `wandb "
+                            "sync` command to run where there is network), 'online' to the "
+                            "server as it goes, 'off' not at all", ("off", "offline", "online"))
+    wandb_project: str = opt("hpctrain", "the W&B project of --train.wandb's run")
+    wandb_name: str = opt("", "the W&B run's name; '' takes out_dir's last folder name")
 
     def __post_init__(self):
         _check_fields(self)
         require(self.out_dir != "", "train.out_dir must name a directory")
         require(self.tensorboard.strip() != "", "train.tensorboard must be true, false or "
                                                 "the folder to write the event files into")
+        require(self.wandb_project.strip() != "", "train.wandb_project must name a W&B project")
         require(not self.init_from or self.resume in ("", "auto"),
                  f"--train.resume={self.resume} continues a run and --train.init_from="
                  f"{self.init_from} starts a new one from weights; give one of them (or "

@@ -43,6 +43,10 @@ def _images(runs: list[Run], plot_dir: Path) -> list[tuple]:
               ("img", plots.loss(runs, plot_dir / "loss_time.png", "wall_s"), "loss vs time"),
               ("h2", "Throughput and MFU"),
               ("img", plots.throughput(runs, plot_dir / "throughput.png"), "throughput")]
+    no_mfu = [r.label for r in runs if r.records and not plots.has_mfu(r)]
+    if no_mfu:
+        blocks.append(("p", f"No MFU for {'; '.join(no_mfu)}: the device's peak is unknown "
+                            "(CPUs have none); `--train.peak_tflops` sets it."))
     finished = [r for r in runs if r.summary]
     blocks.append(("h2", "Step time by phase"))
     if any((r.summary.get("timing") or {}).get("phases_ms") for r in finished):

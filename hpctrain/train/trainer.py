@@ -37,7 +37,7 @@ from hpctrain.train.saving import CheckpointSaver
 from hpctrain.train.schedule import learning_rate
 from hpctrain.train.start import load_starting_point
 from hpctrain.train.stop import SignalFlag, StopAgreement
-from hpctrain.train.tensorboard import ScalarLog, summary_writer_class, tensorboard_dir
+from hpctrain.train.tensorboard import ScalarSinks
 from hpctrain.train.timing import PhaseClock
 
 
@@ -54,8 +54,7 @@ class Trainer:
         self._closed = False
         check_layout(cfg, world.size)
         # Refused on every rank alike, before anything is claimed or written.
-        self._tensorboard = tensorboard_dir(cfg.train.tensorboard, cfg.train.out_dir)
-        self._writer_class = summary_writer_class() if self._tensorboard else None
+        self._sinks = ScalarSinks.check(cfg)  # TensorBoard's and W&B's packages
         # Before anything is written: one run per out_dir (rundir.py).
         self.lock = claim_run_dir(Path(cfg.train.out_dir), cfg.train.resume,
                                   cfg.train.overwrite, world)
@@ -100,8 +99,7 @@ class Trainer:
                                          self.gpt_cfg.shape(), self.tokenizer.meta())
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
                                   resumed_at=self.start.step)
-        self.scalars = ScalarLog(self._tensorboard if world.is_root else None,
-                                 self._writer_class, resumed_at=self.start.step)
+        self.scalars = self._sinks.open(world.is_root, self.start.step, self._log)
         self._segment = {"started_at": 0.0, "start_step": self.start.step}  # set by _fit
         self._t0 = time.perf_counter()
         facts = {"params": self.gpt_cfg.num_params(),
