@@ -58,10 +58,11 @@ def test_prepare_then_read_equals_the_text(tmp_path):
 
 
 def test_byte_tokenizer_and_wide_vocab_dtype(tmp_path):
-    (tmp_path / "x.bin").write_bytes(bytes(range(256)) * 4)
-    ds = TokenDataset(prepare([tmp_path / "x.bin"], tmp_path / "b.h5", tokenizer="byte",
+    # Every byte but NUL, which makes a file binary (refused as text, test_run_traps.py).
+    (tmp_path / "x.txt").write_bytes(bytes(range(1, 256)) * 4)
+    ds = TokenDataset(prepare([tmp_path / "x.txt"], tmp_path / "b.h5", tokenizer="byte",
                               show_progress=False)["output"])
-    assert ds.vocab_size == 256 and ds.read("train", np.array([0]), 4)[0].tolist() == [0, 1, 2, 3]
+    assert ds.vocab_size == 256 and ds.read("train", np.array([0]), 4)[0].tolist() == [1, 2, 3, 4]
     assert token_dtype(70000) == np.uint32
 
 
