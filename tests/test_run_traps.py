@@ -85,3 +85,26 @@ def test_the_final_evaluation_is_an_even_spread_of_at_most_its_batches(dataset_p
     result = trainer.fit()
     assert passes == [64, 64] and result.final_val_loss is not None
     assert trainer.evaluator.covered.startswith(f"128 of the split's {every:,} windows")
+
+
+def test_a_run_ended_by_an_error_says_so_in_its_status(dataset_path, tmp_path):
+    """status.json is written on every way out: an error after the checkpoint of step 4
+    records failed, the step a resume goes on from, and the error in one line."""
+    from hpctrain.train.run_status import read_status, shell_line
+
+    cfg = tiny_config(dataset_path, tmp_path / "run", **{
+        "train.save_checkpoint": True, "train.ckpt_interval": 4})
+    trainer = Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
+    step = trainer.train_step
+
+    def failing(n):
+        if n == 6:
+            raise DataError("token id 70000 in the data\nat row 3")
+        return step(n)
+
+    trainer.train_step = failing
+    with pytest.raises(DataError):
+        trainer.fit()
+    status = read_status(tmp_path / "run")
+    assert status["status"] == "failed" and status["step"] == 4
+    assert shell_line(status) == "failed 4 10 DataError: token id 70000 in the data at row 3"

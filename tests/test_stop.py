@@ -224,8 +224,10 @@ def test_a_second_ctrl_c_ends_the_run_at_once_without_a_save(dataset_path, tmp_p
     _signal_before(trainer, "train_step", signal.SIGINT, when=lambda step: step in (3, 4))
     with pytest.raises(KeyboardInterrupt, match="interrupted twice"):
         trainer.fit()
-    assert not (tmp_path / "checkpoints").exists()  # no save, no status: it was not a stop
-    assert not (tmp_path / "status.json").exists()
+    assert not (tmp_path / "checkpoints").exists()  # no save: it was not a stop
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == "failed" and status["step"] == 0
+    assert status["reason"] == "KeyboardInterrupt: interrupted twice (Ctrl-C)"
     assert signal.getsignal(signal.SIGINT) == before  # restored
 
 
@@ -444,13 +446,15 @@ def test_a_second_ctrl_c_under_mpiexec_during_the_stops_save(dataset_path, tmp_p
         if job.poll() is None:
             job.kill()
             job.communicate()
-    assert not (checkpoints / "latest").exists() and not (out / "status.json").exists()
+    assert not (checkpoints / "latest").exists()
     if second_to == "launcher":  # Hydra killed the ranks before they saw a second SIGINT
+        assert not (out / "status.json").exists()  # killed: no word from the ranks
         assert "Ctrl-C caught... cleaning up processes" in stdout, stdout + stderr
         assert job.returncode in (0, 255) and "interrupted (Ctrl-C)" not in stderr
         return
     assert job.returncode == 130, stderr
     assert stderr.count("interrupted (Ctrl-C): stopped at once, without saving") == 2
+    assert json.loads((out / "status.json").read_text())["status"] == "failed"
     assert "Traceback" not in stderr
 
 

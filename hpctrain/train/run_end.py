@@ -15,8 +15,8 @@ from pathlib import Path
 from hpctrain.comm.small_collectives import bcast_json
 from hpctrain.config import write_run_config
 from hpctrain.output_paths import RUN_CONFIG, is_run_config
-from hpctrain.train.run_status import (FINISHED, STOPPED, clear_status, read_status,
-                                       status_record, write_status)
+from hpctrain.train.run_status import (FAILED, FINISHED, STOPPED, clear_status,
+                                       read_status, status_record, write_status)
 from hpctrain.train.result import TrainResult
 from hpctrain.train.stop import SignalFlag, StopAgreement
 
@@ -29,12 +29,15 @@ class RunEnd:
         self.cfg, self.world, self.signals, self.log = cfg, world, signals, log
         self.saver, self.evaluator, self.outputs = saver, evaluator, outputs
         self.out_dir = Path(cfg.train.out_dir)
+        self.start_step = 0
+        """The checkpoint step the run started from (``finished_before`` sets it)."""
 
     def finished_before(self, start_step: int) -> bool:
         """A resumed run whose checkpoint is its last step and whose status says it
         finished: a requeued or resubmitted job of a finished run has nothing to do
         (rank 0 reads the status, every rank gets the answer)."""
         t, w = self.cfg.train, self.world
+        self.start_step = start_step
         if t.resume != "auto" or start_step != t.max_iters:
             return False
         found = read_status(self.out_dir) if w.is_root else None
@@ -50,6 +53,20 @@ class RunEnd:
             return ""
         clear_status(self.out_dir)
         return write_run_config(self.out_dir, self.cfg)
+
+    def failed(self, exc: BaseException) -> None:
+        """Rank 0 records that ``exc`` ended the run (local, on the way out of an error):
+        the job script and the next attempt read how it ended and from which checkpoint a
+        resume goes on. A failure to write it must not hide ``exc``: it is left out."""
+        if not self.world.is_root:
+            return
+        step = max(self.saver.saved_step or 0, self.start_step)
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+        try:
+            write_status(self.out_dir, status_record(FAILED, step, self.cfg.train.max_iters,
+                                                     why))
+        except OSError:
+            pass
 
     def stopped_during_start_up(self, result: TrainResult, step: int,
                                 metrics) -> TrainResult:

@@ -1,4 +1,5 @@
-"""How a run ended, in ``<out_dir>/status.json``: finished, or stopped early and why.
+"""How a run ended, in ``<out_dir>/status.json``: finished, stopped early and why, or
+failed with which error.
 
 A run stopped by a signal or by its time limit saves a checkpoint and exits 0, exactly as
 a finished one does, so the exit status alone cannot tell them apart. Rank 0 writes this
@@ -23,6 +24,9 @@ from pathlib import Path
 STATUS_FILE = "status.json"
 FINISHED = "finished"
 STOPPED = "stopped"
+FAILED = "failed"
+"""An error ended the run; ``step`` is the checkpoint a resumed run would continue from
+(0: none), ``reason`` the error in one line."""
 
 
 def status_record(status: str, step: int, max_iters: int, reason: str = "",

@@ -147,11 +147,13 @@ class Trainer:
     def fit(self, close: bool = True) -> TrainResult:
         """Train, evaluate and write the outputs; then release everything (``close``;
         ``close=False`` keeps the communicators for a caller that inspects the run and
-        closes it). On an error only this process's own holds are let go (the lock, the
-        signal handlers): the collective releases could wait for a rank that failed."""
+        closes it). On an error status.json says so, and only this process's own holds are
+        let go (the lock, the signal handlers): the collective releases could wait for a
+        rank that failed."""
         try:
             result = self._fit()
-        except BaseException:
+        except BaseException as exc:
+            self.end.failed(exc)  # status.json: how the run ended, whatever ended it
             self._release_own()
             raise
         if close:
