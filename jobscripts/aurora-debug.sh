@@ -91,6 +91,12 @@ until mkdir "$ATTEMPT_DIR" 2>/dev/null; do
     ATTEMPT=$((ATTEMPT + 1))
     ATTEMPT_DIR=$RUN_DIR/jobs/$JOB_TAG.$ATTEMPT
 done
+# PBS writes the job's output to one file named by the job id, which a rerun (qrerun,
+# -r y) of the same id overwrites: each attempt keeps a copy in its records
+# (output.txt). The tees ignore the job's signals: a SIGTERM at the walltime must not
+# close the script's output while the ranks save.
+exec > >(trap '' TERM INT USR1; exec tee -a "$ATTEMPT_DIR/output.txt") \
+    2> >(trap '' TERM INT USR1; exec tee -a "$ATTEMPT_DIR/output.txt" >&2)
 # $0 is the copy of this script the batch system runs (what was submitted, edits included).
 if [ -f "$0" ] && [ -r "$0" ]; then
     cp "$0" "$ATTEMPT_DIR/jobscript.sh"
@@ -133,6 +139,12 @@ export HPCTRAIN_JOB_END
         echo "ends $(date -Is -d "@$HPCTRAIN_JOB_END") (from $JOB_END_FROM)"
     fi
 } > "$ATTEMPT_DIR/job.txt"
+# What the ranks of an earlier attempt of this job id left in /dev/shm when its script was
+# killed too (the clean-up below never ran): MPICH would find its stale segment under the
+# same name (jobs/shm_leftovers.py).
+if [ "$ATTEMPT" -gt 1 ] && [ -f "$RUN_DIR/jobs/$JOB_TAG/job.txt" ]; then
+    "$PYTHON" -m hpctrain.jobs.shm_leftovers "$RUN_DIR/jobs/$JOB_TAG/job.txt" || true
+fi
 LAUNCH=(
     mpiexec -n "${NRANKS}" --ppn 12 --cpu-bind=list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100 --pmi=pmix
     "${PYTHON}" -m hpctrain.jobs.bind --device-env ZE_AFFINITY_MASK --devices 12 --order direct --
@@ -172,6 +184,10 @@ while :; do
     [ -n "$INTERRUPTED" ] || break  # a trap ended the wait, not the launcher: wait again
 done
 echo "$rc" > "$ATTEMPT_DIR/exit_code"
+# The shared-memory files this attempt's ranks left in /dev/shm on this node (a rank
+# killed by a signal never removes its own): only files made since the launch, by this
+# user, that no process has open or mapped (jobs/shm_leftovers.py).
+"$PYTHON" -m hpctrain.jobs.shm_leftovers "$ATTEMPT_DIR/job.txt" || true
 # How training ended (status.json, written by rank 0 of this attempt: the trainer clears it
 # at start): finished, or stopped early with a checkpoint. A stopped run exits
 # 75, so that the scheduler and the next job tell it from a finished one

@@ -134,6 +134,12 @@ export HPCTRAIN_JOB_END
         echo "ends $(date -Is -d "@$HPCTRAIN_JOB_END") (from $JOB_END_FROM)"
     fi
 } > "$ATTEMPT_DIR/job.txt"
+# What the ranks of an earlier attempt of this job id left in /dev/shm when its script was
+# killed too (the clean-up below never ran): MPICH would find its stale segment under the
+# same name (jobs/shm_leftovers.py).
+if [ "$ATTEMPT" -gt 1 ] && [ -f "$RUN_DIR/jobs/$JOB_TAG/job.txt" ]; then
+    "$PYTHON" -m hpctrain.jobs.shm_leftovers "$RUN_DIR/jobs/$JOB_TAG/job.txt" || true
+fi
 LAUNCH=(
     srun -N"${NNODES}" -n"${NRANKS}" -c7 --gpus-per-task=1 --gpu-bind=closest --network=disable_rdzv_get --kill-on-bad-exit=1
     "${PYTHON}" -m hpctrain train default
@@ -170,6 +176,10 @@ while :; do
     [ -n "$INTERRUPTED" ] || break  # a trap ended the wait, not the launcher: wait again
 done
 echo "$rc" > "$ATTEMPT_DIR/exit_code"
+# The shared-memory files this attempt's ranks left in /dev/shm on this node (a rank
+# killed by a signal never removes its own): only files made since the launch, by this
+# user, that no process has open or mapped (jobs/shm_leftovers.py).
+"$PYTHON" -m hpctrain.jobs.shm_leftovers "$ATTEMPT_DIR/job.txt" || true
 # How training ended (status.json, written by rank 0 of this attempt: the trainer clears it
 # at start): finished, or stopped early with a checkpoint. A stopped run exits
 # 75, so that the scheduler and the next job tell it from a finished one
