@@ -73,6 +73,10 @@ export ZE_FLAT_DEVICE_HIERARCHY=FLAT
 export MPIR_CVAR_ENABLE_GPU=1
 export FI_MR_CACHE_MONITOR=userfaultfd
 export OMP_NUM_THREADS=8
+# Open MPI's mpirun kills the ranks 1 s after it forwards SIGTERM (the walltime, qdel,
+# scancel): too soon for the stop's save. This gives them more (your own value wins);
+# other MPIs ignore it (docs/design/job-scripts.md, "Open MPI").
+export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-10}
 
 # ---- run directory: training outputs, and this attempt's records -----------------------
 # The run directory is the same for every requeue and resubmission of this script (it is
@@ -124,7 +128,8 @@ RANKS_PER_NODE=12
 NRANKS=$((NNODES * RANKS_PER_NODE))
 # The job's end, from the scheduler (an `sbatch --time` or `qsub -l walltime` given at
 # submission counts): training saves and stops before it, whatever the launcher does
-# with the scheduler's signals (Open MPI's mpirun kills the ranks ~2 s after SIGTERM).
+# with the scheduler's signals (Open MPI's mpirun kills the ranks soon after SIGTERM:
+# OMPI_MCA_odls_base_sigkill_timeout).
 read -r HPCTRAIN_JOB_END JOB_END_FROM <<< "$("$PYTHON" -m hpctrain.jobs.job_end 1800)" || HPCTRAIN_JOB_END=
 export HPCTRAIN_JOB_END
 {

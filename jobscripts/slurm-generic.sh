@@ -109,7 +109,8 @@ SRUN_MPI=$("$PYTHON" -m hpctrain.jobs.srun_mpi) ||
     die "cannot choose srun's MPI plugin; regenerate the script with --srun-mpi pmi2 (or pmix)"
 # The job's end, from the scheduler (an `sbatch --time` or `qsub -l walltime` given at
 # submission counts): training saves and stops before it, whatever the launcher does
-# with the scheduler's signals (Open MPI's mpirun kills the ranks ~2 s after SIGTERM).
+# with the scheduler's signals (Open MPI's mpirun kills the ranks soon after SIGTERM:
+# OMPI_MCA_odls_base_sigkill_timeout).
 read -r HPCTRAIN_JOB_END JOB_END_FROM <<< "$("$PYTHON" -m hpctrain.jobs.job_end 3600)" || HPCTRAIN_JOB_END=
 export HPCTRAIN_JOB_END
 {
