@@ -379,6 +379,16 @@ def test_the_script_removes_what_its_ranks_left_in_dev_shm_and_nothing_else(clus
     assert p.returncode == 0, p.stdout + p.stderr
     assert "removed 1 shared-memory file(s) the ranks left in" in p.stdout, p.stdout
     assert [f.name for f in shm.iterdir()] == [older.name]
+    # The first attempt's script was killed as well: its leftover is still there when the
+    # job is requeued (the same id); the second attempt removes it before its launch.
+    stale = shm / "mpich_shm_1b296e84_0"
+    stale.write_bytes(b"\0")
+    again = submit(cluster, script, cluster.slurm,
+                   {"FAKE_RECORD": str(cluster.root / "record.json"),
+                    "HPCTRAIN_SHM_DIR": str(shm)})
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "removed 1 shared-memory file(s)" in again.stdout.split("\n+ ")[0], again.stdout
+    assert [f.name for f in shm.iterdir()] == [older.name]
 
 
 def test_a_rerun_pbs_job_keeps_each_attempts_output_in_its_records(cluster):
