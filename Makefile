@@ -221,7 +221,9 @@ OMPI_UNIT_TESTS ?= tests/test_stop.py tests/test_failures.py tests/test_cli.py \
 	tests/test_jobs_e2e.py tests/test_scaling_e2e.py tests/test_bad_input.py \
 	tests/test_io.py::test_prepare_under_mpiexec_writes_what_one_process_writes \
 	tests/test_io.py::test_corrupt_data_under_mpiexec_is_one_message_and_a_failed_exit \
-	tests/test_launch_mismatch.py
+	tests/test_launch_mismatch.py \
+	tests/test_requeue.py::test_an_attempt_killed_before_its_first_save_is_set_aside_by_the_next \
+	tests/test_jobs_sigterm.py
 
 .PHONY: test-openmpi openmpi-install
 

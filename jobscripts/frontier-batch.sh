@@ -119,7 +119,8 @@ RANKS_PER_NODE=8
 NRANKS=$((NNODES * RANKS_PER_NODE))
 # The job's end, from the scheduler (an `sbatch --time` or `qsub -l walltime` given at
 # submission counts): training saves and stops before it, whatever the launcher does
-# with the scheduler's signals (Open MPI's mpirun kills the ranks ~2 s after SIGTERM).
+# with the scheduler's signals (Open MPI's mpirun kills the ranks soon after SIGTERM:
+# OMPI_MCA_odls_base_sigkill_timeout).
 read -r HPCTRAIN_JOB_END JOB_END_FROM <<< "$("$PYTHON" -m hpctrain.jobs.job_end 3600)" || HPCTRAIN_JOB_END=
 export HPCTRAIN_JOB_END
 {
@@ -134,6 +135,12 @@ export HPCTRAIN_JOB_END
         echo "ends $(date -Is -d "@$HPCTRAIN_JOB_END") (from $JOB_END_FROM)"
     fi
 } > "$ATTEMPT_DIR/job.txt"
+# What the ranks of an earlier attempt of this job id left in /dev/shm when its script was
+# killed too (the clean-up below never ran): MPICH would find its stale segment under the
+# same name (jobs/shm_leftovers.py).
+if [ "$ATTEMPT" -gt 1 ] && [ -f "$RUN_DIR/jobs/$JOB_TAG/job.txt" ]; then
+    "$PYTHON" -m hpctrain.jobs.shm_leftovers "$RUN_DIR/jobs/$JOB_TAG/job.txt" || true
+fi
 LAUNCH=(
     srun -N"${NNODES}" -n"${NRANKS}" -c7 --gpus-per-task=1 --gpu-bind=closest --network=disable_rdzv_get --kill-on-bad-exit=1
     "${PYTHON}" -m hpctrain train default
@@ -170,6 +177,10 @@ while :; do
     [ -n "$INTERRUPTED" ] || break  # a trap ended the wait, not the launcher: wait again
 done
 echo "$rc" > "$ATTEMPT_DIR/exit_code"
+# The shared-memory files this attempt's ranks left in /dev/shm on this node (a rank
+# killed by a signal never removes its own): only files made since the launch, by this
+# user, that no process has open or mapped (jobs/shm_leftovers.py).
+"$PYTHON" -m hpctrain.jobs.shm_leftovers "$ATTEMPT_DIR/job.txt" || true
 # How training ended (status.json, written by rank 0 of this attempt: the trainer clears it
 # at start): finished, or stopped early with a checkpoint. A stopped run exits
 # 75, so that the scheduler and the next job tell it from a finished one

@@ -79,6 +79,10 @@ export FI_CXI_DISABLE_HOST_REGISTER=1
 export FI_MR_CACHE_MONITOR=userfaultfd
 export FI_CXI_DEFAULT_CQ_SIZE=131072
 export OMP_NUM_THREADS=8
+# Open MPI's mpirun kills the ranks 1 s after it forwards SIGTERM (the walltime, qdel,
+# scancel): too soon for the stop's save. This gives them more (your own value wins);
+# other MPIs ignore it (docs/design/job-scripts.md, "Open MPI").
+export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-10}
 
 # ---- run directory: training outputs, and this attempt's records -----------------------
 # The run directory is the same for every requeue and resubmission of this script (it is
@@ -97,6 +101,12 @@ until mkdir "$ATTEMPT_DIR" 2>/dev/null; do
     ATTEMPT=$((ATTEMPT + 1))
     ATTEMPT_DIR=$RUN_DIR/jobs/$JOB_TAG.$ATTEMPT
 done
+# PBS writes the job's output to one file named by the job id, which a rerun (qrerun,
+# -r y) of the same id overwrites: each attempt keeps a copy in its records
+# (output.txt). The tees ignore the job's signals: a SIGTERM at the walltime must not
+# close the script's output while the ranks save.
+exec > >(trap '' TERM INT USR1; exec tee -a "$ATTEMPT_DIR/output.txt") \
+    2> >(trap '' TERM INT USR1; exec tee -a "$ATTEMPT_DIR/output.txt" >&2)
 # $0 is the copy of this script the batch system runs (what was submitted, edits included).
 if [ -f "$0" ] && [ -r "$0" ]; then
     cp "$0" "$ATTEMPT_DIR/jobscript.sh"
@@ -124,7 +134,8 @@ RANKS_PER_NODE=4
 NRANKS=$((NNODES * RANKS_PER_NODE))
 # The job's end, from the scheduler (an `sbatch --time` or `qsub -l walltime` given at
 # submission counts): training saves and stops before it, whatever the launcher does
-# with the scheduler's signals (Open MPI's mpirun kills the ranks ~2 s after SIGTERM).
+# with the scheduler's signals (Open MPI's mpirun kills the ranks soon after SIGTERM:
+# OMPI_MCA_odls_base_sigkill_timeout).
 read -r HPCTRAIN_JOB_END JOB_END_FROM <<< "$("$PYTHON" -m hpctrain.jobs.job_end 1800)" || HPCTRAIN_JOB_END=
 export HPCTRAIN_JOB_END
 {
@@ -139,6 +150,12 @@ export HPCTRAIN_JOB_END
         echo "ends $(date -Is -d "@$HPCTRAIN_JOB_END") (from $JOB_END_FROM)"
     fi
 } > "$ATTEMPT_DIR/job.txt"
+# What the ranks of an earlier attempt of this job id left in /dev/shm when its script was
+# killed too (the clean-up below never ran): MPICH would find its stale segment under the
+# same name (jobs/shm_leftovers.py).
+if [ "$ATTEMPT" -gt 1 ] && [ -f "$RUN_DIR/jobs/$JOB_TAG/job.txt" ]; then
+    "$PYTHON" -m hpctrain.jobs.shm_leftovers "$RUN_DIR/jobs/$JOB_TAG/job.txt" || true
+fi
 LAUNCH=(
     mpiexec -n "${NRANKS}" --ppn 4 --depth=8 --cpu-bind depth
     "${PYTHON}" -m hpctrain.jobs.bind --device-env CUDA_VISIBLE_DEVICES --devices 4 --order reverse --
@@ -177,6 +194,10 @@ while :; do
     [ -n "$INTERRUPTED" ] || break  # a trap ended the wait, not the launcher: wait again
 done
 echo "$rc" > "$ATTEMPT_DIR/exit_code"
+# The shared-memory files this attempt's ranks left in /dev/shm on this node (a rank
+# killed by a signal never removes its own): only files made since the launch, by this
+# user, that no process has open or mapped (jobs/shm_leftovers.py).
+"$PYTHON" -m hpctrain.jobs.shm_leftovers "$ATTEMPT_DIR/job.txt" || true
 # How training ended (status.json, written by rank 0 of this attempt: the trainer clears it
 # at start): finished, or stopped early with a checkpoint. A stopped run exits
 # 75, so that the scheduler and the next job tell it from a finished one

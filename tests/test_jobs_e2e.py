@@ -76,6 +76,8 @@ LAUNCH_LOCAL = r"""#!/bin/bash
 # Run N ranks of the command on the local MPICH, or only record them (FAKE_RECORD).
 n=$1; shift
 printf '%s\n' "$n" > "$FAKE_LOG.ranks"
+# A rank killed by a signal leaves its MPI segment behind (FAKE_SHM_LEFTOVER names it).
+if [ -n "${FAKE_SHM_LEFTOVER:-}" ]; then : > "$FAKE_SHM_LEFTOVER"; fi
 if [ -n "${FAKE_RECORD:-}" ]; then
     "$FAKE_PYTHON" -c 'import json, os, sys; json.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, open(os.environ["FAKE_RECORD"], "w"))' "$@"
     exit 0
@@ -359,3 +361,53 @@ def test_a_job_stopped_by_its_walltime_exits_75_and_every_later_attempt_continue
     codes = {d.name: (d / "exit_code").read_text() for d in (run_dir / "jobs").iterdir()}
     assert codes == {"4242": "75\n", "4242.2": "75\n", "4343": "0\n", "4444": "0\n"}
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
+def test_the_script_removes_what_its_ranks_left_in_dev_shm_and_nothing_else(cluster):
+    """Issue 39, item 4: after the launch, the script removes the MPI segments this
+    attempt's ranks left (a folder stands in for /dev/shm), not an older one."""
+    shm = cluster.root / "shm"
+    shm.mkdir()
+    older = shm / "mpich_shm_0ld_0"
+    older.write_bytes(b"\0")
+    os.utime(older, (1_000_000, 1_000_000))  # another job's, from before this one
+    script = generate(cluster, ["--system", "slurm", "--nodes", "1", "--walltime",
+                                "00:10:00", "--ranks-per-node", "2"], ["train", "default"])
+    p = submit(cluster, script, cluster.slurm,
+               {"FAKE_RECORD": str(cluster.root / "record.json"), "HPCTRAIN_SHM_DIR": str(shm),
+                "FAKE_SHM_LEFTOVER": str(shm / "mpich_shm_1b296e84_0")})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "removed 1 shared-memory file(s) the ranks left in" in p.stdout, p.stdout
+    assert [f.name for f in shm.iterdir()] == [older.name]
+    # The first attempt's script was killed as well: its leftover is still there when the
+    # job is requeued (the same id); the second attempt removes it before its launch.
+    stale = shm / "mpich_shm_1b296e84_0"
+    stale.write_bytes(b"\0")
+    again = submit(cluster, script, cluster.slurm,
+                   {"FAKE_RECORD": str(cluster.root / "record.json"),
+                    "HPCTRAIN_SHM_DIR": str(shm)})
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "removed 1 shared-memory file(s)" in again.stdout.split("\n+ ")[0], again.stdout
+    assert [f.name for f in shm.iterdir()] == [older.name]
+
+
+def test_a_rerun_pbs_job_keeps_each_attempts_output_in_its_records(cluster):
+    """Issue 39, item 3: PBS names the job's output file by the job id, so a rerun (the
+    same id) overwrites the first attempt's; each attempt's records keep their own copy
+    (output.txt), while the script's stdout and stderr still go where PBS sends them."""
+    script = generate(cluster, ["--system", "polaris", "--nodes", "1", "--walltime",
+                                "00:10:00", "--queue", "debug", "--account", "TEST"],
+                      ["train", "default"])
+    record = {"FAKE_RECORD": str(cluster.root / "record.json")}
+    first = submit(cluster, script, cluster.pbs, record)
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = submit(cluster, script, cluster.pbs, record)  # PBS reran it: the same id
+    assert again.returncode == 0, again.stdout + again.stderr
+    jobs = cluster.submit / "runs" / "hpctrain" / "jobs"
+    for attempt, p in (("4242", first), ("4242.2", again)):
+        output = (jobs / attempt / "output.txt").read_text()
+        assert f"run directory {cluster.submit}/runs/hpctrain" in output, attempt
+        assert "hpctrain job: finished" in output
+        assert output.count("hpctrain job 4242") == 1  # this attempt's lines only
+        assert "hpctrain job: finished" in p.stdout  # still on the job's own stdout
+    assert "output.txt" not in os.listdir(cluster.submit / "runs" / "hpctrain")

@@ -6,7 +6,9 @@ PBS and Slurm) and tests/test_slurm_real.py (a real Slurm)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import time
 from datetime import datetime
@@ -21,6 +23,7 @@ from hpctrain.jobs.validate import signal_lead
 from hpctrain.train.deadline import JOB_END_ENV, JOB_START_ENV, Deadline
 from hpctrain.train.run_status import main as status_main
 from hpctrain.train.run_status import read_status, shell_line, status_record, write_status
+from tests.helpers import hpctrain_cmd, launcher, mpiexec, run
 from tests.jobs_common import CMD, directives, launch_block, script
 
 
@@ -196,3 +199,71 @@ def test_frontier_and_the_cray_systems_ask_for_what_the_job_needs():
         assert line in frontier
     for system in ("polaris", "perlmutter", "frontier"):
         assert "export MPICH_MAX_THREAD_SAFETY=multiple\n" in script(system), system
+
+
+# ------------------------------------------------- an attempt killed before its first save
+
+KILL_TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32",
+             "--model.block_size=16", "--train.batch_size=8", "--train.log_interval=2",
+             "--train.eval_interval=0", "--train.final_eval=false", "--train.sample_tokens=0",
+             "--train.progress=false", "--data.verify=false"]
+
+
+@pytest.mark.slow
+def test_an_attempt_killed_before_its_first_save_is_set_aside_by_the_next(dataset_path,
+                                                                          tmp_path):
+    """Issue 39, item 1, under the suite's MPI (MPICH here, Open MPI in make test-openmpi):
+    a job killed with SIGKILL, launcher and ranks at once, before its first checkpoint
+    leaves metrics, a config and a stale lock; its next attempt, run with
+    ``--train.resume=auto`` as job scripts do, moves them into previous-<time>/ and trains
+    to the end."""
+    out = tmp_path / "run"
+    train = hpctrain_cmd("train", "default", f"--data.path={dataset_path}",
+                         f"--train.out_dir={out}", *KILL_TINY, "--train.resume=auto")
+    job = subprocess.Popen(mpiexec(2, *train, "--train.max_iters=100000",
+                                   "--train.ckpt_interval=100000"),
+                           env=launcher().environ(OMP_NUM_THREADS="1"), start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    try:
+        for _ in range(600):  # polled a bounded number of times (a hang fails here)
+            if metrics.exists() and metrics.stat().st_size:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("training did not start")
+    finally:
+        _kill_the_job(job, out)
+    killed = metrics.read_text()
+    assert not (out / "checkpoints" / "latest").exists()
+
+    p = run(mpiexec(2, *train, "--train.max_iters=6"), timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "--train.resume=auto found no checkpoint to continue" in p.stdout + p.stderr
+    (previous,) = out.glob("previous-*")
+    assert (previous / "metrics.jsonl").read_text() == killed
+    steps = [json.loads(line).get("step") for line in metrics.read_text().splitlines()]
+    assert [s for s in steps if s is not None] == [2, 4, 6], steps  # a fresh history
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["status"], summary["world_size"]) == ("finished", 2)
+    assert (out / "checkpoints" / "latest").read_text().strip().endswith("6")
+
+
+def _kill_the_job(job: subprocess.Popen, out) -> None:
+    """SIGKILL to the launcher and every rank at once, as a node failure or a scheduler's
+    kill does (Open MPI puts each rank in a process group of its own: found by name)."""
+    ranks = subprocess.run(["pgrep", "-f", f"train.out_dir={out}"], capture_output=True,
+                           text=True).stdout.split()
+    os.killpg(job.pid, signal.SIGKILL)
+    for pid in ranks:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait(timeout=60)
+    for _ in range(300):  # until no rank is left (bounded: a survivor fails the test)
+        if not subprocess.run(["pgrep", "-f", f"train.out_dir={out}"],
+                              capture_output=True).stdout:
+            return
+        time.sleep(0.1)
+    pytest.fail("a rank outlived SIGKILL")

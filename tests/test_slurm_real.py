@@ -313,3 +313,111 @@ def test_a_requeued_job_and_a_resubmitted_one_continue_from_the_checkpoint(submi
     steps = [json.loads(line).get("step") for line in
              (rd / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps[-1] == second + 5  # one history, in order
+
+
+def _ranks_of(marker: str) -> list[int]:
+    """The PIDs of the ranks whose command line holds ``marker`` (this is the node)."""
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    ranks = []
+    for pid in found.split():
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("python"):  # not srun
+                ranks.append(int(pid))
+        except OSError:
+            pass
+    return ranks
+
+
+def _wait_for_ranks(marker: str, metrics: Path, count: int = 2) -> list[int]:
+    """Ranks running and training: ``count`` PIDs and a first metrics record, polled a
+    bounded number of times."""
+    for _ in range(JOB_TIMEOUT * 5):
+        ranks = _ranks_of(marker)
+        if len(ranks) >= count and metrics.exists() and metrics.stat().st_size:
+            return ranks
+        time.sleep(0.2)
+    raise AssertionError(f"the ranks of {marker} did not start training")
+
+
+def _sigkill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_job_killed_before_its_first_save_trains_to_the_end_when_requeued(submit, data):
+    """Issue 39, item 1: the ranks of a job SIGKILLed before its first checkpoint (a node
+    failure, the OOM killer) leave metrics, a config and a stale lock in the run
+    directory. ``scontrol requeue`` runs the job again with ``--train.resume=auto``: it
+    moves the killed attempt's outputs into previous-<time>/ and trains to the end."""
+    marker = "train.ckpt_interval=99991"  # this job's ranks, found by their arguments
+    script = jobscript(submit, "killed.sh", ["--nodes", "1", "--ranks-per-node", "2",
+                                             "--walltime", "00:05:00"],
+                       ["train", "default", f"--data.path={data}", *TINY,
+                        "--train.max_iters=1500", "--train.log_interval=2", f"--{marker}"])
+    job = sbatch(script)
+    rd = run_dir(submit, "killed")
+    _sigkill(_wait_for_ranks(marker, rd / "metrics.jsonl"))
+    info = wait_job(job)
+    out = job_output(submit, "killed", job)
+    assert info["JobState"] == "FAILED", out
+    assert not (rd / "checkpoints" / "latest").exists(), out
+    killed = (rd / "metrics.jsonl").read_text()
+
+    p = _run(["scontrol", "requeue", job], cwd=submit, timeout=30)
+    assert p.returncode == 0, p.stderr
+    time.sleep(2)  # the requeue is now PENDING, then RUNNING
+    info = wait_job(job)
+    out = job_output(submit, "killed", job)
+    assert (info["JobState"], exit_code(info)) == ("COMPLETED", "0:0"), out
+    assert "--train.resume=auto found no checkpoint to continue" in out, out
+    (previous,) = rd.glob("previous-*")
+    assert (previous / "metrics.jsonl").read_text() == killed
+    assert f"hpctrain job: finished; results in {rd}" in out
+    assert (rd / "jobs" / f"{job}.2" / "exit_code").read_text() == "0\n"
+    assert json.loads((rd / "summary.json").read_text())["status"] == "finished"
+    steps = [json.loads(line).get("step") for line in
+             (rd / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s is not None]
+    assert steps[0] == 2 and steps[-1] == 1500, steps  # one fresh history
+
+
+def test_a_config_error_under_srun_is_one_line_and_status_2_before_mpi(submit, tmp_path):
+    """Issue 39, item 2: a typo in an option is found before MPI starts, on every rank;
+    srun's two tasks exit 2, rank 0 alone prints the line, no rank calls MPI_Abort. (The
+    user error after MPI started is test_a_user_error_on_every_rank_is_status_2_...)"""
+    p = _run(["srun", "-n", "2", "-t", "5", "--job-name=cfgerr", "--kill-on-bad-exit=1",
+              sys.executable, "-m", "hpctrain", "train", "default",
+              "--train.max_iter=5"], cwd=tmp_path, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    errors = [line for line in p.stderr.splitlines() if not line.startswith("srun:")]
+    assert errors == ["error: unknown option --train.max_iter; did you mean "
+                      "--train.max_iters?"], p.stderr
+    assert "MPI_Abort" not in p.stdout + p.stderr
+    comp = Path(os.environ["HPCTRAIN_SLURM_JOBCOMP"]).read_text()
+    assert re.search(r"JobId=\d+ .*Name=cfgerr .*JobState=FAILED .*ExitCode=2:0", comp), comp
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_rank_that_dies_ends_the_job_at_once_not_at_the_comm_timeout(submit, data):
+    """Issue 39, item 7: one rank killed (SIGKILL); the other waits in a collective for it.
+    srun's --kill-on-bad-exit=1 (in the generated line) ends the step when the first task
+    dies: the job ends within wait_job's limit, far under --comm.timeout (the watchdog's
+    verdict, which would otherwise be the first to end it)."""
+    marker = "train.ckpt_interval=99992"
+    script = jobscript(submit, "deadrank.sh", ["--nodes", "1", "--ranks-per-node", "2",
+                                               "--walltime", "00:05:00"],
+                       ["train", "default", f"--data.path={data}", *TINY,
+                        "--train.max_iters=10000000", "--train.log_interval=100",
+                        "--comm.timeout=3600", f"--{marker}"])
+    job = sbatch(script)
+    ranks = _wait_for_ranks(marker, run_dir(submit, "deadrank") / "metrics.jsonl")
+    _sigkill([max(ranks)])  # one rank: the one started last
+    info = wait_job(job, timeout=90)  # a step left to the watchdog runs an hour
+    out = job_output(submit, "deadrank", job)
+    assert info["JobState"] == "FAILED", out
+    assert "CommTimeout" not in out, out
+    code = (records(submit, "deadrank", job) / "exit_code").read_text().strip()
+    assert code.isdigit() and code != "0", code

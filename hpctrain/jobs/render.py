@@ -22,7 +22,7 @@ from hpctrain.errors import JobError
 from hpctrain.file_modes import umask
 from hpctrain.jobs import validate
 from hpctrain.jobs.command import ARRAY_INDEX
-from hpctrain.jobs.launch_line import launch_line, placement
+from hpctrain.jobs.launch_line import OMPI_SIGKILL_ENV, OMPI_SIGKILL_S, launch_line, placement
 from hpctrain.jobs.shell import (Shell, Var, expand, literal, quote, render_word, render_words,
                                  resolve_word, with_home, word)
 from hpctrain.jobs.spec import JobSpec
@@ -222,6 +222,8 @@ def context(spec: JobSpec) -> dict:
         "stop_exit_code": spec.stop_exit_code,
         "job_end": _job_end(spec),
         "env_record": Shell(ENV_RECORD_MODULE),
+        "ompi_sigkill": None if la.launcher[0] == "srun" else
+        Shell(f"export {OMPI_SIGKILL_ENV}=${{{OMPI_SIGKILL_ENV}:-{OMPI_SIGKILL_S}}}"),
     }
 
 
