@@ -107,6 +107,16 @@ done
 # close the script's output while the ranks save.
 exec > >(trap '' TERM INT USR1; exec tee -a "$ATTEMPT_DIR/output.txt") \
     2> >(trap '' TERM INT USR1; exec tee -a "$ATTEMPT_DIR/output.txt" >&2)
+# Compute nodes have no internet, and their /tmp is gone after the job: tokenizer files
+# are read from caches on the shared file system (fill them once on a login node, e.g.
+# TIKTOKEN_CACHE_DIR=~/.cache/tiktoken python -c "import tiktoken; tiktoken.get_encoding('gpt2')"),
+# the Hugging Face hub is not asked, and torch.compile's kernels are kept in the run
+# directory, so a requeued attempt does not compile again. Values set before win.
+export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-$HOME/.cache/tiktoken}
+export HF_HOME=${HF_HOME:-$HOME/.cache/huggingface}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$RUN_DIR/cache/torchinductor}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$RUN_DIR/cache/triton}
 # $0 is the copy of this script the batch system runs (what was submitted, edits included).
 if [ -f "$0" ] && [ -r "$0" ]; then
     cp "$0" "$ATTEMPT_DIR/jobscript.sh"
@@ -219,5 +229,12 @@ if [ "$STATUS" = stopped ]; then
         echo "hpctrain job: stopped after step $STEP of $MAX_ITERS (${REASON:-a signal}), checkpoint saved in $RUN_DIR; resubmit this script or requeue the job to continue (exit status 75)"
     fi
     exit 75
+fi
+if [ "$STATUS" != finished ]; then
+    # The launcher's 0 says nothing here: Hydra exits 0 or 255 after its second-Ctrl-C
+    # cleanup kills the ranks, and a killed rank 0 writes no status.json.
+    echo 1 > "$ATTEMPT_DIR/exit_code"
+    echo "hpctrain job: FAILED: the launcher exited 0 but the run did not record that it finished (status: $STATUS); the log above says where it ended, the records are in $ATTEMPT_DIR" >&2
+    exit 1
 fi
 echo "hpctrain job: finished; results in $RUN_DIR (metrics.jsonl, summary.json)"

@@ -78,6 +78,16 @@ until mkdir "$ATTEMPT_DIR" 2>/dev/null; do
     ATTEMPT=$((ATTEMPT + 1))
     ATTEMPT_DIR=$RUN_DIR/jobs/$JOB_TAG.$ATTEMPT
 done
+# Compute nodes have no internet, and their /tmp is gone after the job: tokenizer files
+# are read from caches on the shared file system (fill them once on a login node, e.g.
+# TIKTOKEN_CACHE_DIR=~/.cache/tiktoken python -c "import tiktoken; tiktoken.get_encoding('gpt2')"),
+# the Hugging Face hub is not asked, and torch.compile's kernels are kept in the run
+# directory, so a requeued attempt does not compile again. Values set before win.
+export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-$HOME/.cache/tiktoken}
+export HF_HOME=${HF_HOME:-$HOME/.cache/huggingface}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$RUN_DIR/cache/torchinductor}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$RUN_DIR/cache/triton}
 # $0 is SLURM's copy of the submitted script; scontrol can write it out as well.
 if [ -f "$0" ] && [ -r "$0" ]; then
     cp "$0" "$ATTEMPT_DIR/jobscript.sh"
@@ -192,5 +202,12 @@ if [ "$STATUS" = stopped ]; then
         echo "hpctrain job: stopped after step $STEP of $MAX_ITERS (${REASON:-a signal}), checkpoint saved in $RUN_DIR; resubmit this script or requeue the job to continue (exit status 75)"
     fi
     exit 75
+fi
+if [ "$STATUS" != finished ]; then
+    # The launcher's 0 says nothing here: Hydra exits 0 or 255 after its second-Ctrl-C
+    # cleanup kills the ranks, and a killed rank 0 writes no status.json.
+    echo 1 > "$ATTEMPT_DIR/exit_code"
+    echo "hpctrain job: FAILED: the launcher exited 0 but the run did not record that it finished (status: $STATUS); the log above says where it ended, the records are in $ATTEMPT_DIR" >&2
+    exit 1
 fi
 echo "hpctrain job: finished; results in $RUN_DIR (metrics.jsonl, summary.json)"

@@ -284,3 +284,18 @@ def test_aurora_refuses_a_filesystem_it_does_not_list():
     with pytest.raises(JobError, match="no filesystem 'daos'; valid: home, flare, daos_user, "
                                        "daos_user_fs, daos_perf, daos_perf_fs"):
         script("aurora", filesystems=["daos"])
+
+
+@pytest.mark.parametrize("system", ["polaris", "aurora", "perlmutter", "frontier", "slurm",
+                                    "pbs", "local"])
+def test_every_script_reads_tokenizers_from_shared_caches_and_keeps_compiled_kernels(system):
+    """Compute nodes have no internet and lose /tmp after the job: GPT-2's BPE file comes
+    from a shared cache (tiktoken's default is /tmp), the hub is not asked, and
+    torch.compile's kernels stay in the run directory across requeues; a value the user
+    exported wins."""
+    text = script(system)
+    for line in ('export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-$HOME/.cache/tiktoken}',
+                 'export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}',
+                 'export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$RUN_DIR/cache/'
+                 'torchinductor}'):
+        assert line in text and text.index(line) < text.index("\nLAUNCH=("), line

@@ -288,6 +288,15 @@ def test_a_stopped_run_makes_its_job_script_exit_75(dataset_path, tmp_path):
     assert p.returncode == 75, p.stdout + p.stderr
     assert f"stopped after step {stopped} of 40 (SIGTERM), checkpoint saved" in p.stdout
     assert (attempt / "exit_code").read_text() == "75\n"
+    # A launcher's 0 with no status from this attempt (Hydra after killing the ranks) is
+    # not a finished run.
+    (out / "status.json").unlink()
+    p = subprocess.run(["bash", "-c", "LAUNCH=(true); " + ending], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable,
+                                                   "RUN_DIR": str(out),
+                                                   "ATTEMPT_DIR": str(attempt)})
+    assert p.returncode == 1 and "finished" not in p.stdout, p.stdout + p.stderr
+    assert "did not record that it finished (status: unknown)" in p.stderr
 
 
 # ---------------------------------------------------------------- issue 29, item 1
@@ -302,7 +311,12 @@ def test_a_finished_run_says_so_and_a_resumed_finished_run_has_nothing_to_do(
     again = _trainer(dataset_path, tmp_path, **{"train.resume": "auto"})
     assert again.finished_before and again.fit().losses == []  # a requeue: nothing to do
     after = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
-    assert after == before  # nothing rewritten
+    # Nothing rewritten but status.json, the same record written by this attempt (a job
+    # script reads only a status its own attempt wrote).
+    assert {k: v for k, v in after.items() if k != "status.json"} == \
+        {k: v for k, v in before.items() if k != "status.json"}
+    assert after["status.json"] > before["status.json"]
+    assert json.loads((tmp_path / "status.json").read_text()) == status
     longer = _trainer(dataset_path, tmp_path, **{"train.resume": "auto",
                                                  "train.max_iters": 12})
     assert not longer.finished_before and len(longer.fit().losses) == 2

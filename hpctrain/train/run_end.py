@@ -43,6 +43,8 @@ class RunEnd:
         found = read_status(self.out_dir) if w.is_root else None
         done = bool(found and found.get("status") == FINISHED
                     and found.get("max_iters") == t.max_iters)
+        if done:  # written again: this attempt, too, ended with the run finished
+            write_status(self.out_dir, found)
         return bool(bcast_json(w.comm, done, timeout=w.timeout, what="the run's status"))
 
     def begin_attempt(self) -> str:
