@@ -52,7 +52,10 @@ def _recorded_commands() -> list[list[str]]:
             if line.startswith("hpctrain jobscript ")]
 
 
-def test_the_profiler_option_and_its_old_name(capsys):
+def test_the_profiler_option_and_its_old_name(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where CMD's --data.path exists: no warning about it
+    (tmp_path / "datasets").mkdir()
+    (tmp_path / "datasets" / "stdlib-char.h5").write_bytes(b"")
     base = ["jobscript", "--system", "polaris", "--nodes", "1", "--walltime", "00:30:00",
             "--queue", "debug", "--account", "P", "--venv", "none"]
     assert main(base + ["--profiler", "nsys", "--", *CMD]) == 0

@@ -262,3 +262,16 @@ def test_frontier_largest_job_debug_qos_and_ranks_per_node():
     _spec("frontier", nodes=2, queue="batch", walltime="01:00:00", ranks_per_node=8)
     with pytest.raises(JobError, match="a frontier node takes at most 8 ranks"):
         _spec("frontier", nodes=2, queue="batch", walltime="01:00:00", ranks_per_node=9)
+
+
+def test_a_data_path_missing_here_is_a_warning_and_a_present_one_none(tmp_path, monkeypatch):
+    """A typo in --data.path was found only after the queue wait; a path that exists only
+    on the compute nodes must still be allowed, so it is a warning, not an error."""
+    from hpctrain.jobs.command import data_warnings
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here.h5").write_bytes(b"")
+    assert data_warnings(["train", "default", "--data.path=here.h5"]) == ()
+    (warning,) = data_warnings(["train", "default", "--data.path=there.h5"])
+    assert warning.startswith("--data.path there.h5 does not exist on this machine")
+    assert data_warnings(["doctor"]) == ()

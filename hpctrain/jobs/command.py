@@ -10,6 +10,8 @@ The recipe and every override are validated here, on the login node, with the sa
 
 from __future__ import annotations
 
+import os
+
 from hpctrain.config import check_layout, load_config, parse_overrides
 from hpctrain.errors import ConfigError, JobError
 from hpctrain.jobs import validate
@@ -60,3 +62,17 @@ def check_command(command: list[str], *, array: bool = False,
     except ConfigError as e:
         raise JobError(f"the training command is invalid: {e}") from None
     return recipe, overrides
+
+
+def data_warnings(command: list[str], array: bool = False) -> tuple[str, ...]:
+    """A warning when a checked training command's ``--data.path`` is not on this machine:
+    a typo fails here, not after the queue wait, though a path only the compute nodes see
+    (node-local storage, a file system the login node lacks) is fine, hence a warning."""
+    if not command or command[0] != "train":
+        return ()
+    overrides = [o.replace(ARRAY_INDEX, "0") if array else o for o in command[2:]]
+    path = load_config(command[1], parse_overrides(overrides)).data.path
+    if os.path.exists(path):
+        return ()
+    return (f"--data.path {path} does not exist on this machine (from {os.getcwd()}): fix "
+            "the path, or ignore this if only the compute nodes see it",)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hpctrain.errors import JobError
 from hpctrain.jobs import validate
-from hpctrain.jobs.command import check_command
+from hpctrain.jobs.command import check_command, data_warnings
 from hpctrain.jobs.launch_line import placement
 from hpctrain.jobs.job_system import job_system, srun_mpi as check_srun_mpi
 from hpctrain.systems.registry import System
@@ -160,7 +160,8 @@ def build_spec(*, system: str | None, command: list[str], nodes: int | None = No
                    run_root=run_root or DEFAULT_RUN_ROOT, command=tuple(command),
                    check_queue=check_queue, srun_mpi=srun_mpi, launch=launch,
                    run_dir=run_dir, stop_exit_code=stop_exit_code,
-                   warnings=validate.signal_lead(sys_.batch.directives, walltime_s))
+                   warnings=validate.signal_lead(sys_.batch.directives, walltime_s)
+                   + data_warnings(command, array=bool(array)))
     placement(sys_, ranks_per_node)  # ranks per node vs. cores and sockets
     return spec
 
