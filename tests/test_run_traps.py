@@ -3,6 +3,7 @@ cannot be decoded here (no tiktoken, or no BPE file in its cache) fails before s
 with one message naming the fix, not after the last step; a token file given to
 ``prepare`` as text is refused, naming ``--format``."""
 
+import json
 import subprocess
 import sys
 import zlib
@@ -108,3 +109,5 @@ def test_a_run_ended_by_an_error_says_so_in_its_status(dataset_path, tmp_path):
     status = read_status(tmp_path / "run")
     assert status["status"] == "failed" and status["step"] == 4
     assert shell_line(status) == "failed 4 10 DataError: token id 70000 in the data at row 3"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert {k: summary[k] for k in status} == status and summary["config"] == cfg.to_dict()

@@ -54,6 +54,9 @@ def test_a_signal_in_the_loop_is_acted_on_within_two_steps(dataset_path, tmp_pat
     assert len(result.losses) == result.stopped_at
     _loadable_at(tmp_path, result.stopped_at)
     assert not (tmp_path / "final.h5").exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())  # on every way out
+    assert summary["status"] == "stopped" and summary["step"] == result.stopped_at
+    assert summary["reason"] == "SIGUSR1" and summary["config"]["train"]["max_iters"] == 40
 
 
 def test_a_signal_during_set_up_stops_before_training_and_writes_nothing(dataset_path,

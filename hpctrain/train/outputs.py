@@ -34,6 +34,8 @@ class RunOutputs:
         self.world = grid.world
         self.facts, self.log = facts, log
         self.out_dir = Path(cfg.train.out_dir)
+        self.summary_written = False
+        """Whether this process wrote the run's full summary.json (rank 0, at the end)."""
 
     def _sum(self, values, what: str):
         w = self.world
@@ -171,5 +173,6 @@ class RunOutputs:
                if self.facts.get("changed_on_resume") else {}),
             "config": self.cfg.to_dict()}
         (self.out_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1))
+        self.summary_written = True
         self.log(f"done: {t.max_iters} steps in {result.wall_s:.1f} s, "
                  f"{result.tokens_per_s / 1e3:.1f}k tokens/s; outputs in {self.out_dir}/")

@@ -10,8 +10,10 @@ collective (every rank calls it at the same point) unless its docstring says oth
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from hpctrain.atomic import temporary_file
 from hpctrain.comm.small_collectives import bcast_json
 from hpctrain.config import write_run_config
 from hpctrain.output_paths import RUN_CONFIG, is_run_config
@@ -65,9 +67,8 @@ class RunEnd:
         step = max(self.saver.saved_step or 0, self.start_step)
         why = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
         try:
-            write_status(self.out_dir, status_record(FAILED, step, self.cfg.train.max_iters,
-                                                     why))
-        except OSError:
+            self._write(status_record(FAILED, step, self.cfg.train.max_iters, why))
+        except Exception:  # a full disk, say: the error that ended the run comes first
             pass
 
     def stopped_during_start_up(self, result: TrainResult, step: int,
@@ -85,7 +86,7 @@ class RunEnd:
             (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
             if is_run_config(self.out_dir / RUN_CONFIG):  # ours, written at the start
                 (self.out_dir / RUN_CONFIG).unlink()
-        self.record(STOPPED, step)
+        self.record(STOPPED, step, summary=bool(step))  # a fresh run leaves no output
         return result
 
     def stopped_in_training(self, result: TrainResult) -> TrainResult:
@@ -144,9 +145,21 @@ class RunEnd:
         self.record(STOPPED, t.max_iters, skipped)
         return result
 
-    def record(self, status: str, step: int, skipped: str = "") -> None:
-        """Rank 0 writes how the run ended (``run_status.py``; local)."""
+    def record(self, status: str, step: int, skipped: str = "", *,
+               summary: bool = True) -> None:
+        """Rank 0 writes how the run ended (``run_status.py``; local); ``summary``: also
+        a short summary.json where the end wrote no full one."""
         if self.world.is_root:
             reason = self.signals.cause if status == STOPPED else ""
-            write_status(self.out_dir, status_record(status, step, self.cfg.train.max_iters,
-                                                     reason, skipped))
+            self._write(status_record(status, step, self.cfg.train.max_iters, reason,
+                                      skipped), summary)
+
+    def _write(self, record: dict, summary: bool = True) -> None:
+        """status.json, and summary.json where the run's end wrote no full one (a stop
+        before the end, an error): the record with the run's configuration, so every run
+        that ends on its own leaves both."""
+        write_status(self.out_dir, record)
+        if summary and not self.outputs.summary_written:
+            summary = {**record, "world_size": self.world.size, "config": self.cfg.to_dict()}
+            with temporary_file(self.out_dir / "summary.json") as tmp:
+                tmp.write_text(json.dumps(summary, indent=1))
