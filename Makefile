@@ -18,8 +18,12 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_FLAVOUR := $(shell { [ "$$(uname -s)" = Darwin ] || nvidia-smi -L >/dev/null 2>&1; } \
 	&& echo pypi || echo cpu)
+# The CPU index is asked only when it answers (a machine without internet may hold the
+# wheel in a local wheelhouse; pip would retry the index for every package otherwise).
+TORCH_CPU_INDEX_UP = $(shell $(PYTHON) -c "import urllib.request as u; \
+	u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1 && echo yes)
 TORCH ?= $(if $(filter cpu,$(TORCH_FLAVOUR)),torch==$(TORCH_VERSION)+cpu \
-	--extra-index-url $(TORCH_CPU_INDEX),torch==$(TORCH_VERSION))
+	$(if $(TORCH_CPU_INDEX_UP),--extra-index-url $(TORCH_CPU_INDEX)),torch==$(TORCH_VERSION))
 MPI_PACKAGES ?= mpi4py mpich
 NP ?= 2
 ARGS ?=
