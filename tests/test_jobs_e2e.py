@@ -12,7 +12,8 @@ The "cluster" is a temporary directory:
   ``PBS_O_WORKDIR``; ``SLURM_JOB_ID``, ``SLURM_SUBMIT_DIR``, ``SLURM_JOB_NUM_NODES``)
   are set the way PBS and SLURM set them.
 
-With ``FAKE_RECORD`` set the shims only record the rank command line and environment.
+With ``FAKE_RECORD`` set the shims only record the rank command line and environment,
+and end as a finished training does (its ``status.json``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ printf '%s\n' "$n" > "$FAKE_LOG.ranks"
 if [ -n "${FAKE_SHM_LEFTOVER:-}" ]; then : > "$FAKE_SHM_LEFTOVER"; fi
 if [ -n "${FAKE_RECORD:-}" ]; then
     "$FAKE_PYTHON" -c 'import json, os, sys; json.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, open(os.environ["FAKE_RECORD"], "w"))' "$@"
+    # ...and end as a finished training does: its status.json in its out_dir.
+    "$FAKE_PYTHON" -c 'import sys; from hpctrain.train.run_status import status_record, write_status; [write_status(a.split("=", 1)[1], status_record("finished", 0, 0)) for a in sys.argv[1:] if a.startswith("--train.out_dir=")]' "$@"
     exit 0
 fi
 # The ranks must not think they are inside a real PBS/SLURM allocation (MPICH's hydra

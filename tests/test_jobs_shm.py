@@ -11,8 +11,15 @@ import time
 
 import pytest
 
-from hpctrain.jobs.shm_leftovers import SHM_DIR_ENV, main, remove_leftovers
+from hpctrain.comm.shm_segments import MPI_SEGMENTS
+from hpctrain.comm.shm_segments import remove_leftovers as remove_any
+from hpctrain.jobs.shm_leftovers import SHM_DIR_ENV, main
 from tests.jobs_common import script
+
+
+def remove_leftovers(shm, since, uid=None):
+    """The job script's rule: any MPI's segment names."""
+    return [os.path.basename(p) for p in remove_any(since, str(shm), MPI_SEGMENTS, uid=uid)]
 
 
 def _file(folder, name, mtime=None):
@@ -42,7 +49,7 @@ def test_only_this_jobs_unused_segments_are_removed(tmp_path):
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    assert sorted(removed) == sorted(ours)
+    assert sorted(removed) == sorted(p.name for p in ours)
     assert not any(p.exists() for p in ours)
     assert older.exists() and other_name.exists() and held.exists()
     # Another user's segment is never touched (the rule compares the owner).

@@ -21,6 +21,9 @@ import time
 SHM_DIR = "/dev/shm"
 MPICH_SEGMENT = re.compile(r"mpich_shm_[0-9a-f]+_[0-9]+")
 """The name of MPICH's per-node segment (``mpich_shm_%x_%d``: job id, node)."""
+MPI_SEGMENTS = re.compile(r"mpich_shm_.+|sm_segment\..+|vader_segment\..+")
+"""Any MPI's node-local segment this project knows: MPICH's, and Open MPI's (``sm``,
+``vader``); what a job script's clean-up looks for."""
 ANY_NAME = re.compile(r".+")
 CLOCK_SLACK_S = 1.0
 """How much earlier than the launch a leftover may be stamped: tmpfs stamps files with
@@ -28,8 +31,9 @@ the kernel's coarse clock, a few milliseconds behind ``time.time()``."""
 _WATCH_POLL_S = 0.1
 
 
-def linked_mappings(maps_text: str, pattern: re.Pattern = MPICH_SEGMENT) -> list[str]:
-    """The paths under /dev/shm mapped in ``maps_text`` (the text of /proc/PID/maps)
+def linked_mappings(maps_text: str, pattern: re.Pattern = MPICH_SEGMENT,
+                    shm_dir: str = SHM_DIR) -> list[str]:
+    """The paths under ``shm_dir`` mapped in ``maps_text`` (the text of /proc/PID/maps)
     whose names match ``pattern`` and are still linked (not marked ``(deleted)``), each
     once, in the order first mapped."""
     found: list[str] = []
@@ -41,7 +45,7 @@ def linked_mappings(maps_text: str, pattern: re.Pattern = MPICH_SEGMENT) -> list
         if path.endswith(" (deleted)"):
             continue  # unlinked already
         folder, _, name = path.rpartition("/")
-        if folder == SHM_DIR and pattern.fullmatch(name) and path not in found:
+        if folder == shm_dir and pattern.fullmatch(name) and path not in found:
             found.append(path)
     return found
 
@@ -87,17 +91,19 @@ def held_paths(proc: str = "/proc", shm_dir: str = SHM_DIR) -> set[str]:
                 if target.startswith(shm_dir + "/"):
                     held.add(target)
             with open(f"{proc}/{pid}/maps") as f:
-                held.update(linked_mappings(f.read(), ANY_NAME))
+                held.update(linked_mappings(f.read(), ANY_NAME, shm_dir))
         except OSError:
             continue  # ended meanwhile, or not ours to read
     return held
 
 
 def leftovers(since: float, shm_dir: str = SHM_DIR, pattern: re.Pattern = MPICH_SEGMENT,
-              held: set[str] | None = None) -> list[str]:
-    """MPI segments under ``shm_dir`` that a job of this user left: named as MPICH names
-    them, owned by this user, made at ``since`` or later, and held by no live process
-    (``held``, default ``held_paths()``: a running job keeps its segment open)."""
+              held: set[str] | None = None, uid: int | None = None) -> list[str]:
+    """MPI segments under ``shm_dir`` that a job of this user left: named as ``pattern``
+    says (default MPICH's), owned by this user (``uid``), modified at ``since`` or later,
+    and held by no live process (``held``, default ``held_paths()``: a running job keeps
+    its segment open or mapped)."""
+    uid = os.getuid() if uid is None else uid
     found = []
     try:
         entries = list(os.scandir(shm_dir))
@@ -109,7 +115,7 @@ def leftovers(since: float, shm_dir: str = SHM_DIR, pattern: re.Pattern = MPICH_
         except OSError:
             continue
         if (pattern.fullmatch(entry.name) and stat.S_ISREG(st.st_mode)
-                and st.st_uid == os.getuid() and st.st_ctime >= since):
+                and st.st_uid == uid and st.st_mtime >= since):
             found.append(entry.path)
     if not found:
         return []
@@ -117,10 +123,11 @@ def leftovers(since: float, shm_dir: str = SHM_DIR, pattern: re.Pattern = MPICH_
     return sorted(p for p in found if p not in held)
 
 
-def remove_leftovers(since: float, shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove ``leftovers(since)``; returns the paths removed."""
+def remove_leftovers(since: float, shm_dir: str = SHM_DIR,
+                     pattern: re.Pattern = MPICH_SEGMENT, uid: int | None = None) -> list[str]:
+    """Remove ``leftovers(since, shm_dir, pattern, uid=uid)``; returns the paths removed."""
     gone = []
-    for path in leftovers(since, shm_dir):
+    for path in leftovers(since, shm_dir, pattern, uid=uid):
         try:
             os.unlink(path)
             gone.append(path)

@@ -8,76 +8,20 @@ They fill /dev/shm, and a requeued Slurm job, whose step has the same id again, 
 MPICH's stale segment under the same name and fails in MPI_Init. A file is this job's
 when all of these hold: its name has one of those forms, this user owns it, it was
 modified at or after SINCE_FILE (written just before the launch), and no process has it
-open or mapped (a live job's ranks map theirs). The rule and why: docs/design/job-scripts.md
+open or mapped (a live job's ranks map theirs): ``comm/shm_segments.py``'s rule, which
+the launcher of local runs applies too. The rule and why: docs/design/job-scripts.md
 ("Shared-memory leftovers"). ``HPCTRAIN_SHM_DIR`` names another folder (the tests).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import sys
 from pathlib import Path
 
+from hpctrain.comm.shm_segments import MPI_SEGMENTS, SHM_DIR, remove_leftovers
+
 SHM_DIR_ENV = "HPCTRAIN_SHM_DIR"
-PATTERNS = ("mpich_shm_*", "sm_segment.*", "vader_segment.*")
-
-
-def candidates(shm_dir: Path, since: float, uid: int) -> list[Path]:
-    """Files of ``shm_dir`` named like an MPI segment, owned by ``uid``, modified at or
-    after ``since`` (seconds since the epoch)."""
-    found = []
-    try:
-        entries = list(os.scandir(shm_dir))
-    except OSError:
-        return []
-    for entry in entries:
-        if not any(fnmatch.fnmatchcase(entry.name, p) for p in PATTERNS):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if entry.is_file(follow_symlinks=False) and st.st_uid == uid and st.st_mtime >= since:
-            found.append(Path(entry.path))
-    return sorted(found)
-
-
-def in_use(proc: Path = Path("/proc")) -> set[str]:
-    """Every path a process this user can see has open or mapped."""
-    used: set[str] = set()
-    for pid in proc.iterdir():
-        if not pid.name.isdigit():
-            continue
-        try:
-            for line in (pid / "maps").read_text(errors="replace").splitlines():
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6:
-                    used.add(parts[5].removesuffix(" (deleted)"))
-            for fd in (pid / "fd").iterdir():
-                used.add(os.readlink(fd))
-        except OSError:  # gone meanwhile, or another user's
-            continue
-    return used
-
-
-def remove_leftovers(shm_dir: Path, since: float, uid: int | None = None) -> list[Path]:
-    """Remove this job's leftovers (see the module docstring); the paths removed."""
-    uid = os.getuid() if uid is None else uid
-    found = candidates(shm_dir, since, uid)
-    if not found:
-        return []
-    used = in_use()
-    removed = []
-    for path in found:
-        if str(path) in used or str(path.resolve()) in used:
-            continue
-        try:
-            path.unlink()
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"hpctrain job: warning: no shared-memory clean-up: {exc}", file=sys.stderr)
         return 0
-    shm_dir = Path(os.environ.get(SHM_DIR_ENV) or "/dev/shm")
-    removed = remove_leftovers(shm_dir, since)
+    shm_dir = os.environ.get(SHM_DIR_ENV) or SHM_DIR
+    removed = remove_leftovers(since, shm_dir, MPI_SEGMENTS)
     if removed:
         print(f"hpctrain job: removed {len(removed)} shared-memory file(s) the ranks left in "
-              f"{shm_dir}: {' '.join(p.name for p in removed)}")
+              f"{shm_dir}: {' '.join(Path(p).name for p in removed)}")
     return 0
 
 
