@@ -160,6 +160,18 @@ def test_long_lines_are_located_in_plain_ranges_and_gzip(tmp_path, small_limits)
     assert docs == [f"doc {i}" for i in range(41)]
 
 
+
+def _bytes_held_per_batch(monkeypatch) -> list[int]:
+    """The bytes of each column batch the Parquet reader hands on, as it reads them."""
+    held = []
+    real = document_reader._column_batches
+
+    def spy(column, where, bad):
+        held.append(column.nbytes)
+        return real(column, where, bad)
+    monkeypatch.setattr(document_reader, "_column_batches", spy)
+    return held
+
 def test_a_document_over_the_limit_fails_in_each_records_format(tmp_path, small_limits):
     big = "é" * (9 << 10)  # 18 KiB of UTF-8 in 9 K characters: over 16 KiB
     docs = TABLE_DOCS[:35] + [big] + TABLE_DOCS[35:]
@@ -185,13 +197,7 @@ def test_a_repeated_dictionary_value_over_the_limit_fails_before_rows_are_decode
     column = pa.DictionaryArray.from_arrays(pa.array([0] * 4000, pa.int32()),
                                             pa.array(["y" * (20 << 10)]))
     pq.write_table(pa.table({"text": column}), tmp_path / "d.parquet", store_schema=False)
-    held = []
-    real = document_reader._column_batches
-
-    def spy(column, where, bad):
-        held.append(column.nbytes)
-        return real(column, where, bad)
-    monkeypatch.setattr(document_reader, "_column_batches", spy)
+    held = _bytes_held_per_batch(monkeypatch)
     with pytest.raises(DataError, match=r"d.parquet:row group 0:row 0 holds a document"):
         prepare([tmp_path / "d.parquet"], tmp_path / "o.h5", show_progress=False)
     assert held and max(held) < 64 << 10
@@ -207,13 +213,7 @@ def test_a_large_dictionary_column_read_plainly_counts_rows_as_its_longest_value
     column = pa.DictionaryArray.from_arrays(pa.array([0, 1] * 2000, pa.int32()),
                                             pa.array(["y" * 10_000, "short"]))
     pq.write_table(pa.table({"text": column}), tmp_path / "d.parquet", store_schema=False)
-    held = []
-    real = document_reader._column_batches
-
-    def spy(column, where, bad):
-        held.append(column.nbytes)
-        return real(column, where, bad)
-    monkeypatch.setattr(document_reader, "_column_batches", spy)
+    held = _bytes_held_per_batch(monkeypatch)
     docs = [d for b in read_unit(str(tmp_path / "d.parquet"), "parquet", 0, 1, "text",
                                  BadRecords()) for d in b]
     assert docs == ["y" * 10_000, "short"] * 2000

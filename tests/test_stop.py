@@ -8,6 +8,7 @@ the chosen moment (``tests/test_stop_mpi.py`` does the same with one rank signal
 import json
 import os
 import signal
+import subprocess
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from mpi4py import MPI
 from hpctrain.checkpoint.sharded import read_manifest
 from hpctrain.errors import NonFiniteError
 from hpctrain.train.trainer import Trainer
-from tests.helpers import cpu_world, tiny_config
+from tests.helpers import cpu_world, hpctrain_cmd, launcher, mpiexec, tiny_config
 
 
 def _trainer(dataset_path, out, **over):
@@ -270,7 +271,6 @@ def test_a_stopped_run_makes_its_job_script_exit_75(dataset_path, tmp_path):
     SIGTERM leaves status.json, and the generated script's ending (from its launch on,
     the launcher standing in as ``true``) reads it and exits 75 (``RequeueExit=75``,
     docs/design/job-scripts.md). Before, only the slow leg's fake batch jobs ran it."""
-    import subprocess
     import sys
 
     from tests.jobs_common import script
@@ -345,6 +345,18 @@ def _train_argv(dataset_path, out) -> list[str]:
             "--train.save_checkpoint=false", "--train.progress=false", "--train.threads=1"]
 
 
+def _two_rank_job(dataset_path, out, env: dict, *options: str) -> subprocess.Popen:
+    """A tiny `hpctrain train` under `mpiexec -n 2` in the background, no checkpoints
+    but the stop's; ``options`` add to (or override) the command line."""
+    return subprocess.Popen(mpiexec(2, *hpctrain_cmd(
+        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}",
+        "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32",
+        "--model.block_size=32", "--train.batch_size=8", "--train.ckpt_interval=0",
+        "--train.sample_tokens=0", "--train.progress=false", "--train.threads=1",
+        *options)), env=launcher().environ(OMP_NUM_THREADS="1", **env),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_a_signal_after_the_run_is_ignored_until_the_process_exits(dataset_path, tmp_path,
                                                                    monkeypatch):
     """The process's own `hpctrain train` leaves SIGTERM, SIGUSR1 and SIGINT ignored, not
@@ -405,7 +417,6 @@ def test_ctrl_c_ends_hpctrain_sample_with_130_and_no_traceback(dataset_path, tmp
 # ---------------------------------------------------------------- issue 39, item 12
 
 def _ranks_of(job, out) -> list[int]:
-    import subprocess
 
     found = subprocess.run(["pgrep", "-f", f"python.*train.out_dir={out}"],
                            capture_output=True, text=True).stdout.split()
@@ -422,11 +433,9 @@ def test_a_second_ctrl_c_under_mpiexec_during_the_stops_save(dataset_path, tmp_p
     published. MPICH's Hydra never forwards a second one: it kills the ranks itself and
     exits 255 or 0 (a race of its own) whatever they would do
     (docs/design/failure-handling.md); that case pins the fact the notes state."""
-    import subprocess
     import time
 
     from hpctrain.checkpoint.distributed import SLOW_SAVE_ENV
-    from tests.helpers import hpctrain_cmd, launcher, mpiexec
 
     family = launcher().family
     if family == "openmpi":
@@ -434,14 +443,8 @@ def test_a_second_ctrl_c_under_mpiexec_during_the_stops_save(dataset_path, tmp_p
     if second_to == "launcher" and family != "hydra":
         pytest.skip(f"what the launcher does with a second SIGINT is Hydra's ({family})")
     out = tmp_path / "run"
-    job = subprocess.Popen(mpiexec(2, *hpctrain_cmd(
-        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}",
-        "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32",
-        "--model.block_size=32", "--train.batch_size=8", "--train.max_iters=100000",
-        "--train.log_interval=5", "--train.eval_interval=0", "--train.ckpt_interval=0",
-        "--train.sample_tokens=0", "--train.progress=false", "--train.threads=1")),
-        env=launcher().environ(OMP_NUM_THREADS="1", **{SLOW_SAVE_ENV: "60"}),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = _two_rank_job(dataset_path, out, {SLOW_SAVE_ENV: "60"}, "--train.max_iters=100000",
+                        "--train.log_interval=5", "--train.eval_interval=0")
     try:
         metrics, checkpoints = out / "metrics.jsonl", out / "checkpoints"
         for _ in range(600):  # polled a bounded number of times: training has begun
@@ -481,22 +484,15 @@ def test_sigterm_to_mpiexec_during_a_long_evaluation_saves_and_stops(dataset_pat
     evaluation of a million batches runs (the signal goes a second after step 4's record;
     step 5 takes milliseconds, its evaluation far longer than the 60 s the test waits).
     The ranks abandon it together, save step 5 and exit 0 with status "stopped"."""
-    import subprocess
     import time
 
-    from tests.helpers import hpctrain_cmd, launcher, mpiexec
 
     if launcher().family == "openmpi":
         pytest.skip("Open MPI's mpirun follows SIGTERM with SIGKILL 1-2 s later")
     out = tmp_path / "run"
-    job = subprocess.Popen(mpiexec(2, *hpctrain_cmd(
-        "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}",
-        "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32",
-        "--model.block_size=32", "--train.batch_size=8", "--train.max_iters=100",
-        "--train.log_interval=1", "--train.eval_interval=5", "--train.eval_iters=1000000",
-        "--train.ckpt_interval=0", "--train.sample_tokens=0", "--train.progress=false",
-        "--train.threads=1")), env=launcher().environ(OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = _two_rank_job(dataset_path, out, {}, "--train.max_iters=100",
+                        "--train.log_interval=1", "--train.eval_interval=5",
+                        "--train.eval_iters=1000000")
     try:
         metrics = out / "metrics.jsonl"
         for _ in range(600):  # polled a bounded number of times: step 4 is logged
