@@ -142,3 +142,21 @@ def test_a_takeover_overtaken_by_another_starter_leaves_the_new_holder(tmp_path,
     assert json.loads((tmp_path / LOCK_NAME).read_text())["job"] == "B"
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no guard, no record
 
+
+
+def test_a_lock_held_by_an_unreaped_dead_process_is_stale(tmp_path):
+    """A rank killed under a container's init that reaps nothing stays a zombie: it
+    exists for kill(0) but holds nothing, so its lock is taken over (a requeued attempt
+    was refused as 'in use by another run')."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(600):  # until it has exited, unreaped (bounded)
+        with open(f"/proc/{child.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.05)
+    try:
+        mine = rundir_lock.holder_record()
+        assert rundir_lock.is_stale({**mine, "pid": child.pid}, mine)
+        assert not rundir_lock.is_stale({**mine, "pid": os.getppid()}, mine)  # alive
+    finally:
+        child.wait(timeout=30)

@@ -43,13 +43,20 @@ def holder_record() -> dict:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host. An exited process its parent has not reaped (a
+    zombie: a killed rank under a container's init that reaps nothing) holds nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, owned by someone else
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc to ask: kill(0) said it exists
+    return state not in ("Z", "X")
 
 
 def describe(holder: dict) -> str:
