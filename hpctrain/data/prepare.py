@@ -134,7 +134,7 @@ def prepare(inputs: list[str] | list[Path], output: str | Path, *, tokenizer: st
                             "--on-bad-record=skip")
         split = _split(group, spill, plan, val_fraction, dtype)  # 4
         gathered = group.allgather(split.pieces, "checksums")  # 5 (rank 0 joins them), 6
-        _write_token_file(group, output, hints, split, lambda tmp: _create_header(
+        write_token_file(group, output, hints, split, lambda tmp: _create_header(
             tmp, split, gathered, tok.meta(), plan.names, val_fraction))
     finally:
         spill.remove()
@@ -246,7 +246,7 @@ def _create_header(tmp: Path, split: _Split, gathered: list, tokenizer_meta: dic
                              split=rule, source_tokens=split.source_tokens)
 
 
-def _write_token_file(group, output: Path, hints: dict, split: _Split, create_header,
+def write_token_file(group, output: Path, hints: dict, split: _Split, create_header,
                       rounds=None) -> None:
     """Steps 5-6 under a temporary name: rank 0 writes the header (``create_header(tmp)``
     returns the arrays' byte offsets), then every rank its tokens; the file takes its

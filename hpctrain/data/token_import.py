@@ -22,9 +22,9 @@ import numpy as np
 
 from hpctrain.data.format import SPLITS, create_token_file, token_dtype
 from hpctrain.data.megatron_index import megatron_prefix, read_megatron_index
-from hpctrain.data.prepare import (DEFAULT_TIMEOUT_S, WRITE_CHUNK_BYTES, _write_token_file,
-                                   check_inputs_once, check_output, crc_pieces,
-                                   join_crc_pieces)
+from hpctrain.data.prepare import (DEFAULT_TIMEOUT_S, WRITE_CHUNK_BYTES, check_inputs_once,
+                                   check_output, crc_pieces, join_crc_pieces,
+                                   write_token_file)
 from hpctrain.data.prepare_group import Group, Solo, attempt
 from hpctrain.data.tokenizers import GPT2Tokenizer, IdsTokenizer
 from hpctrain.errors import DataError
@@ -133,7 +133,7 @@ def import_tokens(inputs: list[str], output: str | Path, *, fmt: str,
         return create_token_file(tmp, n_tokens=counts.n_tokens, dtype=dtype,
                                  tokenizer_meta=meta, crcs=crcs, sources=plan["files"],
                                  split=plan["split"], source_tokens=plan["source_tokens"])
-    _write_token_file(group, output, romio_hints or {}, counts, header,
+    write_token_file(group, output, romio_hints or {}, counts, header,
                       rounds=lambda g, _c, offsets: _rounds(g, segments, runs, dtype, offsets))
     group.barrier("barrier after publishing the file")
     n_train, n_val = counts.n_tokens["train"], counts.n_tokens["val"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpctrain.atomic import temporary_file
 from hpctrain.checkpoint.single_file import save_single_file
 from hpctrain.comm.small_collectives import allreduce_array
 from hpctrain.parallel.pipeline import pass_time_advice, pass_times
@@ -24,6 +25,13 @@ from hpctrain.train.result import TrainResult
 from hpctrain.train.run_status import FINISHED, STOPPED
 from hpctrain.train.timing import (PHASES, peak_rss_bytes, phase_medians, summarize,
                                    warmup_steps)
+
+
+def write_summary(out_dir: Path, summary: dict) -> None:
+    """``<out_dir>/summary.json``, written whole or not at all (non-finite numbers as
+    null): the full one at a run's end, or ``run_end.py``'s short one."""
+    with temporary_file(out_dir / "summary.json") as tmp:
+        tmp.write_text(json.dumps(finite_record(summary), indent=1))
 
 
 class RunOutputs:
@@ -172,7 +180,7 @@ class RunOutputs:
             **({"changed_on_resume": self.facts["changed_on_resume"]}
                if self.facts.get("changed_on_resume") else {}),
             "config": self.cfg.to_dict()}
-        (self.out_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1))
+        write_summary(self.out_dir, summary)
         self.summary_written = True
         self.log(f"done: {t.max_iters} steps in {result.wall_s:.1f} s, "
                  f"{result.tokens_per_s / 1e3:.1f}k tokens/s; outputs in {self.out_dir}/")

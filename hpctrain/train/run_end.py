@@ -10,16 +10,15 @@ collective (every rank calls it at the same point) unless its docstring says oth
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from hpctrain.atomic import temporary_file
 from hpctrain.comm.small_collectives import bcast_json
 from hpctrain.config import write_run_config
 from hpctrain.output_paths import RUN_CONFIG, is_run_config
+from hpctrain.train.outputs import write_summary
+from hpctrain.train.result import TrainResult
 from hpctrain.train.run_status import (FAILED, FINISHED, STOPPED, clear_status,
                                        read_status, status_record, write_status)
-from hpctrain.train.result import TrainResult
 from hpctrain.train.stop import SignalFlag, StopAgreement
 
 
@@ -160,6 +159,5 @@ class RunEnd:
         that ends on its own leaves both."""
         write_status(self.out_dir, record)
         if summary and not self.outputs.summary_written:
-            summary = {**record, "world_size": self.world.size, "config": self.cfg.to_dict()}
-            with temporary_file(self.out_dir / "summary.json") as tmp:
-                tmp.write_text(json.dumps(summary, indent=1))
+            write_summary(self.out_dir, {**record, "world_size": self.world.size,
+                                         "config": self.cfg.to_dict()})
