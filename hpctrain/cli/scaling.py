@@ -57,24 +57,42 @@ def add_scale(sub) -> None:
 def add_plan(sub) -> None:
     p = sub.add_parser("plan", help="rank the parallel arrangements of a model on N nodes by "
                                     "predicted step time",
-                       description="Enumerate (dp, pp, ZeRO stage, micro-batches) arrangements "
-                                   "that fit device memory, predict each step with the "
-                                   "performance model and print them fastest first.")
+                       description="Enumerate (dp, pp, tp, cp, ZeRO stage, micro-batches) "
+                                   "arrangements that fit device memory, predict each step "
+                                   "with the performance model and print them fastest first. "
+                                   "Fix any part of the layout (--dp --tp --pp --cp --zero "
+                                   "--micro-batch --schedule) to plan only around it.")
     p.add_argument("--system", required=True, metavar="NAME",
-                   help="polaris, aurora, local, or a system file (.toml) with a [perf] table")
+                   help="polaris, aurora, local, a system file (.toml) with a [perf] table, "
+                        "or a folder holding one")
     p.add_argument("--nodes", type=int, required=True, metavar="N")
-    p.add_argument("--model", required=True, metavar="NAME",
-                   help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-2.7b, gpt3-6.7b, "
-                        "gpt3-13b, llama3-8b, default")
+    p.add_argument("--model", default="", metavar="NAME",
+                   help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-2.7b, "
+                        "gpt3-6.7b, gpt3-13b, llama3-8b, llama3-70b, llama3-405b, default), a "
+                        "model .toml, or a Hugging Face config.json")
+    p.add_argument("--shape", default="", metavar="K=V,...",
+                   help="any model instead of --model: n_layer=..,n_embd=..,n_head=..,"
+                        "n_kv_head=..,ffn=..,vocab=..[,seq=..][,arch=gpt|llama]")
+    for flag, hint in (("--dp", "data-parallel replicas"), ("--tp", "tensor-parallel ranks "
+                       "(inside a node)"), ("--pp", "pipeline stages"),
+                       ("--cp", "context-parallel ranks (ring attention)"),
+                       ("--zero", "ZeRO stage 0-3"),
+                       ("--micro-batch", "sequences per micro-batch")):
+        p.add_argument(flag, type=int, default=None, metavar="N",
+                       help=f"fix the {hint} (default: the planner chooses)")
+    p.add_argument("--schedule", default=None, metavar="NAME",
+                   help="fix the pipeline schedule: 1f1b, interleaved, zb-h1, zbv, gpipe")
     p.add_argument("--global-batch", type=int, default=0, metavar="SEQ",
                    help="sequences per optimizer step (default: 512, GPT-2's, or one per "
                         "rank when there are more ranks)")
-    p.add_argument("--seq-len", type=int, default=0, metavar="T",
+    p.add_argument("--seq-len", "--seq", type=int, default=0, metavar="T",
                    help="context length (default: the model's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--recompute", default="none", choices=["none", "block"],
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "block"],
                    help="as --model.recompute: block keeps only each layer's input (a third "
-                        "more compute)")
+                        "more compute); selective recomputes the attention scores only")
+    p.add_argument("--recompute-every", type=int, default=1, metavar="N",
+                   help="with --recompute block: one block in N recomputed (default 1: all)")
     p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
                    help="as --model.loss_chunk: the head's logits N tokens at a time "
                         "(default 0: all at once)")
@@ -147,13 +165,16 @@ def _calibrate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from hpctrain.scaling.planner import explain, plan, table
+    from hpctrain.scaling.planner import Fixed, explain, plan, table
 
-    result = plan(system=args.system, nodes=args.nodes, model=args.model,
+    fixed = Fixed(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero,
+                  micro_batch=args.micro_batch, schedule=args.schedule)
+    result = plan(system=args.system, nodes=args.nodes, model=args.model, shape=args.shape,
                   global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
                   ranks_per_node=args.ranks_per_node, calibration=args.calibration,
                   recompute=args.recompute, loss_chunk=args.loss_chunk,
-                  collectives=args.collectives)
+                  collectives=args.collectives, fixed=fixed,
+                  recompute_every=args.recompute_every)
     terms = explain(result, args.explain) if args.explain else None  # bad RANK: no table
     print(table(result, top=args.top))
     if terms:

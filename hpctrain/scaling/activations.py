@@ -100,3 +100,15 @@ def logits_bytes(shape: ModelShape, tokens: int, loss_chunk: int, tp: int = 1) -
     rows = min(tokens, loss_chunk) if loss_chunk else tokens
     logits = 2 * 4.0 * rows * shape.vocab_size / tp
     return logits + (4.0 * tokens if loss_chunk or tp > 1 else 0.0)
+
+
+def selective_recompute_terms(shape: ModelShape, rows: int, dtype: str, tp: int = 1,
+                              sp: bool = False) -> tuple[float, float]:
+    """Selective recomputation (Korthikanti et al. 2022, section 4.2): keep everything
+    but the attention's score-sized tensors (softmax input and output, its dropout
+    mask) and compute them again in backward. Returns (bytes kept per layer, FLOPs added
+    per layer and token): what the layer keeps with flash attention, whose kernel does
+    exactly this, and the scores' forward again, 4 h s per token (QK^T and the weighted
+    sum, 2 FLOPs a multiply-add each)."""
+    kept = activation_bytes_per_layer(shape, rows, dtype, True, tp, sp)
+    return kept, 4.0 * shape.n_embd * shape.block_size

@@ -134,8 +134,94 @@ def preset_shape(name: str, **overrides) -> ModelShape:
     """A preset by name, with any field overridden (``block_size=2048``)."""
     table = presets()
     if name not in table:
-        raise UserError(f"unknown model {name!r}; use one of {', '.join(table)} "
-                        "(or give n_layer, n_head, n_embd, block_size, vocab_size)")
+        raise UserError(f"unknown model {name!r}; use one of {', '.join(table)}, a model "
+                        ".toml or Hugging Face config.json, or --shape n_layer=..,n_embd=..,"
+                        "n_head=..,vocab=..")
     fields = dict(table[name])
     fields.update({k: v for k, v in overrides.items() if v or v is False})
     return ModelShape(name=name, **fields)
+
+
+SHAPE_KEYS = {"n_layer": "n_layer", "n_embd": "n_embd", "n_head": "n_head",
+              "n_kv_head": "n_kv_head", "ffn": "ffn_hidden", "vocab": "vocab_size",
+              "seq": "block_size", "arch": "arch"}
+"""``--shape`` keys and the ``ModelShape`` fields they set."""
+
+
+def parse_shape(spec: str, seq_len: int = 0) -> ModelShape:
+    """``--shape n_layer=32,n_embd=4096,n_head=32,n_kv_head=8,ffn=14336,vocab=128256``:
+    a model of any shape. Llama (RMSNorm, SwiGLU, rotary, untied head) when ``n_kv_head``
+    or ``ffn`` is given, else GPT-2's; ``arch=gpt|llama`` says which; ``seq`` or
+    ``--seq-len`` the context (default 2048)."""
+    fields: dict = {}
+    for item in spec.split(","):
+        key, eq, value = item.strip().partition("=")
+        if not eq or key not in SHAPE_KEYS:
+            raise UserError(f"--shape {item.strip()!r}: give key=value pairs separated by "
+                            f"commas, keys among {', '.join(SHAPE_KEYS)}")
+        if key == "arch":
+            if value not in ("gpt", "llama"):
+                raise UserError(f"--shape arch={value!r}: use gpt or llama")
+            fields["arch"] = value
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise UserError(f"--shape {key}={value!r}: use a whole number of at least 1")
+        fields[SHAPE_KEYS[key]] = int(value)
+    missing = [k for k in ("n_layer", "n_embd", "n_head", "vocab")
+               if SHAPE_KEYS[k] not in fields]
+    if missing:
+        raise UserError(f"--shape {spec!r} lacks {', '.join(missing)}; give at least "
+                        "n_layer, n_embd, n_head and vocab")
+    llama = fields.get("arch") == "llama" or (
+        "arch" not in fields and ("n_kv_head" in fields or "ffn_hidden" in fields))
+    if llama:
+        fields.update(arch="llama", tie_embeddings=False)
+    fields["block_size"] = seq_len or fields.get("block_size", 2048)
+    return ModelShape(name=f"shape L{fields['n_layer']} C{fields['n_embd']}", **fields)
+
+
+def model_file_shape(path: str, seq_len: int = 0) -> ModelShape:
+    """A model from a TOML file (the fields of a ``models.toml`` entry, at the top or in a
+    ``[model]`` table) or a Hugging Face ``config.json``."""
+    import json
+    from pathlib import Path
+
+    from hpctrain.checkpoint.hf_config import from_hf_config
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--model {path}: no such file; give a preset ({', '.join(presets())}),"
+                        " a model .toml, a Hugging Face config.json, or --shape")
+    try:
+        if p.suffix == ".json":
+            record, _ = from_hf_config(json.loads(p.read_text()), bias=False)
+        else:
+            data = tomllib.loads(p.read_text())
+            record = data.get("model", data)
+    except (ValueError, OSError, UnicodeDecodeError) as e:  # JSON and TOML errors are ValueErrors
+        raise UserError(f"--model {path}: cannot read a model from it ({e})") from None
+    known = set(ModelShape.__dataclass_fields__) - {"name"}
+    unknown = sorted(set(record) - known - {"dropout"})
+    if unknown:
+        raise UserError(f"--model {path}: unknown key(s) {', '.join(unknown)}; a model file "
+                        f"sets {', '.join(sorted(known))}")
+    fields = {k: v for k, v in record.items() if k in known}
+    if seq_len:
+        fields["block_size"] = seq_len
+    try:
+        return ModelShape(name=p.stem, **fields)
+    except TypeError as e:
+        raise UserError(f"--model {path}: {e}") from None
+
+
+def resolve_model(model: str = "", shape: str = "", seq_len: int = 0) -> ModelShape:
+    """What ``--model`` / ``--shape`` name: a preset, a model file, or a shape."""
+    if shape and model:
+        raise UserError("give --model or --shape, not both")
+    if shape:
+        return parse_shape(shape, seq_len)
+    if not model:
+        raise UserError("give --model NAME (a preset, a .toml or config.json) or --shape")
+    if model.endswith((".toml", ".json")) or "/" in model:
+        return model_file_shape(model, seq_len)
+    return preset_shape(model, block_size=seq_len)

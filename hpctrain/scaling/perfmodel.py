@@ -17,10 +17,11 @@ from hpctrain.errors import UserError
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.pipeline.schedules import chunks_per_stage
 from hpctrain.parallel.tensor.layout import check_splittable
-from hpctrain.scaling import comm_cost, tensor_cost
+from hpctrain.scaling import comm_cost, context_cost, tensor_cost
 from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
                                           llama_bytes_per_token, logits_bytes,
-                                          micro_batches_in_flight, word_bytes)
+                                          micro_batches_in_flight,
+                                          selective_recompute_terms, word_bytes)
 from hpctrain.parallel.pipeline.schedules import predicted_bubble
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.system_perf import SystemPerf
@@ -31,7 +32,7 @@ __all__ = ["Arrangement", "Prediction", "predict", "predict_memory", "fits", "de
            "llama_bytes_per_token", "micro_batches_in_flight", "bucket_sizes"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
-RECOMPUTE = ("none", "block")
+RECOMPUTE = ("none", "selective", "block")
 
 
 @dataclass(frozen=True)
@@ -51,17 +52,33 @@ class Arrangement:
     bucket_mb: float = 25.0
     recompute: str = "none"
     """'block': each block keeps only its input and runs again in backward
-    (``--model.recompute``)."""
+    (``--model.recompute``); 'selective': only the attention's score-sized tensors are
+    computed again (Korthikanti et al. 2022)."""
+    recompute_every: int = 1
+    """With 'block': one block in every N is recomputed (1: all of them)."""
     loss_chunk: int = 0
     """Tokens per chunk of the head and loss (``--model.loss_chunk``); 0: all at once."""
     tp: int = 1
     """Tensor-parallel ranks (``--parallel.tp``): adjacent ranks, inside a node."""
     sequence_parallel: bool = False
     """``--parallel.sequence_parallel``: norms and residual stream cut along the sequence."""
+    cp: int = 1
+    """Context-parallel ranks (``--parallel.cp``): each holds 2 chunks of every sequence
+    and attention runs as a ring (``context_cost.py``); ranks = dp x pp x cp x tp."""
 
     @property
     def dp(self) -> int:
-        return self.ranks // (self.pp * self.tp)
+        return self.ranks // (self.pp * self.tp * self.cp)
+
+    @property
+    def grad_group(self) -> int:
+        """Ranks holding the same weights, over which gradients are reduced: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def recomputed_share(self) -> float:
+        """Share of the blocks that run again in backward under 'block'."""
+        return 1.0 / self.recompute_every if self.recompute == "block" else 0.0
 
     @property
     def micro_rows(self) -> int:
@@ -72,7 +89,17 @@ class Arrangement:
         if self.tp < 1 or self.ranks % self.tp:
             raise UserError(f"{self.ranks} rank(s) do not split into tensor-parallel groups "
                             f"of tp={self.tp}; use a tp that divides the rank count")
-        if self.ranks < 1 or self.pp < 1 or (self.ranks // self.tp) % self.pp:
+        if self.cp < 1 or (self.ranks // self.tp) % self.cp:
+            raise UserError(f"{self.ranks} rank(s) do not split into context-parallel groups "
+                            f"of cp={self.cp} (x tp={self.tp}); use a cp that divides the rank "
+                            "count over tp")
+        if self.cp > 1 and shape.block_size % (2 * self.cp):
+            raise UserError(f"context {shape.block_size} does not split into 2 x cp={self.cp} "
+                            f"chunks; use a cp with 2 cp dividing the sequence length")
+        if self.recompute_every < 1:
+            raise UserError(f"recompute_every {self.recompute_every}: use 1 (every block) or "
+                            "more")
+        if self.ranks < 1 or self.pp < 1 or (self.ranks // (self.tp * self.cp)) % self.pp:
             raise UserError(f"{self.ranks} rank(s) do not split into pp={self.pp} stages"
                             + (f" of tp={self.tp} ranks" if self.tp > 1 else "")
                             + "; use a pp that divides the rank count")
@@ -126,17 +153,22 @@ class Prediction:
     mfu: float | None
     tp_comm_s: float = 0.0
     """The tensor-parallel group's collectives, all exposed."""
+    cp_comm_s: float = 0.0
+    """The context-parallel ring's traffic that attention does not hide."""
+    cp_comm_total_s: float = 0.0
+    """All of the ring's traffic, hidden or not."""
 
     @property
     def comm_s(self) -> float:
-        return self.grad_comm_s + self.gather_s + self.p2p_s + self.tp_comm_s
+        return self.grad_comm_s + self.gather_s + self.p2p_s + self.tp_comm_s + self.cp_comm_s
 
     def shares(self) -> dict:
         """The trainer's four shares: ZeRO gathers, tensor-parallel collectives and the
         optimizer count as compute there (the trainer times only waits for gradient
         reductions, the bubble and data)."""
         s = self.step_s
-        inline = self.compute_s + self.optimizer_s + self.gather_s + self.p2p_s + self.tp_comm_s
+        inline = (self.compute_s + self.optimizer_s + self.gather_s + self.p2p_s
+                  + self.tp_comm_s + self.cp_comm_s)
         return {"compute": inline / s,
                 "comm": self.grad_comm_s / s, "bubble": self.bubble_s / s, "data": 0.0}
 
@@ -172,15 +204,19 @@ def activation_bytes(shape: ModelShape, arrangement: Arrangement, layers: int,
                      flash_attention: bool) -> float:
     """Activations on a stage of ``layers`` layers holding the micro-batches in flight.
     With recomputation each held micro-batch keeps every layer's input (s b h), and the
-    layer running backward holds its full set again, one at a time (Chen et al. 2016)."""
+    layer running backward holds its full set again, one at a time (Chen et al. 2016);
+    with one block in N recomputed, the others keep their full set. Context parallelism
+    divides all of it by cp (each rank holds s/cp tokens of every sequence)."""
     held = micro_batches_in_flight(arrangement.pp, arrangement.micro_batches, arrangement.schedule)
-    tp, sp = arrangement.tp, arrangement.sequence_parallel
-    full = activation_bytes_per_layer(shape, arrangement.micro_rows, arrangement.dtype,
-                                      flash_attention, tp, sp)
-    if arrangement.recompute == "none":
-        return held * layers * full
-    inputs = layer_input_bytes(shape, arrangement.micro_rows, arrangement.dtype, tp, sp)
-    return held * layers * inputs + full
+    tp, sp, rows = arrangement.tp, arrangement.sequence_parallel, arrangement.micro_rows
+    full = activation_bytes_per_layer(shape, rows, arrangement.dtype, flash_attention, tp, sp)
+    if arrangement.recompute == "selective":
+        full = selective_recompute_terms(shape, rows, arrangement.dtype, tp, sp)[0]
+    if arrangement.recompute != "block":
+        return held * layers * full / arrangement.cp
+    inputs = layer_input_bytes(shape, rows, arrangement.dtype, tp, sp)
+    again = -(-layers // arrangement.recompute_every)
+    return (held * (again * inputs + (layers - again) * full) + full) / arrangement.cp
 
 
 def collective(system: SystemPerf, kind: str, group: int, n_bytes: float,
@@ -234,17 +270,19 @@ def micro_batch_compute(system: SystemPerf, shape: ModelShape, arrangement: Arra
     bandwidth (module docstring). Recomputation runs the forward (2 of the 6 FLOPs per
     weight and token) once more, 8/6; a chunked or vocabulary-parallel head computes its
     logits again in backward, 8/6 of the head."""
-    tokens = arrangement.micro_rows * shape.block_size
-    again = 4.0 / 3.0 if arrangement.recompute == "block" else 1.0
+    tokens = arrangement.micro_rows * shape.block_size // arrangement.cp
+    again = 1.0 + arrangement.recomputed_share / 3.0
     head = 4.0 / 3.0 if arrangement.loss_chunk or arrangement.tp > 1 else 1.0
-    flops = tokens * (layers * shape.layer_flops_per_token * again
-                      + shape.head_flops_per_token * head) / arrangement.tp
+    per_layer = shape.layer_flops_per_token * again
+    if arrangement.recompute == "selective":
+        per_layer += selective_recompute_terms(shape, 1, arrangement.dtype)[1]
+    flops = tokens * (layers * per_layer + shape.head_flops_per_token * head) / arrangement.tp
     rate = system.compute_rate(shape.key, arrangement.dtype)
     t = layers * rate.layer_overhead_s * again + flops / rate.flops_per_s
     if system.memory_bandwidth and not system.calibrated(shape.key, arrangement.dtype):
         kept = layers * again * activation_bytes_per_layer(
             shape, arrangement.micro_rows, arrangement.dtype, True, arrangement.tp,
-            arrangement.sequence_parallel)
+            arrangement.sequence_parallel) / arrangement.cp
         kept += logits_bytes(shape, tokens, 0, arrangement.tp)
         t += system.activation_passes * kept / system.memory_bandwidth
     return t
@@ -256,22 +294,37 @@ def tensor_parallel_time(system: SystemPerf, shape: ModelShape, arrangement: Arr
     members = min(arrangement.tp, system.ranks_per_node or arrangement.tp)
     return tensor_cost.group_time(
         lambda kind, n: collective(system, kind, arrangement.tp, n, members), tp=arrangement.tp,
-        tokens=arrangement.micro_rows * shape.block_size, width=shape.n_embd, layers=layers,
-        dtype=arrangement.dtype, collectives=system.collectives,
+        tokens=arrangement.micro_rows * shape.block_size // arrangement.cp, width=shape.n_embd,
+        layers=layers, dtype=arrangement.dtype, collectives=system.collectives,
         recompute=arrangement.recompute == "block", sp=arrangement.sequence_parallel)
+
+
+def context_parallel_time(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
+                          layers: int) -> tuple[float, float]:
+    """One micro-batch's ring traffic (exposed, total) over the cp group, whose members
+    sit tp ranks apart."""
+    cp, tp = arrangement.cp, arrangement.tp
+    per_node = min(cp, max(1, (system.ranks_per_node or arrangement.ranks) // tp))
+    rate = system.compute_rate(shape.key, arrangement.dtype).flops_per_s
+    return context_cost.ring_times(lambda n: collective(system, "p2p", cp, n, per_node), shape,
+                                   arrangement.micro_rows, arrangement.dtype, cp, tp, layers,
+                                   rate)
 
 
 def gradient_terms(system: SystemPerf, arrangement: Arrangement, rank_params: float, layers: int,
                    t_micro: float) -> tuple[float, float, float]:
-    """(exposed reduction, all of it, ZeRO gathers) over the data-parallel group, whose
-    members sit pp x tp ranks apart (tp innermost, then pp, then dp)."""
-    dp, m = arrangement.dp, arrangement.micro_batches
+    """(exposed reduction, all of it, ZeRO gathers) over the dp x cp ranks that hold the
+    same weights (tp innermost, then cp, then pp, then dp)."""
+    dp, m = arrangement.grad_group, arrangement.micro_batches
     if dp <= 1:
         return 0.0, 0.0, 0.0
     grad_bytes = 4.0 * rank_params
     param_bytes = word_bytes(arrangement.dtype) * rank_params
-    members = max(1, (system.ranks_per_node or arrangement.ranks)
-                  // (arrangement.pp * arrangement.tp))
+    rpn = system.ranks_per_node or arrangement.ranks
+    if arrangement.cp * arrangement.tp >= rpn:  # the cp group fills the node
+        members = max(1, rpn // arrangement.tp)
+    else:
+        members = max(1, rpn // (arrangement.pp * arrangement.tp))
     buckets = bucket_sizes(grad_bytes, arrangement.bucket_mb)
     cost = lambda kind, n: collective(system, kind, dp, n, members)  # noqa: E731
     rs = sum(cost("reduce_scatter", b) for b in buckets)
@@ -308,27 +361,30 @@ def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement) -> 
     t_micro = f * micro_batch_compute(system, shape, arrangement, layers)
     compute = m * t_micro
     tp_comm = m * tensor_parallel_time(system, shape, arrangement, layers)
+    cp_exposed, cp_total = (m * t for t in context_parallel_time(system, shape, arrangement,
+                                                                  layers))
     bubble_share = bubble_fraction(p, m, arrangement.schedule, v)
-    bubble = (compute + tp_comm) * bubble_share / (1.0 - bubble_share) if p > 1 else 0.0
+    bubble = ((compute + tp_comm + cp_exposed) * bubble_share / (1.0 - bubble_share)
+              if p > 1 else 0.0)
 
     # Activations between stages: one transfer forward and one back per micro-batch slot,
     # v times as many with interleaving, twice as many with zbv's V (its tip hands over
     # locally); a tp rank sends its sequence slice under sequence parallelism. Stage
     # neighbours are tp ranks apart.
     act_bytes = layer_input_bytes(shape, arrangement.micro_rows, arrangement.dtype, arrangement.tp,
-                                  arrangement.sequence_parallel)
+                                  arrangement.sequence_parallel) / arrangement.cp
     p2p = 0.0
     if p > 1:
-        per_node = min(p, max(1, rpn // arrangement.tp))
+        per_node = min(p, max(1, rpn // (arrangement.tp * arrangement.cp)))
         chunks = chunks_per_stage(arrangement.schedule, v)
         p2p = 2 * chunks * (m + p - 1) * collective(system, "p2p", 2, act_bytes, per_node)
 
     params = tensor_cost.rank_params(shape, p, arrangement.tp)
     grad_exposed, grad_total, gather = gradient_terms(system, arrangement, params, layers, t_micro)
-    updated = params / arrangement.dp if arrangement.zero >= 1 else params
+    updated = params / arrangement.grad_group if arrangement.zero >= 1 else params
     optimizer = f * (system.optimizer_overhead_s + updated * system.optimizer_s_per_param)
 
-    step = compute + tp_comm + bubble + p2p + grad_exposed + gather + optimizer
+    step = compute + tp_comm + cp_exposed + bubble + p2p + grad_exposed + gather + optimizer
     memory, terms = predict_memory(system, shape, arrangement)
     tok_s = arrangement.global_batch * shape.block_size / step
     fl = shape.flops_per_token * tok_s / arrangement.ranks
@@ -338,19 +394,19 @@ def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement) -> 
                       gather_s=gather, optimizer_s=optimizer, oversubscription=f,
                       memory_bytes=memory, memory_terms=terms, tokens_per_s=tok_s,
                       flops_per_s_per_rank=fl, mfu=fl / peak if peak else None,
-                      tp_comm_s=tp_comm)
+                      tp_comm_s=tp_comm, cp_comm_s=cp_exposed, cp_comm_total_s=cp_total)
 
 
 def predict_memory(system: SystemPerf, shape: ModelShape,
                    arrangement: Arrangement) -> tuple[float, dict]:
     """Bytes on the busiest rank and the terms that make them up."""
-    p, dp = arrangement.pp, arrangement.dp
+    p, dp = arrangement.pp, arrangement.grad_group
     params = tensor_cost.rank_params(shape, p, arrangement.tp)
     state = zero_formula(arrangement.zero, arrangement.dtype, dp) * params
     layers = -(-shape.n_layer // p)
     acts = activation_bytes(shape, arrangement, layers, system.flash_attention)
-    logits = logits_bytes(shape, arrangement.micro_rows * shape.block_size, arrangement.loss_chunk,
-                          arrangement.tp)
+    logits = logits_bytes(shape, arrangement.micro_rows * shape.block_size // arrangement.cp,
+                          arrangement.loss_chunk, arrangement.tp)
     if arrangement.zero == 3:  # the gathered block and the prefetched next one
         buffers = 2 * word_bytes(arrangement.dtype) * params / (layers + 1)
     elif arrangement.dtype == "bf16" or arrangement.zero == 2:  # at most two fp32 staging buckets
@@ -374,6 +430,8 @@ def describe(pred: Prediction) -> list[tuple[str, str]]:
             ("pipeline bubble", ms(pred.bubble_s)),
             ("pipeline point-to-point", ms(pred.p2p_s)),
             ("tensor-parallel collectives (exposed)", ms(pred.tp_comm_s)),
+            ("context-parallel ring, exposed / total",
+             f"{ms(pred.cp_comm_s)} / {ms(pred.cp_comm_total_s)}"),
             ("gradient reduction, exposed / total",
              f"{ms(pred.grad_comm_s)} / {ms(pred.grad_comm_total_s)}"),
             ("ZeRO parameter gathers", ms(pred.gather_s)),

@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 
 from hpctrain.errors import UserError
 from hpctrain.parallel.tensor.layout import check_splittable
-from hpctrain.scaling.models import ModelShape, preset_shape
-from hpctrain.scaling.perfmodel import Arrangement, Prediction, describe, fits, predict
+from hpctrain.scaling.models import ModelShape, resolve_model
+from hpctrain.scaling.perfmodel import (RECOMPUTE, SCHEDULES, Arrangement, Prediction, describe,
+                                        fits, predict)
 from hpctrain.scaling.system_perf import SystemPerf, load_perf
 from hpctrain.sizes import GiB
 
@@ -40,6 +41,30 @@ class Plan:
     """Legal arrangements left out because they do not fit device memory."""
     smallest: Candidate | None
     """The arrangement needing the least memory (to say how far off the rest is)."""
+    fixed: "Fixed" = None
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Parts of the layout the user fixed (``--dp --tp --pp --cp --zero --micro-batch
+    --schedule``); None: the planner chooses."""
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    """Sequences per micro-batch (the rest of a rank's batch is accumulated)."""
+    schedule: str | None = None
+
+    def given(self) -> dict:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+    def allows(self, **values) -> bool:
+        return all(getattr(self, k) in (None, v) for k, v in values.items())
+
+    def text(self) -> str:
+        return " ".join(f"{k.replace('_', '-')}={v}" for k, v in self.given().items())
 
 
 def tensor_parallel_sizes(shape: ModelShape, ranks_per_node: int) -> list[int]:
@@ -56,44 +81,64 @@ def tensor_parallel_sizes(shape: ModelShape, ranks_per_node: int) -> list[int]:
     return sizes
 
 
+def context_parallel_sizes(shape: ModelShape, ranks: int) -> list[int]:
+    """cp values above 1 that split ``ranks`` and the sequence into 2 cp chunks."""
+    return [cp for cp in range(2, ranks + 1)
+            if ranks % cp == 0 and shape.block_size % (2 * cp) == 0]
+
+
 def arrangements(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
                  max_micro_rows: int = 64, recompute: str = "none",
-                 loss_chunk: int = 0, ranks_per_node: int = 1) -> list[Arrangement]:
+                 loss_chunk: int = 0, ranks_per_node: int = 1, fixed: Fixed = Fixed(),
+                 cps=(1,), recompute_every: int = 1) -> list[Arrangement]:
     out = []
     for tp in tensor_parallel_sizes(shape, min(ranks_per_node, ranks)):
-        out += _arrangements_of_tp(shape, ranks, tp, global_batch, dtype, max_micro_rows,
-                                   recompute, loss_chunk)
+        for cp in cps:
+            if fixed.allows(tp=tp, cp=cp) and (ranks // tp) % cp == 0:
+                out += _arrangements_of(shape, ranks, tp, cp, global_batch, dtype,
+                                        max_micro_rows, fixed,
+                                        dict(recompute=recompute, loss_chunk=loss_chunk,
+                                             recompute_every=recompute_every))
     return out
 
 
-def _arrangements_of_tp(shape: ModelShape, ranks: int, tp: int, global_batch: int, dtype: str,
-                        max_micro_rows: int, recompute: str, loss_chunk: int) -> list[Arrangement]:
+def _schedules(shape: ModelShape, pp: int, m: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("zb-h1", 1)]
+    if shape.n_layer % (2 * pp) == 0:
+        out.append(("interleaved", 2))
+    if m >= 2 * pp and shape.n_layer >= 2 * pp:
+        out.append(("zbv", 1))
+    return out
+
+
+def _arrangements_of(shape: ModelShape, ranks: int, tp: int, cp: int, global_batch: int,
+                     dtype: str, max_micro_rows: int, fixed: Fixed,
+                     options: dict) -> list[Arrangement]:
     out = []
-    groups = ranks // tp
+    groups = ranks // (tp * cp)
     for pp in range(1, min(groups, shape.n_layer) + 1):
-        if groups % pp:
-            continue
         dp = groups // pp
-        if global_batch % dp:
+        if groups % pp or global_batch % dp or not fixed.allows(pp=pp, dp=dp):
             continue
         rows_per_rank = global_batch // dp
-        schedules = [("1f1b", 1)] + ([("zb-h1", 1)] if pp > 1 else [])
-        if pp > 1 and shape.n_layer % (2 * pp) == 0:
-            schedules.append(("interleaved", 2))
-        b = 1
-        while b <= min(rows_per_rank, max_micro_rows):
-            if rows_per_rank % b == 0:
-                m = rows_per_rank // b
-                if pp == 1 or m >= pp:
-                    for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
-                        for sched, v in schedules + ([("zbv", 1)] if pp > 1 and m >= 2 * pp
-                                                     and shape.n_layer >= 2 * pp else []):
-                            out.append(Arrangement(ranks=ranks, pp=pp, zero=zero, micro_batches=m,
-                                                   global_batch=global_batch, dtype=dtype,
-                                                   schedule=sched, virtual_stages=v,
-                                                   recompute=recompute, loss_chunk=loss_chunk,
-                                                   tp=tp, sequence_parallel=tp > 1))
-            b *= 2
+        sizes = ([fixed.micro_batch] if fixed.micro_batch else
+                 [b for b in (2 ** i for i in range(12)) if b <= min(rows_per_rank,
+                                                                      max_micro_rows)])
+        for b in sizes:
+            m = rows_per_rank // b
+            if rows_per_rank % b or (pp > 1 and m < pp and not fixed.micro_batch):
+                continue
+            for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
+                gpipe = [("gpipe", 1)] if fixed.schedule == "gpipe" and pp > 1 else []
+                for sched, v in _schedules(shape, pp, m) + gpipe:
+                    if fixed.allows(zero=zero, schedule=sched if pp > 1 else None):
+                        out.append(Arrangement(
+                            ranks=ranks, pp=pp, zero=zero, micro_batches=m,
+                            global_batch=global_batch, dtype=dtype, schedule=sched,
+                            virtual_stages=v, tp=tp, sequence_parallel=tp > 1, cp=cp,
+                            **options))
     return out
 
 
@@ -101,12 +146,15 @@ DEFAULT_BATCH = 512
 """Sequences per step when none is given (GPT-2's batch), or one per rank if more."""
 
 
-def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len: int = 0,
+def plan(*, system: str, nodes: int, model: str = "", global_batch: int = 0, seq_len: int = 0,
          dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None,
-         recompute: str = "none", loss_chunk: int = 0, collectives: str = "auto") -> Plan:
+         recompute: str = "none", loss_chunk: int = 0, collectives: str = "auto",
+         shape: str = "", fixed: Fixed = Fixed(), recompute_every: int = 1) -> Plan:
     """Every legal arrangement that fits, fastest first. ``recompute``, ``loss_chunk`` and
     ``collectives`` are the trainer's ``--model.recompute``, ``--model.loss_chunk`` and
-    ``--comm.collectives`` for every arrangement."""
+    ``--comm.collectives`` for every arrangement; ``fixed`` the parts of the layout the
+    user chose. Context parallelism (cp > 1) is planned when it is fixed, or when no
+    arrangement without it fits (a sequence too long for a rank)."""
     perf = load_perf(system, calibration, collectives)
     if nodes < 1:
         raise UserError(f"--nodes {nodes}: use at least 1")
@@ -115,41 +163,102 @@ def plan(*, system: str, nodes: int, model: str, global_batch: int = 0, seq_len:
         raise UserError(f"system {perf.name} has no ranks per node; pass --ranks-per-node N")
     if ranks_per_node and perf.ranks_per_node and ranks_per_node != perf.ranks_per_node:
         perf = replace(perf, ranks_per_node=ranks_per_node)
-    shape = preset_shape(model, block_size=seq_len)
+    if recompute not in RECOMPUTE:
+        raise UserError(f"--recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
+    if recompute_every != 1 and recompute != "block":
+        raise UserError("--recompute-every N recomputes one block in N: it needs "
+                        "--recompute block")
+    model_shape = resolve_model(model, shape, seq_len)
     ranks = nodes * rpn
     global_batch = global_batch or max(DEFAULT_BATCH, ranks)
     if global_batch < 1:
         raise UserError(f"--global-batch {global_batch}: use at least 1 sequence")
-    cands = []
-    for arr in arrangements(shape, ranks, global_batch, dtype, recompute=recompute,
-                            loss_chunk=loss_chunk, ranks_per_node=rpn):
-        cands.append(Candidate(arr, predict(perf, shape, arr)))
+    _check_fixed(fixed, model_shape, ranks, rpn, global_batch)
+    args = dict(recompute=recompute, loss_chunk=loss_chunk, ranks_per_node=rpn, fixed=fixed,
+                recompute_every=recompute_every)
+    first = [fixed.cp] if fixed.cp else [1]
+    cands = _predict(perf, model_shape, arrangements(model_shape, ranks, global_batch, dtype,
+                                                      cps=first, **args))
+    if not fixed.cp and not any(fits(perf, c.prediction.memory_bytes) for c in cands):
+        cands += _predict(perf, model_shape, arrangements(
+            model_shape, ranks, global_batch, dtype,
+            cps=context_parallel_sizes(model_shape, ranks), **args))
     if not cands:
-        raise UserError(f"no arrangement splits a global batch of {global_batch} sequences over "
-                        f"{ranks} ranks ({nodes} node(s) x {rpn}) with at most "
-                        f"{shape.n_layer} pipeline stages; use a --global-batch that a "
-                        f"divisor of {ranks} divides, e.g. {ranks}")
+        raise UserError(_no_arrangement(fixed, model_shape, ranks, nodes, rpn, global_batch))
     ok = [c for c in cands if fits(perf, c.prediction.memory_bytes)]
     ok.sort(key=lambda c: (c.prediction.step_s, c.prediction.memory_bytes))
     smallest = min(cands, key=lambda c: c.prediction.memory_bytes)
     if not ok:
         need = smallest.prediction.memory_bytes / GiB
-        chunk = min(4096, max(256, shape.block_size // 2))  # a fraction of one sequence
-        options = [o for o, unset in (("--recompute block", recompute == "none"),
+        chunk = min(4096, max(256, model_shape.block_size // 2))  # a fraction of a sequence
+        options = [o for o, unset in (("--recompute block", recompute != "block"),
                                       (f"--loss-chunk {chunk}", not loss_chunk)) if unset]
-        raise UserError(f"{shape.label} does not fit {perf.device} memory "
+        if fixed.given():
+            options.insert(0, f"fewer fixed parts than {fixed.text()}")
+        raise UserError(f"{model_shape.label} does not fit {perf.device} memory "
                         f"({perf.device_memory / GiB:.0f} GiB) in any arrangement on {nodes} "
                         f"node(s): the smallest needs {need:.1f} GiB per rank "
                         f"({_arrangement_text(smallest.arrangement)}); use "
                         + "".join(f"{o}, " for o in options) + "more nodes, a smaller "
                         "--global-batch or --seq-len, or a smaller model")
-    return Plan(perf, shape, nodes, ranks, global_batch, tuple(ok), len(cands) - len(ok),
-                smallest)
+    return Plan(perf, model_shape, nodes, ranks, global_batch, tuple(ok), len(cands) - len(ok),
+                smallest, fixed)
+
+
+def _predict(perf: SystemPerf, shape: ModelShape, arrs: list[Arrangement]) -> list[Candidate]:
+    return [Candidate(a, predict(perf, shape, a)) for a in arrs]
+
+
+def _check_fixed(fixed: Fixed, shape: ModelShape, ranks: int, rpn: int, batch: int) -> None:
+    """One message for a fixed part no arrangement can have."""
+    for name, value in fixed.given().items():
+        if name != "schedule" and value < (0 if name == "zero" else 1):
+            raise UserError(f"--{name.replace('_', '-')} {value}: use at least "
+                            f"{0 if name == 'zero' else 1}")
+    if fixed.zero is not None and fixed.zero > 3:
+        raise UserError(f"--zero {fixed.zero}: use 0, 1, 2 or 3")
+    if fixed.schedule is not None and fixed.schedule not in SCHEDULES:
+        raise UserError(f"--schedule {fixed.schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if fixed.tp is not None:
+        if fixed.tp > rpn or rpn % fixed.tp:
+            raise UserError(f"--tp {fixed.tp}: a tensor-parallel group stays inside a node; "
+                            f"use a divisor of the {rpn} ranks per node")
+        check_splittable(shape.gpt, fixed.tp)
+    if fixed.cp is not None and fixed.cp > 1 and shape.block_size % (2 * fixed.cp):
+        raise UserError(f"--cp {fixed.cp}: the context {shape.block_size} does not split "
+                        f"into 2 x {fixed.cp} chunks; use a cp with 2 cp dividing it")
+    product = 1
+    for name in ("dp", "tp", "pp", "cp"):
+        product *= getattr(fixed, name) or 1
+    if ranks % product:
+        raise UserError(f"{fixed.text()}: dp x tp x pp x cp must divide the {ranks} ranks")
+    if all(getattr(fixed, n) for n in ("dp", "tp", "pp", "cp")) and product != ranks:
+        raise UserError(f"{fixed.text()}: dp x tp x pp x cp = {product}, not the {ranks} "
+                        "ranks; change one, or the node count")
+    if fixed.dp and batch % fixed.dp:
+        raise UserError(f"--dp {fixed.dp} does not divide the global batch of {batch}; use a "
+                        f"--global-batch that {fixed.dp} divides")
+    if fixed.zero is not None and fixed.zero >= 2 and fixed.pp and fixed.pp > 1:
+        raise UserError(f"--zero {fixed.zero} with --pp {fixed.pp}: pipelines run with ZeRO 0 "
+                        "or 1 only")
+
+
+def _no_arrangement(fixed: Fixed, shape: ModelShape, ranks: int, nodes: int, rpn: int,
+                    batch: int) -> str:
+    if fixed.given():
+        return (f"no legal arrangement of {shape.label} on {ranks} ranks has {fixed.text()} "
+                f"with a global batch of {batch} (the micro-batch must divide a rank's "
+                f"sequences, a pipeline needs at least pp micro-batches and at most "
+                f"{shape.n_layer} stages); fix fewer parts, or change --global-batch")
+    return (f"no arrangement splits a global batch of {batch} sequences over {ranks} ranks "
+            f"({nodes} node(s) x {rpn}) with at most {shape.n_layer} pipeline stages; use a "
+            f"--global-batch that a divisor of {ranks} divides, e.g. {ranks}")
 
 
 def _model_options(arr: Arrangement) -> str:
     """The model options the plan assumed, as the header says them (nothing by default)."""
-    out = [f"recompute {arr.recompute}"] if arr.recompute != "none" else []
+    every = f" (one block in {arr.recompute_every})" if arr.recompute_every > 1 else ""
+    out = [f"recompute {arr.recompute}{every}"] if arr.recompute != "none" else []
     out += [f"loss chunk {arr.loss_chunk}"] if arr.loss_chunk else []
     return "".join(f", {o}" for o in out)
 
@@ -157,6 +266,7 @@ def _model_options(arr: Arrangement) -> str:
 def _arrangement_text(arr: Arrangement) -> str:
     pipe = f", {arr.schedule}" + (f" v={arr.virtual_stages}" if arr.virtual_stages > 1 else "")
     tensor = f" tp={arr.tp}" + (" sp" if arr.sequence_parallel else "") if arr.tp > 1 else ""
+    tensor += f" cp={arr.cp}" if arr.cp > 1 else ""
     return (f"dp={arr.dp} pp={arr.pp}{tensor} zero={arr.zero} micro-batches={arr.micro_batches} of "
             f"{arr.micro_rows}" + (pipe if arr.pp > 1 else ""))
 
@@ -168,20 +278,22 @@ def table(p: Plan, top: int = 12) -> str:
             f"{p.ranks // p.nodes} = {p.ranks} ranks, {p.system.device_memory / GiB:.0f} GiB "
             f"per device; global batch {p.global_batch} x {s.block_size} tokens; "
             f"{first.dtype}{_model_options(first)}; gradients "
-            f"through {'the GPU library' if p.system.collectives == 'xccl' else 'MPI'}")
-    cols = ["#", "dp", "pp", "tp", "sched", "zero", "micro", "rows", "step s", "tok/s", "TFLOP/s",
-            "MFU", "compute", "comm", "bubble", "mem GiB"]
+            f"through {'the GPU library' if p.system.collectives == 'xccl' else 'MPI'}"
+            + (f"; fixed: {p.fixed.text()}" if p.fixed and p.fixed.given() else ""))
+    cols = ["#", "dp", "pp", "tp", "cp", "sched", "zero", "micro", "rows", "step s", "job tok/s",
+            "GPU tok/s", "GPU TFLOP/s", "MFU", "compute", "comm", "bubble", "mem GiB"]
     rows = []
     for i, c in enumerate(p.fitting[:top], 1):
         arr, q = c.arrangement, c.prediction
         sh = q.shares()
         comm = q.comm_s / q.step_s
         rows.append([str(i), str(arr.dp), str(arr.pp),
-                     str(arr.tp) + ("sp" if arr.sequence_parallel else ""),
+                     str(arr.tp) + ("sp" if arr.sequence_parallel else ""), str(arr.cp),
                      "-" if arr.pp == 1 else arr.schedule[:5] + (
                          f"{arr.virtual_stages}" if arr.virtual_stages > 1 else ""),
                      str(arr.zero), str(arr.micro_batches), str(arr.micro_rows),
                      f"{q.step_s:.3f}", f"{q.tokens_per_s:,.0f}",
+                     f"{q.tokens_per_s / arr.ranks:,.0f}",
                      f"{q.flops_per_s_per_rank / 1e12:.1f}",
                      f"{100 * q.mfu:.1f}%" if q.mfu is not None else "-",
                      f"{100 * (q.compute_s + q.optimizer_s) / q.step_s:.0f}%",
@@ -190,6 +302,8 @@ def table(p: Plan, top: int = 12) -> str:
     widths = [max(len(r[i]) for r in [cols] + rows) for i in range(len(cols))]
     line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
     out = [head, "", line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    out.append("job tok/s: tokens per second of the whole job; GPU tok/s and GPU TFLOP/s: "
+               "per rank (one GPU or tile); MFU: of the device's peak.")
     shown = min(top, len(p.fitting))
     out.append("")
     out.append(f"{len(p.fitting)} arrangement(s) fit ({shown} shown, fastest first); "

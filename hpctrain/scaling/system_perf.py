@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,8 +35,9 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None,
     """System ``name`` (or a .toml path) for the model, with a calibration's numbers on top.
     ``collectives``: whose links carry the gradients (``--comm.collectives``): ``mpi``,
     ``xccl`` (the GPU's library, ``[perf.network.xccl]``), or ``auto`` (the library where
-    the system has its figures, as training does on GPUs)."""
-    system = load_system(name)
+    the system has its figures, as training does on GPUs). ``name`` may be a folder
+    holding one system file (or ``system.toml``)."""
+    system = load_system(system_file(name))
     p = system.perf
     if p is None:
         raise UserError(f"system {system.name} has no performance figures (no [perf] table "
@@ -68,10 +70,61 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None,
         slowdown={int(n): {k: float(v) for k, v in d.items()}
                   for n, d in cc.get("concurrent_slowdown", {}).items()},
         calibration=str(calibration or ""))
+    _check_rates(perf, system.file)
+    if not calibration:
+        _warn_missing(perf, system.file, collectives)
     if not 0.0 <= perf.overlap <= 1.0:
         raise UserError(f"calibration file {calibration}: overlap must be between 0 and 1; "
                         "make it again with `hpctrain scale calibrate`")
     return perf
+
+
+def system_file(name: str) -> str:
+    """``--system``: a built-in name, a file, or a folder holding one system file."""
+    folder = Path(name)
+    if not folder.is_dir():
+        return name
+    if (folder / "system.toml").is_file():
+        return str(folder / "system.toml")
+    files = sorted(folder.glob("*.toml"))
+    if len(files) != 1:
+        raise UserError(f"--system {name}: a folder must hold one system file (or "
+                        f"system.toml); it holds {len(files)} .toml file(s)"
+                        + (f" ({', '.join(f.name for f in files)}): name one" if files else ""))
+    return str(files[0])
+
+
+def _check_rates(perf: SystemPerf, file: str) -> None:
+    """``achieved_tflops`` is what the matrix multiplies reach, never more than the
+    device's peak (``devices.toml``)."""
+    for dtype, rate in perf.achieved_flops.items():
+        peak = perf.peak_flops.get(dtype)
+        if peak and rate > peak:
+            raise UserError(f"system file {file}: [perf.compute] achieved_tflops {dtype} = "
+                            f"{rate / 1e12:g} is above the {perf.device} peak "
+                            f"({peak / 1e12:g}); give the rate the matrix multiplies reach")
+
+
+_WARNED: set = set()
+
+
+def _warn_missing(perf: SystemPerf, file: str, collectives: str) -> None:
+    """One line on stderr per table a GPU system's file lacks and what the model assumes
+    instead (once per file and key in a process)."""
+    if perf.device.startswith("cpu") or perf.cores_per_node:
+        return
+    lines = []
+    if not perf.memory_bandwidth:
+        lines.append(("memory_gbytes_per_s", "[perf.compute] has no memory_gbytes_per_s: "
+                      "the model takes achieved_tflops as the whole forward + backward rate "
+                      "(no memory-bound term for the activations)"))
+    if perf.xccl is None and collectives == "auto":
+        lines.append(("xccl", "no [perf.network.xccl]: collectives are priced with "
+                      "[perf.network]'s MPI links and overlap, not the GPU's library"))
+    for key, text in lines:
+        if (file, key) not in _WARNED:
+            _WARNED.add((file, key))
+            print(f"warning: system file {file}: {text}", file=sys.stderr)
 
 
 def read_calibration(path: str | os.PathLike) -> dict:
