@@ -23,6 +23,7 @@ from perf.render_data import render_prepare  # noqa: E402
 from perf.render_parallel import (render_pipeline, render_tp, render_zero,  # noqa: E402
                                   render_zero_bubble)
 from perf.results_format import md_table, provenance, ratio_of  # noqa: E402
+from perf.bench_perfmodel import render_perfmodel  # noqa: E402
 from hpctrain.sizes import MiB  # noqa: E402
 
 DOC = ROOT / "perf" / "RESULTS.md"
@@ -348,6 +349,8 @@ SECTIONS = {
     "tp": ("Tensor parallelism", "python perf/bench_tp.py --shakespeare PATH", render_tp),
     "long_context": ("Long context: chunked loss and recomputation",
                      "python perf/bench_long_context.py", render_long_context),
+    "perfmodel": ("Performance model against published runs",
+                  "python perf/bench_perfmodel.py", render_perfmodel),
 }
 
 

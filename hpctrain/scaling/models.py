@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 
 from hpctrain.errors import UserError
@@ -24,7 +25,8 @@ else:  # pragma: no cover
 @dataclass(frozen=True)
 class ModelShape:
     """``GPTConfig``'s fields that fix the parameters (all but dropout, see
-    ``GPTConfig.shape``), a name, and the counts the performance model needs."""
+    ``GPTConfig.shape``), a name, and the counts the performance model needs (computed
+    once per shape: the planner asks for them thousands of times)."""
     n_layer: int
     n_head: int
     n_embd: int
@@ -56,15 +58,18 @@ class ModelShape:
             raise UserError(f"model {self.label}: n_embd {self.n_embd} is not a multiple of "
                             f"n_head {self.n_head}; pick a width divisible by the head count")
         try:  # the architecture's checks, and its defaults for n_kv_head and ffn_hidden
-            gpt = GPTConfig.from_shape(vars(self))
+            gpt = GPTConfig.from_shape(self._fields())
         except (ValueError, TypeError) as e:
             raise UserError(f"model {self.label}: {e}") from None
         object.__setattr__(self, "n_kv_head", gpt.n_kv_head)
         object.__setattr__(self, "ffn_hidden", gpt.ffn_hidden)
 
-    @property
+    def _fields(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+    @cached_property
     def gpt(self) -> GPTConfig:
-        return GPTConfig.from_shape(vars(self))
+        return GPTConfig.from_shape(self._fields())
 
     @property
     def label(self) -> str:
@@ -80,22 +85,22 @@ class ModelShape:
             key += f"-{self.arch}-KV{self.n_kv_head}-F{self.ffn_hidden}"
         return key
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         return self.gpt.block_params()
 
-    @property
+    @cached_property
     def embedding_params(self) -> int:
         """The head's matrix (the tied token embedding, or the untied head) and the final
         norm."""
         return self.params_non_embedding - self.n_layer * self.layer_params
 
-    @property
+    @cached_property
     def params(self) -> int:
         """All parameters, position embeddings included (what ranks store and reduce)."""
         return self.gpt.num_params(non_embedding=False)
 
-    @property
+    @cached_property
     def params_non_embedding(self) -> int:
         """``GPT.num_params()``: everything but the position embeddings."""
         return self.gpt.num_params()
@@ -110,7 +115,7 @@ class ModelShape:
     def head_flops_per_token(self) -> float:
         return 6.0 * self.embedding_params
 
-    @property
+    @cached_property
     def flops_per_token(self) -> float:
         """``GPTConfig.flops_per_token``: the layers' and the head's above, summed."""
         return self.gpt.flops_per_token()

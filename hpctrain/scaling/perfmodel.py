@@ -11,6 +11,7 @@ Every term and why: docs/design/scaling-model.md ("The performance model").
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from hpctrain.errors import UserError
@@ -281,7 +282,7 @@ def micro_batch_compute(system: SystemPerf, shape: ModelShape, arrangement: Arra
     t = layers * rate.layer_overhead_s * again + flops / rate.flops_per_s
     if system.memory_bandwidth and not system.calibrated(shape.key, arrangement.dtype):
         kept = layers * again * activation_bytes_per_layer(
-            shape, arrangement.micro_rows, arrangement.dtype, True, arrangement.tp,
+            shape, arrangement.micro_rows, arrangement.dtype, system.flash_attention, arrangement.tp,
             arrangement.sequence_parallel) / arrangement.cp
         kept += logits_bytes(shape, tokens, 0, arrangement.tp)
         t += system.activation_passes * kept / system.memory_bandwidth
@@ -325,16 +326,20 @@ def gradient_terms(system: SystemPerf, arrangement: Arrangement, rank_params: fl
         members = max(1, rpn // arrangement.tp)
     else:
         members = max(1, rpn // (arrangement.pp * arrangement.tp))
-    buckets = bucket_sizes(grad_bytes, arrangement.bucket_mb)
+    sizes = bucket_sizes(grad_bytes, arrangement.bucket_mb)
+    buckets, last = Counter(sizes), sizes[-1]  # {size: how many}, the last one
     cost = lambda kind, n: collective(system, kind, dp, n, members)  # noqa: E731
-    rs = sum(cost("reduce_scatter", b) for b in buckets)
-    last = buckets[-1]
+
+    def over_buckets(kind: str, scale: float = 1.0) -> float:
+        return sum(k * cost(kind, b * scale) for b, k in buckets.items())
+
+    rs = over_buckets("reduce_scatter")
     if arrangement.zero == 0 and arrangement.dtype == "fp32" and system.fit("shm_allreduce", dp):
         # CPU gradients on one node: the trainer sums them in shared memory.
-        total = sum(cost("shm_allreduce", b) for b in buckets)
+        total = over_buckets("shm_allreduce")
         tail = cost("shm_allreduce", last)
     elif arrangement.zero == 0:
-        total = sum(cost("allreduce", b) for b in buckets)
+        total = over_buckets("allreduce")
         tail = cost("allreduce", last)
     elif arrangement.zero == 1:  # reduce-scatter only on the last micro-batch
         total, tail = rs, cost("reduce_scatter", last)
@@ -344,7 +349,7 @@ def gradient_terms(system: SystemPerf, arrangement: Arrangement, rank_params: fl
     exposed = max(tail, (rs if arrangement.zero >= 2 else total) - hidden)
     gather = 0.0
     if arrangement.zero in (1, 2):  # new parameters after the sharded update
-        gather = sum(cost("allgather", b * param_bytes / grad_bytes) for b in buckets)
+        gather = over_buckets("allgather", param_bytes / grad_bytes)
     elif arrangement.zero == 3:  # each block before forward and before backward
         units = layers + 1
         per_unit = cost("allgather", param_bytes / units)
