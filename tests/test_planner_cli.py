@@ -204,3 +204,19 @@ def test_the_405b_preset_plans_on_aurora():
     p = plan(system="aurora", nodes=128, model="llama3-405b", recompute="block",
              fixed=Fixed(tp=4, zero=1))
     assert p.fitting and p.shape.params == pytest.approx(405.85e9, rel=1e-3)
+
+
+def test_the_published_runs_are_cited_and_megatron_flops_convert():
+    import tomllib
+
+    from perf.bench_perfmodel import RUNS, megatron_flops_per_token, published_tokens
+
+    runs = tomllib.loads(RUNS.read_text())["run"]
+    assert len(runs) >= 40 and len({r["source"] for r in runs}) >= 4
+    assert all(r["citation"] and r["url"].startswith("https://") for r in runs)
+    assert len({r["id"] for r in runs}) == len(runs)
+    # Narayanan et al. eq. 3 for the 1T model: 163 TFLOP/s per GPU is about 20 tokens/s.
+    one_t = next(r for r in runs if r["id"] == "megatron-t1-1008b")
+    assert megatron_flops_per_token(128, 25600, 2048, 51200) == pytest.approx(
+        96 * 128 * 25600 ** 2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
+    assert published_tokens(one_t) == pytest.approx(19.96, abs=0.01)
