@@ -52,6 +52,8 @@ def test_a_fixed_layout_is_what_the_plan_returns():
     (["--zero", "5"], "use 0, 1, 2 or 3"),
     (["--schedule", "fast"], "use one of"),
     (["--micro-batch", "3", "--dp", "64"], "no legal arrangement"),
+    (["--pp", "32", "--schedule", "interleaved"], "do not split into 64"),
+    (["--pp", "1", "--schedule", "zbv"], "needs --pp 2 or more"),
 ])
 def test_an_impossible_fixed_layout_is_refused_once_naming_why(capsys, args, match):
     code, out, err = _plan_cli(capsys, "--system", "polaris", "--nodes", "16", "--model",

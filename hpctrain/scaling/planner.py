@@ -238,6 +238,12 @@ def _check_fixed(fixed: Fixed, shape: ModelShape, ranks: int, rpn: int, batch: i
     if fixed.dp and batch % fixed.dp:
         raise UserError(f"--dp {fixed.dp} does not divide the global batch of {batch}; use a "
                         f"--global-batch that {fixed.dp} divides")
+    if fixed.schedule is not None and fixed.pp == 1:
+        raise UserError(f"--schedule {fixed.schedule} is a pipeline's: it needs --pp 2 or more")
+    if fixed.schedule == "interleaved" and fixed.pp and shape.n_layer % (2 * fixed.pp):
+        raise UserError(f"--schedule interleaved gives each of the {fixed.pp} stages 2 chunks: "
+                        f"the {shape.n_layer} layers do not split into {2 * fixed.pp}; use "
+                        "another --pp, or 1f1b, zb-h1 or zbv")
     if fixed.zero is not None and fixed.zero >= 2 and fixed.pp and fixed.pp > 1:
         raise UserError(f"--zero {fixed.zero} with --pp {fixed.pp}: pipelines run with ZeRO 0 "
                         "or 1 only")
