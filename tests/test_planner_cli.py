@@ -222,3 +222,17 @@ def test_the_published_runs_are_cited_and_megatron_flops_convert():
     assert megatron_flops_per_token(128, 25600, 2048, 51200) == pytest.approx(
         96 * 128 * 25600 ** 2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
     assert published_tokens(one_t) == pytest.approx(19.96, abs=0.01)
+
+
+def test_a_study_record_holds_the_shape_fields_once_counts_are_cached(tmp_path):
+    """The shape's counts are cached on the object (the planner asks for them thousands
+    of times); a study's record stores its fields only, as JSON."""
+    from hpctrain.scaling.runner import new_record
+    from tests.test_scaling_study import SPEC, _write
+    from hpctrain.scaling.spec import load_study
+
+    study = load_study(_write(tmp_path, SPEC.format(scaling="weak", batch="per_rank = 4")))
+    point = study.points[0]
+    assert point.model.params and point.model.gpt  # cached now
+    rec = json.loads(json.dumps(new_record(study, point, 0, 0, ["x"])))
+    assert set(rec["config"]["model"]) == set(point.model.fields()) | {"params"}

@@ -58,18 +58,19 @@ class ModelShape:
             raise UserError(f"model {self.label}: n_embd {self.n_embd} is not a multiple of "
                             f"n_head {self.n_head}; pick a width divisible by the head count")
         try:  # the architecture's checks, and its defaults for n_kv_head and ffn_hidden
-            gpt = GPTConfig.from_shape(self._fields())
+            gpt = GPTConfig.from_shape(self.fields())
         except (ValueError, TypeError) as e:
             raise UserError(f"model {self.label}: {e}") from None
         object.__setattr__(self, "n_kv_head", gpt.n_kv_head)
         object.__setattr__(self, "ffn_hidden", gpt.ffn_hidden)
 
-    def _fields(self) -> dict:
+    def fields(self) -> dict:
+        """The dataclass fields (what a record stores), without the cached counts."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
     @cached_property
     def gpt(self) -> GPTConfig:
-        return GPTConfig.from_shape(self._fields())
+        return GPTConfig.from_shape(self.fields())
 
     @property
     def label(self) -> str:

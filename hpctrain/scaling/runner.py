@@ -116,7 +116,7 @@ def new_record(study: Study, point: Point, repeat: int, index: int, command: lis
     return {"schema": records.SCHEMA, "study": study.name, "point": point.id,
           "index": index, "repeat": repeat, "series": point.series(),
           "parallel": point.parallel, "scaling": study.scaling,
-          "config": {"model": {**point.model.__dict__, "params": point.model.params},
+          "config": {"model": {**point.model.fields(), "params": point.model.params},
                      "ranks": point.arrangement.ranks, "nodes": point.nodes,
                      "dp": point.arrangement.dp, "pp": point.arrangement.pp,
                      "tp": point.arrangement.tp,
