@@ -59,7 +59,9 @@ class SystemPerf:
     peak_flops: dict
     """Per device and dtype, FLOP/s (``devices.toml``, for MFU)."""
     achieved_flops: dict
-    """Per dtype, FLOP/s of the matrix multiplies (wide ones: the plateau)."""
+    """Per dtype, FLOP/s of the matrix multiplies (wide ones: the plateau) when
+    ``memory_bandwidth`` is given; without it, the whole forward + backward rate (the
+    planner warns which). Never above the device's peak (``load_perf`` refuses it)."""
     layer_overhead_s: float
     optimizer_s_per_param: float
     optimizer_overhead_s: float
