@@ -282,8 +282,8 @@ def micro_batch_compute(system: SystemPerf, shape: ModelShape, arrangement: Arra
     t = layers * rate.layer_overhead_s * again + flops / rate.flops_per_s
     if system.memory_bandwidth and not system.calibrated(shape.key, arrangement.dtype):
         kept = layers * again * activation_bytes_per_layer(
-            shape, arrangement.micro_rows, arrangement.dtype, system.flash_attention, arrangement.tp,
-            arrangement.sequence_parallel) / arrangement.cp
+            shape, arrangement.micro_rows, arrangement.dtype, system.flash_attention,
+            arrangement.tp, arrangement.sequence_parallel) / arrangement.cp
         kept += logits_bytes(shape, tokens, 0, arrangement.tp)
         t += system.activation_passes * kept / system.memory_bandwidth
     return t
