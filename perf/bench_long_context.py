@@ -58,7 +58,7 @@ MODEL = dict(arch="llama", vocab_size=32000, n_layer=2, n_embd=256, n_head=4, n_
              tie_embeddings=False)
 LOSS_CHUNK = 1024
 VARIANTS = {  # name -> GPTConfig options
-    "plain": {},
+    "plain": {"loss_chunk": -1},  # the whole head, also where the default would chunk
     "chunked": {"loss_chunk": LOSS_CHUNK},
     "chunked+recompute": {"loss_chunk": LOSS_CHUNK, "recompute": "block"},
 }

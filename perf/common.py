@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hpctrain.comm.local_mpiexec import find_launcher
 from hpctrain.scaling.records import cpu_model
+from hpctrain.sizes import MiB
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "perf" / "results"

@@ -24,7 +24,7 @@ from perf.render_parallel import (render_pipeline, render_tp, render_zero,  # no
                                   render_zero_bubble)
 from perf.results_format import md_table, provenance, ratio_of  # noqa: E402
 from perf.bench_perfmodel import render_perfmodel  # noqa: E402
-from hpctrain.sizes import MiB  # noqa: E402
+from hpctrain.sizes import GiB, MiB  # noqa: E402
 
 DOC = ROOT / "perf" / "RESULTS.md"
 
@@ -280,6 +280,31 @@ def render_long_context(d: dict) -> list[str]:
     return out
 
 
+def render_memory(d: dict) -> list[str]:
+    m = d["shape"]
+    rows = [[r["variant"], "whole" if r["head_chunk"] in (None, 0) else f"{r['head_chunk']} tokens",
+             fmt(r["state_bytes"] / GiB), fmt(r["step_peak_bytes"] / GiB),
+             fmt(r["optimizer_peak_bytes"] / GiB), fmt(r["peak_bytes"] / GiB),
+             fmt(r["formula"]["peak_bytes"] / GiB), fmt(r["vs_reference"]),
+             fmt(r["step_vs_reference"]), fmt(r["vs_formula"]), fmt(r["step_vs_formula"])]
+            for r in d["variants"]]
+    pub = d["published"]
+    return [f"Peak memory of one rank (GiB) training a GPT-2-medium-shaped model: "
+            f"{m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocabulary "
+            f"{m['vocab_size']}, {d['rows']} x {m['block_size']} tokens, {d['dtype']}, AdamW; "
+            "`reference` is a plain torch GPT of the same shape (full logits, "
+            "`F.cross_entropy`), `whole` hpctrain with `--model.loss_chunk=-1`, `default` "
+            "hpctrain as it comes (automatic head). state: model, gradients, moments; step: "
+            "the forward and backward's peak over the state; peak: state + the larger of "
+            "step and optimizer step.", "",
+            *md_table(["variant", "head", "state", "step", "optimizer", "peak",
+                       "formula peak", "peak / reference", "step / reference",
+                       "peak / formula", "step / formula"], rows),
+            f"The formula's logits term at llm-foundry's MPT-350M micro-batch ({pub['rows']} "
+            f"x {m['block_size']} tokens): {fmt(pub['whole_bytes'] / GiB)} GiB whole, "
+            f"{fmt(pub['default_bytes'] / GiB)} GiB with the automatic head.", ""]
+
+
 def render_gpu(d: dict) -> list[str]:
     s = d["sections"]
     env = s["environment"]
@@ -351,6 +376,8 @@ SECTIONS = {
                      "python perf/bench_long_context.py", render_long_context),
     "perfmodel": ("Performance model against published runs",
                   "python perf/bench_perfmodel.py", render_perfmodel),
+    "memory": ("Memory of one rank against the formula and plain torch",
+               "python perf/bench_memory.py", render_memory),
 }
 
 

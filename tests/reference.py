@@ -25,6 +25,7 @@ from hpctrain.config import Config
 from hpctrain.data.dataset import TokenDataset
 from hpctrain.data.sampler import make_sampler
 from hpctrain.model.gpt import GPT
+from hpctrain.model.shape import WHOLE_HEAD
 
 CACHE_ENV = "HPCTRAIN_REF_CACHE"
 
@@ -42,10 +43,11 @@ class Reference:
 
 
 def plain_model_config(cfg: Config) -> Config:
-    """``cfg`` without activation recomputation, the chunked loss or ``torch.compile``: the
+    """``cfg`` without activation recomputation, the chunked loss (automatic or not) or
+    ``torch.compile``: the
     run those options must reproduce (the reference otherwise builds its model as ``cfg``
     says)."""
-    model = dataclasses.replace(cfg.model, recompute="none", loss_chunk=0)
+    model = dataclasses.replace(cfg.model, recompute="none", loss_chunk=WHOLE_HEAD)
     return dataclasses.replace(cfg, model=model,
                                train=dataclasses.replace(cfg.train, compile=False))
 

@@ -9,7 +9,10 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.model.chunked_loss import chunked_cross_entropy
+from hpctrain.model import gpt as gpt_module
+from hpctrain.model import shape as shape_module
 from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.shape import AUTO_LOGITS_BYTES, WHOLE_HEAD, head_chunk
 from hpctrain.parallel.pipeline.stage import PipelineStage
 from hpctrain.train.trainer import Trainer
 from tests.helpers import cpu_world, fit_against_reference, tiny_config
@@ -35,7 +38,7 @@ def _cfg(arch: str, tied: bool, **kw) -> GPTConfig:
 def _pair(arch: str, tied: bool, chunk: int, dtype=torch.float32) -> tuple[GPT, GPT]:
     """The same weights twice: the plain model and the chunked one."""
     torch.manual_seed(0)
-    plain = GPT(_cfg(arch, tied)).to(dtype)
+    plain = GPT(_cfg(arch, tied, loss_chunk=WHOLE_HEAD)).to(dtype)
     chunked = GPT(_cfg(arch, tied, loss_chunk=chunk)).to(dtype)
     chunked.load_state_dict(plain.state_dict())
     return plain, chunked
@@ -178,5 +181,59 @@ def test_the_trainer_with_loss_chunk_trains_as_without(dataset_path, tmp_path, a
     trainer = _train(cfg)
     assert trainer.gpt_cfg.loss_chunk == 24
     plain = plain_model_config(cfg)
-    assert plain.model.loss_chunk == 0
+    assert plain.model.loss_chunk == WHOLE_HEAD
     fit_against_reference(trainer, plain)
+
+
+def test_the_automatic_rule_chunks_above_the_bound_and_not_at_it():
+    """``loss_chunk=0``: all at once while tokens x columns x 4 bytes fit the bound
+    (equal included), else chunks of as many tokens as fit; an explicit N or -1 wins."""
+    bound = AUTO_LOGITS_BYTES
+    assert bound == 256 * 2**20
+    per_token = 4 * 50257  # GPT-2's vocabulary
+    fits = bound // per_token  # 1335 tokens
+    assert head_chunk(0, fits, 50257) == 0
+    assert head_chunk(0, fits + 1, 50257) == fits
+    assert head_chunk(0, 8 * 2048, 50257) == fits  # GPT-2 medium, 8 rows of 2048
+    assert head_chunk(0, 10, 4, bound=40 * 4) == 0  # exactly at the bound: whole
+    assert head_chunk(0, 11, 4, bound=40 * 4) == 10
+    assert head_chunk(0, 11, 1000, bound=100) == 1  # not one token fits: one at a time
+    assert head_chunk(0, 1 << 20, 128256 // 4) == bound // (4 * 32064)  # a tp=4 slice
+    assert head_chunk(24, 10, 4) == 24 and head_chunk(WHOLE_HEAD, 1 << 30, 50257) == 0
+    assert GPTConfig(vocab_size=50257).head_chunk(fits + 1) == fits
+
+
+def _spy_chunks(monkeypatch) -> list[int]:
+    """The chunk each call of the GPT's chunked head gets (none: the plain head ran)."""
+    seen, real = [], gpt_module.chunked_cross_entropy
+
+    def spy(h, weight, targets, vocab, chunk):
+        seen.append(chunk)
+        return real(h, weight, targets, vocab, chunk)
+
+    monkeypatch.setattr(gpt_module, "chunked_cross_entropy", spy)
+    return seen
+
+
+@pytest.mark.parametrize("arch,tied", [("gpt", True), ("llama", False)])
+def test_the_automatic_head_chunks_only_above_the_bound_with_the_same_results(
+        monkeypatch, arch, tied):
+    """The default model (loss_chunk 0) under a bound of 10 tokens' logits: 48 tokens go
+    in chunks of 10 with the plain head's loss and gradients; under a bound that holds
+    all 48 tokens' logits, the plain head runs."""
+    torch.manual_seed(0)
+    plain = GPT(_cfg(arch, tied, loss_chunk=WHOLE_HEAD))
+    auto = GPT(_cfg(arch, tied))
+    auto.load_state_dict(plain.state_dict())
+    assert auto.cfg.loss_chunk == 0
+    x, y = _batch()
+    seen = _spy_chunks(monkeypatch)
+    want_loss, want = _loss_and_grads(plain, x, y)
+    assert seen == []
+    monkeypatch.setattr(shape_module, "AUTO_LOGITS_BYTES", 10 * V * 4)
+    got_loss, got = _loss_and_grads(auto, x, y)
+    assert seen == [10]
+    _assert_same(got_loss, got, want_loss, want, rtol=1e-6)
+    monkeypatch.setattr(shape_module, "AUTO_LOGITS_BYTES", ROWS * T * V * 4)
+    auto(x, y)
+    assert seen == [10]  # 48 tokens' logits fit: no chunked call

@@ -246,3 +246,26 @@ def test_long_context_section_renders_the_sweep_and_the_capacity(tmp_path):
     assert "| 1024 | 400 | 2.000 [1.000, 3.000] | 200 | 4.000 | 2.000 |" in doc
     assert "| chunked | >= 4096 | 4.000 |" in doc
     assert "4.000x -> met." in doc
+
+
+def test_memory_section_renders_each_variant_against_reference_and_formula(tmp_path):
+    gib = 2**30
+
+    def rec(variant, chunk, step, vs_ref):
+        return {"variant": variant, "head_chunk": chunk, "state_bytes": 6 * gib,
+                "step_peak_bytes": step * gib, "optimizer_peak_bytes": 0.5 * gib,
+                "peak_bytes": (6 + step) * gib, "formula": {"peak_bytes": 8 * gib},
+                "vs_reference": vs_ref, "step_vs_reference": vs_ref, "vs_formula": 1.0,
+                "step_vs_formula": 1.0}
+
+    d = {"git_sha": "abc1234", "tree_clean": True, "time": "2026-01-01T00:00:00",
+         "machine": {}, "shape": {"n_layer": 24, "n_embd": 1024, "n_head": 16,
+                                  "vocab_size": 50257, "block_size": 2048},
+         "rows": 1, "dtype": "fp32",
+         "variants": [rec("reference", None, 4, 1.0), rec("default", 1335, 2, 0.8)],
+         "published": {"rows": 8, "whole_bytes": 6 * gib, "default_bytes": 0.5 * gib}}
+    (tmp_path / "memory.json").write_text(json.dumps(d))
+    doc = make_results.render(tmp_path)
+    assert ("| default | 1335 tokens | 6.000 | 2.000 | 0.500 | 8.000 | 8.000 | 0.800 | "
+            "0.800 | 1.000 | 1.000 |") in doc
+    assert "6.000 GiB whole, 0.500 GiB with the automatic head" in doc

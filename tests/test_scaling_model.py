@@ -205,9 +205,13 @@ def test_a_chunked_head_holds_one_chunk_of_logits_and_computes_them_twice():
     shape = ModelShape(2, 8, 512, 2048, 32000, arch="llama")
     sys_ = dataclasses.replace(load_perf("polaris"),
                                shapes={shape.key: {"bf16": ShapeRate(1e12, 0.0)}})
-    arr = pm.Arrangement(ranks=1, global_batch=2, dtype="bf16")  # 2 x 2048 tokens
+    arr = pm.Arrangement(ranks=1, global_batch=2, dtype="bf16", loss_chunk=-1)  # 2 x 2048
     plain = pm.predict(sys_, shape, arr)
     assert plain.memory_terms["logits"] == 2 * 4 * 4096 * 32000
+    auto = pm.predict(sys_, shape, dataclasses.replace(arr, loss_chunk=0))  # > 256 MiB
+    assert auto.memory_terms["logits"] == 2 * 4 * (2**28 // (4 * 32000)) * 32000 + 4 * 4096
+    small = pm.predict(sys_, shape, dataclasses.replace(arr, loss_chunk=0, global_batch=1))
+    assert small.memory_terms["logits"] == 2 * 4 * 2048 * 32000  # 250 MiB: all at once
     chunked = pm.predict(sys_, shape, dataclasses.replace(arr, loss_chunk=1024))
     assert chunked.memory_terms["logits"] == 2 * 4 * 1024 * 32000 + 4 * 4096
     whole = pm.predict(sys_, shape, dataclasses.replace(arr, loss_chunk=10_000))
@@ -375,7 +379,7 @@ def test_tensor_and_sequence_parallelism_divide_activation_memory():
     assert whole > tp > sp == pytest.approx(whole / 4)
     assert tp - sp == pytest.approx(3 / 4 * (8 * h + 4 * h + 4 * h))  # norms, inputs
     sys_ = load_perf("polaris")
-    arr = pm.Arrangement(ranks=8, global_batch=8, dtype="bf16")
+    arr = pm.Arrangement(ranks=8, global_batch=8, dtype="bf16", loss_chunk=-1)
     mem = [pm.predict(sys_, llama, dataclasses.replace(arr, tp=t, sequence_parallel=s,
                                                        global_batch=8 // t))  # 1 row each
            .memory_terms for t, s in ((1, False), (4, False), (4, True))]
@@ -474,8 +478,8 @@ def test_plan_options_are_checked_and_off_by_default():
                for c in plan(system="polaris", nodes=2, model="gpt2").fitting)
     with pytest.raises(UserError, match="recompute 'all'"):
         pm.Arrangement(ranks=1, recompute="all").check(preset_shape("gpt2"))
-    with pytest.raises(UserError, match="loss_chunk -1"):
-        pm.Arrangement(ranks=1, loss_chunk=-1).check(preset_shape("gpt2"))
+    with pytest.raises(UserError, match="loss_chunk -2"):
+        pm.Arrangement(ranks=1, loss_chunk=-2).check(preset_shape("gpt2"))
 
 
 def test_plan_refuses_a_model_that_cannot_fit():

@@ -62,6 +62,27 @@ def test_tensor_parallel_with_chunked_loss_and_recompute(mpi_dataset, shared_tmp
         "parallel.sequence_parallel": sequence_parallel}))
 
 
+def test_tensor_parallel_automatic_loss_chunk_matches_single_process(mpi_dataset, shared_tmp,
+                                                                    monkeypatch):
+    """``loss_chunk`` 0 (automatic) under a 4 KiB bound: each rank's slice of the
+    logits goes in chunks of as many tokens as fit the bound, and trains as the plain
+    single-process head."""
+    from hpctrain.model import shape
+    from hpctrain.parallel.tensor import apply
+
+    seen, real = [], apply.vocab_parallel_cross_entropy
+
+    def spy(h, weight, targets, group, start, real_rows, chunk):
+        seen.append((chunk, targets.numel(), weight.shape[0]))
+        return real(h, weight, targets, group, start, real_rows, chunk)
+
+    monkeypatch.setattr(apply, "vocab_parallel_cross_entropy", spy)
+    monkeypatch.setattr(shape, "AUTO_LOGITS_BYTES", 4096)
+    _fit(_config(mpi_dataset, shared_tmp, **{"parallel.tp": 2}))
+    assert seen and all(chunk == 4096 // (4 * rows) and 0 < chunk < tokens
+                        for chunk, tokens, rows in seen), seen[:3]
+
+
 def test_tensor_parallel_with_plain_sgd(mpi_dataset, shared_tmp):
     """SGD without clipping: a gradient summed twice over the group, or never, shows in
     the loss at the second step."""

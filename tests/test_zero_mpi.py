@@ -13,6 +13,7 @@ from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.zero import Zero
+from hpctrain.parallel.zero.buckets import STAGED_AT_ONCE
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (SGD, bf16_accumulation_check, cpu_world, fit_against_reference,
                            fit_bf16_against_reference, tiny_config)
@@ -116,20 +117,23 @@ def test_bf16_micro_batches_accumulate_and_reduce_in_fp32(level):
 
 
 @pytest.mark.parametrize("level", [2, 3])
-def test_every_bf16_bucket_can_be_in_flight(level):
-    """The staging pool's default budget is every staged bucket's bytes: no gradient hook
-    ever waits for a reduction to give a buffer back. A budget below one bucket keeps no
-    reduction in flight when a bucket needs a buffer (hooks wait instead), holds less, and
-    gives the same gradients."""
+def test_the_staging_pool_holds_at_most_its_budget_with_the_same_gradients(level):
+    """Levels 2-3 in bf16 with many small buckets of several lengths. The default budget
+    holds at most ``STAGED_AT_ONCE`` of the largest bucket (a budget of every bucket's
+    bytes lets the pool keep one buffer per bucket: the whole gradient in fp32); with
+    that larger budget no hook ever waits. A budget below one bucket keeps no reduction
+    in flight when a bucket needs a buffer (hooks wait instead). All give the same
+    gradients."""
     grads, pools = [], []
-    for staging_mb in (None, 1e-9):
+    for staging_mb in (None, 1e3, 1e-9):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=32))
         zero = Zero(model, cpu_world(COMM), OptimConfig(), level=level, dtype="bf16",
                     bucket_mb=0.01, first_bucket_mb=0.002, blocks=list(model.h),
                     staging_mb=staging_mb)
         assert len(zero.buckets) >= 4
-        biggest = max(b.layout.padded for b in zero.buckets) * 4
+        staged = [b.layout.padded * 4 for b in zero.buckets]
+        biggest = max(staged)
         x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(COMM.rank))
         for _ in range(2):
             zero.zero_grad()
@@ -139,13 +143,15 @@ def test_every_bf16_bucket_can_be_in_flight(level):
         grads.append(torch.cat([b.grad_shard for b in zero.buckets]))
         pools.append((zero.staging.refusals, zero.staging.nbytes, zero.memory().comm_buffers))
         zero.close()
-    (refused, held, comm_bytes), (refused_small, held_small, _) = pools
-    assert refused == 0  # every bucket could be in flight
-    assert 0 < held <= comm_bytes  # memory() counts the staging buffers
+    (_, held, comm_bytes), (refused_all, held_all, _), (refused_small, held_small, _) = pools
+    assert 0 < held <= min(sum(staged), STAGED_AT_ONCE * biggest) and held <= comm_bytes
+    assert refused_all == 0  # every bucket could be in flight
+    if level == 2:  # many lengths: the unbounded pool keeps more than the default bound
+        assert held_all > STAGED_AT_ONCE * biggest
     # A bucket still filling keeps its buffer (ZeRO-3's embeddings unit gets the final
     # LayerNorm's gradient first and the tied embedding's last): two buffers at most here.
-    assert refused_small > 0 and 0 < held_small <= 2 * biggest and held_small < held
-    assert torch.equal(grads[0], grads[1])
+    assert refused_small > 0 and 0 < held_small <= 2 * biggest and held_small < held_all
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -95,7 +95,7 @@ def add_plan(sub) -> None:
                    help="with --recompute block: one block in N recomputed (default 1: all)")
     p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
                    help="as --model.loss_chunk: the head's logits N tokens at a time "
-                        "(default 0: all at once)")
+                        "(default 0: automatic, as the trainer; -1: all at once)")
     p.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
                    help="default: the system's (one per GPU or tile)")
     p.add_argument("--collectives", default="auto", choices=["auto", "mpi", "xccl"],

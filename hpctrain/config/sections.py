@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, SHARE, Bounds,
                                      SwitchOrPath, check_fields, opt, require)
 from hpctrain.errors import ConfigError
-from hpctrain.model.shape import ARCHS, GPTConfig
+from hpctrain.model.shape import ARCHS, AUTO_LOGITS_BYTES, GPTConfig
 from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT, MAX_WAIT_S
 
 TRANSPORTS = ("auto", "mpi", "shm", "xccl")
@@ -57,9 +57,14 @@ class ModelConfig:
     tie_embeddings: bool = opt(True, "the head shares the token embedding's matrix; false "
                                      "gives it its own (Llama 3 8B)")
     loss_chunk: int = opt(0, "compute the head and the loss this many tokens at a time, "
-                             "recomputing each chunk's logits in backward (long context: "
-                             "the logits never exist whole); 0 = all at once",
-                          bounds=AT_LEAST_0)
+                             "recomputing each chunk's logits in backward (the logits never "
+                             "exist whole); 0 = automatic: in chunks only when a "
+                             "micro-batch's fp32 logits (tokens x vocabulary x 4 bytes) "
+                             f"would exceed {AUTO_LOGITS_BYTES >> 20} MiB, then that much "
+                             "of them at a time; -1 = "
+                             "all at once, always (with train.compile the fused head, "
+                             "fastest on GPUs when it fits)",
+                          bounds=Bounds(-1))
 
     def __post_init__(self):
         _check_fields(self)

@@ -76,9 +76,10 @@ class EmbeddingAndHead:
             return self.tensor_parallel.head_loss(self, h, targets)
         if targets is None:
             return self.logits(h[:, [-1], :])
-        if self.cfg.loss_chunk:
+        chunk = self.cfg.head_chunk(targets.numel())
+        if chunk:
             return chunked_cross_entropy(self.ln_f(h), self.head_weight, targets,
-                                         self.cfg.vocab_size, self.cfg.loss_chunk)
+                                         self.cfg.vocab_size, chunk)
         loss = self.compiled_loss or full_cross_entropy
         return loss(h, self.ln_f, self.head_weight, targets, self.cfg.vocab_size)
 

@@ -21,10 +21,33 @@ from hpctrain.sizes import (MAX_CONTEXT, MAX_ELEMENTS, MAX_LAYERS, MAX_VOCAB, MA
 SIZE_LIMITS = {"vocab_size": (1, MAX_VOCAB), "block_size": (1, MAX_CONTEXT),
                "n_layer": (1, MAX_LAYERS), "n_head": (1, MAX_WIDTH), "n_embd": (1, MAX_WIDTH),
                "vocab_multiple": (1, MAX_WIDTH), "n_kv_head": (0, MAX_WIDTH),
-               "ffn_hidden": (0, MAX_WIDTH), "loss_chunk": (0, MAX_CONTEXT)}
+               "ffn_hidden": (0, MAX_WIDTH), "loss_chunk": (-1, MAX_CONTEXT)}
 """The range of every size of a model (``hpctrain.sizes``): a shape from a config, a
 checkpoint's manifest or a Hugging Face config.json is checked against it when it
 becomes a ``GPTConfig``, before anything is built from it."""
+
+
+AUTO_LOGITS_BYTES = 256 * 2**20
+"""The automatic head (``loss_chunk=0``) computes the logits in chunks when a micro-batch's
+would take more than this many bytes in fp32 (tokens x vocabulary columns x 4), and then
+in chunks of at most this many bytes. Why 256 MiB: ``docs/design/long-context.md``."""
+
+WHOLE_HEAD = -1
+"""``loss_chunk`` value that asks for the head and loss over all tokens at once."""
+
+
+def head_chunk(loss_chunk: int, tokens: int, columns: int, bound: int | None = None) -> int:
+    """Tokens per chunk of the head and loss, 0 for all at once: ``loss_chunk`` when it is
+    positive, 0 for ``WHOLE_HEAD``, and for 0 (automatic) 0 while ``tokens`` x ``columns``
+    fp32 logits take at most ``bound`` bytes (``AUTO_LOGITS_BYTES``), else as many tokens
+    as fit in it (at least one)."""
+    if loss_chunk:
+        return max(loss_chunk, 0)
+    bound = AUTO_LOGITS_BYTES if bound is None else bound
+    per_token = 4 * max(columns, 1)
+    if tokens * per_token <= bound:
+        return 0
+    return max(bound // per_token, 1)
 
 
 @dataclass
@@ -61,7 +84,14 @@ class GPTConfig:
     head its own (Llama 3 8B)."""
     loss_chunk: int = 0
     """Compute the head and the loss this many tokens at a time, recomputing each chunk's
-    logits in backward (``chunked_loss.py``); 0 = all at once."""
+    logits in backward (``chunked_loss.py``); 0 = automatic (``head_chunk``: in chunks
+    only when a micro-batch's fp32 logits would exceed ``AUTO_LOGITS_BYTES``);
+    -1 (``WHOLE_HEAD``) = all at once, always."""
+
+    def head_chunk(self, tokens: int, columns: int = 0) -> int:
+        """Tokens per chunk of the head and loss for a micro-batch of ``tokens`` over
+        ``columns`` vocabulary columns (default: the whole vocabulary); 0 = all at once."""
+        return head_chunk(self.loss_chunk, tokens, columns or self.vocab_size)
 
     def __post_init__(self):
         self._check_sizes()

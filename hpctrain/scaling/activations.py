@@ -11,6 +11,7 @@ The words per layer and token: docs/design/scaling-model.md ("The performance mo
 
 from __future__ import annotations
 
+from hpctrain.model.shape import head_chunk
 from hpctrain.scaling.models import ModelShape
 
 
@@ -93,13 +94,17 @@ def micro_batches_in_flight(p: int, m: int, schedule: str) -> int:
 
 def logits_bytes(shape: ModelShape, tokens: int, loss_chunk: int, tp: int = 1) -> float:
     """The head's logits and their gradient in fp32 for one micro-batch of ``tokens``
-    (cross-entropy upcasts); with ``loss_chunk`` one chunk of tokens at a time, and one
-    fp32 log-sum-exp per token kept for backward (``model/chunked_loss.py``). Over tp
-    ranks each holds its slice of the vocabulary, and the vocabulary-parallel loss always
-    works in chunks (``parallel/tensor/cross_entropy.py``: 0 = one chunk of every token)."""
-    rows = min(tokens, loss_chunk) if loss_chunk else tokens
+    (cross-entropy upcasts), in chunks of tokens as the trainer's ``--model.loss_chunk``
+    makes them (``GPTConfig.head_chunk``: N tokens, 0 automatic, -1 all at once), with
+    one fp32 log-sum-exp per token kept for backward when chunked
+    (``model/chunked_loss.py``). Over tp ranks each holds its slice of the vocabulary,
+    and the vocabulary-parallel loss always works in chunks
+    (``parallel/tensor/cross_entropy.py``: a chunk of every token when not chunked)."""
+    columns = -(-shape.vocab_size // tp)
+    chunk = head_chunk(loss_chunk, tokens, columns)
+    rows = min(tokens, chunk) if chunk else tokens
     logits = 2 * 4.0 * rows * shape.vocab_size / tp
-    return logits + (4.0 * tokens if loss_chunk or tp > 1 else 0.0)
+    return logits + (4.0 * tokens if chunk or tp > 1 else 0.0)
 
 
 def selective_recompute_terms(shape: ModelShape, rows: int, dtype: str, tp: int = 1,

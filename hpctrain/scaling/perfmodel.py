@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from hpctrain.errors import UserError
+from hpctrain.model.shape import WHOLE_HEAD, head_chunk
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.pipeline.schedules import chunks_per_stage
 from hpctrain.parallel.tensor.layout import check_splittable
@@ -58,7 +59,8 @@ class Arrangement:
     recompute_every: int = 1
     """With 'block': one block in every N is recomputed (1: all of them)."""
     loss_chunk: int = 0
-    """Tokens per chunk of the head and loss (``--model.loss_chunk``); 0: all at once."""
+    """Tokens per chunk of the head and loss (``--model.loss_chunk``); 0: automatic
+    (``GPTConfig.head_chunk``), -1: all at once."""
     tp: int = 1
     """Tensor-parallel ranks (``--parallel.tp``): adjacent ranks, inside a node."""
     sequence_parallel: bool = False
@@ -125,9 +127,9 @@ class Arrangement:
             raise UserError(f"dtype {self.dtype!r}: use fp32 or bf16")
         if self.recompute not in RECOMPUTE:
             raise UserError(f"recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
-        if self.loss_chunk < 0:
-            raise UserError(f"loss_chunk {self.loss_chunk}: use 0 (the whole head at once) "
-                            "or a positive number of tokens")
+        if self.loss_chunk < WHOLE_HEAD:
+            raise UserError(f"loss_chunk {self.loss_chunk}: use 0 (automatic), -1 (the whole "
+                            "head at once) or a positive number of tokens")
         per = self.dp * self.micro_batches
         if self.global_batch < per or self.global_batch % per:
             raise UserError(f"global batch {self.global_batch} does not split into dp={self.dp}"
@@ -273,7 +275,8 @@ def micro_batch_compute(system: SystemPerf, shape: ModelShape, arrangement: Arra
     logits again in backward, 8/6 of the head."""
     tokens = arrangement.micro_rows * shape.block_size // arrangement.cp
     again = 1.0 + arrangement.recomputed_share / 3.0
-    head = 4.0 / 3.0 if arrangement.loss_chunk or arrangement.tp > 1 else 1.0
+    chunked = head_chunk(arrangement.loss_chunk, tokens, -(-shape.vocab_size // arrangement.tp))
+    head = 4.0 / 3.0 if chunked or arrangement.tp > 1 else 1.0
     per_layer = shape.layer_flops_per_token * again
     if arrangement.recompute == "selective":
         per_layer += selective_recompute_terms(shape, 1, arrangement.dtype)[1]

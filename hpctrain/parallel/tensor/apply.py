@@ -31,7 +31,8 @@ class TensorParallel:
 
     def __init__(self, group: TensorParallelGroup, cfg: GPTConfig, sequence_parallel: bool):
         self.group, self.cfg, self.sequence_parallel = group, cfg, sequence_parallel
-        rows = cfg.padded_vocab_size // group.size
+        rows = self.rows = cfg.padded_vocab_size // group.size
+        """The columns of this rank's logits (its slice of the padded vocabulary)."""
         self.vocab_start = group.rank * rows
         self.vocab_real = min(max(cfg.vocab_size - self.vocab_start, 0), rows)
         """Rows of this rank's slice that are real tokens (the rest pad the vocabulary)."""
@@ -51,7 +52,7 @@ class TensorParallel:
             return self.group.all_gather(mine, dim=-1)[..., :self.cfg.vocab_size]
         return vocab_parallel_cross_entropy(h, model.head_weight, targets, self.group,
                                             self.vocab_start, self.vocab_real,
-                                            self.cfg.loss_chunk)
+                                            self.cfg.head_chunk(targets.numel(), self.rows))
 
     def describe(self) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""

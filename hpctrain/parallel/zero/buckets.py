@@ -69,14 +69,22 @@ def zero_buckets(model, level: int, blocks, bucket_mb: float, first_bucket_mb: f
     return units + [[p for p in params if id(p) not in in_blocks]]
 
 
+STAGED_AT_ONCE = 3
+"""The staging pool's default budget in buckets (of the largest staged one): one bucket
+filling, one reducing, and ZeRO-3's embeddings unit, which fills from backward's first
+gradient (the final norm's) to its last (the tied embedding's)."""
+
+
 class StagingPool:
     """fp32 buffers that levels 2-3 up-cast and reduce-scatter a bucket's gradients in,
     drawn from a byte budget and reused across buckets and steps.
 
-    A buffer is reused only by a bucket of the same length, so with the default budget
-    (every staged bucket's bytes) each bucket can be in flight at once and a hook never
-    waits for a reduction to free a buffer. A smaller budget bounds the memory: ``take``
-    then says no and the caller completes an old reduction first."""
+    A buffer is reused as it is only by a bucket of the same length; idle buffers of other
+    lengths are dropped when a new one would pass the budget. When the budget is spent,
+    ``take`` says no and the caller completes an old reduction first. The engine's
+    default budget is ``STAGED_AT_ONCE`` of its largest bucket: a budget of every bucket
+    would let the pool keep a buffer per bucket length, up to the whole gradient in fp32
+    (``docs/design/zero.md``, "Memory at the cap")."""
 
     def __init__(self, budget: int, device, world: World):
         self.budget, self.device, self.world = budget, device, world

@@ -27,7 +27,8 @@ from hpctrain.parallel.memory import MemoryReport, tensor_bytes
 from hpctrain.parallel.optim import build_optimizer, clip_coefficient
 from hpctrain.parallel.tensor.layers import is_split
 from hpctrain.parallel.tensor.split_state import TensorSplit
-from hpctrain.parallel.zero.buckets import DTYPES, MiB, StagingPool, ZeroBucket, zero_buckets
+from hpctrain.parallel.zero.buckets import (DTYPES, STAGED_AT_ONCE, MiB, StagingPool, ZeroBucket,
+                                            zero_buckets)
 from hpctrain.parallel.zero.gather import ParameterGather
 from hpctrain.parallel.zero.state import ShardedState
 from hpctrain.profiling import profile_range
@@ -56,7 +57,8 @@ class Zero(ShardedState, BucketScheduler):
                  tp_comm: MPI.Comm | None = None, staging_mb: float | None = None):
         """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``,
         ``tp_comm``: see engine.py; ``staging_mb``: the byte budget of levels 2-3's fp32
-        reduction buffers (default: every bucket's, so all can be in flight at once)."""
+        reduction buffers (default: ``STAGED_AT_ONCE`` of the largest staged bucket, or
+        every staged bucket's bytes when that is less)."""
         if level not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO level must be 0-3, not {level}")
         self.model, self.world, self.level = model, world, level
@@ -79,7 +81,8 @@ class Zero(ShardedState, BucketScheduler):
         device = self.buckets[0].full.device
         staged = [b.layout.padded * 4 for b in self.buckets
                   if not (b.local or b.reduces_in_place() or b.grads_in_full)]
-        budget = sum(staged) if staging_mb is None else int(staging_mb * MiB)
+        budget = (min(sum(staged), STAGED_AT_ONCE * max(staged, default=0))
+                  if staging_mb is None else int(staging_mb * MiB))
         self.staging = StagingPool(budget, device, world)
         self.optimizers = [self._optimizer(b) for b in self.buckets]
         super().__init__(self.buckets, timeout=world.timeout)
