@@ -20,7 +20,8 @@ from hpctrain.parallel.tensor.layout import check_splittable
 from hpctrain.scaling import comm_cost, tensor_cost
 from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
                                           llama_bytes_per_token, logits_bytes,
-                                          micro_batches_in_flight, word_bytes)
+                                          micro_batches_in_flight,
+                                          selective_bytes_per_layer, word_bytes)
 from hpctrain.parallel.pipeline.schedules import predicted_bubble
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.system_perf import SystemPerf
@@ -28,10 +29,11 @@ from hpctrain.sizes import GiB, MiB
 
 __all__ = ["Arrangement", "Prediction", "predict", "predict_memory", "fits", "describe",
            "bubble_fraction", "activation_bytes", "activation_bytes_per_layer",
-           "llama_bytes_per_token", "micro_batches_in_flight", "bucket_sizes"]
+           "llama_bytes_per_token", "selective_bytes_per_layer", "micro_batches_in_flight",
+           "bucket_sizes", "recomputed_layers"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
-RECOMPUTE = ("none", "block")
+RECOMPUTE = ("none", "selective", "block")
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,11 @@ class Arrangement:
     virtual_stages: int = 1
     bucket_mb: float = 25.0
     recompute: str = "none"
-    """'block': each block keeps only its input and runs again in backward
-    (``--model.recompute``)."""
+    """'block': each block keeps only its input and runs again in backward; 'selective':
+    each keeps its matmul and attention outputs (``--model.recompute``)."""
+    recompute_every: int = 0
+    """Every N-th block recomputed wholly, the others as ``recompute`` says
+    (``--model.recompute_every``); 0: none so."""
     loss_chunk: int = 0
     """Tokens per chunk of the head and loss (``--model.loss_chunk``); 0: all at once."""
     tp: int = 1
@@ -97,6 +102,9 @@ class Arrangement:
             raise UserError(f"dtype {self.dtype!r}: use fp32 or bf16")
         if self.recompute not in RECOMPUTE:
             raise UserError(f"recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+        if self.recompute_every < 0 or (self.recompute_every and self.recompute == "block"):
+            raise UserError(f"recompute_every={self.recompute_every}: use 0, or N >= 1 with "
+                            "recompute none or selective (block recomputes every block)")
         if self.loss_chunk < 0:
             raise UserError(f"loss_chunk {self.loss_chunk}: use 0 (the whole head at once) "
                             "or a positive number of tokens")
@@ -168,19 +176,33 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
     return (p - 1) / (m + p - 1)
 
 
+def recomputed_layers(arrangement: Arrangement, layers: int) -> int:
+    """How many of ``layers`` layers run wholly again in backward: all with 'block', else
+    every ``recompute_every``-th (a stage's share of the model's, ``layers // N``)."""
+    if arrangement.recompute == "block":
+        return layers
+    n = arrangement.recompute_every
+    return layers // n if n else 0
+
+
 def activation_bytes(shape: ModelShape, arrangement: Arrangement, layers: int,
                      flash_attention: bool) -> float:
     """Activations on a stage of ``layers`` layers holding the micro-batches in flight.
-    With recomputation each held micro-batch keeps every layer's input (s b h), and the
-    layer running backward holds its full set again, one at a time (Chen et al. 2016)."""
+    A wholly recomputed layer keeps its input (s b h) per held micro-batch, and the layer
+    running backward holds its full set again, one at a time (Chen et al. 2016); a
+    selective layer keeps its matmul and attention outputs (``selective_bytes_per_layer``)
+    and, while its backward runs, the rest again."""
     held = micro_batches_in_flight(arrangement.pp, arrangement.micro_batches, arrangement.schedule)
-    tp, sp = arrangement.tp, arrangement.sequence_parallel
-    full = activation_bytes_per_layer(shape, arrangement.micro_rows, arrangement.dtype,
-                                      flash_attention, tp, sp)
-    if arrangement.recompute == "none":
-        return held * layers * full
-    inputs = layer_input_bytes(shape, arrangement.micro_rows, arrangement.dtype, tp, sp)
-    return held * layers * inputs + full
+    tp, sp, rows, dtype = (arrangement.tp, arrangement.sequence_parallel,
+                           arrangement.micro_rows, arrangement.dtype)
+    full = activation_bytes_per_layer(shape, rows, dtype, flash_attention, tp, sp)
+    whole = recomputed_layers(arrangement, layers)
+    kept = full
+    if arrangement.recompute == "selective":
+        kept = min(full, selective_bytes_per_layer(shape, rows, dtype, tp, sp))
+    inputs = layer_input_bytes(shape, rows, dtype, tp, sp)
+    transient = full if whole else full - kept
+    return held * (whole * inputs + (layers - whole) * kept) + transient
 
 
 def collective(system: SystemPerf, kind: str, group: int, n_bytes: float,
@@ -231,20 +253,25 @@ def micro_batch_compute(system: SystemPerf, shape: ModelShape, arrangement: Arra
                         layers: int) -> float:
     """Seconds of one micro-batch's forward + backward on one rank of the largest stage,
     before oversubscription: per-block overhead + FLOPs / rate + memory traffic /
-    bandwidth (module docstring). Recomputation runs the forward (2 of the 6 FLOPs per
-    weight and token) once more, 8/6; a chunked or vocabulary-parallel head computes its
-    logits again in backward, 8/6 of the head."""
+    bandwidth (module docstring). A wholly recomputed layer runs its forward (2 of the 6
+    FLOPs per weight and token) once more, 8/6; a selective one only its element-wise
+    work, no FLOPs to count but its memory traffic again; a chunked or
+    vocabulary-parallel head computes its logits again in backward, 8/6 of the head."""
     tokens = arrangement.micro_rows * shape.block_size
-    again = 4.0 / 3.0 if arrangement.recompute == "block" else 1.0
+    again = 1.0 + recomputed_layers(arrangement, layers) / (3.0 * layers)
     head = 4.0 / 3.0 if arrangement.loss_chunk or arrangement.tp > 1 else 1.0
     flops = tokens * (layers * shape.layer_flops_per_token * again
                       + shape.head_flops_per_token * head) / arrangement.tp
     rate = system.compute_rate(shape.key, arrangement.dtype)
     t = layers * rate.layer_overhead_s * again + flops / rate.flops_per_s
     if system.memory_bandwidth and not system.calibrated(shape.key, arrangement.dtype):
-        kept = layers * again * activation_bytes_per_layer(
-            shape, arrangement.micro_rows, arrangement.dtype, True, arrangement.tp,
-            arrangement.sequence_parallel)
+        rows, tp, sp = arrangement.micro_rows, arrangement.tp, arrangement.sequence_parallel
+        full = activation_bytes_per_layer(shape, rows, arrangement.dtype, True, tp, sp)
+        traffic = again
+        if arrangement.recompute == "selective":  # the dropped outputs written again
+            dropped = 1.0 - selective_bytes_per_layer(shape, rows, arrangement.dtype, tp, sp) / full
+            traffic += max(0.0, dropped) * (1.0 - recomputed_layers(arrangement, layers) / layers)
+        kept = layers * traffic * full
         kept += logits_bytes(shape, tokens, 0, arrangement.tp)
         t += system.activation_passes * kept / system.memory_bandwidth
     return t
@@ -258,7 +285,8 @@ def tensor_parallel_time(system: SystemPerf, shape: ModelShape, arrangement: Arr
         lambda kind, n: collective(system, kind, arrangement.tp, n, members), tp=arrangement.tp,
         tokens=arrangement.micro_rows * shape.block_size, width=shape.n_embd, layers=layers,
         dtype=arrangement.dtype, collectives=system.collectives,
-        recompute=arrangement.recompute == "block", sp=arrangement.sequence_parallel)
+        recompute=arrangement.recompute != "none" or arrangement.recompute_every > 0,
+        sp=arrangement.sequence_parallel)
 
 
 def gradient_terms(system: SystemPerf, arrangement: Arrangement, rank_params: float, layers: int,

@@ -1,0 +1,103 @@
+"""Activation recomputation in one process: selective, every N-th block, whole blocks.
+Each computes what the model without recomputation computes (the same dropout masks
+included) and keeps less; the MPI layouts are in ``test_recompute_mpi.py``."""
+
+import pytest
+import torch
+
+from hpctrain.model.common.recompute import KeptActivations
+from hpctrain.model.gpt import GPT, GPTConfig
+
+MODES = {"selective": {"recompute": "selective"},
+         "every-2": {"recompute_every": 2},
+         "selective+every-2": {"recompute": "selective", "recompute_every": 2},
+         "block": {"recompute": "block"}}
+
+
+def model(arch="gpt", n_layer=4, block_size=32, **kw):
+    torch.manual_seed(0)
+    extra = {"n_kv_head": 2} if arch == "llama" else {}
+    return GPT(GPTConfig(vocab_size=64, block_size=block_size, n_layer=n_layer, n_head=4,
+                         n_embd=32, arch=arch, **extra, **kw))
+
+
+def loss_and_grads(m, x, y, seed=5):
+    torch.manual_seed(seed)  # the dropout masks' draws
+    m.zero_grad()
+    loss = m(x, y)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def batch(block_size=32):
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, 64, (2, 2, block_size), generator=g).unbind(0)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_recomputation_matches_the_model_without_it(arch, mode, dropout):
+    """The loss bit for bit (with dropout: the recomputed forward draws the masks the
+    first one did), the gradients to fp32 round-off."""
+    x, y = batch()
+    want_loss, want = loss_and_grads(model(arch, dropout=dropout), x, y)
+    loss, got = loss_and_grads(model(arch, dropout=dropout, **MODES[mode]), x, y)
+    torch.testing.assert_close(loss, want_loss, atol=0, rtol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_every_nth_block_is_the_last_of_each_group_of_n():
+    assert [b.recompute for b in model(n_layer=5, recompute_every=2).h] == [
+        "none", "block", "none", "block", "none"]
+    assert [b.recompute for b in model(n_layer=3, recompute="selective",
+                                       recompute_every=3).h] == [
+        "selective", "selective", "block"]
+    assert [b.recompute for b in model(n_layer=2, recompute_every=1).h] == ["block"] * 2
+
+
+def blocks_kept_bytes(m, rows=2) -> int:
+    """What the blocks' forward leaves for backward (the input and parameters left out,
+    the last block's output in: the next layer's input), on a random (rows, T, C)."""
+    x = torch.randn(rows, m.cfg.block_size, m.cfg.n_embd, requires_grad=True)
+    with KeptActivations() as kept:
+        h = x
+        for block in m.h:
+            h = block(h)
+    tables = [t for b in m.h if b.attn.rotary for pair in b.attn.rotary._tables.values()
+              for t in pair]  # rotary's cos and sin: constants, made on the first call
+    return kept.bytes(exclude=[*m.parameters(), x, *tables])
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_kept_activations_are_what_the_formulas_say(arch):
+    """Measured on real blocks: none keeps ``activation_bytes_per_layer`` (the fp32
+    count; gpt's 34 of Korthikanti's words count its 2 dropout masks, not kept without
+    dropout: 32), selective ``selective_bytes_per_layer`` (the matmul and attention
+    outputs), whole blocks their inputs, every-2 half of each; each within 3% (what the
+    formulas leave out: norm and softmax statistics)."""
+    from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
+                                              selective_bytes_per_layer)
+    from hpctrain.scaling.models import ModelShape
+    m = model(arch, block_size=128)
+    shape = ModelShape(**{k: v for k, v in m.cfg.shape().items()
+                          if k in ModelShape.__dataclass_fields__})
+    full = activation_bytes_per_layer(shape, 2, "fp32", flash_attention=True)
+    if arch == "gpt":
+        full *= 32 / 34
+    want = {"none": full, "selective": selective_bytes_per_layer(shape, 2, "fp32"),
+            "block": layer_input_bytes(shape, 2, "fp32")}
+    want["every-2"] = (want["none"] + want["block"]) / 2
+    for mode, per_layer in want.items():
+        got = blocks_kept_bytes(model(arch, block_size=128, **MODES.get(mode, {})))
+        assert got == pytest.approx(4 * per_layer, rel=0.03), mode
+    assert want["selective"] < (0.7 if arch == "gpt" else 0.55) * want["none"]
+
+
+def test_evaluation_under_selective_recomputation_keeps_nothing_and_agrees():
+    x, _ = batch()
+    plain, selective = model(), model(recompute="selective")
+    plain.eval(), selective.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(selective(x), plain(x), atol=0, rtol=0)
