@@ -101,3 +101,24 @@ def test_evaluation_under_selective_recomputation_keeps_nothing_and_agrees():
     plain.eval(), selective.eval()
     with torch.no_grad():
         torch.testing.assert_close(selective(x), plain(x), atol=0, rtol=0)
+
+
+def test_attention_that_draws_dropout_is_recomputed_not_kept(monkeypatch):
+    """A kept fused attention would not draw its dropout mask again in the recomputed
+    forward, and every later mask of the block would differ. This CPU runs attention
+    with dropout unfused (nothing fused to keep), so the equality tests above cannot see
+    that choice: it is checked here, in the blocks and in the policy."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from hpctrain.model.common import layers, recompute
+    asked, real = [], layers.selective_checkpoint
+    monkeypatch.setattr(layers, "selective_checkpoint", lambda fn, x, keep_attention: (
+        asked.append(keep_attention), real(fn, x, keep_attention))[1])
+    x, y = batch()
+    for dropout in (0.0, 0.2):
+        model(dropout=dropout, recompute="selective")(x, y)
+    assert asked == [True] * 4 + [False] * 4
+    assert recompute.FUSED_ATTENTION
+    for op in recompute.FUSED_ATTENTION:
+        assert recompute._policy(True, None, op) == CheckpointPolicy.MUST_SAVE
+        assert recompute._policy(False, None, op) == CheckpointPolicy.PREFER_RECOMPUTE
