@@ -86,8 +86,6 @@ def test_unknown_option_suggests_the_close_one():
     (["--model.recompute_every=-1"], "model.recompute_every must be at least 0, not -1"),
     (["--model.recompute=block", "--model.recompute_every=2"],
      "recompute='block' already recomputes every block: set recompute_every=0"),
-    (["--model.recompute=selective", "--parallel.pp=2", "--parallel.schedule=zb-h1",
-      "--parallel.micro_batches=2"], "walks each block's graph twice"),
     (["--model.vocab_multiple=0"], "model.vocab_multiple must be at least 1, not 0"),
     (["--train.compile=maybe"], "--train.compile expects bool"),
     (["--train.tf32=2"], "--train.tf32 expects bool"),

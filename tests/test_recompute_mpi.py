@@ -50,9 +50,13 @@ def test_selective_with_tensor_and_sequence_parallelism_matches_single_process(
     assert trainer.grid.tp == 2
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_selective_in_pipeline_stages_matches_single_process(mpi_dataset, shared_tmp, arch):
-    """pp=2 (x dp=2 at 4 ranks), 1F1B over 4 micro-batches."""
+@pytest.mark.parametrize("arch, schedule", [("gpt", "1f1b"), ("llama", "1f1b"),
+                                            ("llama", "zb-h1"), ("gpt", "zbv")])
+def test_selective_in_pipeline_stages_matches_single_process(mpi_dataset, shared_tmp, arch,
+                                                             schedule):
+    """pp=2 (x dp=2 at 4 ranks) over 4 micro-batches; the zero-bubble schedules' B and W
+    passes each recompute a block, the second from the same kept outputs."""
     trainer = _fit(mpi_dataset, shared_tmp, arch, **{"parallel.pp": 2,
-                                                     "parallel.micro_batches": 4})
+                                                     "parallel.micro_batches": 4,
+                                                     "parallel.schedule": schedule})
     assert trainer.grid.pp == 2

@@ -402,11 +402,6 @@ class Config:
         require(p.zero <= 1, f"--parallel.pp={p.pp} combines with ZeRO level 0 or 1 along "
                  "the data-parallel axis; use --parallel.zero=0 or 1 (levels 2-3 shard "
                  "gradients per micro-batch, which the pipeline does not support)")
-        require(self.model.recompute != "selective" or p.schedule not in ("zb-h1", "zbv"),
-                 f"--model.recompute=selective keeps a block's matmul outputs for one "
-                 f"backward, and --parallel.schedule={p.schedule} walks each block's graph "
-                 "twice (B, then W); use --model.recompute=block or none with it, or "
-                 "--parallel.schedule=1f1b")
         chunks = 2 if p.schedule == "zbv" else p.virtual_stages
         require(self.model.n_layer >= p.pp * chunks,
                  f"model.n_layer={self.model.n_layer} cannot fill {p.pp} stage(s) x "

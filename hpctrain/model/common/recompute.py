@@ -11,9 +11,11 @@ already keeps no softmax, so what is left to drop is the element-wise layers' ou
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -41,14 +43,33 @@ def _policy(keep_attention: bool, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _KeptForEveryBackward(dict):
+    """One operator's kept outputs by call index. torch's cache marks an output used
+    once it has served a recomputation and refuses a second; a zero-bubble pipeline's B
+    and W passes (``parallel/pipeline/split_backward.py``) each recompute the block, so
+    here the mark is ignored and the outputs live as long as the block's graph."""
+
+    def __setitem__(self, index, value):
+        if value is not _torch_checkpoint._CONSUMED:
+            super().__setitem__(index, value)
+
+
+def _contexts(keep_attention: bool):
+    policy = functools.partial(_policy, keep_attention)
+    if torch.compiler.is_compiling():  # the compiler reads torch's own pair
+        return create_selective_checkpoint_contexts(policy)
+    kept = collections.defaultdict(_KeptForEveryBackward)
+    return (_torch_checkpoint._CachingTorchDispatchMode(policy, kept),
+            _torch_checkpoint._CachedTorchDispatchMode(policy, kept))
+
+
 def selective_checkpoint(fn, x: torch.Tensor, keep_attention: bool) -> torch.Tensor:
     """``fn(x)``, keeping the matmul (and, with ``keep_attention``, fused attention)
     outputs for backward and recomputing the rest there. ``keep_attention=False`` where
     attention draws dropout: a kept result would not advance the RNG in the recomputed
     forward, and every later mask would differ; attention is then recomputed too."""
-    context = functools.partial(create_selective_checkpoint_contexts,
-                                functools.partial(_policy, keep_attention))
-    return checkpoint(fn, x, use_reentrant=False, context_fn=context)
+    return checkpoint(fn, x, use_reentrant=False,
+                      context_fn=functools.partial(_contexts, keep_attention))
 
 
 class KeptActivations(TorchDispatchMode):
