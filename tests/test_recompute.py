@@ -2,6 +2,8 @@
 Each computes what the model without recomputation computes (the same dropout masks
 included) and keeps less; the MPI layouts are in ``test_recompute_mpi.py``."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -122,3 +124,25 @@ def test_attention_that_draws_dropout_is_recomputed_not_kept(monkeypatch):
     for op in recompute.FUSED_ATTENTION:
         assert recompute._policy(True, None, op) == CheckpointPolicy.MUST_SAVE
         assert recompute._policy(False, None, op) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_the_performance_model_counts_selective_and_every_nth_block():
+    """Memory: none > selective > every-2 (of none) > block; compute: selective adds no
+    FLOPs, every-2 a third of half the layers' forward, block a third of all."""
+    from hpctrain.errors import UserError
+    from hpctrain.scaling import perfmodel as pm
+    from hpctrain.scaling.models import preset_shape
+    shape = preset_shape("llama3-8b")
+    arr = pm.Arrangement(ranks=8, global_batch=8, dtype="bf16")
+    mem = {mode: pm.activation_bytes(shape, dataclasses.replace(arr, **opts), 32, True)
+           for mode, opts in MODES.items()}
+    mem["none"] = pm.activation_bytes(shape, arr, 32, True)
+    assert mem["none"] > mem["selective"] > mem["selective+every-2"] > mem["block"]
+    assert mem["none"] > mem["every-2"] > mem["block"]
+    per_layer = pm.activation_bytes_per_layer(shape, 1, "bf16", True)
+    assert pm.selective_bytes_per_layer(shape, 1, "bf16") / per_layer == pytest.approx(
+        25 / 51.5)
+    assert [pm.recomputed_layers(dataclasses.replace(arr, **MODES[m]), 32)
+            for m in ("selective", "every-2", "block")] == [0, 16, 32]
+    with pytest.raises(UserError, match="recompute_every"):
+        pm.Arrangement(ranks=8, recompute="block", recompute_every=2).check(shape)
