@@ -60,3 +60,12 @@ def test_selective_in_pipeline_stages_matches_single_process(mpi_dataset, shared
                                                      "parallel.micro_batches": 4,
                                                      "parallel.schedule": schedule})
     assert trainer.grid.pp == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"parallel.zero": 3, "parallel.micro_batches": 2},
+                                    {"parallel.tp": 2, "parallel.sequence_parallel": True}])
+def test_compiled_selective_blocks_match_single_process(mpi_dataset, shared_tmp, layout):
+    """``--train.compile``: each selective block compiled with its policy (ZeRO-3's hooks
+    and tensor parallelism's collectives outside the compiled code)."""
+    _fit(mpi_dataset, shared_tmp, "llama", **{"train.compile": True, **layout})
