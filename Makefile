@@ -134,6 +134,7 @@ bench: $(STAMP) $(GPT2_DATA)
 	$(PY) perf/bench_long_context.py
 	$(PY) perf/bench_perfmodel.py
 	$(PY) perf/bench_memory.py
+	$(PY) perf/bench_recompute.py
 
 # Regenerate the example job scripts (tests/test_jobs_cli.py checks they are in sync).
 jobscripts: $(STAMP)

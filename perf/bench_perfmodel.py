@@ -83,7 +83,7 @@ def predict_run(run: dict, perf=None) -> dict:
     arrs = arrangements(shape, run["gpus"], run["global_batch"], "bf16",
                         recompute=run["recompute"], ranks_per_node=perf.ranks_per_node,
                         fixed=fixed, cps=[lay["cp"]],
-                        recompute_every=run.get("recompute_every", 1), max_micro_rows=4096)
+                        recompute_every=run.get("recompute_every", 0), max_micro_rows=4096)
     if not arrs:
         raise SystemExit(f"{run['id']}: the planner has no arrangement with {fixed.text()}")
     preds = [(a, predict(perf, shape, a)) for a in arrs]
@@ -97,7 +97,7 @@ def predict_run(run: dict, perf=None) -> dict:
                       f"mb{arr.micro_rows}x{arr.micro_batches}"
                       + (f" {arr.schedule}" if arr.pp > 1 else ""),
             "recompute": run["recompute"] + (f"/{run['recompute_every']}"
-                                              if run.get("recompute_every", 1) > 1 else ""),
+                                              if run.get("recompute_every", 0) else ""),
             "dtype": run["dtype"], "published_tok_s_gpu": published,
             "predicted_tok_s_gpu": predicted, "ratio": predicted / published,
             "predicted_mfu": q.mfu, "memory_gib": q.memory_bytes / GiB,

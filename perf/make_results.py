@@ -303,6 +303,31 @@ def render_memory(d: dict) -> list[str]:
             f"The formula's logits term at llm-foundry's MPT-350M micro-batch ({pub['rows']} "
             f"x {m['block_size']} tokens): {fmt(pub['whole_bytes'] / GiB)} GiB whole, "
             f"{fmt(pub['default_bytes'] / GiB)} GiB with the automatic head.", ""]
+def render_recompute(d: dict) -> list[str]:
+    out = [f"Activations kept for backward by the blocks' forward (MiB: measured, and the "
+           f"formula of `hpctrain/scaling/activations.py`), their ratio to none's, the whole "
+           f"model's (embedding and head included), and the forward + backward step time "
+           f"(s, median [min, max] over {d['repeats']} steps; ratio of the medians and of the "
+           f"fastest steps, and the FLOP count's prediction); {d['shape']['n_layer']} layers, width "
+           f"{d['shape']['n_embd']}, T={d['T']}, {d['rows']} sequences, {d['dtype']}, "
+           f"{d['threads']} thread. The step times come from a shared machine.", ""]
+    for arch, rows in d["results"].items():
+        out += [f"{arch}:", "",
+                *md_table(["mode", "kept MiB", "formula MiB", "kept / none", "formula / none",
+                           "model kept / none", "step s", "time / none", "min / min",
+                           "predicted time"],
+                          [[mode, fmt(r["kept_blocks"] / MiB), fmt(r["predicted_blocks"] / MiB),
+                            fmt(r["kept_ratio"]), fmt(r["predicted_kept_ratio"]),
+                            fmt(r["model_kept_ratio"]), fmt_spread(r["step_s_all"]),
+                            fmt(r["time_ratio"]), fmt(r.get("time_ratio_min")),
+                            fmt(r["predicted_time_ratio"])]
+                           for mode, r in rows.items()]), ""]
+    goal = d["goal"]
+    out += [f"Goal: selective keeps <= {fmt(goal['kept'])} of none's activations at <= "
+            f"{fmt(goal['time'])}x its step time: "
+            + ", ".join(f"{a} {'met' if ok else 'missed'}" for a, ok in d["met"].items())
+            + ".", ""]
+    return out
 
 
 def render_gpu(d: dict) -> list[str]:
@@ -378,6 +403,8 @@ SECTIONS = {
                   "python perf/bench_perfmodel.py", render_perfmodel),
     "memory": ("Memory of one rank against the formula and plain torch",
                "python perf/bench_memory.py", render_memory),
+    "recompute": ("Activation recomputation", "python perf/bench_recompute.py",
+                  render_recompute),
 }
 
 

@@ -205,7 +205,7 @@ def test_compile_model_compiles_each_block_and_the_head_of_a_model_or_a_stage():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-@pytest.mark.parametrize("recompute", ["none", "block"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "block"])
 def test_compiled_blocks_give_the_same_loss_and_gradients(recompute, arch):
     """torch.compile on this CPU (inductor generates and builds C++): the compiled
     blocks and head with its loss compute what the eager ones do, to fp32 round-off

@@ -46,11 +46,11 @@ def _run(st, x, y, split):
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-@pytest.mark.parametrize("recompute", ["none", "block"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "block"])
 @pytest.mark.parametrize("stage", [0, 1])
 def test_b_then_w_gives_the_fused_backwards_gradients(arch, recompute, stage):
     """Stage 0 (embedding, no input gradient) and stage 1 (head and loss; GPT's head is
-    the tied embedding's copy), with and without recomputed blocks."""
+    the tied embedding's copy), with and without recomputed blocks (wholly or selectively)."""
     st = _stage(arch, recompute, stage)
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 40, (2, 12), generator=gen) if stage == 0 else \

@@ -90,9 +90,11 @@ def add_plan(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--recompute", default="none", choices=["none", "selective", "block"],
                    help="as --model.recompute: block keeps only each layer's input (a third "
-                        "more compute); selective recomputes the attention scores only")
-    p.add_argument("--recompute-every", type=int, default=1, metavar="N",
-                   help="with --recompute block: one block in N recomputed (default 1: all)")
+                        "more compute); selective keeps the matrix multiplies' outputs and "
+                        "recomputes the element-wise work")
+    p.add_argument("--recompute-every", type=int, default=0, metavar="N",
+                   help="as --model.recompute_every: every N-th block recomputed wholly, the "
+                        "others as --recompute says (default 0: none)")
     p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
                    help="as --model.loss_chunk: the head's logits N tokens at a time "
                         "(default 0: automatic, as the trainer; -1: all at once)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, SHARE, Bounds,
                                      SwitchOrPath, check_fields, opt, require)
 from hpctrain.errors import ConfigError
-from hpctrain.model.shape import ARCHS, AUTO_LOGITS_BYTES, GPTConfig
+from hpctrain.model.shape import ARCHS, AUTO_LOGITS_BYTES, RECOMPUTE, GPTConfig
 from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT, MAX_WAIT_S
 
 TRANSPORTS = ("auto", "mpi", "shm", "xccl")
@@ -38,10 +38,15 @@ class ModelConfig:
                                   "(50257 -> 50304 at 64): a faster head matmul on GPUs; the "
                                   "padded rows are never a token; 1 pads nothing",
                               bounds=AT_LEAST_1)
-    recompute: str = opt("none", "activation recomputation: 'block' keeps only each "
-                                 "transformer block's input and runs the block again in "
-                                 "backward (less memory, about a third more compute)",
-                         ("none", "block"))
+    recompute: str = opt("none", "activation recomputation: 'selective' keeps the matrix "
+                                 "multiplies' outputs and recomputes the norms, activations, "
+                                 "rotary and dropout between them in backward; 'block' keeps "
+                                 "only each transformer block's input and runs the block "
+                                 "again in backward (least memory, about a third more "
+                                 "compute)", RECOMPUTE)
+    recompute_every: int = opt(0, "recompute every N-th transformer block wholly (blocks "
+                                  "N-1, 2N-1, ...), the others as model.recompute says "
+                                  "(none or selective); 0 = none so", bounds=AT_LEAST_0)
     arch: str = opt("gpt", "architecture: 'gpt' (GPT-2: learned positions, LayerNorm, GELU) "
                            "or 'llama' (rotary positions, RMSNorm, SwiGLU, grouped-query "
                            "attention)", ARCHS)

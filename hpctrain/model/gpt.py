@@ -116,6 +116,8 @@ def compile_model(model: nn.Module, backward_twice: bool = False) -> int:
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for blk in blocks:
         blk.compiled_body = torch.compile(blk.body)
+        if blk.recompute == "selective":
+            blk.compiled_selective = torch.compile(blk.selective)
     if isinstance(model, EmbeddingAndHead) and getattr(model, "has_head", True):
         model.compiled_loss = torch.compile(full_cross_entropy)
     return len(blocks)
@@ -131,7 +133,7 @@ class GPT(EmbeddingAndHead, nn.Module):
         if positions is not None:
             self.wpe = positions
         self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(layers.block(cfg) for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList(layers.block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = layers.norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self._pad_vocabulary()  # wte (and an untied lm_head): (V, C) -> (Vp, C)

@@ -21,7 +21,8 @@ from hpctrain.sizes import (MAX_CONTEXT, MAX_ELEMENTS, MAX_LAYERS, MAX_VOCAB, MA
 SIZE_LIMITS = {"vocab_size": (1, MAX_VOCAB), "block_size": (1, MAX_CONTEXT),
                "n_layer": (1, MAX_LAYERS), "n_head": (1, MAX_WIDTH), "n_embd": (1, MAX_WIDTH),
                "vocab_multiple": (1, MAX_WIDTH), "n_kv_head": (0, MAX_WIDTH),
-               "ffn_hidden": (0, MAX_WIDTH), "loss_chunk": (-1, MAX_CONTEXT)}
+               "ffn_hidden": (0, MAX_WIDTH), "loss_chunk": (-1, MAX_CONTEXT),
+               "recompute_every": (0, MAX_LAYERS)}
 """The range of every size of a model (``hpctrain.sizes``): a shape from a config, a
 checkpoint's manifest or a Hugging Face config.json is checked against it when it
 becomes a ``GPTConfig``, before anything is built from it."""
@@ -62,8 +63,13 @@ class GPTConfig:
     vocab_multiple: int = 1
     """Pad the embedding and head rows up to a multiple of this (1: no padding)."""
     recompute: str = "none"
-    """'block': keep only each block's input in forward and run the block again in
-    backward (activation recomputation); 'none' keeps every activation."""
+    """Activation recomputation (``RECOMPUTE``): 'none' keeps every activation;
+    'selective' keeps the matrix multiplies' and attention's outputs and recomputes the
+    element-wise work between them (norms, activations, rotary, dropout); 'block' keeps
+    only each block's input and runs the block again in backward."""
+    recompute_every: int = 0
+    """Recompute every N-th block wholly (blocks N-1, 2N-1, ...: ``block_recompute``),
+    the others as ``recompute`` says ('none' or 'selective'); 0 = no such blocks."""
     arch: str = "gpt"
     """The model family (``families.py``): 'gpt' (GPT-2), 'llama', or a registered one."""
     n_kv_head: int = 0
@@ -110,6 +116,7 @@ class GPTConfig:
             raise ValueError(f"rotary embeddings turn pairs of channels: the head size "
                              f"n_embd / n_head = {self.head_size} must be even")
         parse_scaling(self.rope_scaling)
+        self._check_recompute()
         if self.num_params(non_embedding=False) > MAX_ELEMENTS:
             raise ValueError(f"the model has {self.num_params(non_embedding=False):,} "
                              f"parameters, more than any model (limit {MAX_ELEMENTS:,})")
@@ -122,6 +129,23 @@ class GPTConfig:
         finite(self.dropout, "dropout", 0.0, 1.0)
         finite(self.rope_theta, "rope_theta", 0.0, low_open=True)
         finite(self.norm_eps, "norm_eps", 0.0, low_open=True)
+
+    def _check_recompute(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} is not one of "
+                             f"{', '.join(RECOMPUTE)}")
+        if self.recompute == "block" and self.recompute_every:
+            raise ValueError(f"recompute_every={self.recompute_every} picks the blocks "
+                             "recomputed wholly, and recompute='block' already recomputes "
+                             "every block: set recompute_every=0, or recompute to 'none' or "
+                             "'selective' for the other blocks")
+
+    def block_recompute(self, index: int) -> str:
+        """How block ``index`` (0-based, of the whole model) recomputes: 'block' for every
+        ``recompute_every``-th (the last of each group of N, so N=1 is every block and
+        the last block of an N-multiple depth is one), else ``recompute``."""
+        n = self.recompute_every
+        return "block" if n and index % n == n - 1 else self.recompute
 
     @property
     def family(self) -> Family:
@@ -139,8 +163,8 @@ class GPTConfig:
         return -(-self.vocab_size // m) * m
 
     def shape(self) -> dict:
-        """Every field that fixes the parameters (all but dropout and recompute): what a
-        checkpoint records and a resume must match."""
+        """Every field that fixes the parameters (all but dropout, recomputation and the
+        loss chunk): what a checkpoint records and a resume must match."""
         return {k: getattr(self, k) for k in SHAPE_KEYS}
 
     @classmethod
@@ -222,8 +246,11 @@ def default_ffn_hidden(arch: str, n_embd: int) -> int:
 
 
 SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig)
-                   if f.name not in ("dropout", "recompute", "loss_chunk"))
+                   if f.name not in ("dropout", "recompute", "recompute_every", "loss_chunk"))
 """The fields of ``GPTConfig.shape()``: those that decide what the model computes."""
+
+RECOMPUTE = ("none", "selective", "block")
+"""The activation recomputation modes (``GPTConfig.recompute``)."""
 
 LATER_KEYS = ("vocab_multiple", "arch", "n_kv_head", "ffn_hidden", "rope_theta",
               "rope_scaling", "norm_eps", "tie_embeddings")

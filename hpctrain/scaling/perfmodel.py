@@ -14,16 +14,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from hpctrain.errors import UserError
 from hpctrain.model.shape import WHOLE_HEAD, head_chunk
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.pipeline.schedules import chunks_per_stage
-from hpctrain.parallel.tensor.layout import check_splittable
 from hpctrain.scaling import comm_cost, context_cost, tensor_cost
 from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
                                           llama_bytes_per_token, logits_bytes,
                                           micro_batches_in_flight,
-                                          selective_recompute_terms, word_bytes)
+                                          selective_bytes_per_layer, word_bytes)
 from hpctrain.parallel.pipeline.schedules import predicted_bubble
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.system_perf import SystemPerf
@@ -31,109 +29,10 @@ from hpctrain.sizes import GiB, MiB
 
 __all__ = ["Arrangement", "Prediction", "predict", "predict_memory", "fits", "describe",
            "bubble_fraction", "activation_bytes", "activation_bytes_per_layer",
-           "llama_bytes_per_token", "micro_batches_in_flight", "bucket_sizes"]
+           "llama_bytes_per_token", "selective_bytes_per_layer", "micro_batches_in_flight",
+           "bucket_sizes", "recomputed_layers"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
-RECOMPUTE = ("none", "selective", "block")
-
-
-@dataclass(frozen=True)
-class Arrangement:
-    """One parallel configuration of a training step, with the two model options that
-    change its memory and compute but not its result (recompute, loss_chunk)."""
-
-    ranks: int
-    pp: int = 1
-    zero: int = 0
-    micro_batches: int = 1
-    global_batch: int = 1
-    """Sequences per optimizer step over all ranks."""
-    dtype: str = "fp32"
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    bucket_mb: float = 25.0
-    recompute: str = "none"
-    """'block': each block keeps only its input and runs again in backward
-    (``--model.recompute``); 'selective': only the attention's score-sized tensors are
-    computed again (Korthikanti et al. 2022)."""
-    recompute_every: int = 1
-    """With 'block': one block in every N is recomputed (1: all of them)."""
-    loss_chunk: int = 0
-    """Tokens per chunk of the head and loss (``--model.loss_chunk``); 0: automatic
-    (``GPTConfig.head_chunk``), -1: all at once."""
-    tp: int = 1
-    """Tensor-parallel ranks (``--parallel.tp``): adjacent ranks, inside a node."""
-    sequence_parallel: bool = False
-    """``--parallel.sequence_parallel``: norms and residual stream cut along the sequence."""
-    cp: int = 1
-    """Context-parallel ranks (``--parallel.cp``): each holds 2 chunks of every sequence
-    and attention runs as a ring (``context_cost.py``); ranks = dp x pp x cp x tp."""
-
-    @property
-    def dp(self) -> int:
-        return self.ranks // (self.pp * self.tp * self.cp)
-
-    @property
-    def grad_group(self) -> int:
-        """Ranks holding the same weights, over which gradients are reduced: dp x cp."""
-        return self.dp * self.cp
-
-    @property
-    def recomputed_share(self) -> float:
-        """Share of the blocks that run again in backward under 'block'."""
-        return 1.0 / self.recompute_every if self.recompute == "block" else 0.0
-
-    @property
-    def micro_rows(self) -> int:
-        return self.global_batch // (self.dp * self.micro_batches)
-
-    def check(self, shape: ModelShape) -> None:
-        """Raise ``UserError`` naming the fix for an arrangement the trainer would refuse."""
-        if self.tp < 1 or self.ranks % self.tp:
-            raise UserError(f"{self.ranks} rank(s) do not split into tensor-parallel groups "
-                            f"of tp={self.tp}; use a tp that divides the rank count")
-        if self.cp < 1 or (self.ranks // self.tp) % self.cp:
-            raise UserError(f"{self.ranks} rank(s) do not split into context-parallel groups "
-                            f"of cp={self.cp} (x tp={self.tp}); use a cp that divides the rank "
-                            "count over tp")
-        if self.cp > 1 and shape.block_size % (2 * self.cp):
-            raise UserError(f"context {shape.block_size} does not split into 2 x cp={self.cp} "
-                            f"chunks; use a cp with 2 cp dividing the sequence length")
-        if self.recompute_every < 1:
-            raise UserError(f"recompute_every {self.recompute_every}: use 1 (every block) or "
-                            "more")
-        if self.ranks < 1 or self.pp < 1 or (self.ranks // (self.tp * self.cp)) % self.pp:
-            raise UserError(f"{self.ranks} rank(s) do not split into pp={self.pp} stages"
-                            + (f" of tp={self.tp} ranks" if self.tp > 1 else "")
-                            + "; use a pp that divides the rank count")
-        if self.sequence_parallel and self.tp == 1:
-            raise UserError("sequence parallelism splits the sequence over the "
-                            "tensor-parallel ranks: it needs tp > 1")
-        check_splittable(shape.gpt, self.tp)
-        if self.pp > shape.n_layer * self.virtual_stages:
-            raise UserError(f"pp={self.pp} is more stages than the {shape.n_layer} layers")
-        if self.schedule == "zbv" and self.pp > 1 and (
-                self.micro_batches < 2 * self.pp or shape.n_layer < 2 * self.pp):
-            raise UserError(f"zbv at pp={self.pp} needs at least {2 * self.pp} micro-batches "
-                            f"and layers (two chunks per stage); use more, or zb-h1")
-        if self.zero not in (0, 1, 2, 3):
-            raise UserError(f"zero={self.zero}: use 0, 1, 2 or 3")
-        if self.pp > 1 and self.zero > 1:  # the trainer's rule (parallel/pipeline)
-            raise UserError(f"pp={self.pp} combines with ZeRO stage 0 or 1, not {self.zero}: "
-                            "stages 2-3 shard gradients per micro-batch")
-        if self.schedule not in SCHEDULES:
-            raise UserError(f"schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        if self.dtype not in ("fp32", "bf16"):
-            raise UserError(f"dtype {self.dtype!r}: use fp32 or bf16")
-        if self.recompute not in RECOMPUTE:
-            raise UserError(f"recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
-        if self.loss_chunk < WHOLE_HEAD:
-            raise UserError(f"loss_chunk {self.loss_chunk}: use 0 (automatic), -1 (the whole "
-                            "head at once) or a positive number of tokens")
-        per = self.dp * self.micro_batches
-        if self.global_batch < per or self.global_batch % per:
-            raise UserError(f"global batch {self.global_batch} does not split into dp={self.dp}"
-                            f" x micro_batches={self.micro_batches}; use a multiple of {per}")
+from hpctrain.scaling.arrangement import RECOMPUTE, SCHEDULES, Arrangement  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -203,23 +102,34 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
     return (p - 1) / (m + p - 1)
 
 
+def recomputed_layers(arrangement: Arrangement, layers: int) -> int:
+    """How many of ``layers`` layers run wholly again in backward: all with 'block', else
+    every ``recompute_every``-th (a stage's share of the model's, ``layers // N``)."""
+    if arrangement.recompute == "block":
+        return layers
+    n = arrangement.recompute_every
+    return layers // n if n else 0
+
+
 def activation_bytes(shape: ModelShape, arrangement: Arrangement, layers: int,
                      flash_attention: bool) -> float:
     """Activations on a stage of ``layers`` layers holding the micro-batches in flight.
-    With recomputation each held micro-batch keeps every layer's input (s b h), and the
-    layer running backward holds its full set again, one at a time (Chen et al. 2016);
-    with one block in N recomputed, the others keep their full set. Context parallelism
-    divides all of it by cp (each rank holds s/cp tokens of every sequence)."""
+    A wholly recomputed layer keeps its input (s b h) per held micro-batch, and the layer
+    running backward holds its full set again, one at a time (Chen et al. 2016); a
+    selective layer keeps its matmul and attention outputs (``selective_bytes_per_layer``)
+    and, while its backward runs, the rest again. Context parallelism divides all of it
+    by cp (each rank holds s/cp tokens of every sequence)."""
     held = micro_batches_in_flight(arrangement.pp, arrangement.micro_batches, arrangement.schedule)
-    tp, sp, rows = arrangement.tp, arrangement.sequence_parallel, arrangement.micro_rows
-    full = activation_bytes_per_layer(shape, rows, arrangement.dtype, flash_attention, tp, sp)
+    tp, sp, rows, dtype = (arrangement.tp, arrangement.sequence_parallel,
+                           arrangement.micro_rows, arrangement.dtype)
+    full = activation_bytes_per_layer(shape, rows, dtype, flash_attention, tp, sp)
+    whole = recomputed_layers(arrangement, layers)
+    kept = full
     if arrangement.recompute == "selective":
-        full = selective_recompute_terms(shape, rows, arrangement.dtype, tp, sp)[0]
-    if arrangement.recompute != "block":
-        return held * layers * full / arrangement.cp
-    inputs = layer_input_bytes(shape, rows, arrangement.dtype, tp, sp)
-    again = -(-layers // arrangement.recompute_every)
-    return (held * (again * inputs + (layers - again) * full) + full) / arrangement.cp
+        kept = min(full, selective_bytes_per_layer(shape, rows, dtype, tp, sp))
+    inputs = layer_input_bytes(shape, rows, dtype, tp, sp)
+    transient = full if whole else full - kept
+    return (held * (whole * inputs + (layers - whole) * kept) + transient) / arrangement.cp
 
 
 def collective(system: SystemPerf, kind: str, group: int, n_bytes: float,
@@ -270,24 +180,28 @@ def micro_batch_compute(system: SystemPerf, shape: ModelShape, arrangement: Arra
                         layers: int) -> float:
     """Seconds of one micro-batch's forward + backward on one rank of the largest stage,
     before oversubscription: per-block overhead + FLOPs / rate + memory traffic /
-    bandwidth (module docstring). Recomputation runs the forward (2 of the 6 FLOPs per
-    weight and token) once more, 8/6; a chunked or vocabulary-parallel head computes its
-    logits again in backward, 8/6 of the head."""
+    bandwidth (module docstring). A wholly recomputed layer runs its forward (2 of the 6
+    FLOPs per weight and token) once more, 8/6; a selective one only its element-wise
+    work, no FLOPs to count but its memory traffic again; a chunked or
+    vocabulary-parallel head computes its logits again in backward, 8/6 of the head."""
     tokens = arrangement.micro_rows * shape.block_size // arrangement.cp
-    again = 1.0 + arrangement.recomputed_share / 3.0
+    again = 1.0 + recomputed_layers(arrangement, layers) / (3.0 * layers)
     chunked = head_chunk(arrangement.loss_chunk, tokens, -(-shape.vocab_size // arrangement.tp))
     head = 4.0 / 3.0 if chunked or arrangement.tp > 1 else 1.0
-    per_layer = shape.layer_flops_per_token * again
-    if arrangement.recompute == "selective":
-        per_layer += selective_recompute_terms(shape, 1, arrangement.dtype)[1]
-    flops = tokens * (layers * per_layer + shape.head_flops_per_token * head) / arrangement.tp
+    flops = tokens * (layers * shape.layer_flops_per_token * again
+                      + shape.head_flops_per_token * head) / arrangement.tp
     rate = system.compute_rate(shape.key, arrangement.dtype)
     t = layers * rate.layer_overhead_s * again + flops / rate.flops_per_s
     if system.memory_bandwidth and not system.calibrated(shape.key, arrangement.dtype):
-        kept = layers * again * activation_bytes_per_layer(
-            shape, arrangement.micro_rows, arrangement.dtype, system.flash_attention,
-            arrangement.tp, arrangement.sequence_parallel) / arrangement.cp
-        kept += logits_bytes(shape, tokens, 0, arrangement.tp)
+        rows, tp, sp = arrangement.micro_rows, arrangement.tp, arrangement.sequence_parallel
+        full = activation_bytes_per_layer(shape, rows, arrangement.dtype,
+                                          system.flash_attention, tp, sp)
+        traffic = again
+        if arrangement.recompute == "selective":  # the dropped outputs written again
+            dropped = 1.0 - selective_bytes_per_layer(shape, rows, arrangement.dtype, tp, sp) / full
+            traffic += max(0.0, dropped) * (1.0 - recomputed_layers(arrangement, layers) / layers)
+        kept = layers * traffic * full / arrangement.cp
+        kept += logits_bytes(shape, tokens, WHOLE_HEAD, arrangement.tp)
         t += system.activation_passes * kept / system.memory_bandwidth
     return t
 
@@ -299,8 +213,10 @@ def tensor_parallel_time(system: SystemPerf, shape: ModelShape, arrangement: Arr
     return tensor_cost.group_time(
         lambda kind, n: collective(system, kind, arrangement.tp, n, members), tp=arrangement.tp,
         tokens=arrangement.micro_rows * shape.block_size // arrangement.cp, width=shape.n_embd,
-        layers=layers, dtype=arrangement.dtype, collectives=system.collectives,
-        recompute=arrangement.recompute == "block", sp=arrangement.sequence_parallel)
+        layers=layers,
+        dtype=arrangement.dtype, collectives=system.collectives,
+        recompute=arrangement.recompute != "none" or arrangement.recompute_every > 0,
+        sp=arrangement.sequence_parallel)
 
 
 def context_parallel_time(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,

@@ -90,7 +90,7 @@ def context_parallel_sizes(shape: ModelShape, ranks: int) -> list[int]:
 def arrangements(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
                  max_micro_rows: int = 64, recompute: str = "none",
                  loss_chunk: int = 0, ranks_per_node: int = 1, fixed: Fixed = Fixed(),
-                 cps=(1,), recompute_every: int = 1) -> list[Arrangement]:
+                 cps=(1,), recompute_every: int = 0) -> list[Arrangement]:
     out = []
     for tp in tensor_parallel_sizes(shape, min(ranks_per_node, ranks)):
         for cp in cps:
@@ -149,7 +149,7 @@ DEFAULT_BATCH = 512
 def plan(*, system: str, nodes: int, model: str = "", global_batch: int = 0, seq_len: int = 0,
          dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None,
          recompute: str = "none", loss_chunk: int = 0, collectives: str = "auto",
-         shape: str = "", fixed: Fixed = Fixed(), recompute_every: int = 1) -> Plan:
+         shape: str = "", fixed: Fixed = Fixed(), recompute_every: int = 0) -> Plan:
     """Every legal arrangement that fits, fastest first. ``recompute``, ``loss_chunk`` and
     ``collectives`` are the trainer's ``--model.recompute``, ``--model.loss_chunk`` and
     ``--comm.collectives`` for every arrangement; ``fixed`` the parts of the layout the
@@ -165,9 +165,9 @@ def plan(*, system: str, nodes: int, model: str = "", global_batch: int = 0, seq
         perf = replace(perf, ranks_per_node=ranks_per_node)
     if recompute not in RECOMPUTE:
         raise UserError(f"--recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
-    if recompute_every != 1 and recompute != "block":
-        raise UserError("--recompute-every N recomputes one block in N: it needs "
-                        "--recompute block")
+    if recompute_every < 0 or (recompute_every and recompute == "block"):
+        raise UserError(f"--recompute-every {recompute_every}: use 0, or N >= 1 with "
+                        "--recompute none or selective (block recomputes every block)")
     model_shape = resolve_model(model, shape, seq_len)
     ranks = nodes * rpn
     global_batch = global_batch or max(DEFAULT_BATCH, ranks)
@@ -263,8 +263,8 @@ def _no_arrangement(fixed: Fixed, shape: ModelShape, ranks: int, nodes: int, rpn
 
 def _model_options(arr: Arrangement) -> str:
     """The model options the plan assumed, as the header says them (nothing by default)."""
-    every = f" (one block in {arr.recompute_every})" if arr.recompute_every > 1 else ""
-    out = [f"recompute {arr.recompute}{every}"] if arr.recompute != "none" else []
+    out = [f"recompute {arr.recompute}"] if arr.recompute != "none" else []
+    out += [f"every {arr.recompute_every}th block wholly"] if arr.recompute_every else []
     out += [f"loss chunk {arr.loss_chunk}"] if arr.loss_chunk else []
     return "".join(f", {o}" for o in out)
 

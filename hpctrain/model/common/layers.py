@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from hpctrain.model.common.recompute import selective_checkpoint
 from hpctrain.model.shape import GPTConfig
 
 
@@ -38,8 +39,9 @@ class FamilyLayers:
         return None
 
     @classmethod
-    def block(cls, cfg: GPTConfig) -> nn.Module:
-        return Block(cfg, cls)
+    def block(cls, cfg: GPTConfig, index: int = 0) -> nn.Module:
+        """Block ``index`` of the model (it decides how the block recomputes)."""
+        return Block(cfg, cls, cfg.block_recompute(index))
 
 
 class CausalSelfAttention(nn.Module):
@@ -81,30 +83,44 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """x + attn(ln_1(x)), then + mlp(ln_2(x)).
 
-    ``recompute="block"`` keeps only the block's input and runs the body again in
-    backward (Chen et al. 2016); ``compile_model`` sets ``compiled_body``. Both act
+    ``recompute`` (``GPTConfig.block_recompute``): 'block' keeps only the block's input
+    and runs the body again in backward (Chen et al. 2016); 'selective' keeps the matmul
+    and attention outputs and recomputes the element-wise work (``recompute.py``).
+    ``compile_model`` sets ``compiled_body`` (and ``compiled_selective``). All act
     inside ``forward``, so module hooks on the block (ZeRO-3's gathers) run once per
     forward (docs/design/compute-options.md)."""
 
-    def __init__(self, cfg: GPTConfig, layers: type[FamilyLayers] | None = None):
-        """``layers``: the family's parts; by default those of ``cfg``'s family."""
+    def __init__(self, cfg: GPTConfig, layers: type[FamilyLayers] | None = None,
+                 recompute: str | None = None):
+        """``layers``: the family's parts; by default those of ``cfg``'s family.
+        ``recompute``: this block's mode; by default ``cfg.recompute``."""
         super().__init__()
         layers = layers or cfg.family.layers()
         self.ln_1 = layers.norm(cfg)
         self.attn = CausalSelfAttention(cfg, layers.rotary(cfg))
         self.ln_2 = layers.norm(cfg)
         self.mlp = layers.mlp(cfg)
-        self.recompute = cfg.recompute == "block"
+        self.recompute = recompute or cfg.recompute
         self.compiled_body = None  # torch.compile(self.body), set by compile_model
+        self.compiled_selective = None  # torch.compile(self.selective), likewise
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+    def selective(self, x: torch.Tensor) -> torch.Tensor:
+        """``body`` under selective recomputation. Compiled, the compiler traces the
+        policy and its partitioner keeps what it marks."""
+        return selective_checkpoint(self.body, x, keep_attention=self.attn.dropout == 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         body = self.body if self.compiled_body is None else self.compiled_body
-        if self.recompute and torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self.recompute == "none":
+            return body(x)
+        if self.recompute == "block":
             # Saves only x; the first saved tensor backward asks for runs body(x) again,
             # with the same dropout masks (the RNG state is restored).
             return checkpoint(body, x, use_reentrant=False)
-        return body(x)
+        if self.compiled_selective is not None:
+            return self.compiled_selective(x)
+        return self.selective(x)
