@@ -60,6 +60,18 @@ def test_every_rank_computes_the_same_causal_pairs(cp):
     assert work == [T * (T + 1) // 2 // cp] * cp  # the same share of every pair
 
 
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_every_ring_step_gives_every_rank_two_chunk_blocks_of_work(cp):
+    """The balance holds per step, as the ring needs (each step ends in a transfer all
+    wait for): a full chunk-pair block counts 1, a diagonal one 1/2; the first step is
+    the rank's own keys (two diagonals, one full block)."""
+    for rank in range(cp):
+        for step in range(cp):
+            pairs = list(blocks.chunk_pairs(rank, (rank - step) % cp, cp))
+            assert sum(0.5 if diagonal else 1.0 for *_, diagonal in pairs) == 2.0
+            assert sum(diagonal for *_, diagonal in pairs) == (2 if step == 0 else 0)
+
+
 @pytest.mark.parametrize("cp,c", [(2, 1), (2, 16), (4, 1), (4, 64), (8, 1000)])
 def test_a_contiguous_split_overloads_the_last_rank_as_the_design_note_says(cp, c):
     """The imbalance the load balancing removes: with cp contiguous pieces of c tokens,

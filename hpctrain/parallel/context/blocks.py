@@ -20,6 +20,8 @@ import enum
 
 import torch
 
+from hpctrain.parallel.context import chunks
+
 
 class Relation(enum.Enum):
     """How a key chunk lies against a query chunk under the causal mask."""
@@ -34,6 +36,17 @@ def relation(query_chunk: int, key_chunk: int) -> Relation:
     if key_chunk > query_chunk:
         return Relation.SKIP
     return Relation.DIAGONAL if key_chunk == query_chunk else Relation.FULL
+
+
+def chunk_pairs(rank: int, source: int, cp: int):
+    """(query half, key half, diagonal) for every pair of ``rank``'s two query chunks and
+    ``source``'s two key chunks that the causal mask leaves anything of."""
+    mine, theirs = chunks.rank_chunks(rank, cp), chunks.rank_chunks(source, cp)
+    for qh, q_chunk in enumerate(mine):
+        for kh, k_chunk in enumerate(theirs):
+            rel = relation(q_chunk, k_chunk)
+            if rel is not Relation.SKIP:
+                yield qh, kh, rel is Relation.DIAGONAL
 
 
 def _expand(kv: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import math
 import torch
 
 from hpctrain.errors import ConfigError
-from hpctrain.parallel.context import blocks, chunks
+from hpctrain.parallel.context import blocks
 from hpctrain.parallel.context.ring import Ring
 
 KV_TAG, GRAD_TAG = 4201, 4202
@@ -74,17 +74,6 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(ctx.kv_dtype), dkv[1].to(ctx.kv_dtype), None, None
 
 
-def _pairs(ring: Ring, source: int):
-    """(query half, key half, diagonal) for every chunk pair of this rank's queries and
-    ``source``'s keys that the causal mask leaves anything of."""
-    mine, theirs = chunks.rank_chunks(ring.rank, ring.size), chunks.rank_chunks(source, ring.size)
-    for qh, q_chunk in enumerate(mine):
-        for kh, k_chunk in enumerate(theirs):
-            rel = blocks.relation(q_chunk, k_chunk)
-            if rel is not blocks.Relation.SKIP:
-                yield qh, kh, rel is blocks.Relation.DIAGONAL
-
-
 def _half(t: torch.Tensor, h: int, dim: int = -2) -> torch.Tensor:
     """The first (0) or second (1) chunk of ``t``, whose tokens are dimension ``dim``
     (-2 for queries, keys and outputs; -1 for a log-sum-exp), as a view."""
@@ -102,7 +91,7 @@ def _forward(q, kv, ring: Ring, scale: float):
         transfer = None
         if step < ring.size - 1:
             transfer = ring.shift(kv, +1, KV_TAG, f"key/value block of step {step + 1}")
-        for qh, kh, diagonal in _pairs(ring, source):
+        for qh, kh, diagonal in blocks.chunk_pairs(ring.rank, source, ring.size):
             o, l = blocks.attend(_half(q, qh), _half(kv[0], kh), _half(kv[1], kh), scale,
                                  diagonal)
             o_acc, l_acc = blocks.merge(_half(out, qh), _half(lse, qh, -1), o, l)
@@ -127,7 +116,7 @@ def _backward(dout, q, out, lse, kv, ring: Ring, scale: float):
         transfer = None if last else ring.shift(kv, -1, KV_TAG,
                                                f"key/value block of backward step {step + 1}")
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        for qh, kh, diagonal in _pairs(ring, source):
+        for qh, kh, diagonal in blocks.chunk_pairs(ring.rank, source, ring.size):
             dq_part, dk_part, dv_part = blocks.attend_backward(
                 _half(q, qh), _half(kv[0], kh), _half(kv[1], kh), _half(dout, qh),
                 _half(lse, qh, -1), _half(delta, qh, -1), scale, diagonal)
