@@ -144,6 +144,16 @@ def test_dropout_is_refused_with_the_fix():
         ring_attention(q, k, v, ring=None, dropout_p=0.1)
 
 
+def test_shapes_that_do_not_fit_are_refused_before_any_transfer():
+    q, k, v = _qkv(8, nkv=4)
+    with pytest.raises(ValueError, match="do not fit"):
+        ring_attention(q, k[:, :3], v[:, :3], ring=None)  # 3 kv heads for 4 query heads
+    with pytest.raises(ValueError, match="one shape"):
+        ring_attention(q, k, v[:, :2], ring=None)
+    with pytest.raises(ValueError, match="two equal chunks"):
+        ring_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], ring=None)
+
+
 def test_a_ring_of_one_rank_is_causal_attention_with_its_gradients():
     from mpi4py import MPI
 
