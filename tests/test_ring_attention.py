@@ -1,9 +1,14 @@
 """Context parallelism's pure parts in one process: the load-balanced chunk layout
 (every token once, in order, equal causal work), the log-sum-exp merge and a block's
 backward against torch's attention, and a ring of one rank against
-``F.scaled_dot_product_attention``. The ring over 2 and 4 ranks:
-``tests/test_ring_attention_mpi.py``."""
+``F.scaled_dot_product_attention``; rings of 2, 3 and 8 ranks as threads of this process
+passing blocks through a stand-in communicator (odd and larger rings than the MPI legs
+run). The ring over 2 and 4 MPI ranks: ``tests/test_ring_attention_mpi.py``."""
 
+import collections
+import threading
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,3 +174,76 @@ def test_a_ring_of_one_rank_is_causal_attention_with_its_gradients():
     expected.backward(dout)
     for mine, theirs in zip((q, k, v), ref):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+
+
+class _Request:
+    def __init__(self, test):
+        self._test, self._done = test, False
+
+    def Test(self, status=None):
+        self._done = self._done or self._test()
+        return self._done
+
+
+class _ThreadComm:
+    """The point-to-point part of an mpi4py communicator for ranks that are threads:
+    a send copies into the mailbox of (source, dest, tag), a receive takes the oldest."""
+
+    def __init__(self, mail: dict, lock: threading.Lock, rank: int, size: int):
+        self._mail, self._lock, self._rank, self._size = mail, lock, rank, size
+
+    def Get_size(self):
+        return self._size
+
+    def Get_rank(self):
+        return self._rank
+
+    def Isend(self, buf, dest, tag):
+        with self._lock:
+            self._mail[(self._rank, dest, tag)].append(np.array(buf, copy=True))
+        return _Request(lambda: True)
+
+    def Irecv(self, buf, source, tag):
+        def test():
+            with self._lock:
+                box = self._mail[(source, self._rank, tag)]
+                if not box:
+                    return False
+                buf[...] = box.popleft()
+                return True
+        return _Request(test)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 8])
+@pytest.mark.parametrize("nkv", [4, 2])
+def test_a_ring_of_threads_equals_causal_attention_on_every_rank(cp, nkv):
+    from hpctrain.parallel.context.ring import Ring
+
+    T = 16 * cp
+    q, k, v = _qkv(T, nkv=nkv)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    expected.backward(dout)
+    mail, lock, failures = collections.defaultdict(collections.deque), threading.Lock(), {}
+
+    def rank(r):
+        try:
+            idx = chunks.positions(r, cp, T)
+            mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+            out = ring_attention(*mine, Ring(_ThreadComm(mail, lock, r, cp), timeout=30.0))
+            out.backward(dout[:, :, idx])
+            torch.testing.assert_close(out, expected[:, :, idx], rtol=1e-5, atol=1e-5)
+            for name, t, whole in zip("qkv", mine, ref):
+                torch.testing.assert_close(t.grad, whole.grad[:, :, idx], rtol=1e-5,
+                                           atol=1e-5, msg=lambda m, n=name: f"d{n}: {m}")
+        except Exception as e:  # reported below, rank by rank
+            failures[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, "\n".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+    assert not any(mail.values())  # every block sent was received
