@@ -1,7 +1,8 @@
 """``parallelize(gpt, grid, cfg)``: wrap a whole GPT for this rank's place in the grid.
 
 One fixed order (as torchtitan's ``parallelize``), because each step needs the previous:
-0. tensor split (tp > 1, ``tensor/apply.py``); 1. pipeline cut (pp > 1: this rank's
+0. tensor split (tp > 1, ``tensor/apply.py``), then ring attention and global positions
+(cp > 1, ``context/apply.py``); 1. pipeline cut (pp > 1: this rank's
 stage); 2. device; 3. gradient engine over the stage's data-parallel ranks (``Zero``,
 ``DataParallel`` or ``MixedPrecisionDataParallel``; it may turn parameters into bf16
 views, so it comes before anything that reads their dtype); 4. runner (pipeline
@@ -19,6 +20,9 @@ import torch
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.model.gpt import GPT, compile_model
 from hpctrain.parallel.choose_engine import build_engine
+from hpctrain.parallel.context.apply import context_parallelize
+from hpctrain.parallel.context.chunks import loader_parts
+from hpctrain.parallel.context.ring import Ring
 from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD, V_PLACED
@@ -46,6 +50,8 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     if grid.tp > 1:
         tensor_parallelize(gpt, TensorParallelGroup(grid.tp_comm, world),
                            sequence_parallel=par.sequence_parallel)
+    if grid.cp > 1:
+        context_parallelize(gpt, Ring.of_world(grid.cp_comm, world))
     if pipelined:
         model = PipelineStage(gpt, grid.stage, par.pp, par.virtual_stages, device=device,
                               v_shape=par.schedule in V_PLACED)
@@ -60,11 +66,17 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
                                   seq=cfg.model.block_size, timeout=world.timeout,
                                   order_times=PassTimes(*(par.pass_time_ratios() or ())))
     else:
-        runner = LocalRunner(model, world.accel, whole=grid.tp == 1)
+        runner = LocalRunner(model, world.accel, whole=grid.tp == 1 and grid.cp == 1)
     set_matmul_precision(device, cfg.train.tf32)
     if cfg.train.compile:
         compile_model(model, backward_twice=pipelined and par.schedule in SPLIT_BACKWARD)
     return Parallel(model, engine, runner)
+
+
+def sequence_parts(grid: ProcessGrid) -> tuple[tuple[int, ...], int]:
+    """(which parts of each sequence this rank reads, into how many it is cut): for the
+    data loader, whose reads follow the context-parallel layout (``context/chunks.py``)."""
+    return loader_parts(grid.cp_index, grid.cp)
 
 
 def whole_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -60,9 +60,11 @@ class Rotary:
         angles = torch.cat([angles, angles], dim=-1)  # (T, hs): both halves of a pair
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate (B, heads, T, hs) by each position's angles."""
-        cos, sin = self.tables(x.size(-2), x.device, x.dtype)
+    def rotate(self, x: torch.Tensor, cos_sin=None) -> torch.Tensor:
+        """Rotate (B, heads, T, hs) by each position's angles; ``cos_sin``: the (T, hs)
+        tables of other positions than 0..T-1 (context parallelism), rows of
+        ``tables``."""
+        cos, sin = cos_sin or self.tables(x.size(-2), x.device, x.dtype)
         half = x.size(-1) // 2
         rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated_half * sin

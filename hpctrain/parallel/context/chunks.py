@@ -32,6 +32,12 @@ def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
+def loader_parts(rank: int, cp: int) -> tuple[tuple[int, ...], int]:
+    """(the chunks ``rank`` reads of each sequence, in its order; how many chunks a
+    sequence is cut into): what the data loader reads for this rank. cp = 1: all of it."""
+    return (rank_chunks(rank, cp), 2 * cp) if cp > 1 else ((0,), 1)
+
+
 def chunk_size(T: int, cp: int) -> int:
     """Tokens per chunk: T / (2 cp)."""
     check_length(T, cp)
