@@ -419,8 +419,6 @@ class Config:
                 f"{2 * p.cp}, or another --parallel.cp")
         require(m.dropout == 0, f"--parallel.cp={p.cp} needs model.dropout=0 (ring "
                 "attention does not replay attention dropout in backward)")
-        require(p.pp == 1, f"--parallel.cp={p.cp} combines with data and tensor "
-                "parallelism and ZeRO 0-3, not yet with a pipeline: use --parallel.pp=1")
         require(not self.train.compile, f"--parallel.cp={p.cp} runs without "
                 "--train.compile: the ring's MPI messages sit inside every block, which "
                 "torch.compile cannot trace; drop --train.compile")

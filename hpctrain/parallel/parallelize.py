@@ -1,10 +1,10 @@
 """``parallelize(gpt, grid, cfg)``: wrap a whole GPT for this rank's place in the grid.
 
 One fixed order (as torchtitan's ``parallelize``), because each step needs the previous:
-0. tensor split (tp > 1, ``tensor/apply.py``), then ring attention and global positions
-(cp > 1, ``context/apply.py``); 1. pipeline cut (pp > 1: this rank's
-stage); 2. device; 3. gradient engine over the stage's data-parallel ranks (``Zero``,
-``DataParallel`` or ``MixedPrecisionDataParallel``; it may turn parameters into bf16
+0. tensor split (tp > 1, ``tensor/apply.py``); 1. pipeline cut (pp > 1: this rank's
+stage); 2. device, then ring attention and global positions on what the rank holds (cp >
+1, ``context/apply.py``); 3. gradient engine over the stage's data-parallel and
+context-parallel ranks (``Zero``, ``DataParallel`` or ``MixedPrecisionDataParallel``; it may turn parameters into bf16
 views, so it comes before anything that reads their dtype); 4. runner (pipeline
 executor or ``LocalRunner``); 5. compute settings (TF32, then ``torch.compile`` of each
 block and of the head, last, so the engine's hooks stay outside the compiled code).
@@ -50,20 +50,21 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     if grid.tp > 1:
         tensor_parallelize(gpt, TensorParallelGroup(grid.tp_comm, world),
                            sequence_parallel=par.sequence_parallel)
-    if grid.cp > 1:
-        context_parallelize(gpt, Ring.of_world(grid.cp_comm, world))
     if pipelined:
         model = PipelineStage(gpt, grid.stage, par.pp, par.virtual_stages, device=device,
                               v_shape=par.schedule in V_PLACED)
     else:
         model = gpt.to(device)
+    if grid.cp > 1:  # on the stage: its embedding is the one that runs
+        context_parallelize(model, Ring.of_world(grid.cp_comm, world))
     engine = build_engine(model, grid.dp_world, cfg,
                           blocks=None if pipelined else whole_blocks(model),
                           norm_comms=(grid.pp_comm,) if pipelined else (), tp_comm=grid.tp_comm)
     if pipelined:
         model.sync_head_dtype()  # the engine may have turned the parameters into bf16
         runner = PipelineExecutor(model, grid, kind=par.schedule, n_micro=par.micro_batches,
-                                  seq=cfg.model.block_size, timeout=world.timeout,
+                                  seq=cfg.model.block_size // grid.cp,
+                                  timeout=world.timeout,
                                   order_times=PassTimes(*(par.pass_time_ratios() or ())))
     else:
         runner = LocalRunner(model, world.accel, whole=grid.tp == 1 and grid.cp == 1)
