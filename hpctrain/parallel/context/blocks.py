@@ -61,22 +61,25 @@ def _fold(grad: torch.Tensor, n_kv_head: int) -> torch.Tensor:
     return grad.view(B, n_kv_head, nh // n_kv_head, L, hs).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
-    """q k^T * scale (B, nh, Lq, Lk), fp32; on the diagonal, -inf above it."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool,
+            offset: int = 0) -> torch.Tensor:
+    """q k^T * scale (B, nh, Lq, Lk), fp32; on the diagonal, -inf above it, the queries
+    being the chunk's rows ``offset``.. (a tile of them)."""
     s = torch.matmul(q.float(), _expand(k, q.size(1)).transpose(-2, -1)) * scale
     if diagonal:
         Lq, Lk = s.shape[-2:]
-        above = torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).triu(1)
+        above = torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).triu(1 + offset)
         s = s.masked_fill(above, float("-inf"))
     return s
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+           diagonal: bool, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` on the keys ``k`` alone: (out (B, nh, Lq, hs),
-    lse (B, nh, Lq)), both fp32. ``diagonal``: query j sees keys 0..j only (the
-    chunks hold the same positions)."""
-    s = _scores(q, k, scale, diagonal)
+    lse (B, nh, Lq)), both fp32. ``diagonal``: query j sees keys 0..j + ``offset`` only
+    (the chunks hold the same positions; ``offset``: the queries are the chunk's rows
+    from ``offset`` on, a tile of them)."""
+    s = _scores(q, k, scale, diagonal, offset)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     return torch.matmul(p, _expand(v, q.size(1))), lse
@@ -94,14 +97,14 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 
 def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, scale: float, diagonal: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    lse: torch.Tensor, delta: torch.Tensor, scale: float, diagonal: bool,
+                    offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of (dq, dk, dv), fp32, recomputed from the inputs and the
     *final* ``lse`` of the queries (over every key), with ``delta`` = rowsum(dout * out)
     of the final output. dk and dv come back with the key/value heads' shape."""
     k_all, v_all = _expand(k, q.size(1)), _expand(v, q.size(1))
     dout = dout.float()
-    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))  # (B, nh, Lq, Lk)
+    p = torch.exp(_scores(q, k, scale, diagonal, offset) - lse.unsqueeze(-1))  # (B, nh, Lq, Lk)
     dv = torch.matmul(p.transpose(-2, -1), dout)
     dp = torch.matmul(dout, v_all.transpose(-2, -1))
     ds = p * (dp - delta.unsqueeze(-1))

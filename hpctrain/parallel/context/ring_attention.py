@@ -23,6 +23,10 @@ from hpctrain.parallel.context.ring import Ring
 
 KV_TAG, GRAD_TAG = 4201, 4202
 """Message tags: key/value blocks, and their gradients (the same neighbours exchange both)."""
+QUERY_TILE = 256
+"""Queries computed at a time within a chunk pair: the scores, probabilities and their
+gradients are (B, nh, QUERY_TILE, chunk) at most, not (B, nh, chunk, chunk), so
+attention's memory grows with the sequence, not its square."""
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
@@ -81,6 +85,20 @@ def _half(t: torch.Tensor, h: int, dim: int = -2) -> torch.Tensor:
     return t.narrow(dim, h * n, n)
 
 
+def _tiles(pairs, chunk: int):
+    """(query half, key half, diagonal, first query row, rows, keys) of every query tile
+    of every chunk pair: on the diagonal a tile's queries see the keys up to their own
+    position only, so the keys after them are not computed at all."""
+    for qh, kh, diagonal in pairs:
+        for lo in range(0, chunk, QUERY_TILE):
+            rows = min(QUERY_TILE, chunk - lo)
+            yield qh, kh, diagonal, lo, rows, lo + rows if diagonal else chunk
+
+
+def _rows(t: torch.Tensor, lo: int, n: int, dim: int = -2) -> torch.Tensor:
+    return t.narrow(dim, lo, n)
+
+
 def _forward(q, kv, ring: Ring, scale: float):
     """(out in q's dtype, lse fp32 (B, nh, L), the last key/value block seen). Step s
     computes on the block of rank (rank - s) while that block moves on one place."""
@@ -91,12 +109,14 @@ def _forward(q, kv, ring: Ring, scale: float):
         transfer = None
         if step < ring.size - 1:
             transfer = ring.shift(kv, +1, KV_TAG, f"key/value block of step {step + 1}")
-        for qh, kh, diagonal in blocks.chunk_pairs(ring.rank, source, ring.size):
-            o, l = blocks.attend(_half(q, qh), _half(kv[0], kh), _half(kv[1], kh), scale,
-                                 diagonal)
-            o_acc, l_acc = blocks.merge(_half(out, qh), _half(lse, qh, -1), o, l)
-            _half(out, qh).copy_(o_acc)
-            _half(lse, qh, -1).copy_(l_acc)
+        pairs = blocks.chunk_pairs(ring.rank, source, ring.size)
+        for qh, kh, diagonal, lo, n, keys in _tiles(pairs, q.size(-2) // 2):
+            o, l = blocks.attend(_rows(_half(q, qh), lo, n), _rows(_half(kv[0], kh), 0, keys),
+                                 _rows(_half(kv[1], kh), 0, keys), scale, diagonal, lo)
+            out_t, lse_t = _rows(_half(out, qh), lo, n), _rows(_half(lse, qh, -1), lo, n, -1)
+            o_acc, l_acc = blocks.merge(out_t, lse_t, o, l)
+            out_t.copy_(o_acc)
+            lse_t.copy_(l_acc)
         if transfer is not None:
             kv = transfer.wait()
     return out.to(q.dtype), lse, kv
@@ -116,13 +136,16 @@ def _backward(dout, q, out, lse, kv, ring: Ring, scale: float):
         transfer = None if last else ring.shift(kv, -1, KV_TAG,
                                                f"key/value block of backward step {step + 1}")
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        for qh, kh, diagonal in blocks.chunk_pairs(ring.rank, source, ring.size):
+        pairs = blocks.chunk_pairs(ring.rank, source, ring.size)
+        for qh, kh, diagonal, lo, n, keys in _tiles(pairs, q.size(-2) // 2):
             dq_part, dk_part, dv_part = blocks.attend_backward(
-                _half(q, qh), _half(kv[0], kh), _half(kv[1], kh), _half(dout, qh),
-                _half(lse, qh, -1), _half(delta, qh, -1), scale, diagonal)
-            _half(dq, qh).add_(dq_part)
-            _half(dkv[0], kh).add_(dk_part)
-            _half(dkv[1], kh).add_(dv_part)
+                _rows(_half(q, qh), lo, n), _rows(_half(kv[0], kh), 0, keys),
+                _rows(_half(kv[1], kh), 0, keys), _rows(_half(dout, qh), lo, n),
+                _rows(_half(lse, qh, -1), lo, n, -1), _rows(_half(delta, qh, -1), lo, n, -1),
+                scale, diagonal, lo)
+            _rows(_half(dq, qh), lo, n).add_(dq_part)
+            _rows(_half(dkv[0], kh), 0, keys).add_(dk_part)
+            _rows(_half(dkv[1], kh), 0, keys).add_(dv_part)
         if incoming is not None:
             dkv += incoming.wait()
         if not last:
