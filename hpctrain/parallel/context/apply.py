@@ -45,17 +45,21 @@ class RingContext:
 
 
 class GlobalRotary:
-    """A rotary embedding that rotates a rank's T / cp tokens by their global positions
-    (rows of the whole sequence's tables), not by 0..T/cp - 1."""
+    """A rotary embedding that rotates a rank's T / cp tokens by their global positions,
+    not by 0..T/cp - 1: the tables of those positions alone, made once per (T / cp,
+    device, dtype) and shared by the queries and keys of every step."""
 
     def __init__(self, rotary, positions: _Positions):
         self.rotary, self.positions = rotary, positions
+        self._tables: dict = {}
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         local = x.size(-2)
-        cos, sin = self.rotary.tables(local * self.positions.cp, x.device, x.dtype)
-        index = self.positions(local, x.device)
-        return self.rotary.rotate(x, (cos[index], sin[index]))
+        key = (local, str(x.device), x.dtype)
+        if key not in self._tables:
+            self._tables = {key: self.rotary.tables_at(self.positions(local, x.device),
+                                                       x.dtype)}
+        return self.rotary.rotate(x, self._tables[key])
 
 
 def context_parallelize(model: torch.nn.Module, ring: Ring) -> int:

@@ -49,27 +49,27 @@ def chunk_pairs(rank: int, source: int, cp: int):
                 yield qh, kh, rel is Relation.DIAGONAL
 
 
-def _expand(kv: torch.Tensor, n_head: int) -> torch.Tensor:
-    """(B, nkv, L, hs) -> (B, nh, L, hs): each key/value head repeated for its queries."""
-    group = n_head // kv.size(1)
-    return kv.float() if group == 1 else kv.float().repeat_interleave(group, dim=1)
+def _grouped(t: torch.Tensor, n_kv_head: int) -> torch.Tensor:
+    """(B, nh, L, ...) -> (B, nkv, nh / nkv * L, ...), fp32: the query heads that share a
+    key/value head side by side (head h reads key/value head h // (nh / nkv)), so one
+    matrix multiply serves them all and no key/value head is copied."""
+    return t.float().reshape(t.size(0), n_kv_head, -1, *t.shape[3:])
 
 
-def _fold(grad: torch.Tensor, n_kv_head: int) -> torch.Tensor:
-    """(B, nh, L, hs) -> (B, nkv, L, hs): the gradients of a key/value head's copies summed."""
-    B, nh, L, hs = grad.shape
-    return grad.view(B, n_kv_head, nh // n_kv_head, L, hs).sum(2)
+def _ungrouped(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The inverse of ``_grouped``: (B, nkv, nh / nkv * L, ...) -> (B, nh, L, ...)."""
+    return t.reshape(t.size(0), n_head, -1, *t.shape[3:])
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool,
             offset: int = 0) -> torch.Tensor:
-    """q k^T * scale (B, nh, Lq, Lk), fp32; on the diagonal, -inf above it, the queries
-    being the chunk's rows ``offset``.. (a tile of them)."""
-    s = torch.matmul(q.float(), _expand(k, q.size(1)).transpose(-2, -1)) * scale
+    """q k^T * scale, grouped (B, nkv, nh / nkv * Lq, Lk), fp32; on the diagonal, -inf
+    above it, the queries being the chunk's rows ``offset``.. (a tile of them)."""
+    s = torch.matmul(_grouped(q, k.size(1)), k.float().transpose(-2, -1)) * scale
     if diagonal:
-        Lq, Lk = s.shape[-2:]
+        Lq, Lk = q.size(-2), k.size(-2)
         above = torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).triu(1 + offset)
-        s = s.masked_fill(above, float("-inf"))
+        s = s.masked_fill(above.repeat(q.size(1) // k.size(1), 1), float("-inf"))
     return s
 
 
@@ -82,7 +82,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     s = _scores(q, k, scale, diagonal, offset)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.matmul(p, _expand(v, q.size(1))), lse
+    nh = q.size(1)
+    return _ungrouped(torch.matmul(p, v.float()), nh), _ungrouped(lse, nh)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
@@ -102,12 +103,13 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     """This block's share of (dq, dk, dv), fp32, recomputed from the inputs and the
     *final* ``lse`` of the queries (over every key), with ``delta`` = rowsum(dout * out)
     of the final output. dk and dv come back with the key/value heads' shape."""
-    k_all, v_all = _expand(k, q.size(1)), _expand(v, q.size(1))
-    dout = dout.float()
-    p = torch.exp(_scores(q, k, scale, diagonal, offset) - lse.unsqueeze(-1))  # (B, nh, Lq, Lk)
-    dv = torch.matmul(p.transpose(-2, -1), dout)
-    dp = torch.matmul(dout, v_all.transpose(-2, -1))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k_all) * scale
-    dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
-    return dq, _fold(dk, k.size(1)), _fold(dv, k.size(1))
+    nh, nkv = q.size(1), k.size(1)
+    dout = _grouped(dout, nkv)
+    p = torch.exp(_scores(q, k, scale, diagonal, offset)
+                  - _grouped(lse, nkv).unsqueeze(-1))  # (B, nkv, nh / nkv * Lq, Lk)
+    dv = torch.matmul(p.transpose(-2, -1), dout)  # the group's shares summed
+    dp = torch.matmul(dout, v.float().transpose(-2, -1))
+    ds = p * (dp - _grouped(delta, nkv).unsqueeze(-1))
+    dq = _ungrouped(torch.matmul(ds, k.float()), nh) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), _grouped(q, nkv)) * scale
+    return dq, dk, dv

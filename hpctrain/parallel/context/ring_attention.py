@@ -23,7 +23,7 @@ from hpctrain.parallel.context.ring import Ring
 
 KV_TAG, GRAD_TAG = 4201, 4202
 """Message tags: key/value blocks, and their gradients (the same neighbours exchange both)."""
-QUERY_TILE = 256
+QUERY_TILE = 128
 """Queries computed at a time within a chunk pair: the scores, probabilities and their
 gradients are (B, nh, QUERY_TILE, chunk) at most, not (B, nh, chunk, chunk), so
 attention's memory grows with the sequence, not its square."""
