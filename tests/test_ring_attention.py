@@ -216,14 +216,16 @@ class _ThreadComm:
 
 @pytest.mark.parametrize("cp", [2, 3, 8])
 @pytest.mark.parametrize("nkv", [4, 2])
-@pytest.mark.parametrize("tile", [256, 3])
+@pytest.mark.parametrize("tile", ["fused", 256, 3])
 def test_a_ring_of_threads_equals_causal_attention_on_every_rank(cp, nkv, tile, monkeypatch):
-    """``tile``: queries computed at a time (``QUERY_TILE``); 3 cuts each chunk of 8 into
-    tiles of 3, 3 and 2, the diagonal's keys cut after each tile's last query."""
+    """``tile``: torch's fused CPU kernel on whole chunks, or the matrix-multiply path
+    with ``QUERY_TILE`` queries at a time; 3 cuts each chunk of 8 into tiles of 3, 3
+    and 2, the diagonal's keys cut after each tile's last query."""
     from hpctrain.parallel.context import ring_attention as module
     from hpctrain.parallel.context.ring import Ring
 
-    monkeypatch.setattr(module, "QUERY_TILE", tile)
+    monkeypatch.setattr(blocks, "FUSED", tile == "fused")
+    monkeypatch.setattr(module, "QUERY_TILE", 256 if tile == "fused" else tile)
 
     T = 16 * cp
     q, k, v = _qkv(T, nkv=nkv)

@@ -23,6 +23,36 @@ import torch
 from hpctrain.parallel.context import chunks
 
 
+FUSED = True
+"""On the CPU, compute whole blocks with torch's fused flash-attention kernel, which
+returns the lse too (``_scaled_dot_product_flash_attention_for_cpu`` and its backward);
+the matrix-multiply path below serves other devices and query tiles (and the tests)."""
+
+
+def fused(q: torch.Tensor) -> bool:
+    """Whether blocks of ``q`` run on torch's fused CPU kernel."""
+    return FUSED and q.device.type == "cpu"
+
+
+def _whole_heads(kv: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(B, nkv, L, hs) -> (B, nh, L, hs), fp32: each key/value head repeated for its
+    queries (the fused kernel takes equal head counts)."""
+    kv = kv.float()
+    return kv if kv.size(1) == n_head else kv.repeat_interleave(n_head // kv.size(1), dim=1)
+
+
+def _fold(grad: torch.Tensor, n_kv_head: int) -> torch.Tensor:
+    """(B, nh, L, hs) -> (B, nkv, L, hs): the gradients of a key/value head's copies summed."""
+    B, nh, L, hs = grad.shape
+    return grad.view(B, n_kv_head, nh // n_kv_head, L, hs).sum(2)
+
+
+def _fused_block(q, k, v, diagonal: bool, offset: int) -> bool:
+    """A whole block (no query tile) the fused kernel computes: its causal mask is the
+    top-left one, which is the diagonal's only for whole chunks."""
+    return fused(q) and offset == 0 and (not diagonal or q.size(-2) == k.size(-2))
+
+
 class Relation(enum.Enum):
     """How a key chunk lies against a query chunk under the causal mask."""
 
@@ -79,6 +109,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     lse (B, nh, Lq)), both fp32. ``diagonal``: query j sees keys 0..j + ``offset`` only
     (the chunks hold the same positions; ``offset``: the queries are the chunk's rows
     from ``offset`` on, a tile of them)."""
+    if _fused_block(q, k, v, diagonal, offset):
+        nh = q.size(1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float().contiguous(), _whole_heads(k, nh).contiguous(),
+            _whole_heads(v, nh).contiguous(), 0.0, diagonal, scale=scale)
+        return out, lse.float()
     s = _scores(q, k, scale, diagonal, offset)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -99,10 +135,20 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                     lse: torch.Tensor, delta: torch.Tensor, scale: float, diagonal: bool,
-                    offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    offset: int = 0, out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of (dq, dk, dv), fp32, recomputed from the inputs and the
     *final* ``lse`` of the queries (over every key), with ``delta`` = rowsum(dout * out)
-    of the final output. dk and dv come back with the key/value heads' shape."""
+    of the final output. dk and dv come back with the key/value heads' shape. With the
+    final output ``out`` a whole block runs on the fused kernel, which computes delta
+    from it."""
+    if out is not None and _fused_block(q, k, v, diagonal, offset):
+        nh, nkv = q.size(1), k.size(1)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.float().contiguous(), q.float().contiguous(), _whole_heads(k, nh).contiguous(),
+            _whole_heads(v, nh).contiguous(), out.float().contiguous(),
+            lse.float().contiguous(), 0.0, diagonal, scale=scale)
+        return dq, _fold(dk, nkv), _fold(dv, nkv)
     nh, nkv = q.size(1), k.size(1)
     dout = _grouped(dout, nkv)
     p = torch.exp(_scores(q, k, scale, diagonal, offset)

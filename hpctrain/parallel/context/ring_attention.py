@@ -24,9 +24,10 @@ from hpctrain.parallel.context.ring import Ring
 KV_TAG, GRAD_TAG = 4201, 4202
 """Message tags: key/value blocks, and their gradients (the same neighbours exchange both)."""
 QUERY_TILE = 128
-"""Queries computed at a time within a chunk pair: the scores, probabilities and their
-gradients are (B, nh, QUERY_TILE, chunk) at most, not (B, nh, chunk, chunk), so
-attention's memory grows with the sequence, not its square."""
+"""Queries computed at a time within a chunk pair on the matrix-multiply path: the
+scores, probabilities and their gradients are (B, nh, QUERY_TILE, chunk) at most, not
+(B, nh, chunk, chunk), so attention's memory grows with the sequence, not its square.
+The fused CPU kernel (``blocks.fused``) tiles inside itself and takes whole chunks."""
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
@@ -85,18 +86,24 @@ def _half(t: torch.Tensor, h: int, dim: int = -2) -> torch.Tensor:
     return t.narrow(dim, h * n, n)
 
 
-def _tiles(pairs, chunk: int):
+def _tiles(pairs, chunk: int, tile: int):
     """(query half, key half, diagonal, first query row, rows, keys) of every query tile
     of every chunk pair: on the diagonal a tile's queries see the keys up to their own
     position only, so the keys after them are not computed at all."""
     for qh, kh, diagonal in pairs:
-        for lo in range(0, chunk, QUERY_TILE):
-            rows = min(QUERY_TILE, chunk - lo)
+        for lo in range(0, chunk, tile):
+            rows = min(tile, chunk - lo)
             yield qh, kh, diagonal, lo, rows, lo + rows if diagonal else chunk
 
 
 def _rows(t: torch.Tensor, lo: int, n: int, dim: int = -2) -> torch.Tensor:
     return t.narrow(dim, lo, n)
+
+
+def _tile(q: torch.Tensor) -> int:
+    """Queries per tile: whole chunks on the fused kernel, else QUERY_TILE."""
+    chunk = q.size(-2) // 2
+    return chunk if blocks.fused(q) else QUERY_TILE
 
 
 def _forward(q, kv, ring: Ring, scale: float):
@@ -110,7 +117,7 @@ def _forward(q, kv, ring: Ring, scale: float):
         if step < ring.size - 1:
             transfer = ring.shift(kv, +1, KV_TAG, f"key/value block of step {step + 1}")
         pairs = blocks.chunk_pairs(ring.rank, source, ring.size)
-        for qh, kh, diagonal, lo, n, keys in _tiles(pairs, q.size(-2) // 2):
+        for qh, kh, diagonal, lo, n, keys in _tiles(pairs, q.size(-2) // 2, _tile(q)):
             o, l = blocks.attend(_rows(_half(q, qh), lo, n), _rows(_half(kv[0], kh), 0, keys),
                                  _rows(_half(kv[1], kh), 0, keys), scale, diagonal, lo)
             out_t, lse_t = _rows(_half(out, qh), lo, n), _rows(_half(lse, qh, -1), lo, n, -1)
@@ -137,12 +144,12 @@ def _backward(dout, q, out, lse, kv, ring: Ring, scale: float):
                                                f"key/value block of backward step {step + 1}")
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         pairs = blocks.chunk_pairs(ring.rank, source, ring.size)
-        for qh, kh, diagonal, lo, n, keys in _tiles(pairs, q.size(-2) // 2):
+        for qh, kh, diagonal, lo, n, keys in _tiles(pairs, q.size(-2) // 2, _tile(q)):
             dq_part, dk_part, dv_part = blocks.attend_backward(
                 _rows(_half(q, qh), lo, n), _rows(_half(kv[0], kh), 0, keys),
                 _rows(_half(kv[1], kh), 0, keys), _rows(_half(dout, qh), lo, n),
                 _rows(_half(lse, qh, -1), lo, n, -1), _rows(_half(delta, qh, -1), lo, n, -1),
-                scale, diagonal, lo)
+                scale, diagonal, lo, _rows(_half(out, qh), lo, n))
             _rows(_half(dq, qh), lo, n).add_(dq_part)
             _rows(_half(dkv[0], kh), 0, keys).add_(dk_part)
             _rows(_half(dkv[1], kh), 0, keys).add_(dv_part)
