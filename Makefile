@@ -132,6 +132,7 @@ bench: $(STAMP) $(GPT2_DATA)
 	$(PY) perf/bench_zero_bubble.py
 	$(PY) perf/bench_tp.py
 	$(PY) perf/bench_long_context.py
+	$(PY) perf/bench_cp.py
 
 # Regenerate the example job scripts (tests/test_jobs_cli.py checks they are in sync).
 jobscripts: $(STAMP)

@@ -122,3 +122,14 @@ def test_context_parallel_along_a_pipeline(mpi_dataset, shared_tmp):
     """cp = 2 x pp = 2: the stage boundaries carry each rank's part of the sequence."""
     _fit(_config(mpi_dataset, shared_tmp, 2, **LLAMA_GQA, **{
         "parallel.pp": 2, "parallel.micro_batches": 2, "model.n_layer": 4}))
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", ["dp2-tp2", "dp2-pp2"])
+def test_eight_rank_combinations(mpi_dataset, shared_tmp, layout):
+    """At 8 ranks (``make test-slow`` launches them: tests/test_context_parallel_eight.py):
+    cp = 2 x tp = 2 (sequence parallel) x dp = 2 with ZeRO-1, and cp = 2 x pp = 2 x dp = 2
+    with ZeRO-1 (Llama, GQA)."""
+    inner = ({"parallel.tp": 2, "parallel.sequence_parallel": True} if layout == "dp2-tp2"
+             else {"parallel.pp": 2, "parallel.micro_batches": 2, "model.n_layer": 4})
+    _fit(_config(mpi_dataset, shared_tmp, 2, **LLAMA_GQA, **inner, **{"parallel.zero": 1}))
