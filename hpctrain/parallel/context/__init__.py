@@ -7,5 +7,6 @@ computed by ring attention.
 - ``ring_attention.py``: ``ring_attention``, the autograd function over the ring;
 - ``apply.py``: ``context_parallelize``, ring attention and global positions on a model.
 
-docs/design/context-parallel.md has the ring, the merge formulas, training with it and what is not supported.
+docs/design/context-parallel.md has the ring, the merge formulas, training with it
+and what is not supported.
 """
