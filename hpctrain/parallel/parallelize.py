@@ -6,9 +6,9 @@ stage); 2. device, then ring attention and global positions on what the rank hol
 (cp > 1, ``context/apply.py``); 3. gradient engine over the stage's data-parallel and
 context-parallel ranks (``Zero``, ``DataParallel`` or ``MixedPrecisionDataParallel``;
 it may turn parameters into bf16 views, so it comes before anything that reads their
-dtype); 4. runner (pipeline
-executor or ``LocalRunner``); 5. compute settings (TF32, then ``torch.compile`` of each
-block and of the head, last, so the engine's hooks stay outside the compiled code).
+dtype); 4. runner (pipeline executor or ``LocalRunner``); 5. compute settings (TF32,
+then ``torch.compile`` of each block and of the head, last, so the engine's hooks stay
+outside the compiled code).
 Each step and why: docs/design/training-step.md ("``parallelize(gpt, grid, cfg)``").
 """
 
