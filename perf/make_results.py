@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import RESULTS, ROOT, fmt, fmt_spread  # noqa: E402
 from perf.render_data import render_prepare  # noqa: E402
-from perf.render_parallel import (render_pipeline, render_tp, render_zero,  # noqa: E402
-                                  render_zero_bubble)
+from perf.render_parallel import (render_cp, render_pipeline, render_tp,  # noqa: E402
+                                  render_zero, render_zero_bubble)
 from perf.results_format import md_table, provenance, ratio_of  # noqa: E402
 from perf.bench_perfmodel import render_perfmodel  # noqa: E402
 from hpctrain.sizes import GiB, MiB  # noqa: E402
@@ -405,6 +405,7 @@ SECTIONS = {
                "python perf/bench_memory.py", render_memory),
     "recompute": ("Activation recomputation", "python perf/bench_recompute.py",
                   render_recompute),
+    "cp": ("Context parallelism: ring attention", "python perf/bench_cp.py", render_cp),
 }
 
 

@@ -1,5 +1,5 @@
 """The sections of perf/RESULTS.md for the parallel layouts: ZeRO, pipelines, tensor
-parallelism (``perf/make_results.py`` puts them in order)."""
+and context parallelism (``perf/make_results.py`` puts them in order)."""
 
 from __future__ import annotations
 
@@ -192,4 +192,40 @@ def render_tp(d: dict) -> list[str]:
                 "binary search).", "",
                 *md_table(["batch", "layout", "width", "parameters", "peak growth MiB"], rows),
                 f"Parameters against data parallelism: {ratios} (target >= 6).", ""]
+    return out
+
+
+def render_cp(d: dict) -> list[str]:
+    m, mem = d["model"], d["memory"]
+    shape = (f"Llama-shaped, {m['n_layer']} layers, width {m['n_embd']}, "
+             f"{m['n_head']}/{m['n_kv_head']} query/key-value heads, vocabulary "
+             f"{m['vocab_size']}, {d['dtype']}, one sequence, one thread per rank")
+    goals = d["goals"]
+    rows = [[v, f["cp"], (">= " if f["at_limit"] else "") + str(f["longest"]),
+             fmt(f["vs_cp1"]), fmt(goals["combined"] if "+" in v
+                                   else goals["memory_ratio"] * f["cp"])]
+            for v, f in mem["by_variant"].items()]
+    out = [f"A. Longest sequence whose training step (forward and backward) stays under "
+           f"{fmt(mem['cap_bytes'] / MiB)} MiB of peak memory growth on every rank (cp = 1's "
+           f"peak at {mem['cap_t']} tokens), in steps of {mem['search_step']} tokens up to "
+           f"{mem['max_t']}; {shape}; recompute = `--model.recompute=block`, chunked = "
+           f"`--model.loss_chunk={d['loss_chunk']}`.", "",
+           *md_table(["variant", "cp", "longest T", "vs cp=1", "goal"], rows)]
+    speed = [[cp, fmt_spread(r["step_s"]["ring"], 1e3),
+              fmt_spread(r["step_s"]["allgather"], 1e3), fmt(r["speedup"]),
+              fmt_spread(r["hidden_share"]) if r.get("hidden_share") else "n/a",
+              fmt_spread(r["exposed_s"], 1e3), fmt_spread(r["alone_s"], 1e3)]
+             for cp, r in d["speed"].items()]
+    out += [f"B, C. Step time (forward and backward, ms, median [min, max] over "
+            f"{d['repeats']} steps) at T = {d['speed_seq']} of ring attention against every "
+            "rank all-gathering the whole sequence's keys and values (torch.distributed, "
+            "gloo; torch's own context parallelism runs only CUDA attention kernels); "
+            "speedup = all-gather / ring (goal >= "
+            f"{fmt(goals['speedup'])}). Hidden share: the ring's transfers already complete "
+            "when the compute posted beside them ended. Blocked: time in the ring's waits "
+            "per step (slowest rank; includes waiting for a slower neighbour's compute); "
+            "alone: the same transfers back to back with nothing between post and wait. "
+            "2 cores shared by the ranks: times are an indication only.", "",
+            *md_table(["cp", "ring ms", "all-gather ms", "speedup", "hidden share",
+                       "blocked ms", "transfers alone ms"], speed)]
     return out

@@ -212,3 +212,24 @@ def test_one_transport_option_sets_the_world_and_the_gradient_sums(transport, co
                                                                    allreduce):
     comm = load_config("default", [f"--comm.transport={transport}"]).comm
     assert (comm.collectives, comm.allreduce) == (collectives, allreduce)
+
+
+@pytest.mark.parametrize("sections,message", [
+    ({"model": {"block_size": 12}}, "block_size=12 does not cut into 2 x --parallel.cp = 8 "
+                                    "equal chunks; use a block_size that is a multiple of 8"),
+    ({"model": {"dropout": 0.1}}, "needs model.dropout=0"),
+    ({"train": {"compile": True}}, "runs without --train.compile"),
+    ({"comm": {"transport": "shm"}}, "use --comm.transport=auto or mpi"),
+])
+def test_context_parallel_refuses_what_it_does_not_do_with_the_fix(sections, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({**sections, "parallel": {"cp": 4}})
+
+
+def test_context_parallel_groups_must_divide_the_ranks_over_tp():
+    cfg = build_config({"train": {"batch_size": 8}, "parallel": {"cp": 2, "tp": 2}})
+    check_layout(cfg, 8)  # dp = 2 x cp = 2 x tp = 2
+    with pytest.raises(ConfigError, match=r"6 rank\(s\) cannot form context-parallel groups of "
+                                          r"--parallel.cp=2 \(x tp=2\): --parallel.cp must "
+                                          "divide"):
+        check_layout(cfg, 6)  # 3 tensor-parallel groups

@@ -119,9 +119,10 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
         raise CheckpointError(f"{m.path}/manifest.json: its config lacks the parallel or "
                               "train settings (train.dtype); the checkpoint is damaged: "
                               "reshard an older step_N directory")
-    # the new layout: whole tensors, ZeRO over every rank, no pipeline or tensor split
+    # the new layout: whole tensors, ZeRO over every rank, no pipeline, tensor or
+    # context split
     config["parallel"].update(zero=zero, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
-                              pp=1, tp=1, sequence_parallel=False)
+                              pp=1, tp=1, cp=1, sequence_parallel=False)
     shards: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
     if engine_class(zero, config["train"]["dtype"]).state_kind == "replicated":
         layout, index = "replicated", {"params": {n: list(s["param"].shape)

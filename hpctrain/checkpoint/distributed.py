@@ -66,7 +66,7 @@ def _zero_shard(state, grid: ProcessGrid, split: TensorSplit):
 def _merge_stage_indexes(world: World, grid: ProcessGrid, layout: str, index: dict,
                          what: str) -> dict | None:
     """The whole model's index on rank 0, from replica 0's stages (collective)."""
-    mine = index if grid.dp_index == 0 else None
+    mine = index if grid.dp_world.rank == 0 else None  # replica 0, context rank 0
     if mine is not None and layout == "replicated":
         mine = {**mine, "owners": {n: world.rank for n in mine["params"]}}
     parts = [p for p in gather_json(world.comm, mine, timeout=world.timeout, what=what) or []
@@ -170,7 +170,7 @@ def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, 
     state = engine.state_shards()
     split = engine.tensor_split
     if state.kind == "replicated":
-        index, datasets = _replicated_shard(state, split, writes=grid.dp_index == 0)
+        index, datasets = _replicated_shard(state, split, writes=grid.dp_world.rank == 0)
     else:
         index, datasets = _zero_shard(state, grid, split)
     if grid.pp > 1 or grid.tp > 1:

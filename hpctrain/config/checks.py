@@ -12,17 +12,21 @@ from hpctrain.errors import ConfigError, factor_hint
 
 def check_layout(cfg: Config, world_size: int) -> None:
     """Checks that need the number of ranks."""
-    pp, tp = cfg.parallel.pp, cfg.parallel.tp
+    pp, tp, cp = cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.cp
     if world_size % tp:
         raise ConfigError(f"{world_size} rank(s) cannot form tensor-parallel groups of "
                           f"--parallel.tp={tp}: {factor_hint(world_size, tp, '--parallel.tp')}")
-    groups = world_size // tp
+    if (world_size // tp) % cp:
+        raise ConfigError(f"{world_size} rank(s) cannot form context-parallel groups of "
+                          f"--parallel.cp={cp} (x tp={tp}): "
+                          f"{factor_hint(world_size // tp, cp, '--parallel.cp', group=tp)}")
+    groups = world_size // (tp * cp)
     if groups % pp:
-        ranks = (f"{world_size} rank(s)" if tp == 1 else
-                 f"{world_size} rank(s) in {groups} tensor-parallel group(s) of {tp}")
+        ranks = (f"{world_size} rank(s)" if tp * cp == 1 else
+                 f"{world_size} rank(s) in {groups} group(s) of {tp * cp} (tp x cp)")
         raise ConfigError(f"{ranks} cannot form pipelines of --parallel.pp={pp} stages: "
-                          f"{factor_hint(groups, pp, group=tp)}")
-    dp = world_size // (pp * tp)
+                          f"{factor_hint(groups, pp, group=tp * cp)}")
+    dp = world_size // (pp * tp * cp)
     per_step = dp * cfg.parallel.micro_batches
     if cfg.train.batch_size % per_step:
         lower = max(per_step, cfg.train.batch_size // per_step * per_step)

@@ -174,6 +174,10 @@ class ParallelConfig:
     sequence_parallel: bool = opt(False, "with tp > 1, also split the norms and the residual "
                                          "stream along the sequence: activation memory per "
                                          "rank drops by tp, the same bytes move")
+    cp: int = opt(1, "context-parallel ranks: each sequence is cut into 2 cp chunks, two per "
+                     "rank, and attention runs as ring attention over the group (long "
+                     "sequences: activation memory per rank drops by cp); the ranks are "
+                     "dp x pp x cp x tp", bounds=AT_LEAST_1)
 
     def __post_init__(self):
         _check_fields(self)
@@ -401,6 +405,8 @@ class Config:
                  "--comm.transport=shm is the plain data-parallel path (fp32, ZeRO level "
                  "0); ZeRO levels and bf16 reduce with MPI collectives: use "
                  "--comm.transport=auto or mpi")
+        if p.cp > 1:
+            self._check_context_parallel()
         if p.pp == 1:
             return
         # What the pipeline path does not do (yet); each message names the way out.
@@ -412,6 +418,22 @@ class Config:
                  f"model.n_layer={self.model.n_layer} cannot fill {p.pp} stage(s) x "
                  f"{chunks} chunk(s) each; lower --parallel.pp or "
                  "--parallel.virtual_stages, or use more layers")
+
+    def _check_context_parallel(self) -> None:
+        """What context parallelism (``parallel/context/``) needs and does not do (yet);
+        each message names the way out. docs/design/context-parallel.md."""
+        p, m = self.parallel, self.model
+        require(m.block_size % (2 * p.cp) == 0,
+                f"model.block_size={m.block_size} does not cut into 2 x --parallel.cp = "
+                f"{2 * p.cp} equal chunks; use a block_size that is a multiple of "
+                f"{2 * p.cp}, or another --parallel.cp")
+        require(m.dropout == 0, f"--parallel.cp={p.cp} needs model.dropout=0 (ring "
+                "attention does not replay attention dropout in backward)")
+        require(not self.train.compile, f"--parallel.cp={p.cp} runs without "
+                "--train.compile: the ring's MPI messages sit inside every block, which "
+                "torch.compile cannot trace; drop --train.compile")
+        require(self.comm.transport != "shm", f"--parallel.cp={p.cp} reduces gradients "
+                "with MPI: use --comm.transport=auto or mpi")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -147,13 +147,19 @@ class BatchLoader:
     The training sampler is a pure function of the step, so step s+1's read is queued in
     the reader thread while step s computes. Evaluation batches use fixed random windows
     (the same every time) or every window of the split. ``dp_index`` of ``dp`` replicas:
-    every stage of a pipeline replica reads the same rows."""
+    every stage of a pipeline replica reads the same rows. ``parts`` of ``n_parts``: the
+    equal pieces of each row this rank reads, in that order (context parallelism: a
+    rank's two chunks, ``parallel/context/chunks.py``), and nothing else of the row."""
 
     def __init__(self, data: Prefetcher, *, block: int, batch_size: int, seed: int,
                  sampler: str, max_steps: int, dp_index: int, dp: int,
-                 device: Accelerator, prefetch: bool = True):
+                 device: Accelerator, prefetch: bool = True,
+                 parts: tuple[int, ...] = (0,), n_parts: int = 1):
         """``prefetch``: the configuration asked to read ahead (``--data.prefetch``)."""
         self.data, self.block, self.device, self.prefetch = data, block, device, prefetch
+        if block % n_parts or not all(0 <= p < n_parts for p in parts):
+            raise ValueError(f"parts {parts} of {n_parts} do not cut rows of {block} tokens")
+        self.parts, self.part_size = np.array(parts, dtype=np.int64), block // n_parts
         self.dp_index, self.dp, self.max_steps = dp_index, dp, max_steps
         self.sampler = make_sampler(sampler, data.splits["train"].n_tokens, block,
                                     batch_size, seed)
@@ -163,9 +169,11 @@ class BatchLoader:
         self.tokenizer, self.vocab_size = data.tokenizer, data.vocab_size
 
     @classmethod
-    def open(cls, cfg, world, *, dp_index: int, dp: int, device: Accelerator) -> BatchLoader:
+    def open(cls, cfg, world, *, dp_index: int, dp: int, device: Accelerator,
+             parts: tuple[tuple[int, ...], int] = ((0,), 1)) -> BatchLoader:
         """The run's data (``cfg``: the whole ``Config``), checked against the model and,
-        with ``--data.verify``, against its checksums. Collective."""
+        with ``--data.verify``, against its checksums; ``parts``: (which pieces of each
+        row, of how many) this rank reads. Collective."""
         data = open_dataset(cfg.data, world)
         try:
             data.check_fits(cfg.model.block_size, cfg.model.vocab_size)
@@ -179,7 +187,8 @@ class BatchLoader:
         t = cfg.train
         return cls(data, block=cfg.model.block_size, batch_size=t.batch_size, seed=t.seed,
                    sampler=cfg.data.sampler, max_steps=t.max_iters, dp_index=dp_index, dp=dp,
-                   device=device, prefetch=cfg.data.prefetch)
+                   device=device, prefetch=cfg.data.prefetch, parts=parts[0],
+                   n_parts=parts[1])
 
     def describe(self) -> str:
         """One line for the start-up log: the reader (``mpiio.describe_reader``) and,
@@ -222,10 +231,16 @@ class BatchLoader:
                           uniform=True)
 
     def _load(self, split: str, starts: np.ndarray, uniform: bool = False):
-        tokens = self.data.reader.read(split, starts, self.block + 1, uniform=uniform)
+        """(inputs, targets) of this rank's parts of the windows at ``starts``: each part
+        is read as its own window of part_size + 1 tokens (its inputs and targets), so
+        a rank reads only the tokens it computes on (and one more per part)."""
+        size, n = self.part_size, len(self.parts)
+        piece_starts = (starts[:, None] + self.parts[None, :] * size).reshape(-1)
+        tokens = self.data.reader.read(split, piece_starts, size + 1, uniform=uniform)
         check_token_ids(tokens, self.vocab_size, self.data.path, split)
-        tokens = torch.from_numpy(tokens)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        tokens = torch.from_numpy(tokens).reshape(len(starts), n, size + 1)
+        return (tokens[..., :-1].reshape(len(starts), n * size).contiguous(),
+                tokens[..., 1:].reshape(len(starts), n * size).contiguous())
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):
         return self.device.to_device(x), self.device.to_device(y)

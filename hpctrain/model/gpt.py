@@ -45,7 +45,8 @@ class EmbeddingAndHead:
             raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx)  # (B, T, C)
         if "wpe" in self._modules:  # learned positions; rotary ones act inside attention
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self.wpe(torch.arange(T, device=idx.device) if self.token_positions is None
+                             else self.token_positions(T, idx.device))
         x = self.drop(x)
         return x if self.tensor_parallel is None else self.tensor_parallel.enter_blocks(x)
 
@@ -58,6 +59,10 @@ class EmbeddingAndHead:
         """(B, T, C) -> (B, T, V). The head computes Vp columns, the width the matmul wants;
         the padding's are cut off here, so no loss, gradient or sample ever sees them."""
         return F.linear(self.ln_f(h), self.head_weight)[..., :self.cfg.vocab_size]
+
+    token_positions = None
+    """Under context parallelism (``parallel/context/apply.py``): ``(T, device) -> (T,)``,
+    the global positions of this rank's T tokens. None: 0..T-1."""
 
     compiled_loss = None
     """``torch.compile(full_cross_entropy)``, set by ``compile_model`` (one per instance)."""

@@ -2,11 +2,13 @@
 
 One fixed order (as torchtitan's ``parallelize``), because each step needs the previous:
 0. tensor split (tp > 1, ``tensor/apply.py``); 1. pipeline cut (pp > 1: this rank's
-stage); 2. device; 3. gradient engine over the stage's data-parallel ranks (``Zero``,
-``DataParallel`` or ``MixedPrecisionDataParallel``; it may turn parameters into bf16
-views, so it comes before anything that reads their dtype); 4. runner (pipeline
-executor or ``LocalRunner``); 5. compute settings (TF32, then ``torch.compile`` of each
-block and of the head, last, so the engine's hooks stay outside the compiled code).
+stage); 2. device, then ring attention and global positions on what the rank holds
+(cp > 1, ``context/apply.py``); 3. gradient engine over the stage's data-parallel and
+context-parallel ranks (``Zero``, ``DataParallel`` or ``MixedPrecisionDataParallel``;
+it may turn parameters into bf16 views, so it comes before anything that reads their
+dtype); 4. runner (pipeline executor or ``LocalRunner``); 5. compute settings (TF32,
+then ``torch.compile`` of each block and of the head, last, so the engine's hooks stay
+outside the compiled code).
 Each step and why: docs/design/training-step.md ("``parallelize(gpt, grid, cfg)``").
 """
 
@@ -19,6 +21,9 @@ import torch
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.model.gpt import GPT, compile_model
 from hpctrain.parallel.choose_engine import build_engine
+from hpctrain.parallel.context.apply import context_parallelize
+from hpctrain.parallel.context.chunks import loader_parts
+from hpctrain.parallel.context.ring import Ring
 from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD, V_PLACED
@@ -51,20 +56,29 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
                               v_shape=par.schedule in V_PLACED)
     else:
         model = gpt.to(device)
+    if grid.cp > 1:  # on the stage: its embedding is the one that runs
+        context_parallelize(model, Ring.of_world(grid.cp_comm, world))
     engine = build_engine(model, grid.dp_world, cfg,
                           blocks=None if pipelined else whole_blocks(model),
                           norm_comms=(grid.pp_comm,) if pipelined else (), tp_comm=grid.tp_comm)
     if pipelined:
         model.sync_head_dtype()  # the engine may have turned the parameters into bf16
         runner = PipelineExecutor(model, grid, kind=par.schedule, n_micro=par.micro_batches,
-                                  seq=cfg.model.block_size, timeout=world.timeout,
+                                  seq=cfg.model.block_size // grid.cp,
+                                  timeout=world.timeout,
                                   order_times=PassTimes(*(par.pass_time_ratios() or ())))
     else:
-        runner = LocalRunner(model, world.accel, whole=grid.tp == 1)
+        runner = LocalRunner(model, world.accel, whole=grid.tp == 1 and grid.cp == 1)
     set_matmul_precision(device, cfg.train.tf32)
     if cfg.train.compile:
         compile_model(model, backward_twice=pipelined and par.schedule in SPLIT_BACKWARD)
     return Parallel(model, engine, runner)
+
+
+def sequence_parts(grid: ProcessGrid) -> tuple[tuple[int, ...], int]:
+    """(which parts of each sequence this rank reads, into how many it is cut): for the
+    data loader, whose reads follow the context-parallel layout (``context/chunks.py``)."""
+    return loader_parts(grid.cp_index, grid.cp)
 
 
 def whole_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

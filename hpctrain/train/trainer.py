@@ -21,7 +21,7 @@ from hpctrain.config import Config, check_layout
 from hpctrain.data.loader import BatchLoader
 from hpctrain.errors import CommTimeout
 from hpctrain.model.gpt import GPT
-from hpctrain.parallel.parallelize import parallelize
+from hpctrain.parallel.parallelize import parallelize, sequence_parts
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD
 from hpctrain.progress import Progress
 from hpctrain.train.deadline import Deadline
@@ -69,9 +69,9 @@ class Trainer:
         self.threads = Threads(t.threads, "--train.threads") if t.threads else \
             choose_threads(world.local_size)
         torch.set_num_threads(self.threads.count)
-        self.grid = ProcessGrid.create(world, cfg.parallel.pp, tp=cfg.parallel.tp)
-        self.batches = BatchLoader.open(cfg, world, dp_index=self.grid.dp_index,
-                                        dp=self.grid.dp, device=world.accel)
+        grid = self.grid = ProcessGrid.of_config(world, cfg.parallel)
+        self.batches = BatchLoader.open(cfg, world, dp_index=grid.dp_index, dp=grid.dp,
+                                        device=world.accel, parts=sequence_parts(grid))
         self.tokenizer = self.batches.tokenizer
         self.gpt_cfg = cfg.model.to_gpt(self.batches.vocab_size)
         torch.manual_seed(t.seed)

@@ -58,6 +58,9 @@ class CausalSelfAttention(nn.Module):
         self.rotary = rotary
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.context = None
+        """Under context parallelism (``parallel/context/apply.py``): the attention of
+        this rank's part of each sequence over the whole, ``context(q, k, v)``."""
 
     def keep_heads(self, tp: int) -> None:
         """After tensor parallelism split ``c_attn`` per part: compute this rank's
@@ -73,9 +76,12 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, -1, self.head_size).transpose(1, 2) for t in (q, k, v))
         if self.rotary is not None:
             q, k = self.rotary.rotate(q), self.rotary.rotate(k)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
-            enable_gqa=self.n_kv_head != self.n_head)
+        if self.context is not None:
+            y = self.context(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
+                enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, nh, T, hs) -> (B, T, nh hs)
         return self.resid_drop(self.c_proj(y))
 

@@ -55,14 +55,19 @@ class Rotary:
         return self._tables[key]
 
     def _make(self, T: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.outer(torch.arange(T, dtype=torch.float32, device=device),
-                             self.inv_freq.to(device))
+        return self.tables_at(torch.arange(T, device=device), dtype)
+
+    def tables_at(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (len(positions), hs) cos and sin tables of the given token positions
+        (context parallelism: a rank's tokens, ``parallel/context/apply.py``)."""
+        angles = torch.outer(positions.to(torch.float32), self.inv_freq.to(positions.device))
         angles = torch.cat([angles, angles], dim=-1)  # (T, hs): both halves of a pair
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate (B, heads, T, hs) by each position's angles."""
-        cos, sin = self.tables(x.size(-2), x.device, x.dtype)
+    def rotate(self, x: torch.Tensor, cos_sin=None) -> torch.Tensor:
+        """Rotate (B, heads, T, hs) by each position's angles; ``cos_sin``: the (T, hs)
+        tables of other positions than 0..T-1 (context parallelism), ``tables_at``'s."""
+        cos, sin = cos_sin or self.tables(x.size(-2), x.device, x.dtype)
         half = x.size(-1) // 2
         rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated_half * sin

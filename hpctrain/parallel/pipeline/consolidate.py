@@ -22,7 +22,7 @@ def gather_parameters(params: dict[str, torch.Tensor], grid: ProcessGrid,
                       timeout: float) -> dict[str, torch.Tensor] | None:
     """Every stage's ``params`` (name -> tensor, e.g. the fp32 master weights) on world
     rank 0 (fp32, CPU); None elsewhere. Collective over the ranks of replica 0."""
-    if grid.dp_index != 0:
+    if grid.dp_world.rank != 0:  # replica 0's first context-parallel rank gathers
         return None
     comm = grid.pp_comm
     named = [(n, p.detach().float().cpu()) for n, p in params.items()]
