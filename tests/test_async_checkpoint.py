@@ -22,6 +22,7 @@ WAIT_S = 60  # a writer waiting for steps that never come fails the test, not th
 
 def _cfg(data, out, **overrides):
     return tiny_config(data, out, **{"train.ckpt_interval": 2, "train.ckpt_keep": 0,
+                                     "train.max_iters": 6,
                                      "train.save_checkpoint": True, **overrides})
 
 
@@ -51,16 +52,15 @@ def test_a_slow_async_writer_overlaps_training_and_writes_what_a_sync_save_does(
             time.sleep(0.01)
         else:
             raise RuntimeError(f"no training step ran while step {step} was being written")
-        time.sleep(0.3)
+        time.sleep(0.2)
         latest = (root / "latest").read_text().strip() if (root / "latest").exists() else None
         seen.append((step, latest, (root / f"step_{step:06d}").exists()))
         return real(path, datasets, attrs)
 
     monkeypatch.setattr(distributed, "write_shard", slow_write)
     result = trainer.fit()
-    assert trainer.saver.overlapped == {2: 2, 4: 2, 6: 2, 8: 2}
-    assert seen == [(2, None, False), (4, "step_000002", False), (6, "step_000004", False),
-                    (8, "step_000006", False)]  # the final save (10) is synchronous
+    assert trainer.saver.overlapped == {2: 2, 4: 2}
+    assert seen == [(2, None, False), (4, "step_000002", False)]  # 6, the last: sync
     assert result.losses == full.losses
     assert_same_checkpoints(root, tmp_path / "sync" / "checkpoints")
     monkeypatch.setattr(distributed, "write_shard", real)
