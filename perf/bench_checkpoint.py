@@ -104,7 +104,7 @@ def worker(out: Path, mode: str, repeats: int) -> None:
             comm.Barrier()
             times["save"].append(MPI.Wtime() - t0)
             t0 = MPI.Wtime()
-            load_sharded(path, zero, grid, model_shape=model_shape(cfg))
+            load_sharded(path, zero, grid, model_shape=cfg.shape())
             comm.Barrier()
             times["load"].append(MPI.Wtime() - t0)
     comm.Barrier()
