@@ -17,7 +17,7 @@ checkpoints, with synchronous ones, and with asynchronous ones (``--train.ckpt_a
 thread writes the shard while training goes on), interleaved rounds, median [min, max].
 
 Third part: the training stall per checkpoint, one rank, a model large enough that a
-synchronous save takes seconds (STALL_MODEL: ~50M parameters, ~0.6 GB of state).
+synchronous save takes seconds (STALL_MODEL: ~77M parameters, ~0.9 GB of state).
 Stall = the main thread's time in the saver per checkpoint (a synchronous save whole; an
 asynchronous one's memory check, copy and temporary folder, the per-step "written?"
 checks and the publication), against the synchronous save's, for the 2nd and 3rd
@@ -145,7 +145,7 @@ def worker_train(out: Path, mode: str, data: str) -> None:
         out.write_text(json.dumps({"wall_s": result.wall_s}))
 
 
-STALL_MODEL = dict(n_layer=4, n_head=8, n_embd=1024, block_size=32)
+STALL_MODEL = dict(n_layer=6, n_head=8, n_embd=1024, block_size=32)
 STALL_STEPS, STALL_EVERY = 23, 6
 """Saves at 6, 12 and 18; the last one's write has five steps to finish before the end."""
 

@@ -205,7 +205,34 @@ def render_checkpoint(d: dict) -> list[str]:
                 *md_table(["checkpoints", "wall s", "overhead"],
                         [[k, fmt_spread(v), fmt(med[k] / med["none"] - 1)]
                          for k, v in tr["wall_s"].items()])]
+    st = rec.get("stall")
+    if st:
+        out += _render_stall(st)
     return out
+
+
+def _render_stall(st: dict) -> list[str]:
+    """The training stall per checkpoint, async vs synchronous (bench_checkpoint's third
+    part), and the step time of the steps that overlap a write."""
+    sync_med = sorted(st["sync_save_s"])[len(st["sync_save_s"]) // 2]
+    rows = [[m, fmt_spread(st["stall_s"][m]), fmt(st["median_stall_s"][m] / sync_med),
+             fmt_spread(st["first_stall_s"][m]), fmt_spread(st["wall_s"][m])]
+            for m in ("sync", "async")]
+    met = "met" if st["stall_ratio"] <= st["goal_ratio"] else "missed"
+    steps = [["write in flight", len(st["step_s_in_flight"]), fmt_spread(st["step_s_in_flight"]),
+              fmt(st["overlap_cost"])],
+             ["no write", len(st["step_s_no_write"]), fmt_spread(st["step_s_no_write"]), "0"]]
+    sync = fmt_spread(st["sync_save_s"])
+    return ["", f"Training stall per checkpoint, one rank, {st['model']} (~0.9 GB of state): "
+            f"the main thread's time in the saver; synchronous save {sync} s. "
+            "The 2nd and 3rd checkpoints of a run, and apart the 1st (its copy allocates the host "
+            f"buffers). Goal: async stall <= {fmt(st['goal_ratio'])} of the synchronous save -> "
+            f"{met} ({fmt(st['stall_ratio'])}).", "",
+            *md_table(["checkpoints", "stall s", "stall / sync save", "1st stall s",
+                       "run wall s"], rows),
+            "", "Step time of the asynchronous runs (the first step of each aside): steps "
+            "trained while a write was in flight against the others; cost = ratio of medians - 1.",
+            "", *md_table(["steps", "n", "step s", "cost"], steps)]
 
 
 def render_io(d: dict) -> list[str]:
