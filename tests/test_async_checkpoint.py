@@ -13,6 +13,8 @@ from mpi4py import MPI
 
 import hpctrain.checkpoint.distributed as distributed
 from hpctrain.checkpoint.host_buffers import HostBuffers
+from hpctrain.checkpoint.sharded import write_shard
+from tests.checkpoint_content import checkpoint_content
 from hpctrain.train.trainer import Trainer
 from tests.checkpoint_content import assert_same_checkpoints
 from tests.helpers import cpu_world, tiny_config
@@ -42,10 +44,10 @@ def test_a_slow_async_writer_overlaps_training_and_writes_what_a_sync_save_does(
     root = tmp_path / "async" / "checkpoints"
     real, seen = distributed.write_shard, []
 
-    def slow_write(path, datasets, attrs):
+    def slow_write(path, datasets, attrs, **kwargs):
         step = attrs["step"]
         if threading.current_thread() is threading.main_thread():
-            return real(path, datasets, attrs)  # the final save: synchronous
+            return real(path, datasets, attrs, **kwargs)  # the final save: synchronous
         for _ in range(WAIT_S * 100):  # bounded: two steps trained while this waits
             if trainer.saver.overlapped.get(step, 0) >= 2:
                 break
@@ -55,7 +57,7 @@ def test_a_slow_async_writer_overlaps_training_and_writes_what_a_sync_save_does(
         time.sleep(0.2)
         latest = (root / "latest").read_text().strip() if (root / "latest").exists() else None
         seen.append((step, latest, (root / f"step_{step:06d}").exists()))
-        return real(path, datasets, attrs)
+        return real(path, datasets, attrs, **kwargs)
 
     monkeypatch.setattr(distributed, "write_shard", slow_write)
     result = trainer.fit()
@@ -103,3 +105,17 @@ def test_host_buffers_are_reused_while_the_shapes_stay():
     assert not buffers.fits(b, local_ranks=1, available=10)
     assert buffers.fits(b, local_ranks=2, available=int(2 * (36 + 4) / 0.8) + 1)
     assert buffers.copy(b)["x"].dtype.name == "float32"  # remade, fp32 as the shard stores
+
+
+def test_a_shard_written_in_pieces_holds_the_same_datasets(tmp_path):
+    """The writer thread's pieces (rows of 2-D tensors, runs of a flat bucket, a last
+    short piece) give the datasets and CRC-32s of one write per dataset."""
+    data = {"param/w": torch.randn(37, 5).numpy(), "bucket_0/param": torch.randn(1001).numpy(),
+            "rng/torch": torch.get_rng_state().numpy(), "one": torch.randn(()).numpy()}
+    for folder, piece in (("whole", 0), ("pieces", 64)):
+        (tmp_path / folder).mkdir()
+        crcs = write_shard(tmp_path / folder / "rank_00000.h5", data, {"step": 1},
+                           piece_bytes=piece)
+        (tmp_path / folder / "manifest.json").write_text(
+            '{"config": {"train": {}}, "crc32": %d}' % sum(crcs.values()))
+    assert checkpoint_content(tmp_path / "whole") == checkpoint_content(tmp_path / "pieces")

@@ -43,13 +43,13 @@ def test_async_checkpoints_are_the_sync_ones_and_resume_exactly(mpi_dataset, sha
     real = distributed.write_shard
     holder = {}
 
-    def held_write(path, datasets, attrs):  # a training step runs first, on this rank
+    def held_write(path, datasets, attrs, **kwargs):  # a step runs first, on this rank
         if threading.current_thread() is not threading.main_thread():
             for _ in range(6000):  # bounded (60 s): a hang fails here
                 if holder["saver"].overlapped.get(attrs["step"], 0) >= 1:
                     break
                 time.sleep(0.01)
-        return real(path, datasets, attrs)
+        return real(path, datasets, attrs, **kwargs)
 
     monkeypatch.setattr(distributed, "write_shard", held_write)
     trainer, result = _fit(mpi_dataset, f"{shared_tmp}/async",

@@ -86,6 +86,9 @@ def _merge_stage_indexes(world: World, grid: ProcessGrid, layout: str, index: di
 
 
 SLOW_SAVE_ENV = "HPCTRAIN_TEST_SLOW_SAVE_S"
+WRITER_PIECE_BYTES = 16 * 2**20
+"""The writer thread writes a dataset in pieces of this size: h5py holds its global lock
+for each write call, which the main thread's h5py calls wait for (tens of ms at most)."""
 
 
 class PendingSave:
@@ -132,7 +135,8 @@ class PendingSave:
                 ready()  # the copy from the device has landed
             crcs = write_shard(self.tmp / shard_name(w.rank), self._datasets,
                                {"format": FORMAT, "version": VERSION, "rank": w.rank,
-                                "step": self.step})
+                                "step": self.step},
+                               piece_bytes=WRITER_PIECE_BYTES if ready is not None else 0)
             self._result = [crcs, None]
         except Exception as e:  # noqa: BLE001 - h5py reports a full disk as RuntimeError
             # Whatever it is, it must reach finish(), which tells every rank: raised here,
