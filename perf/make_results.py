@@ -223,14 +223,14 @@ def _render_stall(st: dict) -> list[str]:
               fmt(st["overlap_cost"])],
              ["no write", len(st["step_s_no_write"]), fmt_spread(st["step_s_no_write"]), "0"]]
     sync = fmt_spread(st["sync_save_s"])
-    return ["", f"Training stall per checkpoint, one rank, {st['model']} (~0.9 GB of state): "
+    return [f"Training stall per checkpoint, one rank, {st['model']} (~0.9 GB of state): "
             f"the main thread's time in the saver; synchronous save {sync} s. "
             "The 2nd and 3rd checkpoints of a run, and apart the 1st (its copy allocates the host "
             f"buffers). Goal: async stall <= {fmt(st['goal_ratio'])} of the synchronous save -> "
             f"{met} ({fmt(st['stall_ratio'])}).", "",
             *md_table(["checkpoints", "stall s", "stall / sync save", "1st stall s",
                        "run wall s"], rows),
-            "", "Step time of the asynchronous runs (the first step of each aside): steps "
+            "Step time of the asynchronous runs (the first step of each aside): steps "
             "trained while a write was in flight against the others; cost = ratio of medians - 1.",
             "", *md_table(["steps", "n", "step s", "cost"], steps)]
 
