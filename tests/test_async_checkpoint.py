@@ -60,7 +60,10 @@ def test_a_slow_async_writer_overlaps_training_and_writes_what_a_sync_save_does(
         return real(path, datasets, attrs, **kwargs)
 
     monkeypatch.setattr(distributed, "write_shard", slow_write)
+    saves = []  # what the deadline's margin hears: an async save from start to publication
+    trainer.saver.on_saved = saves.append
     result = trainer.fit()
+    assert len(saves) == 3 and min(saves[:2]) >= 0.2  # each write was held >= 0.2 s
     assert trainer.saver.overlapped == {2: 2, 4: 2}
     assert seen == [(2, None, False), (4, "step_000002", False)]  # 6, the last: sync
     assert result.losses == full.losses
