@@ -7,7 +7,6 @@ kill -9, a full disk and SIGTERM during a write: test_async_checkpoint_failures.
 import threading
 import time
 
-import pytest
 import torch
 from mpi4py import MPI
 
