@@ -20,11 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import RESULTS, ROOT, fmt, fmt_spread  # noqa: E402
 from perf.render_data import render_prepare  # noqa: E402
+from perf.render_memory import (render_long_context, render_memory,  # noqa: E402
+                                render_recompute)
 from perf.render_parallel import (render_cp, render_pipeline, render_tp,  # noqa: E402
                                   render_zero, render_zero_bubble)
-from perf.results_format import md_table, provenance, ratio_of  # noqa: E402
+from perf.results_format import md_table, provenance  # noqa: E402
 from perf.bench_perfmodel import render_perfmodel  # noqa: E402
-from hpctrain.sizes import GiB, MiB  # noqa: E402
+from hpctrain.sizes import MiB  # noqa: E402
 
 DOC = ROOT / "perf" / "RESULTS.md"
 
@@ -206,7 +208,34 @@ def render_checkpoint(d: dict) -> list[str]:
                 *md_table(["checkpoints", "wall s", "overhead"],
                         [[k, fmt_spread(v), fmt(med[k] / med["none"] - 1)]
                          for k, v in tr["wall_s"].items()])]
+    st = rec.get("stall")
+    if st:
+        out += _render_stall(st)
     return out
+
+
+def _render_stall(st: dict) -> list[str]:
+    """The training stall per checkpoint, async vs synchronous (bench_checkpoint's third
+    part), and the step time of the steps that overlap a write."""
+    sync_med = sorted(st["sync_save_s"])[len(st["sync_save_s"]) // 2]
+    rows = [[m, fmt_spread(st["stall_s"][m]), fmt(st["median_stall_s"][m] / sync_med),
+             fmt_spread(st["first_stall_s"][m]), fmt_spread(st["wall_s"][m])]
+            for m in ("sync", "async")]
+    met = "met" if st["stall_ratio"] <= st["goal_ratio"] else "missed"
+    steps = [["write in flight", len(st["step_s_in_flight"]), fmt_spread(st["step_s_in_flight"]),
+              fmt(st["overlap_cost"])],
+             ["no write", len(st["step_s_no_write"]), fmt_spread(st["step_s_no_write"]), "0"]]
+    sync = fmt_spread(st["sync_save_s"])
+    return [f"Training stall per checkpoint, one rank, {st['model']} (~0.9 GB of state): "
+            f"the main thread's time in the saver; synchronous save {sync} s. "
+            "The 2nd and 3rd checkpoints of a run, and apart the 1st (its copy allocates the host "
+            f"buffers). Goal: async stall <= {fmt(st['goal_ratio'])} of the synchronous save -> "
+            f"{met} ({fmt(st['stall_ratio'])}).", "",
+            *md_table(["checkpoints", "stall s", "stall / sync save", "1st stall s",
+                       "run wall s"], rows),
+            "Step time of the asynchronous runs (the first step of each aside): steps "
+            "trained while a write was in flight against the others; cost = ratio of medians - 1.",
+            "", *md_table(["steps", "n", "step s", "cost"], steps)]
 
 
 def render_io(d: dict) -> list[str]:
@@ -235,98 +264,6 @@ def render_io(d: dict) -> list[str]:
         out += [f"Targets: MPI-IO >= 0.8x memmap (worst {fmt(d['worst_ratio'])}x), data wait "
                 f"< 2% (default reader {fmt(d['data_wait_share'], 100)}%) -> "
                 f"{'met' if d.get('met') else 'missed'}.", ""]
-    return out
-
-
-def render_long_context(d: dict) -> list[str]:
-    m = d["model"]
-    variants = list(dict.fromkeys(r["variant"] for r in d["sweep"]))
-    by_seq: dict = {}
-    for r in d["sweep"]:
-        by_seq.setdefault(r["seq"], {})[r["variant"]] = r
-    rows = []
-    for seq, rs in by_seq.items():
-        plain = rs.get("plain", {}).get("peak_bytes")
-        row = [seq]
-        for v in variants:
-            r = rs.get(v)
-            row += [fmt(r["peak_bytes"] / MiB), fmt_spread(r["step_ms_all"])] if r \
-                else ["n/a", "n/a"]
-        row += [fmt(ratio_of(plain, rs[v]["peak_bytes"])) if v in rs else "n/a"
-                for v in variants[1:]]
-        rows.append(row)
-    shape = (f"Llama-shaped, {m['n_layer']} layers, width {m['n_embd']}, "
-             f"{m['n_head']}/{m['n_kv_head']} query/key-value heads, vocabulary "
-             f"{m['vocab_size']}, {'tied' if m.get('tie_embeddings', True) else 'untied'} "
-             f"head, {d['dtype']}, one sequence, {d['threads']} threads")
-    out = [f"Peak memory growth of one training step (forward and backward; MiB) and step "
-           f"time (ms, median [min, max]) by sequence length T; {shape}; loss_chunk "
-           f"{d['loss_chunk']}. Memory is the result; the times come from a shared, "
-           "noisy machine and are an indication only.", "",
-           *md_table(["T", *(f"{v} {k}" for v in variants for k in ("MiB", "ms")),
-                    *(f"plain / {v} peak" for v in variants[1:])], rows)]
-    cap = d.get("capacity", {})
-    found = cap.get("by_variant", {})
-    if found:
-        out += [f"Longest sequence whose step stays under {fmt(cap['cap_bytes'] / MiB)} "
-                f"MiB ({cap['cap_from']}), in steps of {cap['search_step']} tokens up to "
-                f"{cap['max_t']}.", "",
-                *md_table(["variant", "longest T", "vs plain"],
-                        [[v, (">= " if f["at_limit"] else "") + str(f["longest"]),
-                          fmt(f["vs_plain"])] for v, f in found.items()]),
-                f"Target: the chunked head trains >= {fmt(d['target'])}x the plain head's "
-                f"context under the same memory: {fmt(d['ratio'])}x -> "
-                f"{'met' if d.get('met') else 'missed'}.", ""]
-    return out
-
-
-def render_memory(d: dict) -> list[str]:
-    m = d["shape"]
-    rows = [[r["variant"], "whole" if r["head_chunk"] in (None, 0) else f"{r['head_chunk']} tokens",
-             fmt(r["state_bytes"] / GiB), fmt(r["step_peak_bytes"] / GiB),
-             fmt(r["optimizer_peak_bytes"] / GiB), fmt(r["peak_bytes"] / GiB),
-             fmt(r["formula"]["peak_bytes"] / GiB), fmt(r["vs_reference"]),
-             fmt(r["step_vs_reference"]), fmt(r["vs_formula"]), fmt(r["step_vs_formula"])]
-            for r in d["variants"]]
-    pub = d["published"]
-    return [f"Peak memory of one rank (GiB) training a GPT-2-medium-shaped model: "
-            f"{m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocabulary "
-            f"{m['vocab_size']}, {d['rows']} x {m['block_size']} tokens, {d['dtype']}, AdamW; "
-            "`reference` is a plain torch GPT of the same shape (full logits, "
-            "`F.cross_entropy`), `whole` hpctrain with `--model.loss_chunk=-1`, `default` "
-            "hpctrain as it comes (automatic head). state: model, gradients, moments; step: "
-            "the forward and backward's peak over the state; peak: state + the larger of "
-            "step and optimizer step.", "",
-            *md_table(["variant", "head", "state", "step", "optimizer", "peak",
-                       "formula peak", "peak / reference", "step / reference",
-                       "peak / formula", "step / formula"], rows),
-            f"The formula's logits term at llm-foundry's MPT-350M micro-batch ({pub['rows']} "
-            f"x {m['block_size']} tokens): {fmt(pub['whole_bytes'] / GiB)} GiB whole, "
-            f"{fmt(pub['default_bytes'] / GiB)} GiB with the automatic head.", ""]
-def render_recompute(d: dict) -> list[str]:
-    out = [f"Activations kept for backward by the blocks' forward (MiB: measured, and the "
-           f"formula of `hpctrain/scaling/activations.py`), their ratio to none's, the whole "
-           f"model's (embedding and head included), and the forward + backward step time "
-           f"(s, median [min, max] over {d['repeats']} steps; ratio of the medians and of the "
-           f"fastest steps, and the FLOP count's prediction); {d['shape']['n_layer']} layers, width "
-           f"{d['shape']['n_embd']}, T={d['T']}, {d['rows']} sequences, {d['dtype']}, "
-           f"{d['threads']} thread. The step times come from a shared machine.", ""]
-    for arch, rows in d["results"].items():
-        out += [f"{arch}:", "",
-                *md_table(["mode", "kept MiB", "formula MiB", "kept / none", "formula / none",
-                           "model kept / none", "step s", "time / none", "min / min",
-                           "predicted time"],
-                          [[mode, fmt(r["kept_blocks"] / MiB), fmt(r["predicted_blocks"] / MiB),
-                            fmt(r["kept_ratio"]), fmt(r["predicted_kept_ratio"]),
-                            fmt(r["model_kept_ratio"]), fmt_spread(r["step_s_all"]),
-                            fmt(r["time_ratio"]), fmt(r.get("time_ratio_min")),
-                            fmt(r["predicted_time_ratio"])]
-                           for mode, r in rows.items()]), ""]
-    goal = d["goal"]
-    out += [f"Goal: selective keeps <= {fmt(goal['kept'])} of none's activations at <= "
-            f"{fmt(goal['time'])}x its step time: "
-            + ", ".join(f"{a} {'met' if ok else 'missed'}" for a, ok in d["met"].items())
-            + ".", ""]
     return out
 
 

@@ -44,8 +44,8 @@ def test_resume_with_the_same_layout_is_bitwise_identical(dataset_path, tmp_path
     assert resumed.losses == full.losses[10:]  # exactly: same bits, not just close
 
 
-def test_background_saves_and_odd_intervals_resume_exactly(dataset_path, tmp_path):
-    over = {"train.ckpt_background": True, "train.ckpt_interval": 7, "parallel.zero": 1}
+def test_async_saves_and_odd_intervals_resume_exactly(dataset_path, tmp_path):
+    over = {"train.ckpt_async": True, "train.ckpt_interval": 7, "parallel.zero": 1}
     _, full = _fit(_cfg(dataset_path, tmp_path / "a", **over))
     root = tmp_path / "a" / "checkpoints"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000007", "step_000014",

@@ -102,9 +102,9 @@ def _assert_previous_intact(out_dir):
 @pytest.mark.parametrize("error", [RuntimeError("Can't write data (file write failed)"),
                                    OSError(errno.ENOSPC, "No space left on device")],
                          ids=["h5py-RuntimeError", "ENOSPC"])
-@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_shard_write_failure_is_one_clean_error(dataset_path, tmp_path, monkeypatch, error,
-                                                background):
+                                                asynchronous):
     trainer, _ = _fit(_cfg(dataset_path, tmp_path))
 
     def fail(*args, **kwargs):
@@ -112,7 +112,7 @@ def test_shard_write_failure_is_one_clean_error(dataset_path, tmp_path, monkeypa
 
     monkeypatch.setattr(distributed, "write_shard", fail)
     with pytest.raises(CheckpointError, match="saving checkpoint step 15 failed: rank 0") as e:
-        trainer.saver.save(15, background=background)
+        trainer.saver.save(15, asynchronous=asynchronous)
         trainer.saver.finish_pending()
     assert "\n" not in str(e.value) and str(error.args[-1]) in str(e.value)
     _assert_previous_intact(tmp_path)

@@ -11,9 +11,9 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from hpctrain.checkpoint.host_buffers import HostBuffers, available_bytes, copy_bytes
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
                                          bucket_entry,
                                          bucket_key, bucket_ranks, check_compatible,
@@ -22,7 +22,8 @@ from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
                                          write_shard,
                                          write_synced)
 from hpctrain.comm.grid import ProcessGrid
-from hpctrain.comm.small_collectives import bcast_json, gather_json
+from hpctrain.comm.mpi import MPI
+from hpctrain.comm.small_collectives import allreduce_array, bcast_json, gather_json
 from hpctrain.comm.world import World
 from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.tensor.split_state import TensorSplit
@@ -35,13 +36,12 @@ def _replicated_shard(state, split: TensorSplit, writes: bool):
     names = {n: split.qualified(n) for n in state.params
              if split.rank == 0 or split.qualified(n) != n}
     index = {"params": {names[n]: list(state.params[n]["param"].shape) for n in names}}
-    datasets = {}
+    sources = {}
     if writes:
         for name, qualified in names.items():
             for k in KEYS:
-                datasets[f"{k}/{qualified}"] = \
-                    state.params[name][k].detach().float().cpu().numpy()
-    return index, datasets
+                sources[f"{k}/{qualified}"] = state.params[name][k]
+    return index, sources
 
 
 def _zero_index(state, grid: ProcessGrid, split: TensorSplit) -> dict:
@@ -56,11 +56,17 @@ def _zero_index(state, grid: ProcessGrid, split: TensorSplit) -> dict:
 
 def _zero_shard(state, grid: ProcessGrid, split: TensorSplit):
     index = _zero_index(state, grid, split)
-    datasets = {}
+    sources = {}
     for i, (entry, b) in enumerate(zip(index["buckets"], state.buckets)):
         for k in KEYS:
-            datasets[f"{bucket_key(entry, i)}/{k}"] = b.tensors[k].detach().float().cpu().numpy()
-    return index, datasets
+            sources[f"{bucket_key(entry, i)}/{k}"] = b.tensors[k]
+    return index, sources
+
+
+def _to_numpy(t: torch.Tensor):
+    """A dataset of a synchronous save: the tensor itself where it is fp32 on the host
+    (written before training goes on), else an fp32 host copy."""
+    return (t.detach().float() if t.is_floating_point() else t.detach()).cpu().numpy()
 
 
 def _merge_stage_indexes(world: World, grid: ProcessGrid, layout: str, index: dict,
@@ -80,45 +86,63 @@ def _merge_stage_indexes(world: World, grid: ProcessGrid, layout: str, index: di
 
 
 SLOW_SAVE_ENV = "HPCTRAIN_TEST_SLOW_SAVE_S"
+WRITER_PIECE_BYTES = 16 * 2**20
+"""The writer thread writes a dataset in pieces of this size: h5py holds its global lock
+for each write call, which the main thread's h5py calls wait for (tens of ms at most)."""
 
 
 class PendingSave:
     """A checkpoint whose shards are being written; ``finish()`` publishes it (collective).
 
-    With ``background=True`` the shard is copied in memory and written by a thread while
-    training goes on; ``finish()`` waits for the thread, gathers every rank's checksums,
-    writes the manifest and renames the directory into place. All ranks must call
-    ``finish()`` at the same point of the program (the trainer does it at the next log
-    step, before another save, and at the end)."""
+    With ``ready`` (an asynchronous save: the datasets are a copy in host buffers) a
+    thread writes the shard while training goes on, after ``ready()`` says the copy is
+    complete; ``written`` tells when it is done. ``finish()`` waits for the thread,
+    gathers every rank's checksums, writes the manifest and renames the directory into
+    place. All ranks must call ``finish()`` at the same point of the program. The thread
+    makes no MPI call: every agreement is the main thread's."""
 
     def __init__(self, root: Path, step: int, tmp: Path, world: World, datasets: dict,
-                 manifest: dict, keep: int, background: bool):
+                 manifest: dict, keep: int, ready=None, note: str = ""):
         self.root, self.step, self.tmp, self.world, self.keep = root, step, tmp, world, keep
         self.manifest = manifest
+        self.note = note
+        """Why a save asked to be asynchronous is not ('' when it is, or was not asked)."""
         self._datasets = datasets
         self._result: list = [{}, "not written"]
         self._thread = None
-        if background:
-            self._thread = threading.Thread(target=self._write, daemon=True,
+        if ready is not None:
+            self._thread = threading.Thread(target=self._write, args=(ready,), daemon=True,
                                             name=f"hpctrain-ckpt-{step}")
             self._thread.start()
         else:
             self._write()
 
-    def _write(self) -> None:
+    @property
+    def in_background(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def written(self) -> bool:
+        """This rank's shard is written and fsynced, or its write failed (local)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def _write(self, ready=None) -> None:
         w = self.world
         # Test-only: a save this many seconds slower (tests of --train.time_limit).
         time.sleep(float(os.environ.get(SLOW_SAVE_ENV, "0") or 0))
         try:
+            if ready is not None:
+                ready()  # the copy from the device has landed
             crcs = write_shard(self.tmp / shard_name(w.rank), self._datasets,
                                {"format": FORMAT, "version": VERSION, "rank": w.rank,
-                                "step": self.step})
+                                "step": self.step},
+                               piece_bytes=WRITER_PIECE_BYTES if ready is not None else 0)
             self._result = [crcs, None]
         except Exception as e:  # noqa: BLE001 - h5py reports a full disk as RuntimeError
             # Whatever it is, it must reach finish(), which tells every rank: raised here,
             # on one rank, it would leave the others waiting in finish()'s collective.
             self._result = [{}, f"rank {w.rank}: {_what(e)}"]
-        self._datasets = None  # free the snapshot
+        self._datasets = None  # the buffers are the saver's again
 
     def finish(self) -> Path:
         w, step = self.world, self.step
@@ -162,23 +186,30 @@ def _what(e: BaseException) -> str:
 
 
 def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, run: dict,
-               keep: int, background: bool = False) -> PendingSave:
+               keep: int, buffers: HostBuffers | None = None) -> PendingSave:
     """Start writing ``root/step_<step>`` from what ``engine`` holds (collective);
     ``.finish()`` completes it. ``run`` holds the manifest's ``config``, ``model`` (shape)
-    and ``tokenizer``. With a pipeline every stage writes its own parameters."""
+    and ``tokenizer``. With a pipeline every stage writes its own parameters. With
+    ``buffers`` the save is asynchronous: the state is copied into them and written by a
+    thread, unless the copy would not fit in host memory on some rank (then every rank
+    saves synchronously and ``note`` says why). Whoever wrote into ``buffers`` before
+    must have finished: they are overwritten here."""
     world = grid.world
     state = engine.state_shards()
     split = engine.tensor_split
     if state.kind == "replicated":
-        index, datasets = _replicated_shard(state, split, writes=grid.dp_world.rank == 0)
+        index, sources = _replicated_shard(state, split, writes=grid.dp_world.rank == 0)
     else:
-        index, datasets = _zero_shard(state, grid, split)
+        index, sources = _zero_shard(state, grid, split)
     if grid.pp > 1 or grid.tp > 1:
         index = _merge_stage_indexes(world, grid, state.kind, index,
                                      f"checkpoint index of every stage (step {step})")
-    datasets["rng/torch"] = torch.get_rng_state().numpy()
-    if background:  # training goes on and changes the tensors: write a copy
-        datasets = {k: np.array(v, copy=True) for k, v in datasets.items()}
+    sources["rng/torch"] = torch.get_rng_state()
+    note = _no_room(world, buffers, sources, step) if buffers is not None else ""
+    if buffers is not None and not note:  # training goes on and changes the tensors
+        datasets, ready = buffers.copy(sources), buffers.ready
+    else:
+        datasets, ready = {k: _to_numpy(t) for k, t in sources.items()}, None
     made = _make_temporary(root, step) if world.is_root else None
     status, tmp = bcast_json(world.comm, made, timeout=world.timeout,
                              what=f"checkpoint save (step {step})")
@@ -193,7 +224,21 @@ def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, 
                 "data": {"sampler": config["data"]["sampler"],
                          "seed": config["train"]["seed"], "next_step": step},
                 "index": index}
-    return PendingSave(root, step, tmp, world, datasets, manifest, keep, background)
+    return PendingSave(root, step, tmp, world, datasets, manifest, keep, ready, note)
+
+
+def _no_room(world: World, buffers: HostBuffers, sources: dict, step: int) -> str:
+    """Whether every rank's copy fits in its node's memory (collective): '' when it does,
+    else the warning that the save falls back to synchronous."""
+    need = copy_bytes(sources)
+    short, most = allreduce_array(
+        world.comm, [int(not buffers.fits(sources, world.local_size, available_bytes())), need],
+        op=MPI.MAX, timeout=world.timeout, what=f"checkpoint save (step {step}): host memory")
+    if not short:
+        return ""
+    return (f"--train.ckpt_async: a copy of the state ({most / 2**30:.2f} GiB on the largest "
+            f"rank) would not fit in a node's available host memory; saving synchronously "
+            "(free memory, or run fewer ranks per node)")
 
 
 def _make_temporary(root: Path, step: int) -> list[str]:

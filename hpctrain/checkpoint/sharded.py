@@ -85,9 +85,12 @@ def zeros_crc32(nbytes: int) -> int:
 
 
 def write_shard(path: Path, datasets: dict[str, np.ndarray | Zeros],
-                attrs: dict) -> dict[str, int]:
+                attrs: dict, piece_bytes: int = 0) -> dict[str, int]:
     """Write one rank's shard; return the CRC-32 of each dataset. The room is made sure
-    of first (``atomic.reserve_space``: HDF5 crashes on a full disk)."""
+    of first (``atomic.reserve_space``: HDF5 crashes on a full disk). ``piece_bytes``:
+    write larger datasets in pieces of about this size (the same dataset: a writer
+    thread holds h5py's global lock for one write call at a time, and the main thread's
+    h5py calls, e.g. the h5mpio reader's, wait for it)."""
     import h5py
 
     reserve_space(path.parent, h5_bytes([a.nbytes for a in datasets.values()
@@ -101,7 +104,13 @@ def write_shard(path: Path, datasets: dict[str, np.ndarray | Zeros],
                                  chunks=True)
                 crcs[name] = zeros_crc32(4 * math.prod(a.shape))
                 continue
-            f.create_dataset(name, data=a)
+            if piece_bytes and a.ndim and a.nbytes > piece_bytes:
+                d = f.create_dataset(name, shape=a.shape, dtype=a.dtype)
+                rows = max(1, piece_bytes // max(1, a[0].nbytes))
+                for lo in range(0, a.shape[0], rows):
+                    d[lo:lo + rows] = a[lo:lo + rows]
+            else:
+                f.create_dataset(name, data=a)
             crcs[name] = crc32_of(a)
         f.flush()
         os.fsync(f.id.get_vfd_handle())

@@ -67,9 +67,11 @@ def _all_keys() -> list[str]:
 RENAMED = {"comm.cuda_aware": "comm.gpu_aware", "comm.device": "train.device"}
 # Options renamed in this release: the old name still works, with the same values, and
 # prints one line naming the new one; the next release moves them to RENAMED. Both
-# old transport options chose how gradients move, so both became --comm.transport.
+# old transport options chose how gradients move, so both became --comm.transport;
+# the background checkpoints became the asynchronous ones.
 DEPRECATED = {"comm.collectives": "comm.transport", "parallel.allreduce": "comm.transport",
-              "data.stage_dir": "data.local_copy_dir"}
+              "data.stage_dir": "data.local_copy_dir",
+              "train.ckpt_background": "train.ckpt_async"}
 
 
 def deprecation_line(old: str, new: str) -> str:

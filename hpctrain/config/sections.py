@@ -292,9 +292,12 @@ class TrainConfig:
                                       "at the end")
     ckpt_interval: int = opt(0, "steps between sharded checkpoints in <out_dir>/checkpoints "
                                 "(0: only at the end)", bounds=AT_LEAST_0)
-    ckpt_background: bool = opt(False, "write periodic checkpoints from a thread while "
-                                       "training goes on (costs a copy of the state in "
-                                       "memory)")
+    ckpt_async: bool = opt(False, "periodic checkpoints are asynchronous: the state is "
+                                  "copied into host memory (pinned on GPUs, kept for the "
+                                  "run) and a thread writes it while training goes on; one "
+                                  "save in flight at most, the next save, a stop and the "
+                                  "end wait for it; synchronous, with one warning, where "
+                                  "the copy would not fit in memory")
     ckpt_keep: int = opt(3, "sharded checkpoints kept (the oldest are deleted); 0 keeps all",
                         bounds=AT_LEAST_0)
     resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "

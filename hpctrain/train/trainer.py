@@ -225,6 +225,7 @@ class Trainer:
                 raise CommTimeout(f"step {step + 1}: {e}") from None
             add_step(result, self.clock.stop())
             self.deadline.record_step(result.step_times[-1])
+            self.saver.poll()  # publishes an asynchronous save once every rank wrote it
             if step == self.start.step:
                 device = w.accel.describe_memory()
                 self._log(f"memory per rank: {self.memory().describe()}"
@@ -238,7 +239,6 @@ class Trainer:
             if not logs_step(done, t, evaluates=is_eval, saves=is_ckpt, stops=stopping):
                 bar.update(1)
                 continue
-            self.saver.finish_pending()
             last, n, elapsed, means = window.flush(result)
             record = step_record(done, last, learning_rate(done - 1, self.cfg.optim, t.max_iters),
                                  self.tokens_per_step * n / elapsed, elapsed / n, float(norm),
@@ -258,7 +258,7 @@ class Trainer:
                 self._log(f"step {done}: checkpoint skipped (the last {self.guard.in_row} "
                           "step(s) were non-finite)", bar)
             elif is_ckpt:
-                self.saver.save(done, background=t.ckpt_background)
+                self.saver.save(done, asynchronous=t.ckpt_async)
                 stopping = stop.now(f"after the checkpoint of step {done}")  # sent during it
             if stopping:
                 result.stopped_at = done
