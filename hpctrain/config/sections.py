@@ -9,12 +9,11 @@ Every field carries its help text (``opt(default, help)``, ``options.py``), so
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from dataclasses import dataclass, field
 
 from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, SHARE, Bounds,
-                                     SwitchOrPath, check_fields, opt, require)
+                                     SwitchOrPath, check_fields, opt, parse_hints, require)
 from hpctrain.errors import ConfigError
 from hpctrain.model.shape import ARCHS, AUTO_LOGITS_BYTES, RECOMPUTE, GPTConfig
 from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT, MAX_WAIT_S
@@ -118,23 +117,6 @@ class DataConfig:
             parse_hints(self.romio_hints)
         except ConfigError as e:
             raise ConfigError(f"data.romio_hints: {e}") from None
-
-
-_HINT_KEY = re.compile(r"^[A-Za-z0-9_]+$")
-
-
-def parse_hints(text: str) -> dict[str, str]:
-    """ROMIO hints (``hpctrain.data.hints`` lists the keys that matter):
-    ``"striping_factor=8,romio_cb_read=enable"`` -> ``{"striping_factor": "8", ...}``."""
-    hints = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not _HINT_KEY.match(key) or not value:
-            raise ConfigError(f"ROMIO hints look like key=value,key=value (e.g. "
-                              f"romio_cb_read=enable,cb_nodes=8,striping_factor=8), not {text!r}")
-        hints[key] = value
-    return hints
 
 
 @dataclass

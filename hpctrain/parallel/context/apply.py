@@ -1,5 +1,5 @@
 """Context parallelism on a model: every attention of a GPT runs as ring attention over
-the group, and the positions (learned ``wpe`` or rotary) are each token's global index.
+the group, and the positions (learned or rotary) are each token's global index.
 
 The model imports no MPI: this module sets the two hooks the model leaves for it,
 ``CausalSelfAttention.context`` and ``EmbeddingAndHead.token_positions``, and wraps each
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hpctrain.model.common.layers import CausalSelfAttention
+from hpctrain.model.gpt import EmbeddingAndHead
 from hpctrain.parallel.context import chunks
 from hpctrain.parallel.context.ring import Ring
 from hpctrain.parallel.context.ring_attention import ring_attention
@@ -71,10 +72,10 @@ def context_parallelize(model: torch.nn.Module, ring: Ring) -> int:
         return 0
     positions = _Positions(ring.rank, ring.size)
     attentions = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
-    for attn in attentions:
-        attn.context = RingContext(ring)
-        if attn.rotary is not None:
-            attn.rotary = GlobalRotary(attn.rotary, positions)
-    if "wpe" in model._modules:
+    for layer in attentions:
+        layer.context = RingContext(ring)
+        if layer.rotary is not None:
+            layer.rotary = GlobalRotary(layer.rotary, positions)
+    if isinstance(model, EmbeddingAndHead):  # learned positions read it; rotary ones do not
         model.token_positions = positions
     return len(attentions)
