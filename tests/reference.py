@@ -43,11 +43,11 @@ class Reference:
 
 
 def plain_model_config(cfg: Config) -> Config:
-    """``cfg`` without activation recomputation, the chunked loss (automatic or not) or
-    ``torch.compile``: the
-    run those options must reproduce (the reference otherwise builds its model as ``cfg``
-    says)."""
-    model = dataclasses.replace(cfg.model, recompute="none", loss_chunk=WHOLE_HEAD)
+    """``cfg`` without activation recomputation (of any kind), the chunked loss
+    (automatic or not) or ``torch.compile``: the run those options must reproduce (the
+    reference otherwise builds its model as ``cfg`` says)."""
+    model = dataclasses.replace(cfg.model, recompute="none", recompute_every=0,
+                                loss_chunk=WHOLE_HEAD)
     return dataclasses.replace(cfg, model=model,
                                train=dataclasses.replace(cfg.train, compile=False))
 

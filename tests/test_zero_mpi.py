@@ -13,7 +13,7 @@ from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.parallel.memory import zero_formula
 from hpctrain.parallel.data_parallel import DataParallel
 from hpctrain.parallel.zero import Zero
-from hpctrain.parallel.zero.buckets import STAGED_AT_ONCE
+from hpctrain.parallel.memory import STAGED_AT_ONCE
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (SGD, bf16_accumulation_check, cpu_world, fit_against_reference,
                            fit_bf16_against_reference, tiny_config)

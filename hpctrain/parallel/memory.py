@@ -6,6 +6,11 @@ from dataclasses import asdict, dataclass
 
 from hpctrain.sizes import MiB
 
+STAGED_AT_ONCE = 3
+"""The staging pool's default budget in buckets (of the largest staged one): one bucket
+filling, one reducing, and ZeRO-3's embeddings unit, which fills from backward's first
+gradient (the final norm's) to its last (the tied embedding's)."""
+
 
 def tensor_bytes(t) -> int:
     """Bytes a tensor's storage holds (0 for None or a freed ZeRO-3 buffer)."""

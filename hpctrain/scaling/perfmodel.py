@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from hpctrain.model.shape import WHOLE_HEAD, head_chunk
-from hpctrain.parallel.memory import zero_formula
+from hpctrain.parallel.memory import STAGED_AT_ONCE, zero_formula
 from hpctrain.parallel.pipeline.schedules import chunks_per_stage
 from hpctrain.scaling import comm_cost, context_cost, tensor_cost
 from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
@@ -333,8 +333,8 @@ def predict_memory(system: SystemPerf, shape: ModelShape,
                           arrangement.loss_chunk, arrangement.tp)
     if arrangement.zero == 3:  # the gathered block and the prefetched next one
         buffers = 2 * word_bytes(arrangement.dtype) * params / (layers + 1)
-    elif arrangement.dtype == "bf16" or arrangement.zero == 2:  # at most two fp32 staging buckets
-        buffers = 2 * min(4.0 * params, arrangement.bucket_mb * MiB)
+    elif arrangement.dtype == "bf16" or arrangement.zero == 2:  # the staging pool's budget
+        buffers = STAGED_AT_ONCE * min(4.0 * params, arrangement.bucket_mb * MiB)
     else:
         buffers = 0.0
     terms = {"model_state": state, "activations": acts, "logits": logits,

@@ -69,12 +69,6 @@ def zero_buckets(model, level: int, blocks, bucket_mb: float, first_bucket_mb: f
     return units + [[p for p in params if id(p) not in in_blocks]]
 
 
-STAGED_AT_ONCE = 3
-"""The staging pool's default budget in buckets (of the largest staged one): one bucket
-filling, one reducing, and ZeRO-3's embeddings unit, which fills from backward's first
-gradient (the final norm's) to its last (the tied embedding's)."""
-
-
 class StagingPool:
     """fp32 buffers that levels 2-3 up-cast and reduce-scatter a bucket's gradients in,
     drawn from a byte budget and reused across buckets and steps.

@@ -23,12 +23,11 @@ from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import BucketScheduler
 from hpctrain.parallel.engine import finish_norm, local_norm_squares, nothing_to_gather
-from hpctrain.parallel.memory import MemoryReport, tensor_bytes
+from hpctrain.parallel.memory import STAGED_AT_ONCE, MemoryReport, tensor_bytes
 from hpctrain.parallel.optim import build_optimizer, clip_coefficient
 from hpctrain.parallel.tensor.layers import is_split
 from hpctrain.parallel.tensor.split_state import TensorSplit
-from hpctrain.parallel.zero.buckets import (DTYPES, STAGED_AT_ONCE, MiB, StagingPool, ZeroBucket,
-                                            zero_buckets)
+from hpctrain.parallel.zero.buckets import DTYPES, MiB, StagingPool, ZeroBucket, zero_buckets
 from hpctrain.parallel.zero.gather import ParameterGather
 from hpctrain.parallel.zero.state import ShardedState
 from hpctrain.profiling import profile_range
