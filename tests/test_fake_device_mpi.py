@@ -24,7 +24,10 @@ from hpctrain.train.trainer import Trainer
 from tests.helpers import (fit_against_reference, fit_bf16_against_reference, tiny_config,
                            two_ranks_suffice)
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = [pytest.mark.mpi(min_size=2),
+              two_ranks_suffice("each rank's handoffs and waits are checked on their own, "
+                                "and the 4-rank leg runs every other MPI test on the fake "
+                                "device (HPCTRAIN_AUTO_DEVICE=fake)")]
 COMM = MPI.COMM_WORLD
 WAIT_SLACK = 2  # blocking waits per step beyond one per bucket, gather and message
 
@@ -129,8 +132,6 @@ def test_pipeline_on_the_fake_device(mpi_dataset, shared_tmp, schedule, virtual,
     _check_counts(trainer, counts, aware)
 
 
-@two_ranks_suffice("each rank's handoffs are checked on their own; four ranks change "
-                   "only the shard sizes")
 @pytest.mark.parametrize("stage", [0, 1])
 def test_the_device_library_waits_for_the_fake_devices_events(mpi_dataset, shared_tmp,
                                                                 stage):

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (cpu_world, fit_against_reference, fit_bf16_against_reference,
-                           tiny_config)
+                           tiny_config, two_ranks_suffice)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -49,6 +49,8 @@ def _fit(cfg):
     return trainer, fit_against_reference(trainer, cfg, replicas)
 
 
+@two_ranks_suffice("Llama's layers meet data parallelism and ZeRO as GPT-2's do; "
+                   "test_dp_mpi and test_zero_mpi run them at dp=4")
 @pytest.mark.parametrize("micro_batches,allreduce", [(1, "shm"), (2, "mpi")])
 def test_llama_data_parallel_matches_single_process(mpi_dataset, shared_tmp, micro_batches,
                                                     allreduce):
@@ -56,12 +58,16 @@ def test_llama_data_parallel_matches_single_process(mpi_dataset, shared_tmp, mic
                                              "comm.transport": allreduce}))
 
 
+@two_ranks_suffice("Llama's layers meet data parallelism and ZeRO as GPT-2's do; "
+                   "test_dp_mpi and test_zero_mpi run them at dp=4")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_llama_zero_matches_single_process(mpi_dataset, shared_tmp, stage):
     _fit(_config(mpi_dataset, shared_tmp, **{"parallel.zero": stage,
                                              "parallel.micro_batches": 2}))
 
 
+@two_ranks_suffice("Llama's layers meet data parallelism and ZeRO as GPT-2's do; "
+                   "test_dp_mpi and test_zero_mpi run them at dp=4")
 def test_llama_zero3_with_chunked_loss_and_recompute(mpi_dataset, shared_tmp):
     """ZeRO-3 frees each block's parameters after its forward; recomputation and the
     chunked head must still find them in backward."""

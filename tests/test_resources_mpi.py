@@ -8,7 +8,7 @@ from mpi4py import MPI
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.resources import MPIResources
 from hpctrain.train.trainer import Trainer
-from tests.helpers import cpu_world, tiny_config
+from tests.helpers import cpu_world, tiny_config, two_ranks_suffice
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -54,6 +54,8 @@ def test_trainers_of_every_layout_leave_nothing_behind(mpi_dataset, shared_tmp, 
     assert not alive, f"{len(alive)} MPI object(s) left after close(): {alive[:5]}"
 
 
+@two_ranks_suffice("a leaked communicator is each process's own; two ranks make the "
+                   "same splits of a two-stage grid")
 def test_grids_do_not_use_up_communicators():
     """MPICH has room for about 2,000 communicators per process: 3,000 grids of two
     split communicators each fail with 'too many communicators' if close() leaks."""

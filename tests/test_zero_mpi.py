@@ -16,7 +16,7 @@ from hpctrain.parallel.zero import Zero
 from hpctrain.parallel.memory import STAGED_AT_ONCE
 from hpctrain.train.trainer import Trainer
 from tests.helpers import (SGD, bf16_accumulation_check, cpu_world, fit_against_reference,
-                           fit_bf16_against_reference, tiny_config)
+                           fit_bf16_against_reference, tiny_config, two_ranks_suffice)
 from tests.reference import plain_model_config, reference_run
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -105,6 +105,7 @@ def test_bf16_matches_the_bf16_single_process_run(mpi_dataset, shared_tmp, level
     assert result.losses[-1] < result.losses[0] - 0.3  # it learns
 
 
+@two_ranks_suffice("each rank accumulates its micro-batches in fp32 before any reduction")
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_bf16_micro_batches_accumulate_and_reduce_in_fp32(level):
     """16 micro-batches per rank: the reduced gradient is the fp32 sum of every rank's
@@ -116,6 +117,7 @@ def test_bf16_micro_batches_accumulate_and_reduce_in_fp32(level):
     assert err_bf16 > 1e-3  # the check can tell the two apart
 
 
+@two_ranks_suffice("the pool is each rank's own; its budget counts that rank's buckets")
 @pytest.mark.parametrize("level", [2, 3])
 def test_the_staging_pool_holds_at_most_its_budget_with_the_same_gradients(level):
     """Levels 2-3 in bf16 with many small buckets of several lengths. The default budget
