@@ -30,8 +30,8 @@ def _system(write=100.0, node=10.0, copy=20.0):
                                filesystem=FileSystem("test", write * GB, node * GB, copy * GB))
 
 
-def _arr(zero=0, pp=1, tp=1, ranks=8):
-    return pm.Arrangement(ranks=ranks, pp=pp, tp=tp, zero=zero, global_batch=64,
+def _arr(zero=0, pp=1, tp=1, cp=1, ranks=8):
+    return pm.Arrangement(ranks=ranks, pp=pp, tp=tp, cp=cp, zero=zero, global_batch=64,
                           micro_batches=1, dtype="bf16", sequence_parallel=tp > 1)
 
 
@@ -69,6 +69,11 @@ def test_zero3_writes_a_shard_per_rank_zero0_the_first_replica_all():
     assert n == pytest.approx(2 * r)
     # tp=2 x pp=2 on 8 ranks: the first replica is ranks 0-3, all on the first node.
     assert writers_on_first_node(_arr(zero=0, pp=2, tp=2), 4) == 4
+    # cp=2: ranks 0 and 1 hold the same weights; only context rank 0 writes them, and
+    # ZeRO shards the state over dp x cp = 8 ranks, not dp = 4.
+    assert writers_on_first_node(_arr(zero=0, cp=2), 4) == 1
+    r, n, _ = checkpoint_bytes(shape, _arr(zero=1, cp=2), 4)
+    assert r == pytest.approx(state / 8) and n == pytest.approx(state / 2)
 
 
 def test_an_asynchronous_write_is_hidden_when_the_interval_is_long_enough():
