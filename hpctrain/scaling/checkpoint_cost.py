@@ -104,24 +104,26 @@ def assumed_filesystem(system: SystemPerf) -> FileSystem:
 
 
 def checkpoint_cost(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
-                    plan: Checkpointing, step_s: float, small_allreduce_s: float) -> CheckpointCost:
+                    checkpointing: Checkpointing, step_s: float,
+                    small_allreduce_s: float) -> CheckpointCost:
     """One save's bytes, write, stall and hidden part (module docstring); ``step_s``: a
     step without checkpoints, ``small_allreduce_s``: one allreduce of a few numbers over
     every rank."""
     fs = system.filesystem or assumed_filesystem(system)
-    rank, node, job = checkpoint_bytes(shape, arrangement, system.ranks_per_node or arrangement.ranks)
+    per_node = system.ranks_per_node or arrangement.ranks
+    rank, node, job = checkpoint_bytes(shape, arrangement, per_node)
     write = max(job / fs.write_bandwidth, node / fs.node_write_bandwidth)
     copy = rank / fs.host_copy_bandwidth
-    if plan.asynchronous:
-        window = plan.interval * step_s  # training until the next save waits for the writer
-        in_flight = min(plan.interval, math.ceil(write / step_s)) if step_s > 0 else 0
+    if checkpointing.asynchronous:
+        window = checkpointing.interval * step_s  # the next save waits for the writer
+        in_flight = min(checkpointing.interval, math.ceil(write / step_s)) if step_s > 0 else 0
         agree = small_allreduce_s * (1 + in_flight)
         excess = max(0.0, write - window)
         stall, hidden = copy + agree + excess, write - excess
     else:
         agree, stall, hidden = 0.0, copy + write, 0.0
-    return CheckpointCost(plan.interval, plan.asynchronous, fs.name, rank, node, job, write,
-                          copy, agree, stall, hidden)
+    return CheckpointCost(checkpointing.interval, checkpointing.asynchronous, fs.name, rank,
+                          node, job, write, copy, agree, stall, hidden)
 
 
 def describe_cost(c: CheckpointCost) -> list[tuple[str, str]]:
