@@ -102,6 +102,9 @@ def test_a_system_without_perf_figures_names_those_with_them(capsys):
     (('device = "A100"', 'device = "B200"'), "device 'B200' has no peaks"),
     (("[perf.network]", "[perf.net]"), "lacks a [perf.network"),
     (("overlap = 0.7", "overlap = 1.5"), "overlap must be between 0 and 1"),
+    (("write_gbytes_per_s = 650.0", "write_gbytes_per_s = 0.0"), "[perf.filesystem] "
+                                                                 "write_gbytes_per_s"),
+    (('name = "Eagle (Lustre)"', 'name = 650'), "[perf.filesystem] name must be"),
     (('scheduler = "pbs"', 'scheduler = "lsf"'), "scheduler = 'lsf': use one of pbs"),
 ])
 def test_a_broken_system_file_names_the_table_and_key(tmp_path, edit, message):

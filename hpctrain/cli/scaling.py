@@ -103,6 +103,11 @@ def add_plan(sub) -> None:
     p.add_argument("--collectives", default="auto", choices=["auto", "mpi", "xccl"],
                    help="as --comm.transport: whose links carry the gradients (auto: the "
                         "GPU's library where the system has its figures)")
+    p.add_argument("--ckpt-interval", type=int, default=0, metavar="N",
+                   help="as --train.ckpt_interval: count a checkpoint every N steps in the "
+                        "step time (default 0: not counted)")
+    p.add_argument("--ckpt-async", action="store_true",
+                   help="as --train.ckpt_async=true: the write overlaps training")
     p.add_argument("--calibration", metavar="FILE.json", help="measured numbers to use")
     p.add_argument("--top", type=int, default=12, metavar="K", help="rows to print")
     p.add_argument("--explain", nargs="?", const=1, type=int, metavar="RANK",
@@ -167,6 +172,7 @@ def _calibrate(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from hpctrain.scaling.checkpoint_cost import Checkpointing
     from hpctrain.scaling.planner import Fixed, explain, plan, table
 
     fixed = Fixed(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero,
@@ -176,7 +182,8 @@ def cmd_plan(args) -> int:
                   ranks_per_node=args.ranks_per_node, calibration=args.calibration,
                   recompute=args.recompute, loss_chunk=args.loss_chunk,
                   collectives=args.collectives, fixed=fixed,
-                  recompute_every=args.recompute_every)
+                  recompute_every=args.recompute_every,
+                  checkpointing=Checkpointing(args.ckpt_interval, args.ckpt_async))
     terms = explain(result, args.explain) if args.explain else None  # bad RANK: no table
     print(table(result, top=args.top))
     if terms:

@@ -18,6 +18,8 @@ from hpctrain.model.shape import WHOLE_HEAD, head_chunk
 from hpctrain.parallel.memory import STAGED_AT_ONCE, zero_formula
 from hpctrain.parallel.pipeline.schedules import chunks_per_stage
 from hpctrain.scaling import comm_cost, context_cost, tensor_cost
+from hpctrain.scaling.checkpoint_cost import (CheckpointCost, Checkpointing, checkpoint_cost,
+                                              describe_cost)
 from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
                                           llama_bytes_per_token, logits_bytes,
                                           micro_batches_in_flight,
@@ -59,6 +61,9 @@ class Prediction:
     """The context-parallel ring's traffic that attention does not hide."""
     cp_comm_total_s: float = 0.0
     """All of the ring's traffic, hidden or not."""
+    ckpt_s: float = 0.0
+    """Checkpoint stalls spread over the steps between saves (``checkpoint_cost.py``)."""
+    checkpoint: CheckpointCost | None = None
 
     @property
     def comm_s(self) -> float:
@@ -67,7 +72,7 @@ class Prediction:
     def shares(self) -> dict:
         """The trainer's four shares: ZeRO gathers, tensor-parallel collectives and the
         optimizer count as compute there (the trainer times only waits for gradient
-        reductions, the bubble and data)."""
+        reductions, the bubble and data); checkpoint stalls are none of them."""
         s = self.step_s
         inline = (self.compute_s + self.optimizer_s + self.gather_s + self.p2p_s
                   + self.tp_comm_s + self.cp_comm_s)
@@ -276,7 +281,9 @@ def gradient_terms(system: SystemPerf, arrangement: Arrangement, rank_params: fl
     return exposed, total, gather
 
 
-def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement) -> Prediction:
+def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
+            checkpointing: Checkpointing = Checkpointing()) -> Prediction:
+    """The step, and with ``checkpointing.interval`` its share of the saves' stalls."""
     arrangement.check(shape)
     p, m, v = arrangement.pp, arrangement.micro_batches, arrangement.virtual_stages
     f = oversubscription(system, arrangement, shape)
@@ -309,6 +316,11 @@ def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement) -> 
     optimizer = f * (system.optimizer_overhead_s + updated * system.optimizer_s_per_param)
 
     step = compute + tp_comm + cp_exposed + bubble + p2p + grad_exposed + gather + optimizer
+    ckpt = None
+    if checkpointing.interval:
+        agree = collective(system, "allreduce", arrangement.ranks, 16.0, rpn)
+        ckpt = checkpoint_cost(system, shape, arrangement, checkpointing, step, agree)
+        step += ckpt.per_step_s
     memory, terms = predict_memory(system, shape, arrangement)
     tok_s = arrangement.global_batch * shape.block_size / step
     fl = shape.flops_per_token * tok_s / arrangement.ranks
@@ -318,7 +330,8 @@ def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement) -> 
                       gather_s=gather, optimizer_s=optimizer, oversubscription=f,
                       memory_bytes=memory, memory_terms=terms, tokens_per_s=tok_s,
                       flops_per_s_per_rank=fl, mfu=fl / peak if peak else None,
-                      tp_comm_s=tp_comm, cp_comm_s=cp_exposed, cp_comm_total_s=cp_total)
+                      tp_comm_s=tp_comm, cp_comm_s=cp_exposed, cp_comm_total_s=cp_total,
+                      ckpt_s=ckpt.per_step_s if ckpt else 0.0, checkpoint=ckpt)
 
 
 def predict_memory(system: SystemPerf, shape: ModelShape,
@@ -359,8 +372,9 @@ def describe(pred: Prediction) -> list[tuple[str, str]]:
             ("gradient reduction, exposed / total",
              f"{ms(pred.grad_comm_s)} / {ms(pred.grad_comm_total_s)}"),
             ("ZeRO parameter gathers", ms(pred.gather_s)),
-            ("optimizer (AdamW on this rank's share)", ms(pred.optimizer_s)),
-            ("step", ms(pred.step_s))]
+            ("optimizer (AdamW on this rank's share)", ms(pred.optimizer_s))]
+    rows += describe_cost(pred.checkpoint) if pred.checkpoint else []
+    rows.append(("step", ms(pred.step_s)))
     if pred.oversubscription > 1:
         rows.append(("ranks per core (compute and optimizer slowed by)",
                      f"{pred.oversubscription:.2f}"))

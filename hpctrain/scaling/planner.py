@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from hpctrain.errors import UserError
 from hpctrain.parallel.tensor.layout import check_splittable
+from hpctrain.scaling.checkpoint_cost import Checkpointing
 from hpctrain.scaling.models import ModelShape, resolve_model
 from hpctrain.scaling.perfmodel import (RECOMPUTE, SCHEDULES, Arrangement, Prediction, describe,
                                         fits, predict)
@@ -42,6 +43,7 @@ class Plan:
     smallest: Candidate | None
     """The arrangement needing the least memory (to say how far off the rest is)."""
     fixed: "Fixed" = None
+    checkpointing: Checkpointing = Checkpointing()
 
 
 @dataclass(frozen=True)
@@ -149,13 +151,16 @@ DEFAULT_BATCH = 512
 def plan(*, system: str, nodes: int, model: str = "", global_batch: int = 0, seq_len: int = 0,
          dtype: str = "bf16", ranks_per_node: int = 0, calibration: str | None = None,
          recompute: str = "none", loss_chunk: int = 0, collectives: str = "auto",
-         shape: str = "", fixed: Fixed = Fixed(), recompute_every: int = 0) -> Plan:
+         shape: str = "", fixed: Fixed = Fixed(), recompute_every: int = 0,
+         checkpointing: Checkpointing = Checkpointing()) -> Plan:
     """Every legal arrangement that fits, fastest first. ``recompute``, ``loss_chunk`` and
     ``collectives`` are the trainer's ``--model.recompute``, ``--model.loss_chunk`` and
     ``--comm.collectives`` for every arrangement; ``fixed`` the parts of the layout the
-    user chose. Context parallelism (cp > 1) is planned when it is fixed, or when no
-    arrangement without it fits (a sequence too long for a rank)."""
-    perf = load_perf(system, calibration, collectives)
+    user chose; ``checkpointing`` the saves whose stalls every step carries a share of.
+    Context parallelism (cp > 1) is planned when it is fixed, or when no arrangement
+    without it fits (a sequence too long for a rank)."""
+    checkpointing.check()
+    perf = load_perf(system, calibration, collectives, checkpoints=checkpointing.interval > 0)
     if nodes < 1:
         raise UserError(f"--nodes {nodes}: use at least 1")
     rpn = ranks_per_node or perf.ranks_per_node
@@ -178,11 +183,11 @@ def plan(*, system: str, nodes: int, model: str = "", global_batch: int = 0, seq
                 recompute_every=recompute_every)
     first = [fixed.cp] if fixed.cp else [1]
     cands = _predict(perf, model_shape, arrangements(model_shape, ranks, global_batch, dtype,
-                                                      cps=first, **args))
+                                                      cps=first, **args), checkpointing)
     if not fixed.cp and not any(fits(perf, c.prediction.memory_bytes) for c in cands):
         cands += _predict(perf, model_shape, arrangements(
             model_shape, ranks, global_batch, dtype,
-            cps=context_parallel_sizes(model_shape, ranks), **args))
+            cps=context_parallel_sizes(model_shape, ranks), **args), checkpointing)
     if not cands:
         raise UserError(_no_arrangement(fixed, model_shape, ranks, nodes, rpn, global_batch))
     ok = [c for c in cands if fits(perf, c.prediction.memory_bytes)]
@@ -202,11 +207,12 @@ def plan(*, system: str, nodes: int, model: str = "", global_batch: int = 0, seq
                         + "".join(f"{o}, " for o in options) + "more nodes, a smaller "
                         "--global-batch or --seq-len, or a smaller model")
     return Plan(perf, model_shape, nodes, ranks, global_batch, tuple(ok), len(cands) - len(ok),
-                smallest, fixed)
+                smallest, fixed, checkpointing)
 
 
-def _predict(perf: SystemPerf, shape: ModelShape, arrs: list[Arrangement]) -> list[Candidate]:
-    return [Candidate(a, predict(perf, shape, a)) for a in arrs]
+def _predict(perf: SystemPerf, shape: ModelShape, arrs: list[Arrangement],
+             checkpointing: Checkpointing) -> list[Candidate]:
+    return [Candidate(a, predict(perf, shape, a, checkpointing)) for a in arrs]
 
 
 def _check_fixed(fixed: Fixed, shape: ModelShape, ranks: int, rpn: int, batch: int) -> None:
@@ -269,6 +275,15 @@ def _model_options(arr: Arrangement) -> str:
     return "".join(f", {o}" for o in out)
 
 
+def _checkpoint_text(p: Plan) -> str:
+    c = p.checkpointing
+    if not c.interval:
+        return ""
+    fs = p.system.filesystem
+    return (f"; {'asynchronous ' if c.asynchronous else ''}checkpoints every {c.interval} "
+            f"steps to {fs.name if fs else 'an unknown file system'}")
+
+
 def _arrangement_text(arr: Arrangement) -> str:
     pipe = f", {arr.schedule}" + (f" v={arr.virtual_stages}" if arr.virtual_stages > 1 else "")
     tensor = f" tp={arr.tp}" + (" sp" if arr.sequence_parallel else "") if arr.tp > 1 else ""
@@ -285,9 +300,12 @@ def table(p: Plan, top: int = 12) -> str:
             f"per device; global batch {p.global_batch} x {s.block_size} tokens; "
             f"{first.dtype}{_model_options(first)}; gradients "
             f"through {'the GPU library' if p.system.collectives == 'xccl' else 'MPI'}"
-            + (f"; fixed: {p.fixed.text()}" if p.fixed and p.fixed.given() else ""))
+            + (f"; fixed: {p.fixed.text()}" if p.fixed and p.fixed.given() else "")
+            + _checkpoint_text(p))
+    ckpt = bool(p.checkpointing.interval)
     cols = ["#", "dp", "pp", "tp", "cp", "sched", "zero", "micro", "rows", "step s", "job tok/s",
-            "GPU tok/s", "GPU TFLOP/s", "MFU", "compute", "comm", "bubble", "mem GiB"]
+            "GPU tok/s", "GPU TFLOP/s", "MFU", "compute", "comm", "bubble"] + (
+            ["ckpt"] if ckpt else []) + ["mem GiB"]
     rows = []
     for i, c in enumerate(p.fitting[:top], 1):
         arr, q = c.arrangement, c.prediction
@@ -303,13 +321,15 @@ def table(p: Plan, top: int = 12) -> str:
                      f"{q.flops_per_s_per_rank / 1e12:.1f}",
                      f"{100 * q.mfu:.1f}%" if q.mfu is not None else "-",
                      f"{100 * (q.compute_s + q.optimizer_s) / q.step_s:.0f}%",
-                     f"{100 * comm:.0f}%", f"{100 * sh['bubble']:.0f}%",
-                     f"{q.memory_bytes / GiB:.1f}"])
+                     f"{100 * comm:.0f}%", f"{100 * sh['bubble']:.0f}%"]
+                    + ([f"{100 * q.ckpt_s / q.step_s:.1f}%"] if ckpt else [])
+                    + [f"{q.memory_bytes / GiB:.1f}"])
     widths = [max(len(r[i]) for r in [cols] + rows) for i in range(len(cols))]
     line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
     out = [head, "", line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     out.append("job tok/s: tokens per second of the whole job; GPU tok/s and GPU TFLOP/s: "
-               "per rank (one GPU or tile); MFU: of the device's peak.")
+               "per rank (one GPU or tile); MFU: of the device's peak."
+               + (" ckpt: the step's share of checkpoint stalls." if ckpt else ""))
     shown = min(top, len(p.fitting))
     out.append("")
     out.append(f"{len(p.fitting)} arrangement(s) fit ({shown} shown, fastest first); "

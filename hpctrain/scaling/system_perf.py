@@ -31,12 +31,13 @@ def perf_system_names() -> list[str]:
 
 
 def load_perf(name: str, calibration: str | os.PathLike | None = None,
-              collectives: str = "mpi") -> SystemPerf:
+              collectives: str = "mpi", checkpoints: bool = False) -> SystemPerf:
     """System ``name`` (or a .toml path) for the model, with a calibration's numbers on top.
     ``collectives``: whose links carry the gradients (``--comm.collectives``): ``mpi``,
     ``xccl`` (the GPU's library, ``[perf.network.xccl]``), or ``auto`` (the library where
     the system has its figures, as training does on GPUs). ``name`` may be a folder
-    holding one system file (or ``system.toml``)."""
+    holding one system file (or ``system.toml``). ``checkpoints``: the checkpoint term is
+    wanted (a file without ``[perf.filesystem]`` gets a warning)."""
     system = load_system(system_file(name))
     p = system.perf
     if p is None:
@@ -73,6 +74,8 @@ def load_perf(name: str, calibration: str | os.PathLike | None = None,
     _check_rates(perf, system.file)
     if not calibration:
         _warn_missing(perf, system.file, collectives)
+    if checkpoints:
+        _warn_no_filesystem(perf, system.file)
     if not 0.0 <= perf.overlap <= 1.0:
         raise UserError(f"calibration file {calibration}: overlap must be between 0 and 1; "
                         "make it again with `hpctrain scale calibrate`")
@@ -122,9 +125,22 @@ def _warn_missing(perf: SystemPerf, file: str, collectives: str) -> None:
         lines.append(("xccl", "no [perf.network.xccl]: collectives are priced with "
                       "[perf.network]'s MPI links and overlap, not the GPU's library"))
     for key, text in lines:
-        if (file, key) not in _WARNED:
-            _WARNED.add((file, key))
-            print(f"warning: system file {file}: {text}", file=sys.stderr)
+        warn_once(file, key, text)
+
+
+def warn_once(file: str, key: str, text: str) -> None:
+    """``warning: system file FILE: TEXT`` on stderr, once per file and key in a process."""
+    if (file, key) not in _WARNED:
+        _WARNED.add((file, key))
+        print(f"warning: system file {file}: {text}", file=sys.stderr)
+
+
+def _warn_no_filesystem(perf: SystemPerf, file: str) -> None:
+    """The checkpoint term's one line for a system file without ``[perf.filesystem]``."""
+    if perf.filesystem is None:
+        warn_once(file, "filesystem", "no [perf.filesystem]: checkpoint writes are "
+                  "priced at the [perf.network] inter link's rate per node with no file-system "
+                  "limit, the host copy at memory_gbytes_per_s (or that link's rate)")
 
 
 def read_calibration(path: str | os.PathLike) -> dict:

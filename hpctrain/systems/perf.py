@@ -43,6 +43,20 @@ class ShapeRate:
 
 
 @dataclass(frozen=True)
+class FileSystem:
+    """Where checkpoints go (``[perf.filesystem]``): the parallel file system's write rates
+    and the rate at which a rank copies its state into host memory."""
+
+    name: str
+    write_bandwidth: float
+    """Bytes per second the whole file system absorbs (every client together)."""
+    node_write_bandwidth: float
+    """Bytes per second one node's clients can write (its network links cap it)."""
+    host_copy_bandwidth: float
+    """Bytes per second one rank copies its state from the device into host memory."""
+
+
+@dataclass(frozen=True)
 class SystemPerf:
     name: str
     description: str
@@ -86,6 +100,9 @@ class SystemPerf:
     xccl: tuple | None = None
     """``(intra, inter, overlap)`` of the GPU's collective library
     (``[perf.network.xccl]``, for ``--comm.collectives=xccl``); None: not known."""
+    filesystem: FileSystem | None = None
+    """``[perf.filesystem]``, for the checkpoint term (``hpctrain plan --ckpt-interval``);
+    None: not known."""
 
     def calibrated(self, shape_key: str, dtype: str) -> bool:
         """Whether calibration measured this shape (its rate holds the memory-bound work)."""

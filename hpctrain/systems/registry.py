@@ -21,7 +21,7 @@ from pathlib import Path
 from hpctrain.errors import UserError
 from hpctrain.sizes import GiB, MiB
 from hpctrain.systems.devices import DEVICES, device_peaks
-from hpctrain.systems.perf import Link, SystemPerf
+from hpctrain.systems.perf import FileSystem, Link, SystemPerf
 from hpctrain.systems.toml_table import REQUIRED, Table
 
 if sys.version_info >= (3, 11):
@@ -319,7 +319,8 @@ def _perf(t: Table, name: str, description: str, launch: Launch, source: str) ->
         memory_bandwidth=compute.get("memory_gbytes_per_s", float, 0.0) * 1e9,
         activation_passes=compute.get("activation_passes", float, 0.0),
         intra=_link(network.table("intra")), inter=_link(network.table("inter")),
-        overlap=network.get("overlap", float, 0.0), xccl=_library(network), source=source)
+        overlap=network.get("overlap", float, 0.0), xccl=_library(network),
+        filesystem=_filesystem(t), source=source)
     for table in (t, compute, network):
         table.done()
     overlaps = (perf.overlap,) + ((perf.xccl[2],) if perf.xccl else ())
@@ -336,3 +337,19 @@ def _library(network: Table) -> tuple | None:
     figures = (_link(lib.table("intra")), _link(lib.table("inter")), lib.get("overlap", float))
     lib.done()
     return figures
+
+
+def _filesystem(perf: Table) -> FileSystem | None:
+    """``[perf.filesystem]``: where checkpoints go, in the file's units (GB/s)."""
+    fs = perf.table("filesystem", None)
+    if fs is None:
+        return None
+    rates = {k: fs.get(k, float) * 1e9 for k in ("write_gbytes_per_s", "node_write_gbytes_per_s",
+                                                 "host_copy_gbytes_per_s")}
+    if not all(r > 0 for r in rates.values()):
+        raise fs.error("[perf.filesystem] write_gbytes_per_s, node_write_gbytes_per_s and "
+                       "host_copy_gbytes_per_s must be above 0")
+    result = FileSystem(fs.get("name", str), rates["write_gbytes_per_s"],
+                        rates["node_write_gbytes_per_s"], rates["host_copy_gbytes_per_s"])
+    fs.done()
+    return result
