@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -118,3 +119,20 @@ def coerce(key: str, value, typ):
             return value
     wanted = "true, false or a path" if typ is SwitchOrPath else typ.__name__
     raise ConfigError(f"--{key} expects {wanted}, got {value!r}")
+
+
+_HINT_KEY = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def parse_hints(text: str) -> dict[str, str]:
+    """ROMIO hints (``hpctrain.data.hints`` lists the keys that matter):
+    ``"striping_factor=8,romio_cb_read=enable"`` -> ``{"striping_factor": "8", ...}``."""
+    hints = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not _HINT_KEY.match(key) or not value:
+            raise ConfigError(f"ROMIO hints look like key=value,key=value (e.g. "
+                              f"romio_cb_read=enable,cb_nodes=8,striping_factor=8), not {text!r}")
+        hints[key] = value
+    return hints

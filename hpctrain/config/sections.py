@@ -9,12 +9,12 @@ Every field carries its help text (``opt(default, help)``, ``options.py``), so
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from dataclasses import dataclass, field
 
 from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, SHARE, Bounds,
-                                     SwitchOrPath, check_fields, opt, require)
+                                     SwitchOrPath, check_fields, opt, parse_hints,
+                                     require)
 from hpctrain.errors import ConfigError
 from hpctrain.model.shape import ARCHS, AUTO_LOGITS_BYTES, RECOMPUTE, GPTConfig
 from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT, MAX_WAIT_S
@@ -118,23 +118,6 @@ class DataConfig:
             parse_hints(self.romio_hints)
         except ConfigError as e:
             raise ConfigError(f"data.romio_hints: {e}") from None
-
-
-_HINT_KEY = re.compile(r"^[A-Za-z0-9_]+$")
-
-
-def parse_hints(text: str) -> dict[str, str]:
-    """ROMIO hints (``hpctrain.data.hints`` lists the keys that matter):
-    ``"striping_factor=8,romio_cb_read=enable"`` -> ``{"striping_factor": "8", ...}``."""
-    hints = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not _HINT_KEY.match(key) or not value:
-            raise ConfigError(f"ROMIO hints look like key=value,key=value (e.g. "
-                              f"romio_cb_read=enable,cb_nodes=8,striping_factor=8), not {text!r}")
-        hints[key] = value
-    return hints
 
 
 @dataclass
@@ -298,6 +281,10 @@ class TrainConfig:
                                   "save in flight at most, the next save, a stop and the "
                                   "end wait for it; synchronous, with one warning, where "
                                   "the copy would not fit in memory")
+    ckpt_files: str = opt("rank", "files of a sharded checkpoint: rank = one per rank; node = "
+                                  "one per node, written by its first rank (fewer files for "
+                                  "the file system's metadata servers at scale)",
+                          ("rank", "node"))
     ckpt_keep: int = opt(3, "sharded checkpoints kept (the oldest are deleted); 0 keeps all",
                         bounds=AT_LEAST_0)
     resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "
@@ -348,6 +335,9 @@ class TrainConfig:
         require(self.tensorboard.strip() != "", "train.tensorboard must be true, false or "
                                                 "the folder to write the event files into")
         require(self.wandb_project.strip() != "", "train.wandb_project must name a W&B project")
+        require(not (self.ckpt_async and self.ckpt_files == "node"), "--train.ckpt_async "
+                "writes from a thread, which makes no MPI call, and --train.ckpt_files=node "
+                "hands shards over MPI: drop one of them (--train.ckpt_files=rank)")
         require(not self.init_from or self.resume in ("", "auto"),
                  f"--train.resume={self.resume} continues a run and --train.init_from="
                  f"{self.init_from} starts a new one from weights; give one of them (or "
