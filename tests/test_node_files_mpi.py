@@ -98,3 +98,37 @@ def test_the_tools_read_node_files_as_rank_files(mpi_dataset, shared_tmp, monkey
         assert sorted(p.name for p in out.glob("*.h5")) == [f"rank_{r:05d}.h5" for r in range(3)]
         inspect(out, verify=True)
     COMM.Barrier()
+
+
+@pytest.mark.parametrize("failing", ["open", "mid-write"])
+def test_a_node_writer_failing_is_one_clean_error_on_every_rank(mpi_dataset, shared_tmp,
+                                                                monkeypatch, failing):
+    """The writer fails before its file (a full disk at the reservation) or after its
+    first group (a full disk while it writes the second rank's): every rank raises the
+    same CheckpointError, none is left waiting, the previous checkpoint stays."""
+    import hpctrain.checkpoint.node_files as node_files
+    from hpctrain.checkpoint.sharded import CheckpointError
+
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    out = Path(shared_tmp) / "run"
+    trainer = Trainer(tiny_config(mpi_dataset, out, **{
+        "train.save_checkpoint": True, "parallel.zero": 3, "train.ckpt_files": "node"}),
+        cpu_world(COMM), verbose=False)
+    trainer.fit()
+    name = "reserve_space" if failing == "open" else "write_datasets"
+    real, calls = getattr(node_files, name), []
+
+    def full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == (1 if failing == "open" else 2):
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(node_files, name, full_disk)
+    with pytest.raises(CheckpointError, match="step 15 failed: rank 0: .*No space left"):
+        trainer.saver.save(15)
+    COMM.Barrier()
+    root = out / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_000010"
+    assert not list(root.glob(".step_*")) and not (root / "step_000015").exists()
+    assert read_manifest(out).data["node_files"]
