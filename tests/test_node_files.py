@@ -84,3 +84,42 @@ def test_a_bad_simulated_node_size_is_refused(monkeypatch, value):
     monkeypatch.setenv(RANKS_PER_NODE_ENV, value)
     with pytest.raises(UserError, match=RANKS_PER_NODE_ENV):
         cpu_world(MPI.COMM_SELF)
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_a_node_writer_keeps_the_previous_checkpoint(dataset_path, tmp_path):
+    """2 ranks on one simulated node write into a real tmpfs (``tests/full_disk.py``),
+    filled after the checkpoint of step 5: the save of step 10 fails on the writer with
+    one message, exit status 2, and step 5 stays ``latest``, whole and verified."""
+    from tests.full_disk import fill, small_filesystem
+    from tests.helpers import hpctrain_cmd, mpiexec, run
+
+    def train(*extra):
+        return run(mpiexec(2, *hpctrain_cmd(
+            "train", "default", f"--data.path={dataset_path}", f"--train.out_dir={out}",
+            "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32",
+            "--model.block_size=16", "--train.batch_size=8", "--train.eval_interval=0",
+            "--train.sample_tokens=0", "--train.progress=false", "--data.verify=false",
+            "--train.ckpt_interval=5", "--train.ckpt_files=node", *extra)),
+            timeout=180, env={RANKS_PER_NODE_ENV: "2"})
+
+    with small_filesystem("1m") as point:
+        if point is None:
+            pytest.skip(small_filesystem.why)
+        out = tmp_path / "run"
+        p = train("--train.max_iters=5")
+        assert p.returncode == 0, p.stderr
+        root = out / "checkpoints"
+        for item in root.iterdir():
+            shutil.move(item, point / item.name)
+        root.rmdir()
+        root.symlink_to(point)
+        fill(point)
+        p = train("--train.max_iters=10", "--train.resume=auto")
+        (point / "filler").unlink()
+        assert p.returncode == 2, p.stderr
+        assert "saving checkpoint step 10 failed: rank 0" in p.stderr
+        assert "No space left" in p.stderr or "ENOSPC" in p.stderr, p.stderr[-2000:]
+        assert (point / "latest").read_text().strip() == "step_000005"
+        assert not list(point.glob(".step_*"))
+        assert "verified" in inspect(point / "step_000005", verify=True)
