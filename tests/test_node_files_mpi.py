@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain.checkpoint.ckpt_commands import inspect, merge, reshard
+from hpctrain.checkpoint.ckpt_commands import export, inspect, merge, reshard
 from hpctrain.checkpoint.sharded import read_full_state, read_manifest
 from hpctrain.comm.world import RANKS_PER_NODE_ENV
 from hpctrain.train.trainer import Trainer
@@ -72,8 +72,8 @@ def test_node_files_resume_at_every_size_as_rank_files_do(mpi_dataset, shared_tm
 
 
 def test_the_tools_read_node_files_as_rank_files(mpi_dataset, shared_tmp, monkeypatch):
-    """inspect --verify, merge and reshard (single process, on rank 0) read a node-file
-    checkpoint of this job into what they read from the same run's rank files."""
+    """inspect --verify, merge, export and reshard (single process, on rank 0) read a
+    node-file checkpoint of this job into what they read from the same run's rank files."""
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
     tmp = Path(shared_tmp)
     for files in ("rank", "node"):
@@ -93,6 +93,9 @@ def test_the_tools_read_node_files_as_rank_files(mpi_dataset, shared_tmp, monkey
         with h5py.File(tmp / "node.h5") as a, h5py.File(tmp / "rank.h5") as b:
             a.visititems(lambda n, d: isinstance(d, h5py.Dataset)
                          and np.testing.assert_array_equal(d[()], b[n][()]))
+        export(node, "safetensors", tmp / "node.safetensors")
+        export(rank, "safetensors", tmp / "rank.safetensors")
+        assert (tmp / "node.safetensors").read_bytes() == (tmp / "rank.safetensors").read_bytes()
         out = reshard(node, tmp / "resharded", world=3, zero=3)
         assert "node_files" not in read_manifest(out).data
         assert sorted(p.name for p in out.glob("*.h5")) == [f"rank_{r:05d}.h5" for r in range(3)]
