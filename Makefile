@@ -126,6 +126,7 @@ bench: $(STAMP) $(GPT2_DATA)
 	$(PY) perf/bench_convergence.py
 	$(PY) perf/bench_zero.py
 	$(PY) perf/bench_checkpoint.py
+	$(PY) perf/bench_ckpt_files.py
 	$(PY) perf/bench_io.py
 	TIKTOKEN_CACHE_DIR=$(abspath $(VENV))/share/tiktoken $(PY) perf/bench_prepare.py
 	$(PY) perf/bench_pipeline.py

@@ -26,6 +26,7 @@ from perf.render_parallel import (render_cp, render_pipeline, render_tp,  # noqa
                                   render_zero, render_zero_bubble)
 from perf.results_format import md_table, provenance  # noqa: E402
 from perf.bench_perfmodel import render_perfmodel  # noqa: E402
+from perf.bench_ckpt_files import render_ckpt_files  # noqa: E402
 from hpctrain.sizes import MiB  # noqa: E402
 
 DOC = ROOT / "perf" / "RESULTS.md"
@@ -328,6 +329,8 @@ SECTIONS = {
              render_zero),
     "checkpoint": ("Checkpoints", "python perf/bench_checkpoint.py --shakespeare PATH",
                    render_checkpoint),
+    "ckpt_files": ("Checkpoint files per rank or per node", "python perf/bench_ckpt_files.py",
+                   render_ckpt_files),
     "io": ("Data reading", "python perf/bench_io.py --shakespeare PATH", render_io),
     "prepare": ("Preparing corpora", "python perf/bench_prepare.py", render_prepare),
     "pipeline": ("Pipeline parallelism", "python perf/bench_pipeline.py", render_pipeline),

@@ -297,9 +297,9 @@ def test_a_version_1_checkpoint_still_loads(dataset_path, tmp_path):
 def test_a_checkpoint_of_an_unknown_version_is_refused(runs, tmp_path):
     ckpt = _copy_checkpoint(runs, "replicated", tmp_path / "step_000010")
     mf = ckpt / "manifest.json"
-    mf.write_text(json.dumps({**json.loads(mf.read_text()), "version": 4}))
+    mf.write_text(json.dumps({**json.loads(mf.read_text()), "version": 5}))
     with pytest.raises(CheckpointError, match="not an hpctrain sharded checkpoint of version "
-                                              "1, 2 or 3"):
+                                              "1, 2, 3 or 4"):
         read_manifest(ckpt)
 
 

@@ -31,7 +31,7 @@ def inspect(path: str | Path, verify: bool = False) -> str:
     m = read_manifest(path)
     d = m.data
     n_params = sum(math.prod(s) for s in _shapes(d).values())
-    shards = [m.path / shard_name(r) for r in range(m.world_size)]
+    shards = [m.path / f for f in dict.fromkeys(f for f, _ in m.locations)]
     # config and data are only described here, never used: validate_manifest does not
     # hold them to a schema, so a missing key shows as None
     config = d["config"]
@@ -151,7 +151,8 @@ def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,
             crcs[shard_name(r)] = write_shard(tmp / shard_name(r), shards[r],
                                               {"format": FORMAT, "version": VERSION,
                                                "rank": r, "step": m.step})
-        manifest = {**m.data, "version": VERSION, "layout": layout, "world_size": world,
+        manifest = {**{k: v for k, v in m.data.items() if k != "node_files"},
+                    "version": VERSION, "layout": layout, "world_size": world,
                     "tensor_parallel": 1, "config": config, "index": index, "crc32": crcs}
         write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1))
     return out

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from hpctrain.checkpoint.host_buffers import HostBuffers, available_bytes, copy_bytes
+from hpctrain.checkpoint.node_files import write_node_file
 from hpctrain.checkpoint.sharded import (FORMAT, KEYS, VERSION, CheckpointError,
                                          bucket_entry,
                                          bucket_key, bucket_ranks, check_compatible,
@@ -102,13 +103,16 @@ class PendingSave:
     makes no MPI call: every agreement is the main thread's."""
 
     def __init__(self, root: Path, step: int, tmp: Path, world: World, datasets: dict,
-                 manifest: dict, keep: int, ready=None, note: str = ""):
+                 manifest: dict, keep: int, ready=None, note: str = "", files: str = "rank"):
         self.root, self.step, self.tmp, self.world, self.keep = root, step, tmp, world, keep
+        self.files = files
+        """``rank``: a file per rank; ``node``: a file per node (``node_files.py``)."""
         self.manifest = manifest
         self.note = note
         """Why a save asked to be asynchronous is not ('' when it is, or was not asked)."""
         self._datasets = datasets
-        self._result: list = [{}, "not written"]
+        self._result: list = [{}, "not written", {}]
+        """[CRC-32s by shard name, error or None, node files written here]"""
         self._thread = None
         if ready is not None:
             self._thread = threading.Thread(target=self._write, args=(ready,), daemon=True,
@@ -133,15 +137,18 @@ class PendingSave:
         try:
             if ready is not None:
                 ready()  # the copy from the device has landed
-            crcs = write_shard(self.tmp / shard_name(w.rank), self._datasets,
-                               {"format": FORMAT, "version": VERSION, "rank": w.rank,
-                                "step": self.step},
-                               piece_bytes=WRITER_PIECE_BYTES if ready is not None else 0)
-            self._result = [crcs, None]
+            attrs = {"format": FORMAT, "version": VERSION, "rank": w.rank, "step": self.step}
+            if self.files == "node":  # collective over the node: never in the thread
+                crcs, written = write_node_file(w, self.tmp, self._datasets, attrs)
+                self._result = [crcs, None, written]
+            else:
+                crcs = write_shard(self.tmp / shard_name(w.rank), self._datasets, attrs,
+                                   piece_bytes=WRITER_PIECE_BYTES if ready is not None else 0)
+                self._result = [{shard_name(w.rank): crcs}, None, {}]
         except Exception as e:  # noqa: BLE001 - h5py reports a full disk as RuntimeError
             # Whatever it is, it must reach finish(), which tells every rank: raised here,
             # on one rank, it would leave the others waiting in finish()'s collective.
-            self._result = [{}, f"rank {w.rank}: {_what(e)}"]
+            self._result = [{}, f"rank {w.rank}: {_what(e)}", {}]
         self._datasets = None  # the buffers are the saver's again
 
     def finish(self) -> Path:
@@ -160,11 +167,16 @@ class PendingSave:
         """Rank 0: write the manifest and publish, or report why not as
         ``["error", message]`` (every rank raises it). On any failure the temporary
         directory goes and the previous checkpoint and ``latest`` stay as they were."""
-        errors = [e for _, e in results if e]
+        errors = [e for _, e, _ in results if e]
+        crc32 = {k: c for crcs, _, _ in results for k, c in crcs.items()}
+        files = {k: ranks for _, _, written in results for k, ranks in written.items()}
+        lost = [r for r in range(len(results)) if shard_name(r) not in crc32]
+        if not errors and lost:  # a writer that left a rank out: a bug, never published
+            errors = [f"rank {lost[0]}'s shard was not written"]
         if not errors:
             try:
-                manifest = {**self.manifest,
-                            "crc32": {shard_name(r): c for r, (c, _) in enumerate(results)}}
+                manifest = {**self.manifest, "crc32": crc32,
+                            **({"node_files": files} if files else {})}
                 write_synced(self.tmp / "manifest.json", json.dumps(manifest, indent=1))
                 return ["ok", str(publish(self.tmp, self.root, self.step, self.keep))]
             except Exception as e:  # noqa: BLE001 - reported to every rank, see below
@@ -193,7 +205,8 @@ def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, 
     ``buffers`` the save is asynchronous: the state is copied into them and written by a
     thread, unless the copy would not fit in host memory on some rank (then every rank
     saves synchronously and ``note`` says why). Whoever wrote into ``buffers`` before
-    must have finished: they are overwritten here."""
+    must have finished: they are overwritten here. The config's ``train.ckpt_files``
+    (``node``) writes a file per node instead of per rank (never with ``buffers``)."""
     world = grid.world
     state = engine.state_shards()
     split = engine.tensor_split
@@ -224,7 +237,8 @@ def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, 
                 "data": {"sampler": config["data"]["sampler"],
                          "seed": config["train"]["seed"], "next_step": step},
                 "index": index}
-    return PendingSave(root, step, tmp, world, datasets, manifest, keep, ready, note)
+    files = config["train"].get("ckpt_files", "rank")
+    return PendingSave(root, step, tmp, world, datasets, manifest, keep, ready, note, files)
 
 
 def _no_room(world: World, buffers: HostBuffers, sources: dict, step: int) -> str:

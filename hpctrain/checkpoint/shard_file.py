@@ -28,12 +28,17 @@ def crc32_of(a: np.ndarray) -> int:
 
 class ShardFile:
     """Rank ``rank``'s shard of the checkpoint in ``directory``, open for reading (a
-    context manager). ``crcs``: the manifest's CRC-32 of each of its datasets."""
+    context manager). ``crcs``: the manifest's CRC-32 of each of its datasets;
+    ``location``: the file and group that hold it (``format.shard_locations``), by
+    default the rank's own file."""
 
-    def __init__(self, directory: Path, rank: int, crcs: dict[str, int]):
+    def __init__(self, directory: Path, rank: int, crcs: dict[str, int],
+                 location: tuple[str, str] | None = None):
         import h5py
 
-        self.path = Path(directory) / shard_name(rank)
+        name, self.group = location or (shard_name(rank), "")
+        self.path = Path(directory) / name
+        self.where = f"{self.path}" + (f" (group {self.group})" if self.group else "")
         self.manifest_path = Path(directory) / "manifest.json"
         self.crcs = crcs
         if not self.path.is_file():
@@ -45,6 +50,10 @@ class ShardFile:
             raise CheckpointError(f"checkpoint shard {self.path} is not readable HDF5 "
                                   f"(truncated?): {e}; resume from an older step_N "
                                   "directory") from None
+        if self.group and not isinstance(self.file.get(self.group), h5py.Group):
+            self.file.close()
+            raise CheckpointError(f"{self.path} has no group {self.group} (rank {rank}'s "
+                                  f"shard); {DAMAGED}")
         self.reads = StoredReads(self.path, error=CheckpointError, fix=DAMAGED)
 
     def __enter__(self) -> ShardFile:
@@ -62,24 +71,24 @@ class ShardFile:
             want = (tuple(shape), np.dtype(dtype))
             if declared != want:
                 raise CheckpointError(
-                    f"{self.path}: dataset {name} is declared {_describe(*declared)}, "
+                    f"{self.where}: dataset {name} is declared {_describe(*declared)}, "
                     f"{self.manifest_path} says {_describe(*want)}; the checkpoint is "
                     "damaged: resume from an older step_N directory")
             self.reads.check(d, name, zeros_of=self._parameter_of(name))
             a = d[()]
         except (KeyError, OSError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{self.path}: dataset {name} is unreadable ({e}); "
+            raise CheckpointError(f"{self.where}: dataset {name} is unreadable ({e}); "
                                   f"{DAMAGED}") from None
         expected = self.crcs.get(name)
         if expected is None or crc32_of(a) != expected:
-            raise CheckpointError(f"{self.path}: dataset {name} fails its CRC-32 check; the "
+            raise CheckpointError(f"{self.where}: dataset {name} fails its CRC-32 check; the "
                                   "shard is corrupt: resume from an older step_N directory")
         return a
 
     def _dataset(self, name: str):
         import h5py
 
-        d = self.file[name]
+        d = self.file[f"{self.group}/{name}" if self.group else name]
         if not isinstance(d, h5py.Dataset):
             raise KeyError(f"{name} is a group")
         return d

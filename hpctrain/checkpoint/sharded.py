@@ -11,6 +11,7 @@ Nothing is pickled. ``docs/design/checkpoints.md``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -26,7 +27,8 @@ import torch
 
 from hpctrain.atomic import h5_bytes, reserve_space
 from hpctrain.checkpoint.format import (FORMAT, MODEL_KEYS, READS, VERSION, CheckpointError,
-                                        shard_name, step_dir_name, upgrade_model_record)
+                                        shard_locations, shard_name, step_dir_name,
+                                        upgrade_model_record)
 from hpctrain.checkpoint.shard_file import ShardFile, crc32_of
 from hpctrain.checkpoint.validate import Damaged, describe, validate_manifest
 from hpctrain.data.format import crc32_combine
@@ -95,25 +97,33 @@ def write_shard(path: Path, datasets: dict[str, np.ndarray | Zeros],
 
     reserve_space(path.parent, h5_bytes([a.nbytes for a in datasets.values()
                                          if not isinstance(a, Zeros)]))
-    crcs = {}
     with h5py.File(path, "w") as f:
         f.attrs.update(attrs)
-        for name, a in datasets.items():
-            if isinstance(a, Zeros):
-                f.create_dataset(name, shape=a.shape, dtype=np.float32, fillvalue=0.0,
-                                 chunks=True)
-                crcs[name] = zeros_crc32(4 * math.prod(a.shape))
-                continue
-            if piece_bytes and a.ndim and a.nbytes > piece_bytes:
-                d = f.create_dataset(name, shape=a.shape, dtype=a.dtype)
-                rows = max(1, piece_bytes // max(1, a[0].nbytes))
-                for lo in range(0, a.shape[0], rows):
-                    d[lo:lo + rows] = a[lo:lo + rows]
-            else:
-                f.create_dataset(name, data=a)
-            crcs[name] = crc32_of(a)
+        crcs = write_datasets(f, datasets, piece_bytes)
         f.flush()
         os.fsync(f.id.get_vfd_handle())
+    return crcs
+
+
+def write_datasets(group, datasets: dict[str, np.ndarray | Zeros],
+                   piece_bytes: int = 0) -> dict[str, int]:
+    """Write ``datasets`` into an open HDF5 file or group (``write_shard``; a node file
+    holds a group per rank); return the CRC-32 of each."""
+    crcs = {}
+    for name, a in datasets.items():
+        if isinstance(a, Zeros):
+            group.create_dataset(name, shape=a.shape, dtype=np.float32, fillvalue=0.0,
+                                 chunks=True)
+            crcs[name] = zeros_crc32(4 * math.prod(a.shape))
+            continue
+        if piece_bytes and a.ndim and a.nbytes > piece_bytes:
+            d = group.create_dataset(name, shape=a.shape, dtype=a.dtype)
+            rows = max(1, piece_bytes // max(1, a[0].nbytes))
+            for lo in range(0, a.shape[0], rows):
+                d[lo:lo + rows] = a[lo:lo + rows]
+        else:
+            group.create_dataset(name, data=a)
+        crcs[name] = crc32_of(a)
     return crcs
 
 
@@ -225,6 +235,11 @@ class Manifest:
     def world_size(self) -> int:
         return int(self.data["world_size"])
 
+    @functools.cached_property
+    def locations(self) -> list[tuple[str, str]]:
+        """Each rank's ``(file, group)`` (``format.shard_locations``)."""
+        return shard_locations(self.data)
+
     @property
     def tensor_parallel(self) -> int:
         """The tensor-parallel ranks it was written with (1 in checkpoints before them)."""
@@ -302,7 +317,8 @@ def check_compatible(manifest: Manifest, model_shape: dict) -> None:
 
 
 def _open_shard(manifest: Manifest, rank: int) -> ShardFile:
-    return ShardFile(manifest.path, rank, manifest.data["crc32"][shard_name(rank)])
+    return ShardFile(manifest.path, rank, manifest.data["crc32"][shard_name(rank)],
+                     manifest.locations[rank])
 
 
 def bucket_ranks(manifest: Manifest, entry: dict) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from hpctrain.checkpoint.format import MODEL_KEYS, shard_name
+from hpctrain.checkpoint.format import MODEL_KEYS, NODE_FILE_NAME, shard_name
 from hpctrain.model.shape import GPTConfig
 from hpctrain.sizes import MAX_ELEMENTS, MAX_WORLD, finite, show_value, whole
 
@@ -51,6 +51,8 @@ def validate_manifest(data) -> None:
     else:
         _zero_index(index, world)
     _crc32(_dict(_key(top, "crc32"), "crc32"), world)
+    if top.get("node_files") is not None:
+        _node_files(_dict(top["node_files"], "node_files"), world)
 
 
 def _model(model: dict) -> None:
@@ -148,6 +150,23 @@ def _crc32(crc32: dict, world: int) -> None:
         table = _dict(_key(crc32, name, "crc32"), f"crc32[{name!r}]")
         for ds, crc in table.items():
             _int(crc, f"crc32[{name!r}][{ds!r}]", 0, 0xFFFFFFFF)
+
+
+def _node_files(files: dict, world: int) -> None:
+    """Node files (``format.shard_locations``): plain ``node_N.h5`` names, and every rank
+    of the checkpoint in exactly one of them."""
+    seen: set[int] = set()
+    for name, ranks in files.items():
+        if not NODE_FILE_NAME.fullmatch(name):
+            raise Damaged(f"node_files names {show_value(name)}, not a file like node_00000.h5")
+        for r in _list(ranks, f"node_files[{name!r}]"):
+            _int(r, f"node_files[{name!r}] entry", 0, world - 1)
+            if r in seen:
+                raise Damaged(f"node_files lists rank {r} twice")
+            seen.add(r)
+    if len(seen) != world:
+        missing = min(set(range(world)) - seen)
+        raise Damaged(f"node_files lists no file for rank {missing} of {world}")
 
 
 # ------------------------------------------------------------------------ primitives

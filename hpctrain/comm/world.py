@@ -83,7 +83,7 @@ class World:
         comm = MPI.COMM_WORLD if comm is None else comm
         rank, size = comm.Get_rank(), comm.Get_size()
         resources = MPIResources()
-        local_comm = resources.add(comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank))
+        local_comm = resources.add(_node_comm(comm, rank))
         local_rank, local_size = local_comm.Get_rank(), local_comm.Get_size()
         pace_for_node(node_oversubscribed(local_size, threads_per_rank(local_size)))
         # Node index: number the lowest rank of each node, then share it within the node.
@@ -120,6 +120,28 @@ class World:
             text += (f", GPU-aware MPI: {self.gpu_aware}, MPI thread level "
                      f"{THREAD_LEVELS.get(MPI.Query_thread(), '?')}")
         return text
+
+
+RANKS_PER_NODE_ENV = "HPCTRAIN_TEST_RANKS_PER_NODE"
+"""Test-only: simulate nodes of this many consecutive ranks within the real ones (tests
+of per-node behaviour, e.g. ``--train.ckpt_files=node``, on one machine)."""
+
+
+def _node_comm(comm: MPI.Comm, rank: int) -> MPI.Comm:
+    """The ranks of this rank's node: a shared-memory split of ``comm``, cut into
+    simulated nodes where ``HPCTRAIN_TEST_RANKS_PER_NODE`` asks (collective)."""
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    text = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
+    if not text:
+        return shared
+    if not text.isdigit() or int(text) < 1:
+        shared.Free()
+        raise UserError(f"{RANKS_PER_NODE_ENV}={text!r} must be a whole number >= 1 (the "
+                        "ranks of each simulated node, for tests); unset it to use the "
+                        "real nodes")
+    node = shared.Split(color=rank // int(text), key=rank)
+    shared.Free()
+    return node
 
 
 def count_devices(identities: list, rank: int) -> tuple[int, int]:

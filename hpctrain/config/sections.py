@@ -280,6 +280,10 @@ class TrainConfig:
                                   "save in flight at most, the next save, a stop and the "
                                   "end wait for it; synchronous, with one warning, where "
                                   "the copy would not fit in memory")
+    ckpt_files: str = opt("rank", "files of a sharded checkpoint: rank = one per rank; node = "
+                                  "one per node, written by its first rank (fewer files for "
+                                  "the file system's metadata servers at scale)",
+                          ("rank", "node"))
     ckpt_keep: int = opt(3, "sharded checkpoints kept (the oldest are deleted); 0 keeps all",
                         bounds=AT_LEAST_0)
     resume: str = opt("", "'auto' continues from <out_dir>/checkpoints/latest when it "
@@ -330,6 +334,9 @@ class TrainConfig:
         require(self.tensorboard.strip() != "", "train.tensorboard must be true, false or "
                                                 "the folder to write the event files into")
         require(self.wandb_project.strip() != "", "train.wandb_project must name a W&B project")
+        require(not (self.ckpt_async and self.ckpt_files == "node"), "--train.ckpt_async "
+                "writes from a thread, which makes no MPI call, and --train.ckpt_files=node "
+                "hands shards over MPI: drop one of them (--train.ckpt_files=rank)")
         require(not self.init_from or self.resume in ("", "auto"),
                  f"--train.resume={self.resume} continues a run and --train.init_from="
                  f"{self.init_from} starts a new one from weights; give one of them (or "
