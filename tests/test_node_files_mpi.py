@@ -39,8 +39,13 @@ def _resumed_on(size: int, data, out, **overrides):
     return losses
 
 
-@pytest.mark.parametrize("zero,per_node,smaller", [(3, 2, (1, 2)), (0, 2, (1,)),
-                                                   pytest.param(3, 1, (), marks=ONE_PER_NODE)])
+DP_AT_TWO = two_ranks_suffice("the node writer gathers whatever each rank's shard holds; "
+                              "ZeRO-3 runs the 4-rank, two-node case")
+
+
+@pytest.mark.parametrize("zero,per_node,smaller", [
+    (3, 2, (1, 2)), pytest.param(0, 2, (1,), marks=DP_AT_TWO),
+    pytest.param(3, 1, (), marks=ONE_PER_NODE)])
 def test_node_files_resume_at_every_size_as_rank_files_do(mpi_dataset, shared_tmp, monkeypatch,
                                                           zero, per_node, smaller):
     """A file per simulated node; the same losses as rank files; a resume at this world
@@ -71,6 +76,7 @@ def test_node_files_resume_at_every_size_as_rank_files_do(mpi_dataset, shared_tm
         assert COMM.rank >= size or len(from_node) == 5
 
 
+@two_ranks_suffice("the tools read on one process; a two-rank node file is what they read")
 def test_the_tools_read_node_files_as_rank_files(mpi_dataset, shared_tmp, monkeypatch):
     """inspect --verify, merge, export and reshard (single process, on rank 0) read a
     node-file checkpoint of this job into what they read from the same run's rank files."""
