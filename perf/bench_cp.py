@@ -184,12 +184,12 @@ def worker_memory(out: Path, variant: str, T: int) -> None:
     from mpi4py import MPI
 
     from hpctrain.parallel.context.apply import context_parallelize
-    from hpctrain.parallel.context.ring import Ring
+    from hpctrain.parallel.context.ring import MPIRing
 
     comm = MPI.COMM_WORLD
     cp, model = _model(variant, T)
     assert comm.size == cp, f"{variant} runs on {cp} ranks, not {comm.size}"
-    context_parallelize(model, Ring(comm))
+    context_parallelize(model, MPIRing(comm))
 
     def step(t: int) -> None:
         x, y = _batch(t, comm.rank, cp, seed=1)
@@ -215,14 +215,14 @@ def worker_speed(out: Path, cp: int, T: int, repeats: int) -> None:
     from mpi4py import MPI
 
     from hpctrain.parallel.context.apply import RingContext, context_parallelize
-    from hpctrain.parallel.context.ring import Ring
+    from hpctrain.parallel.context.ring import MPIRing
 
     global _Gather
     comm = MPI.COMM_WORLD
     init_gloo(comm)
     _Gather = _gather_fn()
     _, model = _model(f"cp{cp}", T)
-    ring = _TimedRing(Ring(comm))
+    ring = _TimedRing(MPIRing(comm))
     context_parallelize(model, ring)
     attns = [m for m in model.modules() if isinstance(getattr(m, "context", None), RingContext)]
     ring_ctx, gather_ctx = attns[0].context, _AllGatherKV(comm.rank, cp)
