@@ -15,7 +15,11 @@ step, no gradient reduction: both are the same with and without cp).
      tokens, in the same run. Peak: each rank's peak resident-set growth over a step
      (``/proc/self/clear_refs`` resets the mark after a warm-up step; glibc maps every
      block over 1 MiB on its own, so freed tensors leave at once; as
-     ``bench_long_context.py``), the largest over the ranks. Variants: plain at cp = 1,
+     ``bench_long_context.py``), the largest over the ranks. The warm-up step has
+     WARMUP_T tokens per rank at every cp: blocks under 1 MiB stay in glibc's heap once
+     freed, and the measured step reuses them without growing the RSS, so a warm-up of
+     WARMUP_T tokens in all would leave cp = 1 cp times the reusable heap of a cp rank
+     and count that difference against cp. Variants: plain at cp = 1,
      2, 4 (goal: >= 0.9 cp x cp = 1's), and cp = 4 with block recomputation and the
      chunked loss (goal: >= 8x cp = 1's plain).
   B. Speed: step time (median [min, max] over REPEATS steps after a warm-up) of ring
@@ -166,7 +170,7 @@ def _model(variant: str, T: int):
 
     cp, options = VARIANTS[variant]
     torch.manual_seed(0)
-    return cp, GPT(GPTConfig(block_size=max(T, WARMUP_T), **MODEL, **options))
+    return cp, GPT(GPTConfig(block_size=max(T, WARMUP_T * cp), **MODEL, **options))
 
 
 def _batch(T: int, rank: int, cp: int, seed: int):
@@ -184,19 +188,19 @@ def worker_memory(out: Path, variant: str, T: int) -> None:
     from mpi4py import MPI
 
     from hpctrain.parallel.context.apply import context_parallelize
-    from hpctrain.parallel.context.ring import Ring
+    from hpctrain.parallel.context.ring import MPIRing
 
     comm = MPI.COMM_WORLD
     cp, model = _model(variant, T)
     assert comm.size == cp, f"{variant} runs on {cp} ranks, not {comm.size}"
-    context_parallelize(model, Ring(comm))
+    context_parallelize(model, MPIRing(comm))
 
     def step(t: int) -> None:
         x, y = _batch(t, comm.rank, cp, seed=1)
         model(x, y).backward()
         model.zero_grad(set_to_none=False)  # the buffers stay: they are not activations
 
-    step(WARMUP_T)
+    step(WARMUP_T * cp)  # WARMUP_T tokens per rank whatever cp (see the docstring)
     comm.Barrier()
     Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark := the RSS now
     base = _rss_bytes()
@@ -215,14 +219,14 @@ def worker_speed(out: Path, cp: int, T: int, repeats: int) -> None:
     from mpi4py import MPI
 
     from hpctrain.parallel.context.apply import RingContext, context_parallelize
-    from hpctrain.parallel.context.ring import Ring
+    from hpctrain.parallel.context.ring import MPIRing
 
     global _Gather
     comm = MPI.COMM_WORLD
     init_gloo(comm)
     _Gather = _gather_fn()
     _, model = _model(f"cp{cp}", T)
-    ring = _TimedRing(Ring(comm))
+    ring = _TimedRing(MPIRing(comm))
     context_parallelize(model, ring)
     attns = [m for m in model.modules() if isinstance(getattr(m, "context", None), RingContext)]
     ring_ctx, gather_ctx = attns[0].context, _AllGatherKV(comm.rank, cp)

@@ -162,12 +162,12 @@ def test_shapes_that_do_not_fit_are_refused_before_any_transfer():
 def test_a_ring_of_one_rank_is_causal_attention_with_its_gradients():
     from mpi4py import MPI
 
-    from hpctrain.parallel.context.ring import Ring
+    from hpctrain.parallel.context.ring import MPIRing
 
     q, k, v = (t.requires_grad_() for t in _qkv(24, nkv=2))
     ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
-    out = ring_attention(q, k, v, Ring(MPI.COMM_SELF))
+    out = ring_attention(q, k, v, MPIRing(MPI.COMM_SELF))
     expected = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     out.backward(dout)
@@ -222,7 +222,7 @@ def test_a_ring_of_threads_equals_causal_attention_on_every_rank(cp, nkv, tile, 
     with ``QUERY_TILE`` queries at a time; 3 cuts each chunk of 8 into tiles of 3, 3
     and 2, the diagonal's keys cut after each tile's last query."""
     from hpctrain.parallel.context import ring_attention as module
-    from hpctrain.parallel.context.ring import Ring
+    from hpctrain.parallel.context.ring import MPIRing
 
     monkeypatch.setattr(blocks, "FUSED", tile == "fused")
     monkeypatch.setattr(module, "QUERY_TILE", 256 if tile == "fused" else tile)
@@ -239,7 +239,7 @@ def test_a_ring_of_threads_equals_causal_attention_on_every_rank(cp, nkv, tile, 
         try:
             idx = chunks.positions(r, cp, T)
             mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
-            out = ring_attention(*mine, Ring(_ThreadComm(mail, lock, r, cp), timeout=30.0))
+            out = ring_attention(*mine, MPIRing(_ThreadComm(mail, lock, r, cp), timeout=30.0))
             out.backward(dout[:, :, idx])
             torch.testing.assert_close(out, expected[:, :, idx], rtol=1e-5, atol=1e-5)
             for name, t, whole in zip("qkv", mine, ref):

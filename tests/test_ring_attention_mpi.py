@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from hpctrain.errors import CommTimeout
 from hpctrain.parallel.context import chunks
-from hpctrain.parallel.context.ring import Ring
+from hpctrain.parallel.context.ring import MPIRing, Ring
 from hpctrain.parallel.context.ring_attention import ring_attention
 from tests.helpers import cpu_world
 
@@ -39,7 +39,8 @@ def _whole(T: int, nkv: int, seed: int):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
-def _check_ring_against_whole(comm, T: int, nkv: int, seed: int) -> None:
+def _check_ring_against_whole(comm, T: int, nkv: int, seed: int, ring=None) -> None:
+    """``ring``: over ``comm`` (default: ``MPIRing``)."""
     cp, rank = comm.Get_size(), comm.Get_rank()
     q, k, v, dout = _whole(T, nkv, seed)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -49,7 +50,7 @@ def _check_ring_against_whole(comm, T: int, nkv: int, seed: int) -> None:
     idx = _held(rank, cp, T)
     assert torch.equal(chunks.positions(rank, cp, T), idx)
     mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, Ring(comm, timeout=60.0))
+    out = ring_attention(*mine, ring or MPIRing(comm, timeout=60.0))
     out.backward(dout[:, :, idx])
 
     torch.testing.assert_close(out, expected[:, :, idx], **TOL)
@@ -90,7 +91,7 @@ def test_bf16_inputs_give_bf16_results_close_to_fp32():
     assert out.dtype == torch.bfloat16
     assert all(t.grad.dtype == torch.bfloat16 for t in mine)
     ref = [t.bfloat16().float()[:, :, idx] for t in (q, k, v)]
-    fp32 = ring_attention(*ref, Ring(COMM, timeout=60.0))
+    fp32 = ring_attention(*ref, MPIRing(COMM, timeout=60.0))
     torch.testing.assert_close(out.float(), fp32, rtol=0, atol=2e-2)
 
 
@@ -99,7 +100,7 @@ def test_a_shift_waits_with_a_deadline_that_names_the_block_and_the_option():
     naming the transfer, the rank it waited for and ``--comm.timeout``; once the last
     rank posts its shift, the same transfer completes with its tensor."""
     comm = COMM.Dup()  # the late messages cannot meet another test's
-    ring = Ring(comm, timeout=0.5)
+    ring = MPIRing(comm, timeout=0.5)
     last = comm.rank == comm.size - 1
     mine = torch.full((3,), float(comm.rank))
     transfer = None if last else ring.shift(mine, +1, 7, "test block")

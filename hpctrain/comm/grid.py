@@ -113,7 +113,7 @@ class ProcessGrid:
                 color=(dp_index * pp + stage) * tp + tp_index, key=cp_index))
         if tp > 1:
             tp_comm = resources.add(world.comm.Split(color=world.rank // tp, key=tp_index))
-        if world.collectives == "xccl" and (pp > 1 or tp > 1):
+        if world.collectives == "xccl" and (pp > 1 or tp > 1 or cp > 1):
             _device_groups(world, dp, pp, tp, pipeline_inner, cp)
         dp_world = dataclasses.replace(world, comm=dp_comm, rank=replica, size=dp * cp)
         return cls(world=world, dp=dp, pp=pp, dp_index=dp_index, stage=stage,
@@ -168,7 +168,8 @@ def _device_groups(world: World, dp: int, pp: int, tp: int, pipeline_inner: bool
     """The device library's groups, made by every rank in the same order
     (``device_collectives.make_groups``): every pipeline and every data-parallel set
     (with a second set for ZeRO-3's gathers), one of each per tensor-parallel position,
-    and the tensor-parallel groups."""
+    the tensor-parallel groups, and the context-parallel rings (``parallel/context/ring.py``:
+    their blocks go by the library's point-to-point)."""
     from hpctrain.comm import device_collectives
 
     ranks = device_collectives.world_ranks(world.comm)
@@ -188,3 +189,7 @@ def _device_groups(world: World, dp: int, pp: int, tp: int, pipeline_inner: bool
         device_collectives.make_groups(
             [[at(d, s, t, c) for t in range(tp)] for d in range(dp) for s in range(pp)
              for c in range(cp)], "tensor")
+    if cp > 1:
+        device_collectives.make_groups(
+            [[at(d, s, t, c) for c in range(cp)] for d in range(dp) for s in range(pp)
+             for t in range(tp)], "ring")
