@@ -3,8 +3,10 @@ Checkpoint directories, read and written by torch's own ``torch.distributed.chec
 
 import json
 import os
+import shutil
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,7 +159,13 @@ def test_bad_inputs_exit_2_with_one_line(llama, tmp_path, capsys):
     evil = tmp_path / "evil"
     evil.mkdir()
     (evil / ".metadata").write_bytes(b"cos\nsystem\n(S'echo owned'\ntR.")
-    cases = [(["ckpt", "import", "--from", "dcp", str(out), "--output", str(tmp_path / "x")],
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    with open(broken / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    cases = [(["ckpt", "import", "--from", "dcp", str(broken), "--output", str(tmp_path / "w")],
+              "its tensors do not read"),
+             (["ckpt", "import", "--from", "dcp", str(out), "--output", str(tmp_path / "x")],
               "is not a torch Distributed Checkpoint"),
              (["ckpt", "import", "--from", "dcp", str(path), "--output", str(tmp_path / "back")],
               "exists"),
@@ -174,7 +182,7 @@ def test_bad_inputs_exit_2_with_one_line(llama, tmp_path, capsys):
         assert main(args) == 2, args
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and expect in lines[0], (args, lines)
-    for name in ("x", "y", "z"):
+    for name in ("w", "x", "y", "z"):
         assert not (tmp_path / name).exists()
     assert sorted(os.listdir(tmp_path / "back")) == []
 
@@ -228,7 +236,7 @@ def test_imports_a_dcp_saved_by_a_two_rank_fsdp2_run(gpt2, tmp_path):
     (tmp_path / "record.json").write_text(json.dumps({"model": cfg.shape()}))
     (tmp_path / "worker.py").write_text(WORKER)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
-           "PYTHONPATH": os.getcwd()}
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     import subprocess
 
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r),

@@ -105,14 +105,14 @@ def import_dcp(source: str | Path, output: str | Path, *, config: str | Path | N
     if bad:
         raise CheckpointError(f"{src}: {bad[0]} is {want[bad[0]].dtype}, not floating point; "
                               "hpctrain imports unquantized weights")
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": as meant
             warnings.filterwarnings("ignore", message=".*single process")
             _dcp().load(want, storage_reader=_SafeReader(src), no_dist=True)
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch raises its own error types
-        raise CheckpointError(f"{src}: its tensors do not read ({str(e)[:200]}); copy the "
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's own types
+        raise CheckpointError(f"{src}: its tensors do not read ({_reason(e)}); copy the "
                               "directory again (a missing or truncated .distcp file?)") from None
     tensors = {n: want[f"{prefix}{n}"] for prefix, n in names}
     try:
@@ -124,6 +124,17 @@ def import_dcp(source: str | Path, output: str | Path, *, config: str | Path | N
     note = {"from": "dcp", "path": str(src.resolve())}
     path = save_weights(out, params, model, tokenizer=tokenizer, note=note)
     return Imported(path, model, sum(t.numel() for t in params.values()), notes)
+
+
+def _reason(e: BaseException) -> str:
+    """One line for an error of ``dcp.load``: the first rank's own error, not the
+    traceback torch's ``CheckpointException`` carries in its text."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))  # (the error, its stack) in torch 2.13
+        e = first[0] if isinstance(first, tuple) and first else first
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}"[:200] if text else type(e).__name__
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -209,7 +220,8 @@ def _model_record(src: Path, config, shapes: dict, vocab_multiple: int):
     try:
         if "model_type" in d:
             bias = any(k.endswith(".bias") for k in shapes)
-            model, notes = from_hf_config(d, bias=bias, vocab_multiple=vocab_multiple or 1)
+            model, notes = from_hf_config(d, bias=bias, vocab_multiple=(
+                1 if vocab_multiple is None else vocab_multiple))
         elif isinstance(d.get("model"), dict):
             model = dict(d["model"])
             if vocab_multiple is not None:

@@ -96,7 +96,8 @@ def _import(args) -> None:
         if args.config is not None:
             raise CheckpointError("--config is for --from dcp; a Hugging Face directory "
                                   "holds its own config.json")
-        done = import_hf(args.source, args.output, vocab_multiple=args.vocab_multiple or 1)
+        multiple = 1 if args.vocab_multiple is None else args.vocab_multiple
+        done = import_hf(args.source, args.output, vocab_multiple=multiple)
     for note in done.notes:
         print(f"note: {note}")
     m = done.model
