@@ -4,6 +4,7 @@ Checkpoint directories, read and written by torch's own ``torch.distributed.chec
 import json
 import os
 import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -19,6 +20,7 @@ from hpctrain.checkpoint.sharded import CheckpointError, read_full_state, read_m
 from hpctrain.model.gpt import GPT
 from hpctrain.train.trainer import Trainer
 from tests.helpers import LLAMA, cpu_world, hpctrain_cmd, run, tiny_config
+from tests.titan_llama import TitanLlama
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -204,23 +206,23 @@ def test_missing_tensor_and_foreign_dcp_without_a_record(gpt2, tmp_path):
 
 
 WORKER = """
-import os, sys, warnings
+import json, os, sys, warnings
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
 from hpctrain.model.gpt import GPT
 from hpctrain.model.shape import GPTConfig
-import json
+from tests.titan_llama import TitanLlama
 warnings.simplefilter("ignore")
-rank, out = int(sys.argv[1]), sys.argv[2]
+rank, out, arch = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
 dist.init_process_group("gloo", rank=rank, world_size=2)
 cfg = GPTConfig.from_shape(json.load(open(os.path.join(out, "record.json")))["model"])
 torch.manual_seed(0)
-model = GPT(cfg)
-for block in model.h:
+model = GPT(cfg) if arch == "gpt2" else TitanLlama(cfg)
+for block in (model.h if arch == "gpt2" else model.layers.values()):
     fully_shard(block)
 fully_shard(model)
-sd = {k: v for k, v in model.state_dict().items()}
+sd = model.state_dict()
 assert all(type(v).__name__ == "DTensor" for v in sd.values())
 dcp.save(sd, checkpoint_id=os.path.join(out, "fsdp"))
 full = {k: v.full_tensor() for k, v in sd.items()}
@@ -231,17 +233,17 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_imports_a_dcp_saved_by_a_two_rank_fsdp2_run(gpt2, tmp_path):
-    _, cfg = gpt2
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_imports_a_dcp_saved_by_a_two_rank_fsdp2_run(which, request, tmp_path):
+    """Two gloo processes shard a plain torch model with FSDP2 and ``dcp.save`` its
+    DTensors: our GPT (GPT-2, our names) or the torchtitan-shaped llama3 below."""
+    _, cfg = request.getfixturevalue(which)
     (tmp_path / "record.json").write_text(json.dumps({"model": cfg.shape()}))
     (tmp_path / "worker.py").write_text(WORKER)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    import subprocess
-
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r),
-                               str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                    **env},
+                               str(tmp_path), which], env={**os.environ, **env},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
     try:
@@ -255,69 +257,17 @@ def test_imports_a_dcp_saved_by_a_two_rank_fsdp2_run(gpt2, tmp_path):
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     got = {n: s["param"] for n, s in read_full_state(read_manifest(done.path),
                                                      ("param",)).items()}
+    if which == "llama":  # back in torchtitan's names and layout, by the test's own hand
+        got = _torchtitan({n: {"param": t} for n, t in got.items()}, "param", cfg)
     assert set(got) <= set(full) and len(got) >= len(full) - 1  # a tied head: one tensor
     for n, t in got.items():
         torch.testing.assert_close(t, full[n], rtol=0, atol=0, msg=n)
 
 
-class _TitanLlama(torch.nn.Module):
-    """torchtitan's llama3 written out small, by its module names: rotary embedding on
-    interleaved channel pairs (complex numbers), grouped-query attention, SwiGLU
-    ``w2(silu(w1 x) * w3 x)``, RMSNorm. Only a model with these names and this pairing
-    gives our logits from our export."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        nn, C, hs = torch.nn, cfg.n_embd, cfg.head_size
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, C)
-        self.layers = nn.ModuleDict()
-        for i in range(cfg.n_layer):
-            layer = nn.Module()
-            layer.attention = nn.Module()
-            for name, rows in (("wq", cfg.n_head * hs), ("wk", cfg.n_kv_head * hs),
-                               ("wv", cfg.n_kv_head * hs)):
-                setattr(layer.attention, name, nn.Linear(C, rows, bias=False))
-            layer.attention.wo = nn.Linear(cfg.n_head * hs, C, bias=False)
-            layer.feed_forward = nn.Module()
-            layer.feed_forward.w1 = nn.Linear(C, cfg.ffn_hidden, bias=False)
-            layer.feed_forward.w3 = nn.Linear(C, cfg.ffn_hidden, bias=False)
-            layer.feed_forward.w2 = nn.Linear(cfg.ffn_hidden, C, bias=False)
-            layer.attention_norm = nn.RMSNorm(C, eps=cfg.norm_eps)
-            layer.ffn_norm = nn.RMSNorm(C, eps=cfg.norm_eps)
-            self.layers[str(i)] = layer
-        self.norm = nn.RMSNorm(C, eps=cfg.norm_eps)
-        self.output = nn.Linear(C, cfg.vocab_size, bias=False)
-
-    def _rotate(self, x):  # (B, T, heads, hs)
-        hs, T = x.shape[-1], x.shape[1]
-        freqs = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hs, 2).float() / hs))
-        cis = torch.polar(torch.ones(T, hs // 2), torch.outer(torch.arange(T).float(), freqs))
-        z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        return torch.view_as_real(z * cis[None, :, None, :]).flatten(3)
-
-    def forward(self, idx):
-        cfg, F = self.cfg, torch.nn.functional
-        B, T = idx.shape
-        h = self.tok_embeddings(idx)
-        for layer in self.layers.values():
-            a, x = layer.attention, layer.attention_norm(h)
-            q = self._rotate(a.wq(x).view(B, T, cfg.n_head, -1)).transpose(1, 2)
-            k = self._rotate(a.wk(x).view(B, T, cfg.n_kv_head, -1)).transpose(1, 2)
-            v = a.wv(x).view(B, T, cfg.n_kv_head, -1).transpose(1, 2)
-            rep = cfg.n_head // cfg.n_kv_head
-            y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
-                                               v.repeat_interleave(rep, 1), is_causal=True)
-            h = h + a.wo(y.transpose(1, 2).reshape(B, T, -1))
-            f, x = layer.feed_forward, layer.ffn_norm(h)
-            h = h + f.w2(F.silu(f.w1(x)) * f.w3(x))
-        return self.output(self.norm(h))
-
-
 def test_a_torchtitan_shaped_model_loads_the_export_and_gives_our_logits(llama, tmp_path):
     out, cfg = llama
     path = ckpt_commands.export(out, "dcp", tmp_path / "dcp")
-    titan = _TitanLlama(cfg)
+    titan = TitanLlama(cfg)
     state = titan.state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
