@@ -62,9 +62,14 @@ def export_dcp(path: str | Path, output: str | Path) -> Path:
     sidecar = {"format": "hpctrain-dcp", "step": m.step, "optimizer_step": step,
                "model": model, "tokenizer": m.data.get("tokenizer")}
     with temporary_directory(out) as tmp:
-        with warnings.catch_warnings():  # "assuming ... a single process": as meant
-            warnings.filterwarnings("ignore", message=".*single process")
-            _dcp().save(state, checkpoint_id=tmp, no_dist=True)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            with warnings.catch_warnings():  # "assuming ... a single process": as meant
+                warnings.filterwarnings("ignore", message=".*single process")
+                _dcp().save(state, checkpoint_id=tmp, no_dist=True)
+        except CheckpointException as e:  # its own error (a full disk): hpctrain.atomic's
+            raise _first_error(e) from None
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=1), encoding="utf-8")
     return out
 
@@ -126,13 +131,21 @@ def import_dcp(source: str | Path, output: str | Path, *, config: str | Path | N
     return Imported(path, model, sum(t.numel() for t in params.values()), notes)
 
 
-def _reason(e: BaseException) -> str:
-    """One line for an error of ``dcp.load``: the first rank's own error, not the
-    traceback torch's ``CheckpointException`` carries in its text."""
+def _first_error(e: BaseException) -> BaseException:
+    """The first rank's own error inside torch's ``CheckpointException`` (whose text is
+    a traceback), else ``e``."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))  # (the error, its stack) in torch 2.13
-        e = first[0] if isinstance(first, tuple) and first else first
+        first = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(first, Exception):
+            return first
+    return e
+
+
+def _reason(e: BaseException) -> str:
+    """One line for an error of ``dcp.load``."""
+    e = _first_error(e)
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text}"[:200] if text else type(e).__name__
 
