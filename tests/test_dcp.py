@@ -14,10 +14,12 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.checkpoint import ckpt_commands
-from hpctrain.cli import main
 from hpctrain.checkpoint.dcp import import_dcp
+from hpctrain.checkpoint.hf_config import to_hf_config
 from hpctrain.checkpoint.sharded import CheckpointError, read_full_state, read_manifest
+from hpctrain.cli import main
 from hpctrain.model.gpt import GPT
+from hpctrain.model.shape import GPTConfig
 from hpctrain.train.trainer import Trainer
 from tests.helpers import LLAMA, cpu_world, hpctrain_cmd, run, tiny_config
 from tests.titan_llama import TitanLlama
@@ -279,4 +281,29 @@ def test_a_torchtitan_shaped_model_loads_the_export_and_gives_our_logits(llama, 
         theirs = titan(x)[:, -1]
     ours = _logits(params, cfg).reshape(theirs.shape[0], -1)[:, :cfg.vocab_size]
     assert theirs.std() > 0.1
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_a_torchtitan_model_saved_under_model_imports_with_a_hf_config(llama, tmp_path):
+    """What a torchtitan user has: a DCP of the model (here nested as ``{"model": ...}``)
+    and the model's Hugging Face ``config.json``; the import gives that model's logits."""
+    _, cfg = llama
+    torch.manual_seed(3)
+    titan = TitanLlama(cfg)
+    with torch.no_grad():
+        for p in titan.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # the norms too: no weight left at its init
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": titan.state_dict()}, checkpoint_id=str(tmp_path / "titan"),
+                 no_dist=True)
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(cfg.shape())))
+    done = import_dcp(tmp_path / "titan", tmp_path / "back", config=tmp_path / "config.json")
+    params = {n: s["param"] for n, s in read_full_state(read_manifest(done.path),
+                                                        ("param",)).items()}
+    x = torch.arange(12).reshape(2, 6) % cfg.vocab_size
+    with torch.no_grad():
+        theirs = titan(x)[:, -1]
+    ours = _logits(params, GPTConfig.from_shape(read_manifest(done.path).data["model"]))
+    ours = ours.reshape(theirs.shape[0], -1)[:, :cfg.vocab_size]
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)

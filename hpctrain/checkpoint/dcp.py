@@ -243,7 +243,10 @@ def _model_record(src: Path, config, shapes: dict, vocab_multiple: int):
         else:
             raise ValueError("it holds neither model_type (a Hugging Face config.json) nor "
                              "a model record (hpctrain_dcp.json)")
-    except (ValueError, TypeError, KeyError) as e:
+    except KeyError as e:
+        raise CheckpointError(f"{path}: its model record lacks {e}; pass an hpctrain export's "
+                              f"{SIDECAR} or the model's Hugging Face config.json") from None
+    except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
     if tokenizer is None:
         notes.append(f"{path} records no tokenizer: prepare data with a tokenizer whose ids "
