@@ -204,6 +204,14 @@ def test_missing_tensor_and_foreign_dcp_without_a_record(gpt2, tmp_path):
     record.write_text(json.dumps({"model": cfg.shape()}))
     with pytest.raises(CheckpointError, match="lacks h.1.mlp.c_fc.weight"):
         import_dcp(tmp_path / "foreign", tmp_path / "a", config=record)
+    assert cfg.tie_embeddings
+    state = {n: p.detach().clone() for n, p in GPT(cfg).named_parameters()}
+    state["lm_head.weight"] = state["wte.weight"] + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "untied"), no_dist=True)
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from wte.weight"):
+        import_dcp(tmp_path / "untied", tmp_path / "a", config=record)
     assert not (tmp_path / "a").exists()
 
 

@@ -103,9 +103,10 @@ def import_dcp(source: str | Path, output: str | Path, *, config: str | Path | N
     shapes = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
     model, tokenizer, notes = _model_record(src, config, shapes, vocab_multiple)
     names = _find_names(src, shapes, model)
+    head = _tied_head(names, shapes, model)
     want = {f"{prefix}{n}": torch.empty(tuple(shapes[f"{prefix}{n}"].size),
                                         dtype=shapes[f"{prefix}{n}"].properties.dtype)
-            for prefix, n in names}
+            for prefix, n in names + head}
     bad = [k for k, t in want.items() if not t.is_floating_point()]
     if bad:
         raise CheckpointError(f"{src}: {bad[0]} is {want[bad[0]].dtype}, not floating point; "
@@ -119,7 +120,13 @@ def import_dcp(source: str | Path, output: str | Path, *, config: str | Path | N
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's own types
         raise CheckpointError(f"{src}: its tensors do not read ({_reason(e)}); copy the "
                               "directory again (a missing or truncated .distcp file?)") from None
-    tensors = {n: want[f"{prefix}{n}"] for prefix, n in names}
+    tensors = {n: want[f"{prefix}{n}"] for prefix, n in names + head}
+    for _, n in head:  # a tied model's head, saved too: it must be the embedding
+        emb = tensors[names[0][1]]
+        if tensors[n].shape != emb.shape or not torch.equal(tensors[n], emb):
+            raise CheckpointError(f"{src}: {n} differs from {names[0][1]}, but the model "
+                                  "record ties the head to the embedding; give a record "
+                                  "with an untied head (tie_word_embeddings false)")
     try:
         params = from_dcp(tensors, model)
     except ValueError as e:
@@ -252,6 +259,16 @@ def _model_record(src: Path, config, shapes: dict, vocab_multiple: int):
         notes.append(f"{path} records no tokenizer: prepare data with a tokenizer whose ids "
                      "are the model's")
     return model, tokenizer, notes
+
+
+def _tied_head(names: list[tuple[str, str]], shapes: dict, model: dict
+               ) -> list[tuple[str, str]]:
+    """``[(prefix, head)]`` when the model ties its head and the checkpoint holds one
+    anyway (an FSDP state dict of a tied model has both), else ``[]``."""
+    prefix, first = names[0]
+    head = "output.weight" if first == "tok_embeddings.weight" else "lm_head.weight"
+    return ([(prefix, head)] if model["tie_embeddings"] and f"{prefix}{head}" in shapes
+            else [])
 
 
 LAYER = re.compile(r"(?:layers|h)\.(\d+)\.")
