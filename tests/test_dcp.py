@@ -225,7 +225,8 @@ from tests.titan_llama import TitanLlama
 warnings.simplefilter("ignore")
 rank, out, arch = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
-dist.init_process_group("gloo", rank=rank, world_size=2)
+dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "store"),
+                        rank=rank, world_size=2)  # a file, not a port another test may hold
 cfg = GPTConfig.from_shape(json.load(open(os.path.join(out, "record.json")))["model"])
 torch.manual_seed(0)
 model = GPT(cfg) if arch == "gpt2" else TitanLlama(cfg)
@@ -250,14 +251,13 @@ def test_imports_a_dcp_saved_by_a_two_rank_fsdp2_run(which, request, tmp_path):
     _, cfg = request.getfixturevalue(which)
     (tmp_path / "record.json").write_text(json.dumps({"model": cfg.shape()}))
     (tmp_path / "worker.py").write_text(WORKER)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r),
                                str(tmp_path), which], env={**os.environ, **env},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
     try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
