@@ -217,6 +217,7 @@ def test_final_h5_on_a_full_disk_keeps_the_earlier_file(full_disk):
     ["merge", "--output", "{out}/merged.h5"],
     ["export", "--format", "safetensors", "--output", "{out}/model.safetensors"],
     ["export", "--format", "hf", "--output", "{out}/hf"],
+    ["export", "--format", "dcp", "--output", "{out}/dcp"],
     ["reshard", "--world", "2", "--zero", "1", "--output", "{out}/resharded"],
 ])
 def test_ckpt_tools_on_a_full_disk_are_one_line_and_exit_2(checkpoint, full_disk, capsys,

@@ -80,6 +80,10 @@ def merge(path: str | Path, output: str | Path) -> Path:
 
 
 def export(path: str | Path, fmt: str, output: str | Path) -> Path:
+    if fmt == "dcp":  # a new folder: torch Distributed Checkpoint (dcp.py)
+        from hpctrain.checkpoint.dcp import export_dcp
+
+        return export_dcp(path, output)
     if fmt == "hf":  # a folder, written into when it exists (an earlier export)
         check_output_folder(output, inputs=[path], new=False, error=CheckpointError)
     else:
@@ -92,7 +96,7 @@ def export(path: str | Path, fmt: str, output: str | Path) -> Path:
                                  {"format": "pt", "hpctrain_step": str(m.step)})
     if fmt == "hf":
         return export_hf(output, params, m.data["model"], m.data.get("tokenizer"))
-    raise CheckpointError(f"unknown export format {fmt!r}; use safetensors or hf")
+    raise CheckpointError(f"unknown export format {fmt!r}; use safetensors, hf or dcp")
 
 
 def reshard(path: str | Path, output: str | Path, *, world: int, zero: int,

@@ -29,24 +29,35 @@ def add_ckpt(sub) -> None:
                    help="as --parallel.bucket_mb of the run that will resume (default 25)")
     a.add_argument("--first-bucket-mb", type=float, default=1.0)
     a.add_argument("--output", required=True, metavar="DIR")
-    a = acts.add_parser("export", help="weights as safetensors, or a Hugging Face GPT-2 "
-                                       "or Llama directory (config.json + model.safetensors)")
+    a = acts.add_parser("export", help="weights as safetensors, a Hugging Face GPT-2 "
+                                       "or Llama directory (config.json + model.safetensors), "
+                                       "or a torch Distributed Checkpoint (dcp: weights and "
+                                       "Adam state, torchtitan's names for Llama)")
     a.add_argument("path")
-    a.add_argument("--format", choices=["safetensors", "hf"], default="hf")
+    a.add_argument("--format", choices=["safetensors", "hf", "dcp"], default="hf")
     a.add_argument("--output", required=True, metavar="FILE_OR_DIR")
-    a = acts.add_parser("import", help="a Hugging Face GPT-2 or Llama directory as a "
-                                       "checkpoint to fine-tune (--train.init_from)",
-                        description="Read DIR's config.json, its safetensors weights (one "
+    a = acts.add_parser("import", help="a Hugging Face GPT-2 or Llama directory, or a torch "
+                                       "Distributed Checkpoint, as a checkpoint to fine-tune "
+                                       "(--train.init_from)",
+                        description="hf: read DIR's config.json, its safetensors weights (one "
                                     "file or an index with shards; pickle files are refused) "
-                                    "and its tokenizer.json, and write a sharded checkpoint: "
-                                    "step 0, weights only, fp32.")
+                                    "and its tokenizer.json. dcp: read the model tensors of "
+                                    "a torch Distributed Checkpoint directory (any number "
+                                    "of ranks wrote it), the model named by its "
+                                    "hpctrain_dcp.json or --config. Either writes a sharded "
+                                    "checkpoint: step 0, weights only, fp32.")
     a.add_argument("source", metavar="DIR")
-    a.add_argument("--from", dest="source_format", choices=["hf"], required=True,
-                   help="the source's format: hf (a Hugging Face model directory)")
+    a.add_argument("--from", dest="source_format", choices=["hf", "dcp"], required=True,
+                   help="the source's format: hf (a Hugging Face model directory) or dcp "
+                        "(torch.distributed.checkpoint, as torchtitan saves)")
     a.add_argument("--output", required=True, metavar="DIR")
-    a.add_argument("--vocab-multiple", type=int, default=1, metavar="N",
-                   help="pad the vocabulary rows to a multiple of N (default 1, none; "
-                        "--train.init_from pads to the run's --model.vocab_multiple anyway)")
+    a.add_argument("--config", metavar="FILE",
+                   help="dcp only: the model, as a Hugging Face config.json or an hpctrain "
+                        "export's hpctrain_dcp.json (default: DIR/hpctrain_dcp.json)")
+    a.add_argument("--vocab-multiple", type=int, default=None, metavar="N",
+                   help="pad the vocabulary rows to a multiple of N (default 1, none, or "
+                        "the multiple hpctrain_dcp.json records; --train.init_from pads to the "
+                        "run's --model.vocab_multiple anyway)")
 
 
 def cmd_ckpt(args) -> int:
@@ -71,10 +82,22 @@ def cmd_ckpt(args) -> int:
 def _import(args) -> None:
     import shlex
 
-    from hpctrain.checkpoint.hf_import import import_hf
+    from hpctrain.checkpoint.sharded import CheckpointError
     from hpctrain.checkpoint.weights import model_options
 
-    done = import_hf(args.source, args.output, vocab_multiple=args.vocab_multiple)
+    if args.source_format == "dcp":
+        from hpctrain.checkpoint.dcp import import_dcp
+
+        done = import_dcp(args.source, args.output, config=args.config,
+                          vocab_multiple=args.vocab_multiple)
+    else:
+        from hpctrain.checkpoint.hf_import import import_hf
+
+        if args.config is not None:
+            raise CheckpointError("--config is for --from dcp; a Hugging Face directory "
+                                  "holds its own config.json")
+        multiple = 1 if args.vocab_multiple is None else args.vocab_multiple
+        done = import_hf(args.source, args.output, vocab_multiple=multiple)
     for note in done.notes:
         print(f"note: {note}")
     m = done.model
