@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from hpctrain.comm.local_mpiexec import (ROOT_PERMISSION, Launcher, family_of, find_launcher,
-                                         main)
+from hpctrain.comm.local_mpiexec import (MPICH_YIELD, ROOT_PERMISSION, Launcher, family_of,
+                                         find_launcher, main)
 
 # What `LAUNCHER --version` prints (first lines), as the launchers print it.
 VERSIONS = {
@@ -48,10 +48,17 @@ def test_each_family_gets_only_its_own_flags():
         assert Launcher(("x",), family).command(2, *cmd) == ["x", "-n", "2", *cmd]
 
 
-def test_root_permission_only_for_open_mpi_run_as_root():
+def test_root_permission_only_for_open_mpi_run_as_root(monkeypatch):
+    monkeypatch.delenv(MPICH_YIELD, raising=False)
     assert Launcher(("mpirun",), "openmpi", root=True).env() == ROOT_PERMISSION
     assert Launcher(("mpirun",), "openmpi", root=False).env() == {}
-    assert Launcher(("mpiexec",), "hydra", root=True).env() == {}
+    assert Launcher(("mpiexec",), "hydra", root=True).env() == {MPICH_YIELD: "1"}
+
+
+def test_mpich_ranks_sleep_while_they_wait_unless_told_otherwise(monkeypatch):
+    monkeypatch.setenv(MPICH_YIELD, "0")
+    assert Launcher(("mpiexec",), "hydra").env() == {}
+    assert Launcher(("mpiexec",), "hydra").environ()[MPICH_YIELD] == "0"
     env = Launcher(("mpirun",), "openmpi", root=True).environ({"A": "1"}, B="2")
     assert env == {"A": "1", **ROOT_PERMISSION, "B": "2"}
 

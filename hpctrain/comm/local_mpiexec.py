@@ -27,6 +27,11 @@ from pathlib import Path
 
 FAMILIES = ("hydra", "openmpi", "intel", "pals", "slurm", "unknown")
 ROOT_PERMISSION = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+MPICH_YIELD = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
+"""MPICH's ranks waiting for a message sleep between polls instead of calling
+``sched_yield``: on a machine where the ranks share the cores with each other and with
+other work (the test legs run side by side), a spinning rank takes the core the rank it
+waits for needs. Set in the environment, it is left as it is (docs/systems/mpi.md)."""
 
 
 def family_of(version_text: str, program: str = "") -> str:
@@ -83,7 +88,11 @@ class Launcher:
 
     def env(self) -> dict[str, str]:
         """The variables to add to a launch's environment."""
-        return dict(ROOT_PERMISSION) if self.family == "openmpi" and self.root else {}
+        if self.family == "openmpi":  # --oversubscribe already makes its waits yield
+            return dict(ROOT_PERMISSION) if self.root else {}
+        if self.family == "hydra" and MPICH_YIELD not in os.environ:
+            return {MPICH_YIELD: "1"}
+        return {}
 
     def environ(self, base=None, **extra: str) -> dict[str, str]:
         """``base`` (default: this process's environment) with ``env()`` and ``extra``."""
