@@ -121,3 +121,23 @@ def test_a_shard_written_in_pieces_holds_the_same_datasets(tmp_path):
         (tmp_path / folder / "manifest.json").write_text(
             '{"config": {"train": {}}, "crc32": %d}' % sum(crcs.values()))
     assert checkpoint_content(tmp_path / "whole") == checkpoint_content(tmp_path / "pieces")
+
+
+def test_old_checkpoints_are_deleted_off_the_main_thread_and_gone_at_the_end(
+        dataset_path, tmp_path, monkeypatch):
+    """With ``--train.ckpt_keep=1`` an asynchronous save's publication hands the
+    deletion of the older checkpoint to a thread (deleting many GB would stall training),
+    and the run waits for it at its end: only the newest is left."""
+    import hpctrain.checkpoint.sharded as sharded
+    real, threads = sharded.prune, []
+
+    def recorded(*args):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(*args)
+
+    monkeypatch.setattr(sharded, "prune", recorded)
+    cfg = _cfg(dataset_path, tmp_path, **{"train.ckpt_async": True, "train.ckpt_keep": 1})
+    _trainer(cfg).fit()
+    root = tmp_path / "checkpoints"
+    assert threads[:2] == [False, False]  # steps 2 and 4: async; 6, the last: sync
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000006"]

@@ -178,7 +178,8 @@ class PendingSave:
                 manifest = {**self.manifest, "crc32": crc32,
                             **({"node_files": files} if files else {})}
                 write_synced(self.tmp / "manifest.json", json.dumps(manifest, indent=1))
-                return ["ok", str(publish(self.tmp, self.root, self.step, self.keep))]
+                return ["ok", str(publish(self.tmp, self.root, self.step, self.keep,
+                                          prune_later=self.in_background))]
             except Exception as e:  # noqa: BLE001 - reported to every rank, see below
                 errors = [f"rank 0, publishing: {_what(e)}"]
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,9 +128,10 @@ def write_datasets(group, datasets: dict[str, np.ndarray | Zeros],
     return crcs
 
 
-def publish(tmp: Path, root: Path, step: int, keep: int) -> Path:
+def publish(tmp: Path, root: Path, step: int, keep: int, prune_later: bool = False) -> Path:
     """Rank 0, after every shard and the manifest are on disk: make ``tmp`` the
-    checkpoint of ``step``, point ``latest`` at it, drop the oldest beyond ``keep``."""
+    checkpoint of ``step``, point ``latest`` at it, drop the oldest beyond ``keep``
+    (``prune_later``: in a thread of its own, ``prune_in_background``)."""
     final = root / step_dir_name(step)
     chmod_as_created(tmp)  # mkdtemp made it 0700: teammates could not read it
     _fsync_dir(tmp)
@@ -138,8 +140,32 @@ def publish(tmp: Path, root: Path, step: int, keep: int) -> Path:
     os.replace(tmp, final)
     _fsync_dir(root)
     point_latest(root, final.name)
-    prune(root, final, keep)
+    if prune_later:
+        prune_in_background(root, final, keep)
+    else:
+        prune(root, final, keep)
     return final
+
+
+_pruning: threading.Thread | None = None
+
+
+def prune_in_background(root: Path, newest: Path, keep: int) -> None:
+    """``prune`` in a thread, after the previous one has finished: deleting a checkpoint
+    of many GB takes the file system a while, and an asynchronous save must not stall
+    training for it. The thread is not a daemon: the process waits for it at its end,
+    so a normal exit never leaves a checkpoint half deleted."""
+    global _pruning
+    wait_for_pruning()
+    _pruning = threading.Thread(target=prune, args=(root, newest, keep),
+                                name="hpctrain-ckpt-prune")
+    _pruning.start()
+
+
+def wait_for_pruning() -> None:
+    """Block until the background deletion (if any) is done."""
+    if _pruning is not None:
+        _pruning.join()
 
 
 def point_latest(root: Path, name: str) -> None:

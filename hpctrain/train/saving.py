@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hpctrain.checkpoint.distributed import PendingSave, begin_save
 from hpctrain.checkpoint.host_buffers import HostBuffers
+from hpctrain.checkpoint.sharded import wait_for_pruning
 from hpctrain.comm.small_collectives import any_true
 
 
@@ -70,15 +71,18 @@ class CheckpointSaver:
                         what=f"checkpoint save (step {self._pending.step}): written?"):
             self.finish_pending()
 
-    def finish_pending(self) -> None:
+    def finish_pending(self, end: bool = False) -> None:
         """Wait for the asynchronous save and publish it (collective: every rank at the
-        same step). A failed write raises the synchronous save's error on every rank."""
-        if self._pending is None:
-            return
-        pending, self._pending = self._pending, None
-        path = pending.finish()
-        if self.on_saved is not None:
-            self.on_saved(time.perf_counter() - self._began)
-        self.log(f"checkpoint: {path} (written during {self.overlapped[pending.step]} "
-                 "training step(s))")
-        self.saved_step = pending.step
+        same step). A failed write raises the synchronous save's error on every rank.
+        ``end`` (the loop's last call): also wait until the checkpoints beyond
+        ``--train.ckpt_keep`` are deleted (``prune_in_background``)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            path = pending.finish()
+            if self.on_saved is not None:
+                self.on_saved(time.perf_counter() - self._began)
+            self.log(f"checkpoint: {path} (written during {self.overlapped[pending.step]} "
+                     "training step(s))")
+            self.saved_step = pending.step
+        if end:
+            wait_for_pruning()

@@ -205,7 +205,7 @@ class Trainer:
         self._segment["started_at"], self._t0 = round(time.time(), 3), start
         self._loop(result, bar, stop)
         bar.close()
-        self.saver.finish_pending()
+        self.saver.finish_pending(end=True)
         result.wall_s = time.perf_counter() - start
         train_time, steps_run = sum(result.step_times), len(result.step_times)
         result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
