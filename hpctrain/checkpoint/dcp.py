@@ -25,16 +25,16 @@ import torch
 from hpctrain.atomic import temporary_directory
 from hpctrain.checkpoint.dcp_names import dcp_names, from_dcp, to_dcp
 from hpctrain.checkpoint.hf_config import from_hf_config
+from hpctrain.checkpoint.hf_import import read_json_object
 from hpctrain.checkpoint.sharded import CheckpointError, read_full_state, read_manifest
 from hpctrain.checkpoint.weights import save_weights
 from hpctrain.model.shape import GPTConfig
 from hpctrain.output_paths import check_output_folder
-from hpctrain.sizes import MAX_WIDTH, MiB, whole
+from hpctrain.sizes import MAX_WIDTH, whole
 
 SIDECAR = "hpctrain_dcp.json"
 METADATA = ".metadata"
 MOMENTS = ("exp_avg", "exp_avg_sq")
-MAX_JSON_BYTES = MiB
 
 
 def _dcp():
@@ -216,16 +216,7 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path} is not a file; pass an hpctrain_dcp.json or a Hugging "
                               "Face config.json")
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise CheckpointError(f"{path} has {path.stat().st_size:,} bytes, too many for a "
-                              "model config; is it the right file?")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path} is not readable JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return d
+    return read_json_object(path, "pass an hpctrain_dcp.json or a Hugging Face config.json")
 
 
 def _model_record(src: Path, config, shapes: dict, vocab_multiple: int):

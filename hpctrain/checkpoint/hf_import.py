@@ -79,17 +79,22 @@ def _read_config(src: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{src} has no config.json; pass the directory a Hugging Face "
                               "model was saved in (save_pretrained writes config.json)")
+    return read_json_object(path, "save the model again with save_pretrained")
+
+
+def read_json_object(path: Path, fix: str) -> dict:
+    """The JSON object in the model config ``path`` (a regular file), checked where it
+    enters: at most ``MAX_CONFIG_BYTES``, readable JSON, an object; ``fix`` says what to
+    do about a bad one."""
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise CheckpointError(f"{path} has {path.stat().st_size:,} bytes, too many for a "
                               "model config; is it the right file?")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:  # ValueError: also not UTF-8
-        raise CheckpointError(f"{path} is not readable JSON ({e}); save the model again "
-                              "with save_pretrained") from None
+        raise CheckpointError(f"{path} is not readable JSON ({e}); {fix}") from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{path} is not a JSON object; save the model again with "
-                              "save_pretrained")
+        raise CheckpointError(f"{path} is not a JSON object; {fix}")
     return config
 
 
