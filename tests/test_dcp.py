@@ -239,7 +239,10 @@ dcp.save(sd, checkpoint_id=os.path.join(out, "fsdp"))
 full = {k: v.full_tensor() for k, v in sd.items()}
 if rank == 0:
     torch.save(full, os.path.join(out, "full.pt"))
+dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # gloo's threads may abort in interpreter teardown ("terminate called ...")
 """
 
 
