@@ -17,7 +17,6 @@ import json
 import pickle
 import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ import torch
 from hpctrain.atomic import temporary_directory
 from hpctrain.checkpoint.dcp_names import dcp_names, from_dcp, to_dcp
 from hpctrain.checkpoint.hf_config import from_hf_config
-from hpctrain.checkpoint.hf_import import read_json_object
+from hpctrain.checkpoint.hf_import import Imported, read_json_object
 from hpctrain.checkpoint.sharded import CheckpointError, read_full_state, read_manifest
 from hpctrain.checkpoint.weights import save_weights
 from hpctrain.model.shape import GPTConfig
@@ -72,14 +71,6 @@ def export_dcp(path: str | Path, output: str | Path) -> Path:
             raise _first_error(e) from None
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=1), encoding="utf-8")
     return out
-
-
-@dataclass
-class Imported:
-    path: Path
-    model: dict
-    n_params: int
-    notes: list[str]
 
 
 def import_dcp(source: str | Path, output: str | Path, *, config: str | Path | None = None,
