@@ -27,6 +27,8 @@ MAX_LAYERS = 1 << 14
 """Transformer blocks (the largest published models have a few hundred)."""
 MAX_WIDTH = 1 << 22
 """A model's widths and head counts (n_embd, n_head, ffn_hidden, ...)."""
+MAX_EXPERTS = 1 << 16
+"""Experts of one MoE block (the largest published models route over a few hundred)."""
 MAX_CONTEXT = 1 << 24
 """Tokens of context (block_size)."""
 MAX_VOCAB = 1 << 24

@@ -263,17 +263,20 @@ def test_a_consistent_checkpoint_of_other_shapes_is_refused_at_load(runs, datase
 V1_MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 V3_MODEL_KEYS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rope_scaling", "norm_eps",
                  "tie_embeddings")
+V5_MODEL_KEYS = ("qkv_bias", "moe_experts", "moe_top_k", "moe_shared", "moe_shared_gate",
+                 "moe_every", "moe_ffn_hidden", "moe_router", "moe_norm_topk")
 
 
 def test_a_version_1_checkpoint_still_loads(dataset_path, tmp_path):
     """The manifest's model record is ``GPTConfig.shape()``. A field added to GPTConfig
     is a key that every older checkpoint lacks: this fails first, so that the format's
     VERSION, the versions it reads and ``upgrade_model_record`` change with it. Version
-    2 added ``vocab_multiple``, version 3 the architecture's keys; a version 1
+    2 added ``vocab_multiple``, version 3 the architecture's keys, version 5 the
+    mixture-of-experts keys; a version 1
     checkpoint is an unpadded GPT-2 model: it resumes with --model.vocab_multiple=1, and
     today's default (64) is refused with that fix."""
     assert sorted(sharded.MODEL_KEYS) == sorted(V1_MODEL_KEYS + ("vocab_multiple",)
-                                                + V3_MODEL_KEYS)
+                                                + V3_MODEL_KEYS + V5_MODEL_KEYS)
     unpadded = {"model.vocab_multiple": 1}
     _fit(_cfg(dataset_path, tmp_path / "old", **unpadded))
     ckpt = tmp_path / "old" / "checkpoints" / "step_000010"
@@ -297,9 +300,9 @@ def test_a_version_1_checkpoint_still_loads(dataset_path, tmp_path):
 def test_a_checkpoint_of_an_unknown_version_is_refused(runs, tmp_path):
     ckpt = _copy_checkpoint(runs, "replicated", tmp_path / "step_000010")
     mf = ckpt / "manifest.json"
-    mf.write_text(json.dumps({**json.loads(mf.read_text()), "version": 5}))
+    mf.write_text(json.dumps({**json.loads(mf.read_text()), "version": 6}))
     with pytest.raises(CheckpointError, match="not an hpctrain sharded checkpoint of version "
-                                              "1, 2, 3 or 4"):
+                                              "1, 2, 3, 4 or 5"):
         read_manifest(ckpt)
 
 

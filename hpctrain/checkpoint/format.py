@@ -15,15 +15,16 @@ class CheckpointError(UserError):
 
 
 FORMAT = "hpctrain-sharded-checkpoint"
-VERSION = 4
-READS = (1, 2, 3, 4)
+VERSION = 5
+READS = (1, 2, 3, 4, 5)
 """The versions this hpctrain reads. Version 2 added ``vocab_multiple`` to the model
 record (the embedding's padded rows); version 3 the architecture's keys (``arch``,
 ``n_kv_head``, ``ffn_hidden``, ``rope_theta``, ``rope_scaling``, ``norm_eps``,
 ``tie_embeddings``). An older record lacks them and describes an unpadded (v1) GPT-2
 model, which ``upgrade_model_record`` says explicitly. Version 4 added the optional
 ``node_files`` (one file per node, ``shard_locations``); without it every rank's shard
-is its own file, as before."""
+is its own file, as before. Version 5 added the mixture-of-experts keys (``moe_*``)
+and ``qkv_bias``; an older record describes a dense model without them."""
 MODEL_KEYS = SHAPE_KEYS
 """The manifest's ``model`` record is ``GPTConfig.shape()``: n_layer, n_head, n_embd,
 block_size, vocab_size, bias, (since version 2) vocab_multiple and (since version 3) the
@@ -33,10 +34,11 @@ architecture's keys."""
 def upgrade_model_record(data: dict) -> None:
     """Give an older manifest's model record the keys later versions added, in place, so
     everything after reading sees one form: the values ``GPTConfig.from_shape`` gives a
-    record without them (v1: unpadded; v1 and v2: GPT-2). A record too damaged for that
-    is left for ``validate_manifest`` to name."""
+    record without them (v1: unpadded; v1 and v2: GPT-2; before MoE: dense, no query/key/
+    value biases alone). A record too damaged for that is left for ``validate_manifest``
+    to name."""
     model = data.get("model")
-    if data.get("version") in (1, 2) and isinstance(model, dict):
+    if isinstance(model, dict):
         try:
             full = GPTConfig.from_shape(model).shape()
         except (KeyError, TypeError, ValueError, ZeroDivisionError):

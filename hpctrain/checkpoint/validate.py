@@ -69,8 +69,8 @@ def _model(model: dict) -> None:
         elif kind == "float":
             if _number(v, f"model.{k}") <= 0:
                 raise Damaged(f"model.{k} is {show_value(v)}, not a number > 0")
-        else:
-            _int(v, f"model.{k}", 1, MAX_ELEMENTS)
+        else:  # the lower bound of each size is SIZE_LIMITS' (moe_experts may be 0)
+            _int(v, f"model.{k}", 0, MAX_ELEMENTS)
     try:  # each size within its own limit (model.shape.SIZE_LIMITS)
         GPTConfig.from_shape(model)
     except ValueError as e:

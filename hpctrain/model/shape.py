@@ -15,14 +15,17 @@ from dataclasses import dataclass, fields
 
 from hpctrain.model.families import ARCHS, family_of
 from hpctrain.model.family import LAYER_NORM, LEARNED, ROTARY, Family
-from hpctrain.sizes import (MAX_CONTEXT, MAX_ELEMENTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
-                            finite, whole)
+from hpctrain.model.moe_shape import check_moe, moe_blocks, moe_mlp_params
+from hpctrain.sizes import (MAX_CONTEXT, MAX_ELEMENTS, MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB,
+                            MAX_WIDTH, finite, whole)
 
 SIZE_LIMITS = {"vocab_size": (1, MAX_VOCAB), "block_size": (1, MAX_CONTEXT),
                "n_layer": (1, MAX_LAYERS), "n_head": (1, MAX_WIDTH), "n_embd": (1, MAX_WIDTH),
                "vocab_multiple": (1, MAX_WIDTH), "n_kv_head": (0, MAX_WIDTH),
                "ffn_hidden": (0, MAX_WIDTH), "loss_chunk": (-1, MAX_CONTEXT),
-               "recompute_every": (0, MAX_LAYERS)}
+               "recompute_every": (0, MAX_LAYERS), "moe_experts": (0, MAX_EXPERTS),
+               "moe_top_k": (1, MAX_EXPERTS), "moe_shared": (0, MAX_EXPERTS),
+               "moe_every": (1, MAX_LAYERS), "moe_ffn_hidden": (0, MAX_WIDTH)}
 """The range of every size of a model (``hpctrain.sizes``): a shape from a config, a
 checkpoint's manifest or a Hugging Face config.json is checked against it when it
 becomes a ``GPTConfig``, before anything is built from it."""
@@ -93,6 +96,33 @@ class GPTConfig:
     logits in backward (``chunked_loss.py``); 0 = automatic (``head_chunk``: in chunks
     only when a micro-batch's fp32 logits would exceed ``AUTO_LOGITS_BYTES``);
     -1 (``WHOLE_HEAD``) = all at once, always."""
+    qkv_bias: bool = False
+    """Biases on the query/key/value projection only (Qwen2's attention), whatever
+    ``bias`` says of the other layers."""
+    moe_experts: int = 0
+    """Routed experts of each MoE block (``moe_shape.py``); 0 = every block is dense."""
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+    moe_shared: int = 0
+    """Shared experts every token of a MoE block passes through (DeepSeekMoE)."""
+    moe_shared_gate: bool = False
+    """Scale the shared experts' output by sigmoid(a learned per-token gate) (Qwen-MoE)."""
+    moe_every: int = 1
+    """Every N-th block is a MoE block (blocks N-1, 2N-1, ...); 1 = every block."""
+    moe_ffn_hidden: int = 0
+    """Hidden width of one expert; 0 = ``ffn_hidden``."""
+    moe_router: str = "softmax"
+    """Router scores: 'softmax' over the experts or 'sigmoid' per expert."""
+    moe_norm_topk: bool = True
+    """Divide each token's top-k scores by their sum (Mixtral: yes; Qwen-MoE: no)."""
+    moe_aux_loss: float = 0.01
+    """Coefficient of the load-balancing loss (Switch Transformer's, per sequence)."""
+    moe_z_loss: float = 0.0
+    """Coefficient of the router z-loss (ST-MoE: the mean squared log-sum-exp of the
+    router logits); 0 = off."""
+    moe_capacity: float = 0.0
+    """Capacity factor: an expert takes at most ceil(factor x tokens x top_k / experts)
+    of a micro-batch's tokens and the rest are dropped (counted); 0 = dropless."""
 
     def head_chunk(self, tokens: int, columns: int = 0) -> int:
         """Tokens per chunk of the head and loss for a micro-batch of ``tokens`` over
@@ -117,6 +147,10 @@ class GPTConfig:
                              f"n_embd / n_head = {self.head_size} must be even")
         parse_scaling(self.rope_scaling)
         self._check_recompute()
+        check_moe(self)
+        finite(self.moe_aux_loss, "moe_aux_loss", 0.0)
+        finite(self.moe_z_loss, "moe_z_loss", 0.0)
+        finite(self.moe_capacity, "moe_capacity", 0.0)
         if self.num_params(non_embedding=False) > MAX_ELEMENTS:
             raise ValueError(f"the model has {self.num_params(non_embedding=False):,} "
                              f"parameters, more than any model (limit {MAX_ELEMENTS:,})")
@@ -185,15 +219,32 @@ class GPTConfig:
         return 2 * c if self.bias and self.family.norm == LAYER_NORM else c
 
     def block_params(self) -> int:
-        """Parameters of one transformer block."""
+        """Parameters of one dense transformer block."""
         c, h, kv = self.n_embd, self.ffn_hidden, self.n_kv_head * self.head_size
-        attn = c * (c + 2 * kv) + c * c  # q, k, v and the output projection
         matrices = self.family.mlp_matrices  # 3: gate, up, down
-        mlp = matrices * c * h
-        n = attn + mlp + 2 * self.norm_params()
-        if self.bias:  # Linear biases
-            n += (c + 2 * kv) + c + (matrices - 1) * h + c
+        n = self.attention_params() + matrices * c * h + 2 * self.norm_params()
+        if self.bias:  # the MLP's Linear biases
+            n += (matrices - 1) * h + c
         return n
+
+    def attention_params(self) -> int:
+        """Parameters of one block's attention: q, k, v and the output projection, with
+        their biases."""
+        c, kv = self.n_embd, self.n_kv_head * self.head_size
+        n = c * (c + 2 * kv) + c * c
+        if self.bias or self.qkv_bias:
+            n += c + 2 * kv
+        return n + (c if self.bias else 0)
+
+    def blocks_params(self, active: bool = False) -> int:
+        """Parameters of all blocks; ``active``: those one token works with (the
+        ``moe_top_k`` routed experts of a MoE block, not all of them)."""
+        moe = moe_blocks(self)
+        if not moe:
+            return self.n_layer * self.block_params()
+        moe_block = (self.attention_params() + 2 * self.norm_params()
+                     + moe_mlp_params(self, active))
+        return (self.n_layer - moe) * self.block_params() + moe * moe_block
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters of ``GPT(self)``, a tied embedding and head once (padded rows
@@ -201,7 +252,7 @@ class GPTConfig:
         no matrix multiply per token: the position embeddings, and an untied token
         embedding (a lookup; the head's own matrix stays)."""
         c, rows = self.n_embd, self.padded_vocab_size * self.n_embd
-        n = self.n_layer * self.block_params() + rows + self.norm_params()  # head: wte or lm_head
+        n = self.blocks_params() + rows + self.norm_params()  # head: wte or lm_head
         if non_embedding:
             return n
         return n + self.position_params() + (0 if self.tie_embeddings else rows)
@@ -210,13 +261,20 @@ class GPTConfig:
         """A learned position embedding's parameters (0 for rotary positions)."""
         return self.block_size * self.n_embd if self.family.positions == LEARNED else 0
 
+    def active_params(self) -> int:
+        """``num_params()`` counting, in a MoE block, only the experts a token is routed
+        to: the parameters whose matrix multiplies one token costs."""
+        return self.num_params() - self.blocks_params() + self.blocks_params(active=True)
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N for the weights (forward 2N, backward 4N) plus
         12 L C T for attention scores and their weighted sum (Chinchilla/PaLM appendix B
-        accounting, as in nanoGPT's MFU estimate). N counts the real vocabulary only: the
-        padded rows' logits are computed and thrown away, work that MFU must not credit."""
+        accounting, as in nanoGPT's MFU estimate). N is the active parameters (a MoE
+        block's routed experts count top_k times, not moe_experts times) and counts the
+        real vocabulary only: the padded rows' logits are computed and thrown away, work
+        that MFU must not credit."""
         padding = (self.padded_vocab_size - self.vocab_size) * self.n_embd
-        return (6.0 * (self.num_params() - padding)
+        return (6.0 * (self.active_params() - padding)
                 + 12.0 * self.n_layer * self.n_embd * self.block_size)
 
 
@@ -245,13 +303,18 @@ def default_ffn_hidden(arch: str, n_embd: int) -> int:
     return family_of(arch).default_ffn_hidden(n_embd)
 
 
-SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig)
-                   if f.name not in ("dropout", "recompute", "recompute_every", "loss_chunk"))
+TRAINING_KEYS = ("dropout", "recompute", "recompute_every", "loss_chunk", "moe_aux_loss",
+                 "moe_z_loss", "moe_capacity")
+"""Fields that change how a model trains, not its parameters."""
+
+SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name not in TRAINING_KEYS)
 """The fields of ``GPTConfig.shape()``: those that decide what the model computes."""
 
 RECOMPUTE = ("none", "selective", "block")
 """The activation recomputation modes (``GPTConfig.recompute``)."""
 
 LATER_KEYS = ("vocab_multiple", "arch", "n_kv_head", "ffn_hidden", "rope_theta",
-              "rope_scaling", "norm_eps", "tie_embeddings")
+              "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "moe_experts",
+              "moe_top_k", "moe_shared", "moe_shared_gate", "moe_every", "moe_ffn_hidden",
+              "moe_router", "moe_norm_topk")
 """Shape keys that older checkpoints lack (``from_shape`` fills them in)."""

@@ -45,6 +45,16 @@ class ModelShape:
     rope_scaling: str = ""
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False
+    moe_experts: int = 0
+    """Routed experts per MoE block (``model/moe_shape.py``); 0 = dense."""
+    moe_top_k: int = 2
+    moe_shared: int = 0
+    moe_shared_gate: bool = False
+    moe_every: int = 1
+    moe_ffn_hidden: int = 0
+    moe_router: str = "softmax"
+    moe_norm_topk: bool = True
 
     def __post_init__(self):
         for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
