@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from hpctrain.errors import UserError
 from hpctrain.model.chunked_loss import chunked_cross_entropy
 from hpctrain.model.common.layers import Block
+from hpctrain.model.common.moe import RESIDUAL_OUTPUTS as MOE_RESIDUAL_OUTPUTS
 from hpctrain.model.families import family_of
 from hpctrain.model.plan import ParallelPlan
 from hpctrain.model.shape import GPTConfig
@@ -151,7 +152,8 @@ class GPT(EmbeddingAndHead, nn.Module):
         gradient, stay there; the real rows draw the very numbers an unpadded model
         draws, so padding changes no value the model computes."""
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        residual = tuple(f"{path}.weight" for path in self.plan.residual_outputs())
+        residual = tuple(f"{path}.weight" for path in self.plan.residual_outputs()) + tuple(
+            f"{self.plan.moe}.{name}" for name in MOE_RESIDUAL_OUTPUTS)
         for name, p in self.named_parameters():
             if name.endswith(residual):
                 nn.init.normal_(p, mean=0.0, std=residual_std)

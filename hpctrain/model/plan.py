@@ -68,6 +68,12 @@ class ParallelPlan:
     """The norm before the head (on the last stage, in the sequence-parallel region)."""
     head: str = "lm_head"
     """The output head: its own parameter when untied, else it shares the embedding's."""
+    moe: str = "mlp"
+    """A MoE block's mixture-of-experts layer (``common/moe.py``): its ``dispatch`` is
+    what expert parallelism replaces."""
+    experts: str = "mlp.experts"
+    """A MoE block's routed experts: parameters stacked along dimension 0, one row per
+    expert, which expert parallelism cuts into each rank's experts."""
 
     def head_modules(self, tied: bool) -> tuple[str, ...]:
         """What the last pipeline stage holds besides blocks."""

@@ -19,6 +19,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from hpctrain.comm.device import Accelerator
+from hpctrain.model.common.moe import set_loss_scale
 from hpctrain.model.gpt import GPT
 from hpctrain.parallel.pipeline.pass_times import PassTimes
 from hpctrain.profiling import profile_range
@@ -107,6 +108,7 @@ class LocalRunner:
         ``before_backward(last)`` runs before each micro-batch (the gradient engine
         starts its reductions in the last one's backward pass)."""
         loss_sum = torch.zeros((), device=xs[0].device)
+        set_loss_scale(self.model, loss_scale)
         for m, (x, y) in enumerate(zip(xs, ys)):
             if before_backward is not None:
                 before_backward(m == len(xs) - 1)

@@ -26,6 +26,7 @@ from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD
 from hpctrain.progress import Progress
 from hpctrain.train.deadline import Deadline
 from hpctrain.train.evaluate import Evaluator
+from hpctrain.train.expert_load import ExpertLoad
 from hpctrain.train.metrics import MetricsLog, device_peak
 from hpctrain.train.nonfinite import NonFiniteGuard
 from hpctrain.train.outputs import RunOutputs
@@ -79,6 +80,7 @@ class Trainer:
         self.par = parallelize(GPT(self.gpt_cfg), self.grid, cfg)
         self.model, self.engine, self.runner = self.par.model, self.par.engine, self.par.runner
         self.micro = cfg.parallel.micro_batches
+        self.expert_load = ExpertLoad(self.model, self.gpt_cfg, world, copies=grid.tp)
         self.clock = PhaseClock(self.runner, self.engine)
         self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t,
                                    self.grid.loss_ranks)
@@ -139,8 +141,7 @@ class Trainer:
         self.guard.check(float(norm))
         return loss_sum / self.micro, norm
 
-    def memory(self):
-        """Per-rank bytes of parameters, gradients, optimizer state and comm buffers."""
+    def memory(self):  # per-rank bytes of parameters, gradients, optimizer state, buffers
         return self.engine.memory()
 
     # ---------------------------------------------------------------- the loop
@@ -244,6 +245,7 @@ class Trainer:
                                  self.tokens_per_step * n / elapsed, elapsed / n, float(norm),
                                  *means, flops_per_token=self.gpt_cfg.flops_per_token(),
                                  peak=self.peak, skipped=self.guard.skipped)
+            record.update(self.expert_load.take(n))  # collective: every rank logs this step
             if is_eval:
                 val = self.evaluator.estimate(stop)  # None: the ranks agreed on a stop in it
                 stopping = val is None
@@ -266,10 +268,8 @@ class Trainer:
             window.restart()
 
     def _write_record(self, record: dict) -> None:
-        """Rank 0: one record into metrics.jsonl (and TensorBoard), with ``elapsed_s``
-        since this process's first step, ``started_at`` (that step's Unix time) and
-        ``start_step``, by which `hpctrain report` joins a resumed run's segments
-        (docs/design/run-report.md)."""
+        """Rank 0: a record into metrics.jsonl and TensorBoard, with what `hpctrain report`
+        joins a resumed run's segments by (docs/design/run-report.md)."""
         record = {**record, "elapsed_s": time.perf_counter() - self._t0, **self._segment}
         self.metrics.write(record)
         self.scalars.write(record)

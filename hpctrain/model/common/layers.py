@@ -12,7 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from hpctrain.model.common.moe import MoE
 from hpctrain.model.common.recompute import selective_checkpoint
+from hpctrain.model.moe_shape import is_moe_block
 from hpctrain.model.shape import GPTConfig
 
 
@@ -29,6 +31,12 @@ class FamilyLayers:
         raise NotImplementedError
 
     @staticmethod
+    def expert_activation(h: torch.Tensor) -> torch.Tensor:
+        """A routed expert's activation, on its input projection's output (M, H) (or
+        (M, 2H) for a gated MLP: gate, then up) -> (M, H) (``experts.py``)."""
+        raise NotImplementedError
+
+    @staticmethod
     def rotary(cfg: GPTConfig):
         """The attention's rotary embedding (``llama/rope.py``), None without one."""
         return None
@@ -40,8 +48,10 @@ class FamilyLayers:
 
     @classmethod
     def block(cls, cfg: GPTConfig, index: int = 0) -> nn.Module:
-        """Block ``index`` of the model (it decides how the block recomputes)."""
-        return Block(cfg, cls, cfg.block_recompute(index))
+        """Block ``index`` of the model (it decides how the block recomputes, and
+        whether its MLP is a mixture of experts)."""
+        return Block(cfg, cls, cfg.block_recompute(index),
+                     moe_index=index if is_moe_block(cfg, index) else None)
 
 
 class CausalSelfAttention(nn.Module):
@@ -97,15 +107,16 @@ class Block(nn.Module):
     forward (docs/design/compute-options.md)."""
 
     def __init__(self, cfg: GPTConfig, layers: type[FamilyLayers] | None = None,
-                 recompute: str | None = None):
+                 recompute: str | None = None, moe_index: int | None = None):
         """``layers``: the family's parts; by default those of ``cfg``'s family.
-        ``recompute``: this block's mode; by default ``cfg.recompute``."""
+        ``recompute``: this block's mode; by default ``cfg.recompute``. ``moe_index``:
+        the block's index when it is a MoE block (``moe.py``, in place of the MLP)."""
         super().__init__()
         layers = layers or cfg.family.layers()
         self.ln_1 = layers.norm(cfg)
         self.attn = CausalSelfAttention(cfg, layers.rotary(cfg))
         self.ln_2 = layers.norm(cfg)
-        self.mlp = layers.mlp(cfg)
+        self.mlp = layers.mlp(cfg) if moe_index is None else MoE(cfg, layers, moe_index)
         self.recompute = recompute or cfg.recompute
         self.compiled_body = None  # torch.compile(self.body), set by compile_model
         self.compiled_selective = None  # torch.compile(self.selective), likewise

@@ -23,9 +23,11 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 _aten = torch.ops.aten
-MATMULS = frozenset({_aten.mm.default, _aten.addmm.default})
-"""A linear layer's product (``F.linear`` flattens (B, T, C) to these). Batched
-products (``bmm``) are left out: in unfused attention they make the (T, T) scores."""
+MATMULS = frozenset({_aten.mm.default, _aten.addmm.default}
+                    | ({_aten._grouped_mm.default} if hasattr(_aten, "_grouped_mm") else set()))
+"""A linear layer's product (``F.linear`` flattens (B, T, C) to these) and the routed
+experts' grouped one. Batched products (``bmm``) are left out: in unfused attention
+they make the (T, T) scores."""
 
 FUSED_ATTENTION = frozenset(
     getattr(_aten, name).default for name in (

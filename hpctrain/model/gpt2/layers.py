@@ -33,5 +33,9 @@ class GPT2Layers(FamilyLayers):
         return GeluMLP(cfg)
 
     @staticmethod
+    def expert_activation(h: torch.Tensor) -> torch.Tensor:
+        return F.gelu(h)
+
+    @staticmethod
     def positions(cfg: GPTConfig) -> nn.Module:
         return nn.Embedding(cfg.block_size, cfg.n_embd)

@@ -52,5 +52,10 @@ class LlamaLayers(FamilyLayers):
         return SwiGLU(cfg)
 
     @staticmethod
+    def expert_activation(h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
     def rotary(cfg: GPTConfig) -> Rotary:
         return Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)

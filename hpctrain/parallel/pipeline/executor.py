@@ -20,6 +20,7 @@ from hpctrain.comm.grid import ProcessGrid
 from hpctrain.comm.transport import MPITransport
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.model.gpt import GPT
+from hpctrain.model.common.moe import set_loss_scale
 from hpctrain.parallel.pipeline.consolidate import gather_parameters
 from hpctrain.parallel.pipeline import schedules as S
 from hpctrain.parallel.pipeline.split_backward import backward_input
@@ -340,6 +341,7 @@ class PipelineExecutor:
         returns the summed loss (zero on stages without the head). The gradient engine
         syncs from ``before_backward(last=True)``, so its bucket reductions start during
         this stage's last backward pass (``Runner``, ``parallel/runner.py``)."""
+        set_loss_scale(self.stage, loss_scale)
         loss = self.run(self.actions, xs, ys, loss_scale, backward=True,
                         before_backward=before_backward)
         return loss if loss is not None else torch.zeros((), device=self.device)
