@@ -87,6 +87,7 @@ def test_a_record_still_being_written_is_skipped_and_noted(tmp_path):
     ("corrupt", "line 2"),
     ("not_a_record", "line 1"),
     ("loss_not_a_number", "line 2: loss is 'nan?', not a number"),
+    ("load_not_a_table", "line 2: moe_load is [1, 2], not a table of numbers"),
     ("deep_summary", "summary.json: maximum recursion depth exceeded"),
 ])
 def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, case, message):
@@ -100,6 +101,8 @@ def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, case, message):
     elif case == "deep_summary":
         write_run(path, segment([10], 1.0, 0))
         (path / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "load_not_a_table":
+        write_run(path, segment([10], 1.0, 0), tail='{"step": 20, "moe_load": [1, 2]}\n')
     elif case == "loss_not_a_number":
         write_run(path, segment([10], 1.0, 0), tail='{"step": 20, "loss": "nan?"}\n')
     assert main(["report", str(path)]) == 2
@@ -255,3 +258,19 @@ def test_memory_per_rank_comes_from_every_rank(tmp_path):
     assert [r for r, _ in rows] == ["0", "1", "2", "3"]
     assert [row["peak_rss_bytes"] >> 20 for _, row in rows] == [400, 401, 402, 403]
     assert json.loads((tmp_path / "m" / "summary.json").read_text())["world_size"] == 4
+
+
+def test_a_mixture_of_experts_run_gets_its_expert_load_drawn(tmp_path):
+    """The busiest expert over the mean per logged step, and the last step's shares;
+    a dense run's page has no such section."""
+    loads = {10: [[30.0, 10.0, 0.0, 0.0], [10.0, 10.0, 10.0, 10.0]],
+             20: [[12.0, 10.0, 9.0, 9.0], [10.0, 10.0, 10.0, 10.0]]}
+    records = [{**r, "moe_load": loads[r["step"]], "moe_imbalance": 3.0 if r["step"] == 10
+                else 1.2} for r in segment([10, 20], 1.0, 0)]
+    moe = write_run(tmp_path / "moe", records)
+    text = build_report([moe]).read_text()
+    assert "Expert load" in text
+    png = moe / "report" / "plots" / "expert_load.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    dense = write_run(tmp_path / "dense", segment([10, 20], 1.0, 0))
+    assert "Expert load" not in build_report([dense]).read_text()

@@ -10,6 +10,7 @@ from hpctrain.atomic import WRITE_ERRORS, temporary_file, write_failed
 from hpctrain.errors import UserError
 from hpctrain.markdown_html import to_html
 from hpctrain.report import plots
+from hpctrain.report.expert_plots import expert_load, has_expert_load
 from hpctrain.report.runs import Run, read_run
 
 PAGE = "report.html"
@@ -47,6 +48,11 @@ def _images(runs: list[Run], plot_dir: Path) -> list[tuple]:
     if no_mfu:
         blocks.append(("p", f"No MFU for {'; '.join(no_mfu)}: the device's peak is unknown "
                             "(CPUs have none); `--train.peak_tflops` sets it."))
+    if any(has_expert_load(r) for r in runs):
+        blocks += [("h2", "Expert load"),
+                   ("p", "How the router spread each step's token copies over the experts "
+                         "(`moe_load` in metrics.jsonl, summed over the ranks)."),
+                   ("img", expert_load(runs, plot_dir / "expert_load.png"), "expert load")]
     finished = [r for r in runs if r.summary]
     blocks.append(("h2", "Step time by phase"))
     if any((r.summary.get("timing") or {}).get("phases_ms") for r in finished):

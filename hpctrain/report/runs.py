@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctrain.errors import UserError
+from hpctrain.sizes import MAX_EXPERTS, MAX_LAYERS
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -38,12 +39,22 @@ class Run:
 
 
 NUMBERS = ("loss", "val_loss", "final_val_loss", "lr", "mfu", "tokens_per_s", "step_ms",
-           "elapsed_s", "started_at", "start_step", "wall_s")
+           "elapsed_s", "started_at", "start_step", "wall_s", "moe_imbalance")
 """The fields of a record the report computes or plots with: numbers, or null."""
 
 
 def _number_or_none(value) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _load_table(value) -> bool:
+    """Absent, or a table of token counts: a row per MoE layer, a number per expert."""
+    if value is None:
+        return True
+    return (isinstance(value, list) and 0 < len(value) <= MAX_LAYERS
+            and all(isinstance(row, list) and 0 < len(row) <= MAX_EXPERTS
+                    and all(_number_or_none(c) and c is not None for c in row)
+                    for row in value))
 
 
 def read_records(path: Path) -> tuple[list[dict], list[str]]:
@@ -70,10 +81,14 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
             why = "not a JSON object with a step"
         if isinstance(record, dict) and isinstance(record.get("step"), int):
             wrong = next((k for k in NUMBERS if not _number_or_none(record.get(k))), None)
+            if wrong is None and not _load_table(record.get("moe_load")):
+                wrong = "moe_load"
             if wrong is None:
                 records.append(record)
                 continue
-            why = f"{wrong} is {record[wrong]!r}, not a number"
+            why = (f"{wrong} is {str(record[wrong])[:80]}, not a table of numbers (a row "
+                   "per MoE layer)" if wrong == "moe_load"
+                   else f"{wrong} is {record[wrong]!r}, not a number")
         raise UserError(f"{path}, line {n}: {why}; it is not a metrics.jsonl record "
                         "that hpctrain wrote (repair or remove that line)")
     return records, notes
