@@ -137,6 +137,7 @@ bench: $(STAMP) $(GPT2_DATA)
 	$(PY) perf/bench_memory.py
 	$(PY) perf/bench_recompute.py
 	$(PY) perf/bench_cp.py
+	$(PY) perf/bench_moe.py
 
 # Regenerate the example job scripts (tests/test_jobs_cli.py checks they are in sync).
 jobscripts: $(STAMP)

@@ -26,6 +26,7 @@ from perf.render_parallel import (render_cp, render_pipeline, render_tp,  # noqa
                                   render_zero, render_zero_bubble)
 from perf.results_format import md_table, provenance  # noqa: E402
 from perf.bench_perfmodel import render_perfmodel  # noqa: E402
+from perf.render_moe import render_moe  # noqa: E402
 from perf.bench_ckpt_files import render_ckpt_files  # noqa: E402
 from hpctrain.sizes import MiB  # noqa: E402
 
@@ -346,6 +347,8 @@ SECTIONS = {
     "recompute": ("Activation recomputation", "python perf/bench_recompute.py",
                   render_recompute),
     "cp": ("Context parallelism: ring attention", "python perf/bench_cp.py", render_cp),
+    "moe": ("Mixtures of experts and expert parallelism",
+            "python perf/bench_moe.py --shakespeare PATH", render_moe),
 }
 
 
