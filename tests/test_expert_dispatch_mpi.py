@@ -149,6 +149,25 @@ def test_of_world_picks_mpi_or_local_and_dispatch_combine_round_trips():
         world.close()
 
 
+@pytest.mark.parametrize("aware", [None, False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_rows_of_any_dtype_travel_as_their_bytes(dtype, aware):
+    """bf16 (no numpy type: its bit pattern) and float64 rows come back bit for bit
+    through experts that return their tokens, with three columns per row: host memory
+    (``aware`` None), or the fake device's staged or handed over directly."""
+    accel = None if aware is None else FakeAccelerator()
+    dispatch = ExpertParallelDispatch(MPIAllToAll(
+        COMM, timeout=60.0, accel=accel,
+        aware=GPUAwareness(bool(aware), "test")))
+    g = torch.Generator().manual_seed(30 + COMM.rank)
+    counts = torch.randint(0, 4, (2 * COMM.size,), generator=g)
+    routed = torch.randn(int(counts.sum()), 3, generator=g).to(dtype)
+    assert torch.equal(dispatch_combine(dispatch, routed, counts), routed)
+    if accel is not None:
+        assert accel.stats.unready_handoffs == 0
+        accel.close()
+
+
 def test_a_late_rank_times_out_naming_the_count_exchange():
     """The last rank dispatches late: the others get ``CommTimeout`` naming the count
     exchange and ``--comm.timeout``; the late rank's exchange then completes (the others
