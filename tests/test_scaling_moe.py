@@ -199,3 +199,19 @@ def test_mixtral_on_aurora_plans_with_experts_spread():
     p = plan(system="aurora", nodes=16, model="mixtral-8x7b")
     assert p.fitting[0].arrangement.ep > 1
     assert p.fitting[0].prediction.memory_bytes <= p.system.device_memory
+
+
+def test_a_moe_block_keeps_its_experts_hidden_tensors_and_the_routed_copies():
+    from hpctrain.scaling.activations import activation_bytes_per_layer, moe_bytes_per_token
+
+    moe = preset_shape("mixtral-8x7b")
+    dense = dataclasses.replace(moe, moe_experts=0, name="")
+    extra = (activation_bytes_per_layer(moe, 1, "bf16", True, 4, True)
+             - activation_bytes_per_layer(dense, 1, "bf16", True, 4, True))
+    # one more expert's gate/up, SiLU and product (4 H words over tp), 2 k C words (sp),
+    # the router's 8 fp32 probabilities, per token
+    per_token = 2 * (4 * 14336 / 4 + 2 * 2 * 4096 / 4) + 4 * 8
+    assert moe_bytes_per_token(moe, "bf16", 4.0, 4, True) == per_token
+    assert extra == pytest.approx(4096 * per_token)
+    half = preset_shape("mixtral-8x7b", moe_every=2)  # every other block routes
+    assert moe_bytes_per_token(half, "bf16", 4.0, 4, True) == per_token / 2
