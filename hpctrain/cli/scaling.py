@@ -57,10 +57,10 @@ def add_scale(sub) -> None:
 def add_plan(sub) -> None:
     p = sub.add_parser("plan", help="rank the parallel arrangements of a model on N nodes by "
                                     "predicted step time",
-                       description="Enumerate (dp, pp, tp, cp, ZeRO stage, micro-batches) "
+                       description="Enumerate (dp, pp, tp, cp, ep, ZeRO stage, micro-batches) "
                                    "arrangements that fit device memory, predict each step "
                                    "with the performance model and print them fastest first. "
-                                   "Fix any part of the layout (--dp --tp --pp --cp --zero "
+                                   "Fix any part of the layout (--dp --tp --pp --cp --ep --zero "
                                    "--micro-batch --schedule) to plan only around it.")
     p.add_argument("--system", required=True, metavar="NAME",
                    help="polaris, aurora, local, a system file (.toml) with a [perf] table, "
@@ -68,14 +68,18 @@ def add_plan(sub) -> None:
     p.add_argument("--nodes", type=int, required=True, metavar="N")
     p.add_argument("--model", default="", metavar="NAME",
                    help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-2.7b, "
-                        "gpt3-6.7b, gpt3-13b, llama3-8b, llama3-70b, llama3-405b, default), a "
+                        "gpt3-6.7b, gpt3-13b, llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
+                        "default), a "
                         "model .toml, or a Hugging Face config.json")
     p.add_argument("--shape", default="", metavar="K=V,...",
                    help="any model instead of --model: n_layer=..,n_embd=..,n_head=..,"
-                        "n_kv_head=..,ffn=..,vocab=..[,seq=..][,arch=gpt|llama]")
+                        "n_kv_head=..,ffn=..,vocab=..[,seq=..][,arch=gpt|llama][,experts=..,"
+                        "top_k=..,shared=..,moe_ffn=..,moe_every=..]")
     for flag, hint in (("--dp", "data-parallel replicas"), ("--tp", "tensor-parallel ranks "
                        "(inside a node)"), ("--pp", "pipeline stages"),
                        ("--cp", "context-parallel ranks (ring attention)"),
+                       ("--ep", "expert-parallel ranks (a mixture of experts' experts spread "
+                        "over dp x cp)"),
                        ("--zero", "ZeRO stage 0-3"),
                        ("--micro-batch", "sequences per micro-batch")):
         p.add_argument(flag, type=int, default=None, metavar="N",
@@ -175,7 +179,7 @@ def cmd_plan(args) -> int:
     from hpctrain.scaling.checkpoint_cost import Checkpointing
     from hpctrain.scaling.planner import Fixed, explain, plan, table
 
-    fixed = Fixed(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero,
+    fixed = Fixed(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
                   micro_batch=args.micro_batch, schedule=args.schedule)
     result = plan(system=args.system, nodes=args.nodes, model=args.model, shape=args.shape,
                   global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,

@@ -11,6 +11,7 @@ The words per layer and token: docs/design/scaling-model.md ("The performance mo
 
 from __future__ import annotations
 
+from hpctrain.model.moe_shape import expert_hidden, moe_blocks
 from hpctrain.model.shape import head_chunk
 from hpctrain.scaling.models import ModelShape
 
@@ -36,14 +37,33 @@ def activation_bytes_per_layer(shape: ModelShape, rows: int, dtype: str,
     computes in fp32 as Llama's reference code does (51.5 s b h in bf16)."""
     s, h, a = shape.block_size, shape.n_embd, shape.n_head
     word = word_bytes(dtype)
+    moe = s * rows * moe_bytes_per_token(shape, dtype, 4.0 if shape.arch == "llama" else 2.0,
+                                         tp, sp)
     if shape.arch == "llama":
         # without flash attention the softmax output, a s^2 words per sequence
         scores = 0.0 if flash_attention else word * a * s * s * rows / tp
-        return s * rows * llama_bytes_per_token(shape, dtype, tp, sp) + scores
+        return s * rows * llama_bytes_per_token(shape, dtype, tp, sp) + scores + moe
     inside, norms, column_inputs = 24.0, 6.0, 4.0
     per = (inside + norms + column_inputs) / tp if sp else inside / tp + norms + column_inputs
     per += 0.0 if flash_attention else 5.0 * a * s / (h * tp)
-    return s * rows * h * per * word / 2.0
+    return s * rows * h * per * word / 2.0 + moe
+
+
+def moe_bytes_per_token(shape: ModelShape, dtype: str, hidden_words: float, tp: int = 1,
+                        sp: bool = False) -> float:
+    """What a MoE block keeps per token beyond the dense block it replaces, averaged over
+    the blocks (``moe_every``): the hidden tensors of the ``moe_top_k`` routed and the
+    shared experts in place of the dense MLP's (``hidden_words`` words per hidden unit:
+    Llama's gate-and-up, SiLU and product 4, GPT-2's GELU input and output 2), split over
+    tp; each token's k dispatched copies and k expert outputs before the combine (2 k h
+    words, cut along the sequence with sp); the router's fp32 probabilities (4 E)."""
+    if not shape.moe_experts:
+        return 0.0
+    gpt, word, k = shape.gpt, word_bytes(dtype), shape.moe_top_k
+    experts = hidden_words * (expert_hidden(gpt) * (k + shape.moe_shared) - shape.ffn_hidden)
+    routed = 2.0 * k * shape.n_embd / (tp if sp else 1)
+    per_block = word * (experts / tp + routed) + 4.0 * shape.moe_experts
+    return per_block * moe_blocks(gpt) / shape.n_layer
 
 
 def llama_bytes_per_token(shape: ModelShape, dtype: str, tp: int = 1, sp: bool = False) -> float:
@@ -93,7 +113,8 @@ def selective_bytes_per_layer(shape: ModelShape, rows: int, dtype: str, tp: int 
     m = 2.0 if shape.arch == "llama" else 1.0
     inside = 2.0 * h + 2.0 * kv + m * big
     words = h / (tp if sp else 1) + inside / tp + 2.0 * h
-    return shape.block_size * rows * words * word_bytes(dtype)
+    moe = moe_bytes_per_token(shape, dtype, m, tp, sp)  # the experts' first projections
+    return shape.block_size * rows * (words * word_bytes(dtype) + moe)
 
 
 def layer_input_bytes(shape: ModelShape, rows: int, dtype: str, tp: int = 1,

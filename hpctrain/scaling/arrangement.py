@@ -1,6 +1,7 @@
 """One parallel arrangement of a training run as the performance model sees it (ranks,
-dp x pp x cp x tp, ZeRO level, micro-batches, schedule, recomputation, dtype), and the
-checks that refuse one the trainer would refuse (``Arrangement.check``)."""
+dp x pp x cp x tp, expert parallelism drawn from dp x cp, ZeRO level, micro-batches,
+schedule, recomputation, dtype), and the checks that refuse one the trainer would refuse
+(``Arrangement.check``)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ class Arrangement:
     cp: int = 1
     """Context-parallel ranks (``--parallel.cp``): each holds 2 chunks of every sequence
     and attention runs as a ring (``context_cost.py``); ranks = dp x pp x cp x tp."""
+    ep: int = 1
+    """Expert-parallel ranks: each of ``ep`` ranks of the dp x cp group holds 1/ep of every
+    MoE block's routed experts and tokens travel to them by all-to-all
+    (``expert_cost.py``); ep divides dp x cp and the expert count."""
 
     @property
     def dp(self) -> int:
@@ -55,6 +60,12 @@ class Arrangement:
     def grad_group(self) -> int:
         """Ranks holding the same weights, over which gradients are reduced: dp x cp."""
         return self.dp * self.cp
+
+    @property
+    def expert_group(self) -> int:
+        """Ranks holding the same experts, over which expert gradients are reduced:
+        dp x cp / ep."""
+        return self.grad_group // self.ep
 
     @property
     def micro_rows(self) -> int:
@@ -76,6 +87,7 @@ class Arrangement:
             raise UserError(f"{self.ranks} rank(s) do not split into pp={self.pp} stages"
                             + (f" of tp={self.tp} ranks" if self.tp > 1 else "")
                             + "; use a pp that divides the rank count")
+        self._check_experts(shape)
         if self.sequence_parallel and self.tp == 1:
             raise UserError("sequence parallelism splits the sequence over the "
                             "tensor-parallel ranks: it needs tp > 1")
@@ -107,3 +119,14 @@ class Arrangement:
         if self.global_batch < per or self.global_batch % per:
             raise UserError(f"global batch {self.global_batch} does not split into dp={self.dp}"
                             f" x micro_batches={self.micro_batches}; use a multiple of {per}")
+
+    def _check_experts(self, shape: ModelShape) -> None:
+        if self.ep == 1:
+            return
+        if self.ep > 1 and not shape.moe_experts:
+            raise UserError(f"ep={self.ep} spreads experts over ranks, and {shape.label} has "
+                            "none; use ep=1 (or a model with moe_experts)")
+        group = self.grad_group
+        if self.ep < 1 or group % self.ep or shape.moe_experts % self.ep:
+            raise UserError(f"ep={self.ep} must divide both dp x cp = {group} and the "
+                            f"{shape.moe_experts} experts; use a common divisor of the two")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from hpctrain.errors import UserError
 from hpctrain.scaling.arrangement import Arrangement
+from hpctrain.scaling.expert_cost import rank_param_split, state_params
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.tensor_cost import rank_params
 from hpctrain.systems.perf import FileSystem, SystemPerf
@@ -86,9 +87,11 @@ def checkpoint_bytes(shape: ModelShape, arrangement: Arrangement,
                      ranks_per_node: int) -> tuple[float, float, float]:
     """(busiest rank, busiest node, whole job) bytes of one save."""
     a = arrangement
-    rank = STATE_BYTES_PER_PARAM * rank_params(shape, a.pp, a.tp)
-    if a.zero >= 1:  # every rank its shard of the dp x cp group's state
-        rank /= a.grad_group
+    dense, experts = rank_param_split(shape, a, rank_params(shape, a.pp, a.tp))
+    # with ZeRO every rank its shard of the dp x cp group's state (of the experts, the
+    # dp x cp / ep ranks' holding the same); without, its 1/ep of the experts whole
+    rank = STATE_BYTES_PER_PARAM * state_params(dense, experts, a)
+    if a.zero >= 1:
         node = rank * min(ranks_per_node, a.ranks)
     else:
         node = rank * writers_on_first_node(a, ranks_per_node)

@@ -80,3 +80,20 @@ def group_link(intra: Link, inter: Link, *, group_size: int, members_per_node: i
     rings_per_node = max(1, ranks_per_node // max(1, members_per_node))
     return Link(alpha_s=max(intra.alpha_s, inter.alpha_s),
                 bandwidth=min(intra.bandwidth, inter.bandwidth / rings_per_node))
+
+
+def all_to_all(p: int, n_bytes: float, intra: Link, inter: Link, *, members_per_node: int,
+               ranks_per_node: int) -> float:
+    """Each of ``p`` ranks holds ``n_bytes`` and sends 1/p of them to every other rank in
+    p - 1 pairwise steps: (p - 1)/p of its bytes leave it. The (m - 1)/p share bound for the
+    m - 1 members on its node crosses the node's fabric; the (p - m)/p rest leaves through
+    the node's NICs, which every rank of the node loads at once (every group exchanges in
+    the same step). The two shares move side by side: the slower sets the time."""
+    if p <= 1 or n_bytes <= 0:
+        return 0.0
+    m = max(1, min(members_per_node, p))
+    on_node = (m - 1) / p * n_bytes / intra.bandwidth
+    if m == p:
+        return (p - 1) * intra.alpha_s + on_node
+    off_node = ranks_per_node * (p - m) / p * n_bytes / inter.bandwidth
+    return (p - 1) * max(intra.alpha_s, inter.alpha_s) + max(on_node, off_node)

@@ -14,6 +14,7 @@ from functools import cached_property
 from importlib import resources
 
 from hpctrain.errors import UserError
+from hpctrain.model.moe_shape import expert_hidden, expert_params, is_moe_block, moe_mlp_params
 from hpctrain.model.shape import GPTConfig
 
 if sys.version_info >= (3, 11):
@@ -94,17 +95,46 @@ class ModelShape:
                f"-V{self.vocab_size}")
         if self.arch != "gpt":  # GPT-2 keys stay as calibration files wrote them
             key += f"-{self.arch}-KV{self.n_kv_head}-F{self.ffn_hidden}"
+        if self.moe_experts:  # dense keys stay as they were
+            key += (f"-E{self.moe_experts}k{self.moe_top_k}s{self.moe_shared}"
+                    f"n{self.moe_every}F{expert_hidden(self.gpt)}")
         return key
 
     @cached_property
-    def layer_params(self) -> int:
-        return self.gpt.block_params()
+    def params_per_block(self) -> tuple[int, ...]:
+        """Parameters of each block, in order: a dense block's, or a MoE block's with all
+        of its experts (``moe_every`` decides which blocks route, ``model/moe_shape.py``)."""
+        gpt = self.gpt
+        moe = gpt.attention_params() + 2 * gpt.norm_params() + moe_mlp_params(gpt)
+        return tuple(moe if is_moe_block(gpt, i) else gpt.block_params()
+                     for i in range(self.n_layer))
+
+    @cached_property
+    def active_per_block(self) -> tuple[int, ...]:
+        """Parameters one token works with in each block (a MoE block's ``moe_top_k``
+        routed experts, not all of them): what its FLOPs count."""
+        gpt = self.gpt
+        moe = gpt.attention_params() + 2 * gpt.norm_params() + moe_mlp_params(gpt, True)
+        return tuple(moe if is_moe_block(gpt, i) else gpt.block_params()
+                     for i in range(self.n_layer))
+
+    @cached_property
+    def experts_per_block(self) -> tuple[int, ...]:
+        """Routed-expert parameters of each block (0 for a dense one): what expert
+        parallelism spreads over its ranks. The router and shared experts stay dense."""
+        one = self.moe_experts * expert_params(self.gpt)
+        return tuple(one if is_moe_block(self.gpt, i) else 0 for i in range(self.n_layer))
+
+    @property
+    def layer_params(self) -> float:
+        """Parameters of the average block (every block's when all are alike)."""
+        return sum(self.params_per_block) / self.n_layer
 
     @cached_property
     def embedding_params(self) -> int:
         """The head's matrix (the tied token embedding, or the untied head) and the final
         norm."""
-        return self.params_non_embedding - self.n_layer * self.layer_params
+        return self.params_non_embedding - sum(self.params_per_block)
 
     @cached_property
     def params(self) -> int:
@@ -118,9 +148,10 @@ class ModelShape:
 
     @property
     def layer_flops_per_token(self) -> float:
-        """Forward + backward FLOPs of one block per token: 6 per weight, plus attention
-        scores and their weighted sum (12 C T)."""
-        return 6.0 * self.layer_params + 12.0 * self.n_embd * self.block_size
+        """Forward + backward FLOPs of the average block per token: 6 per active weight,
+        plus attention scores and their weighted sum (12 C T)."""
+        return (6.0 * sum(self.active_per_block) / self.n_layer
+                + 12.0 * self.n_embd * self.block_size)
 
     @property
     def head_flops_per_token(self) -> float:
@@ -131,14 +162,36 @@ class ModelShape:
         """``GPTConfig.flops_per_token``: the layers' and the head's above, summed."""
         return self.gpt.flops_per_token()
 
+    def busiest_stage(self, pp: int) -> range:
+        """The blocks of the pipeline stage holding the most parameters, stages cut as the
+        trainer cuts them (contiguous, sizes differing by at most one, the first ones
+        larger: ``parallel/pipeline/stage.py``'s ``layer_split``)."""
+        return max(self._stage_ranges(pp),
+                   key=lambda r: sum(self.params_per_block[i] for i in r))
+
     def stage_params(self, pp: int) -> int:
-        """Parameters on the largest pipeline stage: ceil(L/pp) blocks, plus the token
-        embedding (and GPT-2's positions) on the first stage; the last holds the head (a
-        copy of a tied embedding, see parallelism.md), of the same size."""
-        layers = -(-self.n_layer // pp)
-        positions = self.gpt.position_params()
-        extra = self.embedding_params + positions
-        return layers * self.layer_params + extra
+        """Parameters on the largest pipeline stage: its blocks, plus the token embedding
+        (and GPT-2's positions) on the first stage; the last holds the head (a copy of a
+        tied embedding, see parallelism.md), of the same size."""
+        blocks = sum(self.params_per_block[i] for i in self.busiest_stage(pp))
+        return blocks + self.embedding_params + self.gpt.position_params()
+
+    def stage_expert_params(self, pp: int) -> int:
+        """Routed-expert parameters of the stage ``stage_params`` counts (all of the
+        model's when ``pp`` is 1)."""
+        return sum(self.experts_per_block[i] for i in self.busiest_stage(pp))
+
+    def stage_flops_per_token(self, pp: int) -> float:
+        """Forward + backward FLOPs per token of the blocks of the slowest stage."""
+        stage = max(self._stage_ranges(pp),
+                    key=lambda r: sum(self.active_per_block[i] for i in r))
+        active = sum(self.active_per_block[i] for i in stage)
+        return 6.0 * active + 12.0 * len(stage) * self.n_embd * self.block_size
+
+    def _stage_ranges(self, pp: int) -> list[range]:
+        base, extra = divmod(self.n_layer, pp)
+        return [range(s * base + min(s, extra), (s + 1) * base + min(s + 1, extra))
+                for s in range(pp)]
 
 
 def presets() -> dict[str, dict]:
@@ -160,15 +213,21 @@ def preset_shape(name: str, **overrides) -> ModelShape:
 
 SHAPE_KEYS = {"n_layer": "n_layer", "n_embd": "n_embd", "n_head": "n_head",
               "n_kv_head": "n_kv_head", "ffn": "ffn_hidden", "vocab": "vocab_size",
-              "seq": "block_size", "arch": "arch"}
+              "seq": "block_size", "arch": "arch", "experts": "moe_experts",
+              "top_k": "moe_top_k", "shared": "moe_shared", "moe_ffn": "moe_ffn_hidden",
+              "moe_every": "moe_every"}
 """``--shape`` keys and the ``ModelShape`` fields they set."""
+
+MAY_BE_ZERO = ("shared",)
+"""``--shape`` keys that may be 0 (no shared experts)."""
 
 
 def parse_shape(spec: str, seq_len: int = 0) -> ModelShape:
     """``--shape n_layer=32,n_embd=4096,n_head=32,n_kv_head=8,ffn=14336,vocab=128256``:
     a model of any shape. Llama (RMSNorm, SwiGLU, rotary, untied head) when ``n_kv_head``
     or ``ffn`` is given, else GPT-2's; ``arch=gpt|llama`` says which; ``seq`` or
-    ``--seq-len`` the context (default 2048)."""
+    ``--seq-len`` the context (default 2048). ``experts=8,top_k=2[,shared=..][,moe_ffn=..]
+    [,moe_every=..]`` makes it a mixture of experts (``model/moe_shape.py``)."""
     fields: dict = {}
     for item in spec.split(","):
         key, eq, value = item.strip().partition("=")
@@ -180,8 +239,9 @@ def parse_shape(spec: str, seq_len: int = 0) -> ModelShape:
                 raise UserError(f"--shape arch={value!r}: use gpt or llama")
             fields["arch"] = value
             continue
-        if not value.isdigit() or int(value) < 1:
-            raise UserError(f"--shape {key}={value!r}: use a whole number of at least 1")
+        least = 0 if key in MAY_BE_ZERO else 1
+        if not value.isdigit() or int(value) < least:
+            raise UserError(f"--shape {key}={value!r}: use a whole number of at least {least}")
         fields[SHAPE_KEYS[key]] = int(value)
     missing = [k for k in ("n_layer", "n_embd", "n_head", "vocab")
                if SHAPE_KEYS[k] not in fields]

@@ -3,9 +3,10 @@ and a system's performance figures. Pure functions; every term is reported.
 
 A step is pipeline compute + bubble + point-to-point activations + the gradient
 reduction backward does not hide + ZeRO parameter gathers + tensor-parallel sums +
-the optimizer. Compute is ``layers x overhead + FLOPs / rate + traffic / bandwidth``;
-memory per rank is the ZeRO formulas (Rajbhandari et al. 2020) plus activations
-(Korthikanti et al., arXiv 2205.05198, ``activations.py``), logits, buffers and a base.
+expert-parallel all-to-alls + the optimizer. Compute is ``layers x overhead + FLOPs /
+rate + traffic / bandwidth``; memory per rank is the ZeRO formulas (Rajbhandari et al.
+2020) plus activations (Korthikanti et al., arXiv 2205.05198, ``activations.py``),
+logits, buffers and a base.
 Every term and why: docs/design/scaling-model.md ("The performance model").
 """
 
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass
 from hpctrain.model.shape import WHOLE_HEAD, head_chunk
 from hpctrain.parallel.memory import STAGED_AT_ONCE, zero_formula
 from hpctrain.parallel.pipeline.schedules import chunks_per_stage
-from hpctrain.scaling import comm_cost, context_cost, tensor_cost
+from hpctrain.scaling import comm_cost, context_cost, expert_cost, tensor_cost
 from hpctrain.scaling.checkpoint_cost import (CheckpointCost, Checkpointing, checkpoint_cost,
                                               describe_cost)
 from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_input_bytes,
@@ -61,21 +62,24 @@ class Prediction:
     """The context-parallel ring's traffic that attention does not hide."""
     cp_comm_total_s: float = 0.0
     """All of the ring's traffic, hidden or not."""
+    ep_comm_s: float = 0.0
+    """The expert-parallel all-to-alls (tokens to their experts and back), all exposed."""
     ckpt_s: float = 0.0
     """Checkpoint stalls spread over the steps between saves (``checkpoint_cost.py``)."""
     checkpoint: CheckpointCost | None = None
 
     @property
     def comm_s(self) -> float:
-        return self.grad_comm_s + self.gather_s + self.p2p_s + self.tp_comm_s + self.cp_comm_s
+        return (self.grad_comm_s + self.gather_s + self.p2p_s + self.tp_comm_s + self.cp_comm_s
+                + self.ep_comm_s)
 
     def shares(self) -> dict:
-        """The trainer's four shares: ZeRO gathers, tensor-parallel collectives and the
-        optimizer count as compute there (the trainer times only waits for gradient
+        """The trainer's four shares: ZeRO gathers, tensor- and expert-parallel collectives
+        and the optimizer count as compute there (the trainer times only waits for gradient
         reductions, the bubble and data); checkpoint stalls are none of them."""
         s = self.step_s
         inline = (self.compute_s + self.optimizer_s + self.gather_s + self.p2p_s
-                  + self.tp_comm_s + self.cp_comm_s)
+                  + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s)
         return {"compute": inline / s,
                 "comm": self.grad_comm_s / s, "bubble": self.bubble_s / s, "data": 0.0}
 
@@ -193,7 +197,7 @@ def micro_batch_compute(system: SystemPerf, shape: ModelShape, arrangement: Arra
     again = 1.0 + recomputed_layers(arrangement, layers) / (3.0 * layers)
     chunked = head_chunk(arrangement.loss_chunk, tokens, -(-shape.vocab_size // arrangement.tp))
     head = 4.0 / 3.0 if chunked or arrangement.tp > 1 else 1.0
-    flops = tokens * (layers * shape.layer_flops_per_token * again
+    flops = tokens * (shape.stage_flops_per_token(arrangement.pp) * again
                       + shape.head_flops_per_token * head) / arrangement.tp
     rate = system.compute_rate(shape.key, arrangement.dtype)
     t = layers * rate.layer_overhead_s * again + flops / rate.flops_per_s
@@ -236,20 +240,48 @@ def context_parallel_time(system: SystemPerf, shape: ModelShape, arrangement: Ar
                                    rate)
 
 
+def expert_parallel_time(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
+                         layers: int) -> float:
+    """One micro-batch's all-to-alls over the expert-parallel group (``expert_cost.py``)."""
+    rpn = system.ranks_per_node or arrangement.ranks
+    members = expert_cost.ep_members_on_node(arrangement, rpn)
+    exchange = lambda n: comm_cost.all_to_all(  # noqa: E731
+        arrangement.ep, n, system.intra, system.inter, members_per_node=members,
+        ranks_per_node=rpn)
+    return expert_cost.exchange_time(exchange, shape, arrangement,
+                                     recomputed_layers(arrangement, layers) / layers)
+
+
 def gradient_terms(system: SystemPerf, arrangement: Arrangement, rank_params: float, layers: int,
-                   t_micro: float) -> tuple[float, float, float]:
-    """(exposed reduction, all of it, ZeRO gathers) over the dp x cp ranks that hold the
-    same weights (tp innermost, then cp, then pp, then dp)."""
-    dp, m = arrangement.grad_group, arrangement.micro_batches
-    if dp <= 1:
-        return 0.0, 0.0, 0.0
-    grad_bytes = 4.0 * rank_params
-    param_bytes = word_bytes(arrangement.dtype) * rank_params
+                   t_micro: float, experts: float = 0.0) -> tuple[float, float, float]:
+    """(exposed reduction, all of it, ZeRO gathers): the dense ``rank_params`` over the
+    dp x cp ranks that hold the same weights (tp innermost, then cp, then pp, then dp),
+    the rank's ``experts`` over the dp x cp / ep ranks that hold the same experts."""
     rpn = system.ranks_per_node or arrangement.ranks
     if arrangement.cp * arrangement.tp >= rpn:  # the cp group fills the node
         members = max(1, rpn // arrangement.tp)
     else:
         members = max(1, rpn // (arrangement.pp * arrangement.tp))
+    parts = [(rank_params, arrangement.grad_group, members)]
+    if experts:
+        parts.append((experts, arrangement.expert_group,
+                      expert_cost.expert_group_members_on_node(arrangement, rpn)))
+    terms = [_reduction(system, arrangement, *part, layers) for part in parts
+             if part[1] > 1 and part[0] > 0]
+    if not terms:
+        return 0.0, 0.0, 0.0
+    total, overlapped, tail, gather = (f(t) for f, t in zip((sum, sum, max, sum), zip(*terms)))
+    hidden = system.overlap * (2.0 / 3.0) * t_micro  # backward is ~2/3 of a micro-batch
+    return max(tail, overlapped - hidden), total, gather
+
+
+def _reduction(system: SystemPerf, arrangement: Arrangement, rank_params: float, dp: int,
+               members: int, layers: int) -> tuple[float, float, float, float]:
+    """One set of weights reduced over ``dp`` ranks (``members`` per node): (all of the
+    reduction, the part that runs beside backward, its last bucket, ZeRO gathers)."""
+    m = arrangement.micro_batches
+    grad_bytes = 4.0 * rank_params
+    param_bytes = word_bytes(arrangement.dtype) * rank_params
     sizes = bucket_sizes(grad_bytes, arrangement.bucket_mb)
     buckets, last = Counter(sizes), sizes[-1]  # {size: how many}, the last one
     cost = lambda kind, n: collective(system, kind, dp, n, members)  # noqa: E731
@@ -269,8 +301,6 @@ def gradient_terms(system: SystemPerf, arrangement: Arrangement, rank_params: fl
         total, tail = rs, cost("reduce_scatter", last)
     else:  # every micro-batch; only the last one's reduction can stick out
         total, tail = m * rs, cost("reduce_scatter", last)
-    hidden = system.overlap * (2.0 / 3.0) * t_micro  # backward is ~2/3 of a micro-batch
-    exposed = max(tail, (rs if arrangement.zero >= 2 else total) - hidden)
     gather = 0.0
     if arrangement.zero in (1, 2):  # new parameters after the sharded update
         gather = over_buckets("allgather", param_bytes / grad_bytes)
@@ -278,7 +308,7 @@ def gradient_terms(system: SystemPerf, arrangement: Arrangement, rank_params: fl
         units = layers + 1
         per_unit = cost("allgather", param_bytes / units)
         gather = 2 * m * units * per_unit * max(0.0, 1.0 - system.overlap) + per_unit
-    return exposed, total, gather
+    return total, (rs if arrangement.zero >= 2 else total), tail, gather
 
 
 def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
@@ -295,7 +325,8 @@ def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
     cp_exposed, cp_total = (m * t for t in context_parallel_time(system, shape, arrangement,
                                                                   layers))
     bubble_share = bubble_fraction(p, m, arrangement.schedule, v)
-    bubble = ((compute + tp_comm + cp_exposed) * bubble_share / (1.0 - bubble_share)
+    ep_comm = m * expert_parallel_time(system, shape, arrangement, layers)
+    bubble = ((compute + tp_comm + cp_exposed + ep_comm) * bubble_share / (1.0 - bubble_share)
               if p > 1 else 0.0)
 
     # Activations between stages: one transfer forward and one back per micro-batch slot,
@@ -310,12 +341,15 @@ def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
         chunks = chunks_per_stage(arrangement.schedule, v)
         p2p = 2 * chunks * (m + p - 1) * collective(system, "p2p", 2, act_bytes, per_node)
 
-    params = tensor_cost.rank_params(shape, p, arrangement.tp)
-    grad_exposed, grad_total, gather = gradient_terms(system, arrangement, params, layers, t_micro)
-    updated = params / arrangement.grad_group if arrangement.zero >= 1 else params
+    dense, experts = expert_cost.rank_param_split(
+        shape, arrangement, tensor_cost.rank_params(shape, p, arrangement.tp))
+    grad_exposed, grad_total, gather = gradient_terms(system, arrangement, dense, layers, t_micro,
+                                                      experts)
+    updated = expert_cost.state_params(dense, experts, arrangement)
     optimizer = f * (system.optimizer_overhead_s + updated * system.optimizer_s_per_param)
 
-    step = compute + tp_comm + cp_exposed + bubble + p2p + grad_exposed + gather + optimizer
+    step = (compute + tp_comm + cp_exposed + ep_comm + bubble + p2p + grad_exposed + gather
+            + optimizer)
     ckpt = None
     if checkpointing.interval:
         agree = collective(system, "allreduce", arrangement.ranks, 16.0, rpn)
@@ -331,15 +365,21 @@ def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
                       memory_bytes=memory, memory_terms=terms, tokens_per_s=tok_s,
                       flops_per_s_per_rank=fl, mfu=fl / peak if peak else None,
                       tp_comm_s=tp_comm, cp_comm_s=cp_exposed, cp_comm_total_s=cp_total,
+                      ep_comm_s=ep_comm,
                       ckpt_s=ckpt.per_step_s if ckpt else 0.0, checkpoint=ckpt)
 
 
 def predict_memory(system: SystemPerf, shape: ModelShape,
                    arrangement: Arrangement) -> tuple[float, dict]:
-    """Bytes on the busiest rank and the terms that make them up."""
+    """Bytes on the busiest rank and the terms that make them up: the dense weights' state
+    ZeRO-sharded over dp x cp, the rank's 1/ep of the experts' over dp x cp / ep."""
     p, dp = arrangement.pp, arrangement.grad_group
-    params = tensor_cost.rank_params(shape, p, arrangement.tp)
-    state = zero_formula(arrangement.zero, arrangement.dtype, dp) * params
+    dense, experts = expert_cost.rank_param_split(
+        shape, arrangement, tensor_cost.rank_params(shape, p, arrangement.tp))
+    params = dense + experts
+    state = zero_formula(arrangement.zero, arrangement.dtype, dp) * dense
+    expert_state = (zero_formula(arrangement.zero, arrangement.dtype, arrangement.expert_group)
+                    * experts)
     layers = -(-shape.n_layer // p)
     acts = activation_bytes(shape, arrangement, layers, system.flash_attention)
     logits = logits_bytes(shape, arrangement.micro_rows * shape.block_size // arrangement.cp,
@@ -352,6 +392,8 @@ def predict_memory(system: SystemPerf, shape: ModelShape,
         buffers = 0.0
     terms = {"model_state": state, "activations": acts, "logits": logits,
              "comm_buffers": buffers, "base": system.base_memory + system.memory_reserve}
+    if shape.moe_experts:
+        terms = {"model_state": state, "expert_state": expert_state, **terms}
     return float(sum(terms.values())), terms
 
 
@@ -367,6 +409,7 @@ def describe(pred: Prediction) -> list[tuple[str, str]]:
             ("pipeline bubble", ms(pred.bubble_s)),
             ("pipeline point-to-point", ms(pred.p2p_s)),
             ("tensor-parallel collectives (exposed)", ms(pred.tp_comm_s)),
+            ("expert-parallel all-to-alls (exposed)", ms(pred.ep_comm_s)),
             ("context-parallel ring, exposed / total",
              f"{ms(pred.cp_comm_s)} / {ms(pred.cp_comm_total_s)}"),
             ("gradient reduction, exposed / total",

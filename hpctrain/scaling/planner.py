@@ -1,9 +1,10 @@
-"""``hpctrain plan``: every legal (dp, pp, tp, ZeRO, micro-batch) arrangement of a model on N
-nodes that fits device memory, ranked by the performance model's step time.
+"""``hpctrain plan``: every legal (dp, pp, tp, cp, ep, ZeRO, micro-batch) arrangement of a
+model on N nodes that fits device memory, ranked by the performance model's step time.
 
 Legal means what the trainer accepts (dp x pp x tp = ranks, the batch splits, pipelines
 only with ZeRO 0 or 1, 1F1B or interleaved); tensor-parallel groups stay inside a node
-and come with sequence parallelism. GPipe (never faster, more activations) and pipelines
+and come with sequence parallelism; a mixture of experts spreads its experts over every ep
+dividing dp x cp and the expert count. GPipe (never faster, more activations) and pipelines
 with fewer micro-batches than stages (mostly bubble) are left out.
 What is enumerated and why: docs/design/scaling-model.md ("``hpctrain plan``").
 """
@@ -48,12 +49,13 @@ class Plan:
 
 @dataclass(frozen=True)
 class Fixed:
-    """Parts of the layout the user fixed (``--dp --tp --pp --cp --zero --micro-batch
+    """Parts of the layout the user fixed (``--dp --tp --pp --cp --ep --zero --micro-batch
     --schedule``); None: the planner chooses."""
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     zero: int | None = None
     micro_batch: int | None = None
     """Sequences per micro-batch (the rest of a rank's batch is accumulated)."""
@@ -87,6 +89,12 @@ def context_parallel_sizes(shape: ModelShape, ranks: int) -> list[int]:
     """cp values above 1 that split ``ranks`` and the sequence into 2 cp chunks."""
     return [cp for cp in range(2, ranks + 1)
             if ranks % cp == 0 and shape.block_size % (2 * cp) == 0]
+
+
+def expert_parallel_sizes(shape: ModelShape, group: int) -> list[int]:
+    """The ep values to plan with: common divisors of the dp x cp ranks and the experts."""
+    return [ep for ep in range(1, min(group, shape.moe_experts) + 1)
+            if group % ep == 0 and shape.moe_experts % ep == 0] or [1]
 
 
 def arrangements(shape: ModelShape, ranks: int, global_batch: int, dtype: str,
@@ -132,7 +140,8 @@ def _arrangements_of(shape: ModelShape, ranks: int, tp: int, cp: int, global_bat
             m = rows_per_rank // b
             if rows_per_rank % b or (pp > 1 and m < pp and not fixed.micro_batch):
                 continue
-            for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
+            eps = [ep for ep in expert_parallel_sizes(shape, dp * cp) if fixed.allows(ep=ep)]
+            for zero, ep in ((z, e) for z in ((0, 1, 2, 3) if pp == 1 else (0, 1)) for e in eps):
                 gpipe = [("gpipe", 1)] if fixed.schedule == "gpipe" and pp > 1 else []
                 for sched, v in _schedules(shape, pp, m) + gpipe:
                     if fixed.allows(zero=zero, schedule=sched if pp > 1 else None):
@@ -140,7 +149,7 @@ def _arrangements_of(shape: ModelShape, ranks: int, tp: int, cp: int, global_bat
                             ranks=ranks, pp=pp, zero=zero, micro_batches=m,
                             global_batch=global_batch, dtype=dtype, schedule=sched,
                             virtual_stages=v, tp=tp, sequence_parallel=tp > 1, cp=cp,
-                            **options))
+                            ep=ep, **options))
     return out
 
 
@@ -230,6 +239,7 @@ def _check_fixed(fixed: Fixed, shape: ModelShape, ranks: int, rpn: int, batch: i
             raise UserError(f"--tp {fixed.tp}: a tensor-parallel group stays inside a node; "
                             f"use a divisor of the {rpn} ranks per node")
         check_splittable(shape.gpt, fixed.tp)
+    _check_fixed_ep(fixed, shape, ranks)
     if fixed.cp is not None and fixed.cp > 1 and shape.block_size % (2 * fixed.cp):
         raise UserError(f"--cp {fixed.cp}: the context {shape.block_size} does not split "
                         f"into 2 x {fixed.cp} chunks; use a cp with 2 cp dividing it")
@@ -253,6 +263,22 @@ def _check_fixed(fixed: Fixed, shape: ModelShape, ranks: int, rpn: int, batch: i
     if fixed.zero is not None and fixed.zero >= 2 and fixed.pp and fixed.pp > 1:
         raise UserError(f"--zero {fixed.zero} with --pp {fixed.pp}: pipelines run with ZeRO 0 "
                         "or 1 only")
+
+
+def _check_fixed_ep(fixed: Fixed, shape: ModelShape, ranks: int) -> None:
+    if not fixed.ep or fixed.ep == 1:
+        return
+    if not shape.moe_experts:
+        raise UserError(f"--ep {fixed.ep} spreads experts over ranks, and {shape.label} has "
+                        "none; drop --ep (or use --ep 1)")
+    if fixed.dp and fixed.cp:
+        group, what = fixed.dp * fixed.cp, f"dp x cp = {fixed.dp * fixed.cp}"
+    else:  # dp x cp divides the ranks over tp x pp
+        group = ranks // ((fixed.tp or 1) * (fixed.pp or 1))
+        what = f"dp x cp (a divisor of {group})"
+    if shape.moe_experts % fixed.ep or group % fixed.ep:
+        raise UserError(f"--ep {fixed.ep} must divide both {what} and the "
+                        f"{shape.moe_experts} experts; use a common divisor of the two")
 
 
 def _no_arrangement(fixed: Fixed, shape: ModelShape, ranks: int, nodes: int, rpn: int,
@@ -288,6 +314,7 @@ def _arrangement_text(arr: Arrangement) -> str:
     pipe = f", {arr.schedule}" + (f" v={arr.virtual_stages}" if arr.virtual_stages > 1 else "")
     tensor = f" tp={arr.tp}" + (" sp" if arr.sequence_parallel else "") if arr.tp > 1 else ""
     tensor += f" cp={arr.cp}" if arr.cp > 1 else ""
+    tensor += f" ep={arr.ep}" if arr.ep > 1 else ""
     return (f"dp={arr.dp} pp={arr.pp}{tensor} zero={arr.zero} micro-batches={arr.micro_batches} of "
             f"{arr.micro_rows}" + (pipe if arr.pp > 1 else ""))
 
@@ -303,17 +330,20 @@ def table(p: Plan, top: int = 12) -> str:
             + (f"; fixed: {p.fixed.text()}" if p.fixed and p.fixed.given() else "")
             + _checkpoint_text(p))
     ckpt = bool(p.checkpointing.interval)
-    cols = ["#", "dp", "pp", "tp", "cp", "sched", "zero", "micro", "rows", "step s", "job tok/s",
-            "GPU tok/s", "GPU TFLOP/s", "MFU", "compute", "comm", "bubble"] + (
-            ["ckpt"] if ckpt else []) + ["mem GiB"]
+    moe = bool(s.moe_experts)
+    cols = ["#", "dp", "pp", "tp", "cp"] + (["ep"] if moe else []) + [
+            "sched", "zero", "micro", "rows", "step s", "job tok/s", "GPU tok/s", "GPU TFLOP/s",
+            "MFU", "compute", "comm", "bubble"] + (
+            ["ckpt"] if ckpt else []) + ["mem GiB"] + (["experts GiB"] if moe else [])
     rows = []
     for i, c in enumerate(p.fitting[:top], 1):
         arr, q = c.arrangement, c.prediction
         sh = q.shares()
         comm = q.comm_s / q.step_s
         rows.append([str(i), str(arr.dp), str(arr.pp),
-                     str(arr.tp) + ("sp" if arr.sequence_parallel else ""), str(arr.cp),
-                     "-" if arr.pp == 1 else arr.schedule[:5] + (
+                     str(arr.tp) + ("sp" if arr.sequence_parallel else ""), str(arr.cp)]
+                    + ([str(arr.ep)] if moe else [])
+                    + ["-" if arr.pp == 1 else arr.schedule[:5] + (
                          f"{arr.virtual_stages}" if arr.virtual_stages > 1 else ""),
                      str(arr.zero), str(arr.micro_batches), str(arr.micro_rows),
                      f"{q.step_s:.3f}", f"{q.tokens_per_s:,.0f}",
@@ -323,13 +353,16 @@ def table(p: Plan, top: int = 12) -> str:
                      f"{100 * (q.compute_s + q.optimizer_s) / q.step_s:.0f}%",
                      f"{100 * comm:.0f}%", f"{100 * sh['bubble']:.0f}%"]
                     + ([f"{100 * q.ckpt_s / q.step_s:.1f}%"] if ckpt else [])
-                    + [f"{q.memory_bytes / GiB:.1f}"])
+                    + [f"{q.memory_bytes / GiB:.1f}"]
+                    + ([f"{q.memory_terms['expert_state'] / GiB:.1f}"] if moe else []))
     widths = [max(len(r[i]) for r in [cols] + rows) for i in range(len(cols))]
     line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
     out = [head, "", line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     out.append("job tok/s: tokens per second of the whole job; GPU tok/s and GPU TFLOP/s: "
                "per rank (one GPU or tile); MFU: of the device's peak."
-               + (" ckpt: the step's share of checkpoint stalls." if ckpt else ""))
+               + (" ckpt: the step's share of checkpoint stalls." if ckpt else "")
+               + (" experts GiB: the rank's 1/ep of the experts' weights, gradients and "
+                  "optimizer state (in mem GiB)." if moe else ""))
     shown = min(top, len(p.fitting))
     out.append("")
     out.append(f"{len(p.fitting)} arrangement(s) fit ({shown} shown, fastest first); "
