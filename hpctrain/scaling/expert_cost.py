@@ -9,7 +9,7 @@ routed experts. Per MoE block and micro-batch every rank sends each of its token
 vectors to the ``moe_top_k`` experts it is routed to and takes the results back: two
 all-to-alls in forward (dispatch, combine), two in backward (their gradients), two more
 when the block runs again for recomputation. Routing is taken as balanced. The formulas:
-docs/design/moe-planner.md.
+docs/design/moe.md ("In the planner").
 """
 
 from __future__ import annotations
