@@ -255,7 +255,8 @@ def test_without_safetensors_the_message_says_how_to_install(tmp_path, monkeypat
     ("no dir", "is not a directory"),
     ("no config", "has no config.json"),
     ("not json", "is not readable JSON"),
-    ("mistral", "model_type 'mistral' is not one hpctrain imports; it imports gpt2 and llama"),
+    ("mistral", "model_type 'mistral' is not one hpctrain imports; it imports gpt2, llama, "
+                "mixtral, qwen2_moe"),
     ("no weights", "has neither model.safetensors nor model.safetensors.index.json"),
     ("index outside", "names '../x.safetensors' for lm_head.weight, not a .safetensors file "
                       "beside it"),

@@ -7,8 +7,10 @@ ones the Hugging Face export makes; only the names differ, and the rotary pairin
 (and Hugging Face's) pairs channel i with i + hs/2 in a head, torchtitan's llama3 pairs
 2i with 2i + 1, so the rows of ``wq`` and ``wk`` (and of their Adam moments) are
 permuted head by head (``to_interleaved``). Every other family (GPT-2 has no torchtitan
-model) keeps hpctrain's own names and tensors as they are. Both directions walk the
-one list ``rules``. ``docs/design/dcp-interop.md``.
+model) keeps hpctrain's own names and tensors as they are. A Llama with experts or
+with ``qkv_bias`` is refused: torchtitan's llama3 has neither, and its MoE models name
+and route their experts their own way. Both directions walk the one list ``rules``.
+``docs/design/dcp-interop.md``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hpctrain.checkpoint.format import CheckpointError
 from hpctrain.checkpoint.hf_names import rules as hf_rules
 from hpctrain.model.gpt import GPT
 from hpctrain.model.shape import GPTConfig
@@ -63,6 +66,10 @@ def rules(model: dict) -> list[Rule]:
     """Every parameter of the model ``model`` records, in ``GPT.named_parameters`` order."""
     cfg = GPTConfig.from_shape(model)
     if cfg.family.hugging_face == "llama":
+        if cfg.moe_experts or (cfg.qkv_bias and not cfg.bias):
+            what = "experts (moe_experts > 0)" if cfg.moe_experts else "qkv_bias=true"
+            raise CheckpointError(f"a Llama with {what} has no torchtitan llama3 form: "
+                                  "export it with --format hf or --format safetensors")
         out = []
         for r in hf_rules(model):
             names = tuple(_titan(t) for t in r.theirs)

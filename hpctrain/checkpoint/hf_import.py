@@ -1,5 +1,5 @@
 """``hpctrain ckpt import --from hf DIR --output CKPT``: a Hugging Face model directory
-(GPT-2 or Llama) as an hpctrain checkpoint.
+(GPT-2, Llama, Mixtral or Qwen2-MoE) as an hpctrain checkpoint.
 
 Reads ``config.json`` (through ``hf_config.py``), the safetensors weights (checked
 against the shapes it implies through ``hf_names.from_hf``, then made fp32) and
@@ -11,12 +11,13 @@ or not at all. ``docs/design/hf-interop.md``.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint.hf_config import SUPPORTED, from_hf_config
+from hpctrain.checkpoint.hf_config import CLASSES, SUPPORTED, from_hf_config
 from hpctrain.checkpoint.hf_names import IGNORED, from_hf, hf_names
 from hpctrain.checkpoint.sharded import CheckpointError
 from hpctrain.checkpoint.weights import save_weights
@@ -50,8 +51,8 @@ def import_hf(source: str | Path, output: str | Path, *, vocab_multiple: int = 1
     kind = config.get("model_type")
     if kind not in SUPPORTED:  # before reading gigabytes of weights
         raise CheckpointError(f"{src / 'config.json'}: model_type {kind!r} is not one "
-                              f"hpctrain imports; it imports {' and '.join(SUPPORTED)} "
-                              "(GPT2LMHeadModel, LlamaForCausalLM)")
+                              f"hpctrain imports; it imports {', '.join(SUPPORTED)} "
+                              f"({CLASSES})")
     tensors = _read_tensors(src, _weight_files(src))
     if kind == "gpt2" and not any(n.startswith("transformer.") for n in tensors):
         # saved from GPT2Model (OpenAI's published gpt2): the same names, no prefix
@@ -59,11 +60,11 @@ def import_hf(source: str | Path, output: str | Path, *, vocab_multiple: int = 1
                    for n, t in tensors.items()}
     tensors = {n: t for n, t in tensors.items() if not any(p.fullmatch(n) for p in IGNORED)}
     try:
-        model, notes = from_hf_config(config, bias=_gpt2_bias(tensors),
+        model, notes = from_hf_config(config, bias=_has_biases(tensors, kind),
                                       vocab_multiple=vocab_multiple)
     except ValueError as e:
         raise CheckpointError(f"{src / 'config.json'}: {e}; hpctrain imports plain "
-                              "GPT2LMHeadModel and LlamaForCausalLM models") from None
+                              f"{CLASSES} models") from None
     notes += _dtype_notes(tensors)
     params = _map(src, tensors, model)
     del tensors  # the stored copies (bf16, say): only the fp32 ones are written
@@ -161,11 +162,19 @@ def _read_tensors(src: Path, files: dict[str, list[str] | None]) -> dict[str, to
     return out
 
 
-def _gpt2_bias(tensors: dict[str, torch.Tensor]) -> bool:
-    """GPT-2 has a bias on every LayerNorm and projection; all of them exactly zero is a
-    model without biases (as hpctrain's ``bias=False`` exports), which imports so."""
-    return any(t.any() for n, t in tensors.items()
-               if n.startswith("transformer.") and n.endswith(".bias"))
+OPTIONAL_BIASES = {"gpt2": re.compile(r"transformer\..*\.bias"),
+                   "qwen2_moe": re.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias")}
+"""Biases a layout always has, which a model without them (hpctrain's ``bias=False``,
+``qkv_bias=False``) exports as zeros: GPT-2's on every LayerNorm and projection,
+Qwen2-MoE's on q, k and v."""
+
+
+def _has_biases(tensors: dict[str, torch.Tensor], kind: str) -> bool:
+    """Whether any of the layout's optional biases is not exactly zero: all zero is a
+    model without them, which imports so."""
+    pattern = OPTIONAL_BIASES.get(kind)
+    return pattern is not None and any(t.any() for n, t in tensors.items()
+                                       if pattern.fullmatch(n))
 
 
 def _map(src: Path, tensors: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
@@ -180,8 +189,8 @@ def _map(src: Path, tensors: dict[str, torch.Tensor], model: dict) -> dict[str, 
                               "of different models, or shards are missing")
     if extra:
         raise CheckpointError(f"{src} has tensors a plain {model['arch']} model does not: "
-                              f"{', '.join(extra[:3])}; hpctrain imports GPT2LMHeadModel and "
-                              "LlamaForCausalLM without additions")
+                              f"{', '.join(extra[:3])}; hpctrain imports {CLASSES} "
+                              "without additions")
     bad = [n for n in want if not tensors[n].is_floating_point()]
     if bad:
         raise CheckpointError(f"{src}: {bad[0]} is {tensors[bad[0]].dtype}, not floating "

@@ -56,14 +56,15 @@ class FamilyLayers:
 
 class CausalSelfAttention(nn.Module):
     """One projection ``c_attn`` makes the queries (nh heads), keys and values (nkv heads
-    each); with nkv < nh each key/value head serves nh / nkv query heads."""
+    each); with nkv < nh each key/value head serves nh / nkv query heads. ``c_attn`` has
+    a bias with ``bias`` or ``qkv_bias`` (Qwen2's attention), ``c_proj`` with ``bias``."""
 
     def __init__(self, cfg: GPTConfig, rotary=None):
         super().__init__()
         self.n_head, self.n_kv_head, hs = cfg.n_head, cfg.n_kv_head, cfg.head_size
         self.head_size = hs
         self.widths = [cfg.n_head * hs, cfg.n_kv_head * hs, cfg.n_kv_head * hs]
-        self.c_attn = nn.Linear(cfg.n_embd, sum(self.widths), bias=cfg.bias)
+        self.c_attn = nn.Linear(cfg.n_embd, sum(self.widths), bias=cfg.bias or cfg.qkv_bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.rotary = rotary
         self.dropout = cfg.dropout
