@@ -57,19 +57,29 @@ def test_every_split_in_the_plan_names_a_parameter_and_its_parts_add_up(arch):
     assert plan.shard_spec(f"{plan.final_norm}.weight", cfg) is None
 
 
+MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_shared": 1, "moe_shared_gate": True}
+"""Every family also built as a mixture of experts (router, experts, shared ones)."""
+
+
 def _parameter_words() -> set[str]:
-    """Every part of every built family's parameter names that names a module."""
+    """Every part of every built family's parameter names that names a module, dense and
+    as a mixture of experts. Left out: ``experts``, the concept ``parallel/experts/`` is
+    named for (the plan's ``experts`` path names the module), and ``shared``, an everyday
+    word there (shared memory; the shared experts' own modules are still checked)."""
     words = set()
     for arch in SHAPES:
-        for name, _ in GPT(_config(arch, tie_embeddings=False)).named_parameters():
-            words |= {w for w in name.split(".") if not w.isdigit() and len(w) > 1}
-    return words - {"weight", "bias"}
+        for extra in ({}, MOE):
+            cfg = _config(arch, tie_embeddings=False, **extra)
+            for name, _ in GPT(cfg).named_parameters():
+                words |= {w for w in name.split(".") if not w.isdigit() and len(w) > 1}
+    return words - {"weight", "bias", "experts", "shared"}
 
 
 def test_parallel_names_no_parameter_of_any_model():
     """``parallel/`` asks the family's plan; a name there ties it to one model."""
     words = _parameter_words()
-    assert {"wte", "wpe", "c_attn", "lm_head", "ln_f", "attn", "mlp", "gate_proj"} <= words
+    assert {"wte", "wpe", "c_attn", "lm_head", "ln_f", "attn", "mlp", "gate_proj", "router",
+            "w_in", "w_out", "shared_gate"} <= words
     found = []
     for path in sorted(PARALLEL.rglob("*.py")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
