@@ -48,11 +48,15 @@ def _assert_same_state(a: dict, b: dict, keys=KEYS) -> None:
 
 
 def _tensor_parallel_layouts():
-    """tp=2 with ZeRO-1 over the rest of the ranks; at 4 ranks also tp=2 x pp=2 under
+    """tp=2 with ZeRO-1 over the rest of the ranks (at 2 ranks also a mixture of experts,
+    whose experts are sliced by hidden units); at 4 ranks also tp=2 x pp=2 under
     1F1B (layers cut in order, the head and its copy of the embedding slice on stage 1)
     and under zbv (stage 0 holds layers 0 and 3 and the head beside the embedding;
     ``slow``, the 4-rank leg's time: the 2-rank leg reshards a zbv checkpoint without tp)."""
     layouts = [{"parallel.tp": 2, "parallel.zero": 1}]
+    if COMM.size == 2:  # a mixture of experts: each expert's hidden units in slices
+        layouts.append({"parallel.tp": 2, "model.moe_experts": 4, "model.moe_shared": 1,
+                        "model.moe_shared_gate": True})
     if COMM.size % 4 == 0:
         pipeline = {"parallel.tp": 2, "parallel.pp": 2, "model.n_layer": 4,
                     "parallel.micro_batches": 2, "parallel.sequence_parallel": True}
@@ -63,7 +67,7 @@ def _tensor_parallel_layouts():
 
 def _layout_id(layout: dict) -> str:
     return "-".join(f"{k.split('.')[1]}{v}" for k, v in layout.items()
-                    if k.startswith("parallel."))
+                    if k.startswith("parallel.") or k == "model.moe_experts")
 
 
 @pytest.mark.parametrize("layout", _tensor_parallel_layouts(), ids=_layout_id)

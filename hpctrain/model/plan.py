@@ -8,6 +8,7 @@ on login nodes. What a family provides: docs/design/models.md.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -88,6 +89,9 @@ class ParallelPlan:
         parallelism; None for a parameter every rank of the group holds whole."""
         if name in (f"{self.token_embedding}.weight", f"{self.head}.weight"):
             return ShardSpec(0, (cfg.padded_vocab_size,))
+        moe = self._moe_spec(name, cfg)
+        if moe is not None:
+            return moe
         m = re.fullmatch(rf"{re.escape(self.blocks)}\.\d+\.(.+)\.(weight|bias)", name)
         split = m and next((s for s in self.block_splits if s.path == m.group(1)), None)
         if not split:
@@ -97,6 +101,28 @@ class ParallelPlan:
         if m.group(2) == "bias":  # a row layer's bias is added after the reduction
             return None
         return ShardSpec(1, tuple(split.parts(cfg)))
+
+
+    def _moe_spec(self, name: str, cfg) -> ShardSpec | None:
+        """A MoE block's split parameters: each routed expert's hidden units (its input
+        projection per part, gate then up, by rows; its output projection by columns),
+        and the shared experts' MLP as the dense MLP is split. The router and the shared
+        experts' gate stay whole."""
+        blocks = re.escape(self.blocks)
+        m = re.fullmatch(rf"{blocks}\.\d+\.{re.escape(self.experts)}\.(w_in|w_out)", name)
+        if m:
+            hidden = cfg.moe_ffn_hidden or cfg.ffn_hidden
+            gated = cfg.family.mlp_matrices - 1  # 1 part (in) or 2 (gate, up)
+            return ShardSpec(1, (hidden,) * gated) if m.group(1) == "w_in" else ShardSpec(2, (hidden,))
+        m = re.fullmatch(rf"{blocks}\.(\d+)\.{re.escape(self.moe)}\.shared\.(.+)\.(weight|bias)",
+                         name)
+        if not m or not cfg.moe_shared:
+            return None
+        wide = dataclasses.replace(cfg, ffn_hidden=cfg.moe_shared * (cfg.moe_ffn_hidden
+                                                                     or cfg.ffn_hidden),
+                                   moe_experts=0, moe_shared=0, moe_shared_gate=False)
+        dense = f"{self.blocks}.{m.group(1)}.{self.moe}.{m.group(2)}.{m.group(3)}"
+        return self.shard_spec(dense, wide)
 
 
 def attention_parts(cfg) -> tuple[int, int, int]:

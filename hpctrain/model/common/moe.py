@@ -110,8 +110,17 @@ class MoE(nn.Module):
         """What the training loss is multiplied by before backward (``set_loss_scale``):
         the auxiliary losses get the same factor."""
         self.stats = MoEStats(cfg.moe_experts)
+        self.tensor_parallel = None
+        """Under tensor parallelism (``parallel/tensor/moe.py``): ``enter(x)`` gives the
+        layer every token of the group (each rank routes them all alike and computes its
+        slice of every expert's hidden units), ``leave(y)`` sums the ranks' partial
+        outputs, and ``aux_share`` (1/tp) scales the auxiliary losses' gradient, which
+        every rank adds alike. None: the layer is whole."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tensor_parallel
+        if tp is not None:
+            x = tp.enter(x)
         B, T, C = x.shape
         flat = x.reshape(-1, C)  # (N, C), N = B T
         logits = self.router(flat).float()  # (N, E), the routing in fp32
@@ -136,7 +145,7 @@ class MoE(nn.Module):
         if counting:
             self.stats.load = self.stats.load + counts.detach()
             self.stats.dropped = self.stats.dropped + dropped
-        return y
+        return y if tp is None else tp.leave(y)
 
     def route(self, logits: torch.Tensor):
         """Top-k weights, the experts chosen, and every expert's score per token."""
@@ -182,7 +191,8 @@ class MoE(nn.Module):
         total = self.aux_coef * aux + self.z_coef * z
         if not (self.aux_coef or self.z_coef):
             return y
-        return AddAuxiliaryLoss.apply(y, total, self.loss_scale)
+        share = 1.0 if self.tensor_parallel is None else self.tensor_parallel.aux_share
+        return AddAuxiliaryLoss.apply(y, total, self.loss_scale * share)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hpctrain.model.common.moe import MoE
 from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.moe_shape import expert_hidden
 from hpctrain.model.plan import COLUMN
 from hpctrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from hpctrain.parallel.tensor.group import TensorParallelGroup
@@ -24,6 +26,7 @@ from hpctrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLi
 from hpctrain.parallel.tensor.layout import TensorParallelError, check_splittable
 from hpctrain.parallel.tensor.mappings import (copy_to_group, gather_from_sequence,
                                                scatter_to_sequence, sum_gradient_over_group)
+from hpctrain.parallel.tensor.moe import split_moe
 
 
 class TensorParallel:
@@ -68,6 +71,11 @@ def check_tensor_parallel(cfg: GPTConfig, tp: int, sequence_parallel: bool) -> N
         raise TensorParallelError(f"--parallel.tp={tp} needs --model.dropout=0 (now "
                                   f"{cfg.dropout}): dropout over split heads and tokens is "
                                   "not supported")
+    if cfg.moe_experts and (expert_hidden(cfg) % tp or cfg.bias):
+        raise TensorParallelError(f"--parallel.tp={tp} splits each expert's hidden units: "
+                                  f"the expert width {expert_hidden(cfg)} "
+                                  "(--model.moe_ffn_hidden) must be a multiple of "
+                                  f"--parallel.tp={tp}, and --model.bias false")
     if sequence_parallel and cfg.block_size % tp:
         raise TensorParallelError(f"--parallel.sequence_parallel cuts each sequence into "
                                   f"{tp} equal parts: --model.block_size={cfg.block_size} "
@@ -84,7 +92,12 @@ def tensor_parallelize(gpt: GPT, group: TensorParallelGroup, *,
     check_tensor_parallel(cfg, tp, sequence_parallel)
     sp = sequence_parallel
     for i, block in enumerate(gpt.get_submodule(plan.blocks)):
+        moe = block.get_submodule(plan.moe)
+        if isinstance(moe, MoE):  # its experts, not a dense MLP, hold the hidden units
+            split_moe(moe, f"{plan.blocks}.{i}.{plan.moe}", cfg, plan, group, sp)
         for split in plan.block_splits:
+            if isinstance(moe, MoE) and split.path.startswith(f"{plan.moe}."):
+                continue
             owner_path, _, name = split.path.rpartition(".")
             owner = block.get_submodule(owner_path)
             cls = ColumnParallelLinear if split.style == COLUMN else RowParallelLinear
