@@ -9,9 +9,9 @@ under sequence parallelism every rank's tokens gathered), each rank's output is 
 partial sum over its hidden units, and the group adds them up once for the whole layer
 (allreduce, or reduce-scatter onto the sequence slices), after the routing weights, so
 one collective in each direction serves every expert. What every rank then computes
-alike (the router's scores, the auxiliary losses) is whole; the router's and the shared
-gate's weight gradients are partial sums (they multiply partial outputs) and are summed
-over the group; the auxiliary losses' gradient is added on every rank, so each adds
+alike (the routing scores, the auxiliary losses) is whole; the weight gradients of the
+layer's whole parameters (routing and gating) are partial sums (they multiply partial
+outputs) and are summed over the group; the auxiliary losses' gradient is added on every rank, so each adds
 1/tp of it. docs/design/moe.md ("Tensor parallelism inside an expert").
 """
 
@@ -52,6 +52,6 @@ def split_moe(moe: MoE, path: str, cfg, plan, group: TensorParallelGroup,
             spec = plan.shard_spec(full, cfg)
             if spec is not None:
                 setattr(module, pname, split_parameter(param, spec, group))
-            else:  # whole, applied to partial sums: the router, the shared gate
+            else:  # whole, applied to partial sums: the routing and gating weights
                 sum_gradient_over_group(param, group)
     moe.tensor_parallel = MoETensorParallel(group, sequence_parallel)
