@@ -28,9 +28,16 @@ def _moe(**fields) -> ModelShape:
 
 
 def _mixtral_arrangement(**fields) -> pm.Arrangement:
+    """Mixtral on 16 Polaris nodes: pp=2 x tp=4 (tp=1 where ep > 1 is checked: the
+    trainer does not combine them yet)."""
     base = dict(ranks=64, pp=2, tp=4, sequence_parallel=True, zero=1, micro_batches=64,
                 global_batch=512, dtype="bf16")
     return pm.Arrangement(**{**base, **fields})
+
+
+def _checked(**fields) -> pm.Arrangement:
+    """``_mixtral_arrangement`` without tensor parallelism: one that passes ``check``."""
+    return _mixtral_arrangement(tp=1, sequence_parallel=False, micro_batches=16, **fields)
 
 
 def test_the_mixtral_preset_has_the_published_counts():
@@ -80,17 +87,21 @@ def test_shape_takes_moe_keys():
         parse_shape("n_layer=2,n_embd=64,n_head=4,vocab=100,routers=8")
 
 
-@pytest.mark.parametrize("ep, match", [(3, "ep=3 must divide both dp x cp = 8 and the 8 "
+@pytest.mark.parametrize("ep, match", [(3, "ep=3 must divide both dp x cp = 32 and the 8 "
                                            "experts"),
                                        (16, "ep=16 must divide both"),
                                        (0, "ep=0 must divide both")])
 def test_an_ep_that_does_not_divide_is_refused_with_one_message(ep, match):
     shape = preset_shape("mixtral-8x7b")
     with pytest.raises(UserError, match=match):
-        _mixtral_arrangement(ep=ep).check(shape)
+        _checked(ep=ep).check(shape)
     with pytest.raises(UserError, match="has none; use ep=1"):
-        _mixtral_arrangement(ep=2).check(preset_shape("llama3-8b"))
-    _mixtral_arrangement(ep=8).check(shape)
+        _checked(ep=2).check(preset_shape("llama3-8b"))
+    _checked(ep=8).check(shape)
+    with pytest.raises(UserError, match="ep=2 with tp=4: expert and tensor parallelism"):
+        _mixtral_arrangement(ep=2).check(shape)
+    with pytest.raises(UserError, match="cp=2 with a mixture of experts"):
+        _checked(cp=2).check(shape)
 
 
 @pytest.mark.parametrize("args, match", [
@@ -163,8 +174,9 @@ def test_all_to_all_time_grows_with_top_k_and_ep():
     again = pm.expert_parallel_time(system, shape, _mixtral_arrangement(ep=2, recompute="block"),
                                     16)
     assert again == pytest.approx(t[(2, 2)] * 6 / 4)  # dispatch and combine once more
-    pred = pm.predict(system, shape, _mixtral_arrangement(ep=2))
-    assert pred.ep_comm_s == pytest.approx(64 * t[(2, 2)])
+    pred = pm.predict(system, shape, _checked(ep=2))
+    alone = pm.expert_parallel_time(system, shape, _checked(ep=2), 16)
+    assert pred.ep_comm_s == pytest.approx(16 * alone)  # 16 micro-batches
     assert ("expert-parallel all-to-alls (exposed)", f"{pred.ep_comm_s * 1e3:.2f} ms") \
         in pm.describe(pred)
 
@@ -183,20 +195,26 @@ def test_expert_gradients_are_reduced_over_dp_times_cp_over_ep():
     assert pm.gradient_terms(system, two, dense, 16, 0.1, experts2)[1] > alone[1]
 
 
-def test_mixtral_on_16_polaris_nodes_needs_ep_when_the_pipeline_is_short(capsys):
-    p = plan(system="polaris", nodes=16, model="mixtral-8x7b", fixed=Fixed(pp=2))
+def test_mixtral_on_16_polaris_nodes_needs_ep_without_tensor_parallelism(capsys):
+    """tp=1, ZeRO-1, pp=8, blocks recomputed: only a spread of the experts fits."""
+    fixed = dict(tp=1, pp=8, zero=1)
+    p = plan(system="polaris", nodes=16, model="mixtral-8x7b", fixed=Fixed(**fixed),
+             recompute="block")
     assert p.fitting and all(c.arrangement.ep > 1 for c in p.fitting)
     best = p.fitting[0]
     assert best.prediction.memory_bytes <= p.system.device_memory
     with pytest.raises(UserError, match="does not fit"):
-        plan(system="polaris", nodes=16, model="mixtral-8x7b", fixed=Fixed(pp=2, ep=1))
+        plan(system="polaris", nodes=16, model="mixtral-8x7b", fixed=Fixed(**fixed, ep=1),
+             recompute="block")
+    free = plan(system="polaris", nodes=16, model="mixtral-8x7b")  # tp=4 inside the experts
+    assert free.fitting[0].arrangement.tp > 1 and free.fitting[0].arrangement.ep == 1
     text = table(p)
     assert " ep " in text.splitlines()[2] and "experts GiB" in text
     assert " ep " not in table(plan(system="polaris", nodes=2, model="gpt2")).splitlines()[2]
 
 
 def test_mixtral_on_aurora_plans_with_experts_spread():
-    p = plan(system="aurora", nodes=16, model="mixtral-8x7b")
+    p = plan(system="aurora", nodes=16, model="mixtral-8x7b", fixed=Fixed(tp=1))
     assert p.fitting[0].arrangement.ep > 1
     assert p.fitting[0].prediction.memory_bytes <= p.system.device_memory
 

@@ -121,11 +121,17 @@ class Arrangement:
                             f" x micro_batches={self.micro_batches}; use a multiple of {per}")
 
     def _check_experts(self, shape: ModelShape) -> None:
+        if shape.moe_experts and self.cp > 1:  # as the trainer (config/checks.py)
+            raise UserError(f"cp={self.cp} with a mixture of experts: context parallelism "
+                            "and experts are not combined yet; use cp=1")
         if self.ep == 1:
             return
         if self.ep > 1 and not shape.moe_experts:
             raise UserError(f"ep={self.ep} spreads experts over ranks, and {shape.label} has "
                             "none; use ep=1 (or a model with moe_experts)")
+        if self.tp > 1:  # as the trainer: parallel/experts/apply.py
+            raise UserError(f"ep={self.ep} with tp={self.tp}: expert and tensor parallelism "
+                            "are not combined yet; use tp=1 with ep > 1, or ep=1")
         group = self.grad_group
         if self.ep < 1 or group % self.ep or shape.moe_experts % self.ep:
             raise UserError(f"ep={self.ep} must divide both dp x cp = {group} and the "
