@@ -114,13 +114,18 @@ def local_norm_squares(grads: list[torch.Tensor], duplicated: list[torch.Tensor]
     """This rank's share of the squared global gradient norm: the squares of ``grads``,
     where ``duplicated`` (views into them) are held whole by ``copies`` ranks that the
     norm also sums over (a tensor-parallel group), so that each copy counts 1/copies
-    and the sum counts the parameter once. Summed on the device in fp64; the float is
-    the step's one wait for it."""
-    squares = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+    and the sum counts the parameter once. Each tensor's sum of squares is accumulated in
+    fp64 on the device (an fp32 sum over a whole flat bucket of millions of elements
+    drifts by parts per million); the float is the step's one wait for it."""
+    squares = _squares(grads)
     if duplicated and copies > 1:
-        extra = torch.stack(torch._foreach_norm(duplicated)).double().square().sum()
-        squares = squares - (1.0 - 1.0 / copies) * extra
+        squares = squares - (1.0 - 1.0 / copies) * _squares(duplicated)
     return float(squares)
+
+
+def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64)
+                        for t in tensors]).square().sum()
 
 
 def finish_norm(local_squares: float, comms: list[MPI.Comm], timeout: float) -> float:
