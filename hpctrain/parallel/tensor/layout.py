@@ -72,6 +72,10 @@ QUALIFIER = "@tp"
 """A sharded checkpoint names rank r's slice of ``name`` ``name@tp<r>``."""
 
 
+EXPERT_QUALIFIER = "@ep"
+"""... and rank r's slice of a layer's experts (expert parallelism) ``name@ep<r>``."""
+
+
 def qualified_name(name: str, rank: int) -> str:
     return f"{name}{QUALIFIER}{rank}"
 
