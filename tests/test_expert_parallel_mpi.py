@@ -98,3 +98,21 @@ def test_moe_without_expert_parallelism_matches_single_process(mpi_dataset, shar
     """Every rank holds every expert: dp = 2, or pp = 2 (two micro-batches)."""
     extra = {"parallel.pp": 2, "parallel.micro_batches": 2} if layout == "pp" else {}
     _fit(_config(mpi_dataset, shared_tmp, 1, **extra))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_expert_groups_are_consecutive_replicas():
+    """At 4 ranks (dp = 4), ep = 2: replicas {0, 1} and {2, 3} each hold every expert;
+    the ranks holding the same experts are {0, 2} and {1, 3}."""
+    from hpctrain.comm.grid import ProcessGrid
+
+    grid = ProcessGrid.create(cpu_world(COMM), ep=2)
+    try:
+        assert (grid.dp, grid.ep, grid.ep_index) == (4, 2, grid.dp_index % 2)
+        ep_members = sorted(grid.ep_comm.allgather(grid.dp_index))
+        assert ep_members == [grid.dp_index // 2 * 2, grid.dp_index // 2 * 2 + 1]
+        same = sorted(grid.expert_world.comm.allgather(grid.dp_index))
+        assert same == [grid.dp_index % 2, grid.dp_index % 2 + 2]
+        assert grid.expert_world.size == 2
+    finally:
+        grid.close()
