@@ -176,6 +176,13 @@ class ProcessGrid:
                           self.tp_index, self.cp, c)
                 for d in range(self.dp) for c in range(self.cp)]
 
+    def expert_ranks(self) -> list[int]:
+        """World ranks holding this rank's experts at its stage and tensor-parallel
+        position, in ``expert_world``'s order (``stage_ranks`` when ep = 1)."""
+        return [grid_rank(g * self.ep + self.ep_index, self.stage, self.dp, self.pp,
+                          self.pipeline_inner, self.tp, self.tp_index, self.cp, c)
+                for g in range(self.dp // self.ep) for c in range(self.cp)]
+
     def describe(self) -> str:
         tp = ((f" x cp={self.cp}" if self.cp > 1 else "")
               + (f" (ep={self.ep})" if self.ep > 1 else "")
