@@ -290,7 +290,9 @@ class DataParallel(BucketScheduler):
 
     def describe(self) -> str:
         summed = f" summed by {self.summed_by}" if self.size > 1 else ""
-        return f"{len(self.buckets)} gradient bucket(s){summed}, ZeRO level 0"
+        experts = (f", experts reduced over {self.experts.size} rank(s)"
+                   if self.experts is not None else "")
+        return f"{len(self.buckets)} gradient bucket(s){summed}{experts}, ZeRO level 0"
 
     def memory(self) -> MemoryReport:
         """Bytes this rank holds: replicated parameters, gradient buckets, AdamW state."""

@@ -32,5 +32,7 @@ class MixedPrecisionDataParallel(Zero):
 
     def describe(self) -> str:
         summed = " summed by MPI Iallreduce" if self.size > 1 else ""
+        if self.experts is not None:
+            summed += f", experts reduced over {self.experts.size} rank(s)"
         return (f"{len(self.buckets)} gradient bucket(s){summed}, replicated "
                 "parameters with fp32 master weights")

@@ -333,7 +333,9 @@ class Zero(ShardedState, BucketScheduler):
 
     # ---------------------------------------------------------- memory and close
     def describe(self) -> str:
-        return f"{len(self.buckets)} gradient bucket(s), ZeRO level {self.level}"
+        experts = (f", experts reduced over {self.experts.size} rank(s)"
+                   if self.experts is not None else "")
+        return f"{len(self.buckets)} gradient bucket(s){experts}, ZeRO level {self.level}"
 
     def memory(self) -> MemoryReport:
         """Bytes this rank holds for model state, and its peak communication buffers."""
