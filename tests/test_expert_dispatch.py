@@ -39,6 +39,15 @@ def test_expert_major_order_groups_arrivals_by_expert_then_source(table):
                                        for _ in range(n)]
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_expert_major_order_of_random_tables(seed):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, 4, (1 + seed % 4, 1 + seed % 3), generator=g)
+    rows = _labelled(table)
+    grouped = [rows[i] for i in permute.expert_major_order(table).tolist()]
+    assert grouped == sorted(rows, key=lambda r: (r[1], r[0], r[2]))
+
+
 def test_inverse_undoes_the_order():
     table = torch.tensor([[2, 1], [0, 3], [1, 1]])
     order = permute.expert_major_order(table)

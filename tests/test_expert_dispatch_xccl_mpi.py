@@ -35,7 +35,7 @@ def world():
 
 
 @pytest.mark.parametrize("per_rank", [1, 2])
-@pytest.mark.parametrize("empty", ["", "source", "expert"])
+@pytest.mark.parametrize("empty", ["none", "some", "source", "expert"])
 def test_device_library_dispatch_equals_every_expert_in_one_process(world, per_rank, empty):
     dispatch = ExpertParallelDispatch.of_world(COMM, world)
     assert isinstance(dispatch.transport, DeviceAllToAll)

@@ -50,14 +50,16 @@ class AllToAll:
         each peer, in peer order (a new tensor on ``x``'s device)."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Free what the transport made (nothing here)."""
+
     def _what(self, what: str) -> str:
         return f"expert parallelism: {what} all-to-all over {self.size} ranks"
 
 
-def _spec(rows: list[int], row_bytes: int) -> tuple[list[int], list[int]]:
-    """Byte counts and displacements of consecutive blocks of ``rows`` rows."""
-    counts = [n * row_bytes for n in rows]
-    return counts, [sum(counts[:p]) for p in range(len(counts))]
+def _spec(rows: list[int]) -> tuple[list[int], list[int]]:
+    """Counts and displacements (in rows) of consecutive blocks of ``rows`` rows."""
+    return rows, [sum(rows[:p]) for p in range(len(rows))]
 
 
 def received_like(x: torch.Tensor, recv_rows: list[int]) -> torch.Tensor:
@@ -65,24 +67,40 @@ def received_like(x: torch.Tensor, recv_rows: list[int]) -> torch.Tensor:
 
 
 class MPIAllToAll(AllToAll):
-    """Rows by ``Ialltoallv`` in bytes (bf16 travels as its bit pattern), through
-    ``MPIBuffer``: handed over directly or staged, after the event of its last write."""
+    """Rows by ``Ialltoallv`` through ``MPIBuffer`` (handed over directly or staged,
+    after the event of its last write), counted in an MPI type of one row's bytes: any
+    dtype travels as its bit pattern (bf16 too), and counts stay far below 2^31."""
 
-    def rows(self, x, send_rows, recv_rows, what):
+    def __init__(self, comm, **kwargs):
+        super().__init__(comm, **kwargs)
+        self._row_types: dict[int, object] = {}
+
+    def _row_type(self, row_bytes: int):
         from mpi4py import MPI
 
+        if row_bytes not in self._row_types:
+            self._row_types[row_bytes] = MPI.BYTE.Create_contiguous(row_bytes).Commit()
+        return self._row_types[row_bytes]
+
+    def rows(self, x, send_rows, recv_rows, what):
         x = x.detach().contiguous()
         received = received_like(x, recv_rows)
-        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        row = self._row_type(math.prod(x.shape[1:]) * x.element_size())
         send = MPIBuffer(x, self.accel, self.aware)
         recv = MPIBuffer(received, self.accel, self.aware)
         recv.prepare(send=False)  # only written: nothing to stage
         send_obj, recv_obj = to_mpi_all([send, recv])
-        request = self.comm.Ialltoallv([send_obj, _spec(send_rows, row_bytes), MPI.BYTE],
-                                       [recv_obj, _spec(recv_rows, row_bytes), MPI.BYTE])
+        request = self.comm.Ialltoallv([send_obj, _spec(send_rows), row],
+                                       [recv_obj, _spec(recv_rows), row])
         wait_all([request], timeout=self.timeout, what=self._what(what))
         recv.complete()
         return received
+
+    def close(self) -> None:
+        """Free the row types (the transport is not used after)."""
+        for row in self._row_types.values():
+            row.Free()
+        self._row_types.clear()
 
 
 class _AllToAllRows(torch.autograd.Function):

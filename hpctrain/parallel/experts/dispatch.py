@@ -71,6 +71,9 @@ class ExpertParallelDispatch:
         return ExpertParallelDispatch(kind(comm, timeout=world.timeout, accel=world.accel,
                                            aware=world.gpu_aware))
 
+    def close(self) -> None:
+        self.transport.close()
+
     def __call__(self, routed, counts, experts):
         _check(routed, counts)
         t = self.transport

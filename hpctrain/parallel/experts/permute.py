@@ -36,15 +36,15 @@ def rows_per_expert(table: torch.Tensor) -> list[int]:
 def expert_major_order(table: torch.Tensor, device=None) -> torch.Tensor:
     """The index that takes source-major received rows to expert-major ones:
     ``grouped = received[order]``. ``table``: rows received from each source (ep, L)."""
-    ep, n_local = table.shape
-    sizes = table.reshape(-1).tolist()
-    starts = [0]
-    for n in sizes[:-1]:
-        starts.append(starts[-1] + n)
-    pieces = [torch.arange(starts[s * n_local + j], starts[s * n_local + j]
-                           + sizes[s * n_local + j], dtype=torch.int64)
-              for j in range(n_local) for s in range(ep)]
-    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    sizes = table.to(torch.int64)
+    arrived_at = (sizes.reshape(-1).cumsum(0) - sizes.reshape(-1)).reshape(sizes.shape)
+    blocks = sizes.t().reshape(-1)  # the blocks in expert-major order
+    starts = arrived_at.t().reshape(-1)
+    grouped_at = blocks.cumsum(0) - blocks
+    total = int(blocks.sum())
+    # row i of the grouped rows: its block's arrival start + its place in the block
+    order = (torch.arange(total) - grouped_at.repeat_interleave(blocks)
+             + starts.repeat_interleave(blocks))
     return order.to(device) if device is not None else order
 
 
