@@ -61,7 +61,7 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     if grid.cp > 1:  # on the stage: its embedding is the one that runs
         context_parallelize(model, Ring.of_world(grid.cp_comm, world))
     if grid.ep > 1:  # every rank built the same whole model: the slices fit together
-        expert_parallelize(model, grid.ep_comm, world)
+        expert_parallelize(model, grid.ep_comm, world, grid.resources)
     engine = build_engine(model, grid.dp_world, cfg,
                           blocks=None if pipelined else whole_blocks(model),
                           norm_comms=(grid.pp_comm,) if pipelined else (), tp_comm=grid.tp_comm,

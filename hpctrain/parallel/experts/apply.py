@@ -27,14 +27,33 @@ def is_expert(param: torch.Tensor) -> bool:
     return getattr(param, EXPERT_SLICE, None) is not None
 
 
-def expert_parallelize(model: torch.nn.Module, ep_comm, world) -> int:
+class _Open:
+    """What the grid's resources hold of the dispatch: true until ``Free`` closes it (as
+    an MPI handle is until freed)."""
+
+    def __init__(self, dispatch):
+        self.dispatch, self.open = dispatch, True
+
+    def Free(self) -> None:
+        self.dispatch.close()
+        self.open = False
+
+    def __bool__(self) -> bool:
+        return self.open
+
+
+def expert_parallelize(model: torch.nn.Module, ep_comm, world, resources=None) -> int:
     """Keep this rank's experts of every MoE layer of ``model`` (a GPT or a pipeline
     stage) and exchange tokens over ``ep_comm`` (``ProcessGrid.ep_comm``; ``world``: the
-    device, GPU awareness and deadline). Returns the number of layers changed."""
+    device, GPU awareness and deadline), one dispatch for every layer, which
+    ``resources`` (the grid's) closes with the grid. Returns the number of layers
+    changed."""
     ep, rank = ep_comm.Get_size(), ep_comm.Get_rank()
     layers = moe_layers(model)
+    dispatch = ExpertParallelDispatch.of_world(ep_comm, world)
+    if resources is not None and hasattr(dispatch, "close"):
+        resources.add(_Open(dispatch))
     for layer in layers:
-        dispatch = ExpertParallelDispatch.of_world(ep_comm, world)
         for experts in [m for m in layer.modules() if isinstance(m, Experts)]:
             total = experts.n_experts
             if total % ep:
