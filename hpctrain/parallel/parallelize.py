@@ -4,11 +4,12 @@ One fixed order (as torchtitan's ``parallelize``), because each step needs the p
 0. tensor split (tp > 1, ``tensor/apply.py``); 1. pipeline cut (pp > 1: this rank's
 stage); 2. device, then ring attention and global positions on what the rank holds
 (cp > 1, ``context/apply.py``), and this rank's experts of every MoE layer with the
-all-to-all dispatch (ep > 1, ``experts/apply.py``); 3. gradient engine over the stage's data-parallel and
-context-parallel ranks (``Zero``, ``DataParallel`` or ``MixedPrecisionDataParallel``;
-it may turn parameters into bf16 views, so it comes before anything that reads their
-dtype); 4. runner (pipeline executor or ``LocalRunner``); 5. compute settings (TF32,
-then ``torch.compile`` of each block and of the head, last, so the engine's hooks stay
+all-to-all dispatch (ep > 1, ``experts/apply.py``); 3. gradient engine over the stage's
+data-parallel and context-parallel ranks, the experts' over the ranks holding them
+(``Zero``, ``DataParallel`` or ``MixedPrecisionDataParallel``; it may turn parameters
+into bf16 views, so it comes before anything that reads their dtype); 4. runner
+(pipeline executor or ``LocalRunner``); 5. compute settings (TF32, then
+``torch.compile`` of each block and of the head, last, so the engine's hooks stay
 outside the compiled code).
 Each step and why: docs/design/training-step.md ("``parallelize(gpt, grid, cfg)``").
 """

@@ -58,8 +58,8 @@ class Zero(ShardedState, BucketScheduler):
                  experts: World | None = None, ep_comm: MPI.Comm | None = None):
         """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``,
         ``tp_comm``, ``experts``, ``ep_comm``: see engine.py (the experts' buckets are
-        reduced and sharded over ``experts``); ``staging_mb``: the byte budget of levels 2-3's fp32
-        reduction buffers (default: ``STAGED_AT_ONCE`` of the largest staged bucket, or
+        reduced and sharded over ``experts``); ``staging_mb``: the byte budget of levels
+        2-3's fp32 reduction buffers (default: ``STAGED_AT_ONCE`` of the largest staged bucket, or
         every staged bucket's bytes when that is less)."""
         if level not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO level must be 0-3, not {level}")
