@@ -77,9 +77,10 @@ def test_expert_parallel_with_zero(mpi_dataset, shared_tmp, zero):
 
 
 @pytest.mark.mpi(min_size=4)
-def test_expert_parallel_with_pipeline(mpi_dataset, shared_tmp):
-    """ep = 2 inside each of pp = 2 stages (dp = 2)."""
-    _fit(_config(mpi_dataset, shared_tmp, 2, **{"parallel.pp": 2,
+@pytest.mark.parametrize("zero", [0, 1])
+def test_expert_parallel_with_pipeline(mpi_dataset, shared_tmp, zero):
+    """ep = 2 inside each of pp = 2 stages (dp = 2), replicated and ZeRO-1."""
+    _fit(_config(mpi_dataset, shared_tmp, 2, **{"parallel.pp": 2, "parallel.zero": zero,
                                                  "parallel.micro_batches": 2}))
 
 
