@@ -189,7 +189,7 @@ def _local_reduced_gradients(trainer) -> dict:
         full = shard
         if lay.world > 1:
             full = torch.empty(lay.padded, dtype=torch.float32)
-            engine.world.comm.Allgather(shard.numpy(), full.numpy())
+            b.world.comm.Allgather(shard.numpy(), full.numpy())
         for p, off in zip(b.params, lay.offsets):
             out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
     return out

@@ -152,3 +152,18 @@ def test_the_device_library_waits_for_the_fake_devices_events(mpi_dataset, share
     assert counts["unready_handoffs"] == 0, counts
     assert counts["staged_bytes"] == 0 and counts["numpy_on_device"] == 0
     assert counts["device_syncs"] == 0
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("aware", ["yes", "no"])
+def test_expert_parallelism_on_the_fake_device(mpi_dataset, shared_tmp, aware, zero):
+    """ep = 2: the tokens' all-to-all and the experts' reductions over their own ranks
+    hand device memory over only once written, and never synchronize the device."""
+    from tests.test_expert_parallel_mpi import MOE
+
+    cfg = _config(mpi_dataset, shared_tmp, **{**MOE, "parallel.ep": 2, "parallel.zero": zero})
+    trainer, counts = _fit_on_fake(cfg, aware, check=lambda t, c: fit_against_reference(
+        t, c, t.grid.expert_world.comm))
+    assert counts["device_syncs"] == 0 and counts["syncs_in_backward"] == 0
+    assert counts["unready_handoffs"] == 0 and counts["numpy_on_device"] == 0
+    assert (counts["staged_bytes"] > 0) == (aware == "no")

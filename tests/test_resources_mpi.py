@@ -18,6 +18,7 @@ LAYOUTS = [
     {"comm.transport": "mpi"},  # persistent requests (MPI-4) or none
     {"parallel.zero": 3},  # ZeRO-3's gather communicator
     {"parallel.pp": 2, "parallel.micro_batches": 2},  # the grid's communicators
+    {"parallel.ep": 2, "model.moe_experts": 2},  # expert groups, the dispatch's row types
 ]
 
 

@@ -30,15 +30,22 @@ from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.tensor.split_state import TensorSplit
 
 
-def _replicated_shard(state, split: TensorSplit, writes: bool):
+def _is_expert(split: TensorSplit, name: str) -> bool:
+    return split.experts is not None and name in split.experts.specs
+
+
+def _replicated_shard(state, split: TensorSplit, writes: bool, writes_experts: bool):
     """Plain data parallelism: one rank (per pipeline stage) writes every parameter of
     its model and their moments by name; under tensor parallelism each rank of the
-    group writes its slices (``name@tp<r>``) and the group's first the whole rest."""
+    group writes its slices (``name@tp<r>``) and the group's first the whole rest; under
+    expert parallelism the first holder of each slice of the experts writes it
+    (``name@ep<r>``, ``writes_experts``) and replica 0 the rest."""
     names = {n: split.qualified(n) for n in state.params
-             if split.rank == 0 or split.qualified(n) != n}
+             if (writes_experts if _is_expert(split, n) else
+                 writes and (split.rank == 0 or split.qualified(n) != n))}
     index = {"params": {names[n]: list(state.params[n]["param"].shape) for n in names}}
     sources = {}
-    if writes:
+    if writes or writes_experts:
         for name, qualified in names.items():
             for k in KEYS:
                 sources[f"{k}/{qualified}"] = state.params[name][k]
@@ -48,10 +55,13 @@ def _replicated_shard(state, split: TensorSplit, writes: bool):
 def _zero_index(state, grid: ProcessGrid, split: TensorSplit) -> dict:
     entries = [bucket_entry([split.qualified(n) for n in b.names], b.shapes, b.layout)
                for b in state.buckets]
-    if grid.pp > 1 or grid.tp > 1:  # buckets that live on some ranks only
+    if grid.pp > 1 or grid.tp > 1 or grid.ep > 1:  # buckets that live on some ranks only
         where = f"stage{grid.stage}_" + (f"tp{grid.tp_index}_" if grid.tp > 1 else "")
-        for i, e in enumerate(entries):
-            e.update(ranks=grid.stage_ranks(), key=f"{where}bucket_{i}")
+        for i, (e, b) in enumerate(zip(entries, state.buckets)):
+            if _is_expert(split, b.names[0]):  # this slice of the experts' holders
+                e.update(ranks=grid.expert_ranks(), key=f"{where}ep{grid.ep_index}_bucket_{i}")
+            else:
+                e.update(ranks=grid.stage_ranks(), key=f"{where}bucket_{i}")
     return {"buckets": entries}
 
 
@@ -72,10 +82,13 @@ def _to_numpy(t: torch.Tensor):
 
 def _merge_stage_indexes(world: World, grid: ProcessGrid, layout: str, index: dict,
                          what: str) -> dict | None:
-    """The whole model's index on rank 0, from replica 0's stages (collective)."""
-    mine = index if grid.dp_world.rank == 0 else None  # replica 0, context rank 0
+    """The whole model's index on rank 0, from replica 0's stages (collective); under
+    expert parallelism also from the first holder of each slice of the experts."""
+    mine = index if grid.expert_world.rank == 0 else None  # replica 0, context rank 0
     if mine is not None and layout == "replicated":
         mine = {**mine, "owners": {n: world.rank for n in mine["params"]}}
+    if mine is not None:
+        mine = {**mine, "stage": grid.stage}
     parts = [p for p in gather_json(world.comm, mine, timeout=world.timeout, what=what) or []
              if p is not None]
     if not world.is_root:
@@ -83,7 +96,24 @@ def _merge_stage_indexes(world: World, grid: ProcessGrid, layout: str, index: di
     if layout == "replicated":
         return {"params": {n: s for p in parts for n, s in p["params"].items()},
                 "owners": {n: r for p in parts for n, r in p["owners"].items()}}
-    return {"buckets": [b for p in parts for b in p["buckets"]]}
+    if grid.ep == 1:
+        return {"buckets": [b for p in parts for b in p["buckets"]]}
+    return {"buckets": _interleave(parts, grid.pp)}
+
+
+def _interleave(parts: list[dict], stages: int) -> list[dict]:
+    """Expert parallelism: each stage's buckets once, in bucket order, a bucket of
+    experts followed by the other slices' (each rank finds its own in its own order)."""
+    out = []
+    for stage in range(stages):
+        lists = [p["buckets"] for p in parts if p["stage"] == stage]
+        seen = set()
+        for i in range(max(len(b) for b in lists)):
+            for buckets in lists:
+                if i < len(buckets) and buckets[i]["key"] not in seen:
+                    seen.add(buckets[i]["key"])
+                    out.append(buckets[i])
+    return out
 
 
 SLOW_SAVE_ENV = "HPCTRAIN_TEST_SLOW_SAVE_S"
@@ -212,10 +242,11 @@ def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, 
     state = engine.state_shards()
     split = engine.tensor_split
     if state.kind == "replicated":
-        index, sources = _replicated_shard(state, split, writes=grid.dp_world.rank == 0)
+        index, sources = _replicated_shard(state, split, writes=grid.dp_world.rank == 0,
+                                           writes_experts=grid.expert_world.rank == 0)
     else:
         index, sources = _zero_shard(state, grid, split)
-    if grid.pp > 1 or grid.tp > 1:
+    if grid.pp > 1 or grid.tp > 1 or grid.ep > 1:
         index = _merge_stage_indexes(world, grid, state.kind, index,
                                      f"checkpoint index of every stage (step {step})")
     sources["rng/torch"] = torch.get_rng_state()
@@ -233,7 +264,7 @@ def begin_save(root: Path, step: int, engine: GradEngine, grid: ProcessGrid, *, 
     config = run["config"]
     manifest = {"format": FORMAT, "version": VERSION, "step": step,
                 "optimizer_step": state.step, "layout": state.kind, "world_size": world.size,
-                "tensor_parallel": grid.tp,
+                "tensor_parallel": grid.tp, "expert_parallel": grid.ep,
                 "model": run["model"], "config": config, "tokenizer": run.get("tokenizer"),
                 "data": {"sampler": config["data"]["sampler"],
                          "seed": config["train"]["seed"], "next_step": step},

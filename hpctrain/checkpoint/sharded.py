@@ -35,7 +35,7 @@ from hpctrain.checkpoint.validate import Damaged, describe, validate_manifest
 from hpctrain.data.format import crc32_combine
 from hpctrain.file_modes import chmod_as_created
 from hpctrain.model.shape import GPTConfig
-from hpctrain.parallel.tensor.layout import join_slices
+from hpctrain.parallel.tensor.layout import join_expert_slices, join_slices
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 STEP_NAME = re.compile(r"step_(\d+)")
@@ -271,6 +271,11 @@ class Manifest:
         """The tensor-parallel ranks it was written with (1 in checkpoints before them)."""
         return int(self.data.get("tensor_parallel", 1))
 
+    @property
+    def expert_parallel(self) -> int:
+        """The expert-parallel ranks it was written with (1 in checkpoints before them)."""
+        return int(self.data.get("expert_parallel", 1))
+
 
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory, or a ``checkpoints/`` root (its ``latest``), or a run's
@@ -361,13 +366,15 @@ def read_full_state(manifest: Manifest, keys: tuple[str, ...] = KEYS
                     ) -> dict[str, dict[str, torch.Tensor]]:
     """Whole fp32 parameters and Adam moments by parameter name, from any layout;
     ``keys=("param",)`` reads the parameters alone (``--train.init_from``). The slices
-    of a tensor-parallel checkpoint (``name@tp<r>``) are joined into whole tensors."""
+    of a tensor-parallel checkpoint (``name@tp<r>``) and of an expert-parallel one
+    (``name@ep<r>``) are joined into whole tensors."""
     state = _read_recorded(manifest, keys)
     tp = manifest.tensor_parallel
     try:
+        state = join_expert_slices(state, manifest.expert_parallel)
         return join_slices(state, GPTConfig.from_shape(manifest.data["model"]), tp)
     except KeyError as e:
-        raise CheckpointError(f"checkpoint {manifest.path}: a tensor-parallel slice is "
+        raise CheckpointError(f"checkpoint {manifest.path}: a tensor- or expert-parallel slice is "
                               f"missing from its index ({e}); the checkpoint is damaged: "
                               "resume from an older step_N directory") from None
 

@@ -7,7 +7,10 @@ default the pipeline's stages of a replica, then the data-parallel replicas: the
 frequent traffic stays near and the once-per-step gradient reduction crosses nodes
 (``pipeline_inner=False`` puts replicas next to each other instead). The context-parallel
 ranks hold the same parameters, so gradients are reduced (and ZeRO shards) over
-dp x cp: ``dp_world``. Built once
+dp x cp: ``dp_world``. Expert parallelism is drawn from the replicas: ``ep``
+consecutive replicas form an expert group (``ep_comm``, each holding 1/ep of every MoE
+layer's experts), and the replicas holding the same experts form ``expert_world``, over
+which the experts' gradients are reduced. Built once
 (collective over the world) and passed to whatever needs it.
 The rank arithmetic and why: docs/design/training-step.md ("The grid and the next dimensions").
 """
@@ -79,10 +82,20 @@ class ProcessGrid:
     cp_comm: MPI.Comm = dataclasses.field(default_factory=lambda: MPI.COMM_SELF)
     """The ranks that hold the parts of the same sequences at this stage and
     tensor-parallel position, ranked by ``cp_index`` (the ring of ring attention)."""
+    ep: int = 1
+    ep_index: int = 0
+    """This rank's place in its expert group (0..ep-1): which slice of the experts it
+    holds (``dp_index % ep``)."""
+    ep_comm: MPI.Comm = dataclasses.field(default_factory=lambda: MPI.COMM_SELF)
+    """The ep consecutive replicas (``dp_index // ep`` alike) whose experts together
+    make every expert of a layer: the all-to-all of the tokens, ranked by ``ep_index``."""
+    expert_world: World | None = None
+    """The ranks holding the same experts (``dp_index % ep`` alike; dp x cp / ep of
+    them): the experts' gradient reductions and ZeRO shards. ``dp_world`` when ep = 1."""
 
     @classmethod
     def create(cls, world: World, pp: int = 1, *, pipeline_inner: bool = True,
-               tp: int = 1, cp: int = 1) -> "ProcessGrid":
+               tp: int = 1, cp: int = 1, ep: int = 1) -> "ProcessGrid":
         """Collective over ``world.comm``."""
         if tp < 1 or world.size % tp:
             raise GridError(f"{world.size} rank(s) cannot form tensor-parallel groups of "
@@ -96,6 +109,9 @@ class ProcessGrid:
             raise GridError(f"{world.size // (tp * cp)} tensor x context-parallel group(s) "
                             f"cannot form pipelines of {pp} stage(s): {hint}")
         dp = world.size // (pp * cp * tp)
+        if ep < 1 or dp % ep:
+            raise GridError(f"{dp} data-parallel replica(s) cannot form expert-parallel "
+                            f"groups of {ep}: --parallel.ep must divide them")
         dp_index, stage, tp_index = grid_coords(world.rank, dp, pp, pipeline_inner, tp, cp)
         cp_index = cp_coord(world.rank, tp, cp)
         replica = dp_index * cp + cp_index  # rank among the holders of the same parameters
@@ -115,16 +131,26 @@ class ProcessGrid:
             tp_comm = resources.add(world.comm.Split(color=world.rank // tp, key=tp_index))
         if world.collectives == "xccl" and (pp > 1 or tp > 1 or cp > 1):
             _device_groups(world, dp, pp, tp, pipeline_inner, cp)
+        if world.collectives == "xccl" and ep > 1:
+            _expert_device_groups(world, dp, pp, tp, pipeline_inner, cp, ep)
         dp_world = dataclasses.replace(world, comm=dp_comm, rank=replica, size=dp * cp)
+        ep_comm, expert_world = MPI.COMM_SELF, dp_world
+        if ep > 1:
+            group, ep_index = divmod(dp_index, ep)
+            ep_comm = resources.add(dp_comm.Split(color=group * cp + cp_index, key=ep_index))
+            same = resources.add(dp_comm.Split(color=ep_index, key=group * cp + cp_index))
+            expert_world = dataclasses.replace(world, comm=same, rank=same.Get_rank(),
+                                               size=same.Get_size())
         return cls(world=world, dp=dp, pp=pp, dp_index=dp_index, stage=stage,
                    dp_world=dp_world, pp_comm=pp_comm, pipeline_inner=pipeline_inner,
                    resources=resources, tp=tp, tp_index=tp_index, tp_comm=tp_comm,
-                   cp=cp, cp_index=cp_index, cp_comm=cp_comm)
+                   cp=cp, cp_index=cp_index, cp_comm=cp_comm, ep=ep,
+                   ep_index=dp_index % ep, ep_comm=ep_comm, expert_world=expert_world)
 
     @classmethod
     def of_config(cls, world: World, parallel) -> "ProcessGrid":
-        """The grid of a run's parallel section (``--parallel.pp``, ``tp``, ``cp``)."""
-        return cls.create(world, parallel.pp, tp=parallel.tp, cp=parallel.cp)
+        """The grid of a run's parallel section (``--parallel.pp``, ``tp``, ``cp``, ``ep``)."""
+        return cls.create(world, parallel.pp, tp=parallel.tp, cp=parallel.cp, ep=parallel.ep)
 
     @property
     def is_first(self) -> bool:
@@ -150,8 +176,16 @@ class ProcessGrid:
                           self.tp_index, self.cp, c)
                 for d in range(self.dp) for c in range(self.cp)]
 
+    def expert_ranks(self) -> list[int]:
+        """World ranks holding this rank's experts at its stage and tensor-parallel
+        position, in ``expert_world``'s order (``stage_ranks`` when ep = 1)."""
+        return [grid_rank(g * self.ep + self.ep_index, self.stage, self.dp, self.pp,
+                          self.pipeline_inner, self.tp, self.tp_index, self.cp, c)
+                for g in range(self.dp // self.ep) for c in range(self.cp)]
+
     def describe(self) -> str:
         tp = ((f" x cp={self.cp}" if self.cp > 1 else "")
+              + (f" (ep={self.ep})" if self.ep > 1 else "")
               + (f" x tp={self.tp}" if self.tp > 1 else ""))
         where = (f", context rank {self.cp_index}" if self.cp > 1 else "") + (
             f", tensor rank {self.tp_index}" if self.tp > 1 else "")
@@ -193,3 +227,26 @@ def _device_groups(world: World, dp: int, pp: int, tp: int, pipeline_inner: bool
         device_collectives.make_groups(
             [[at(d, s, t, c) for c in range(cp)] for d in range(dp) for s in range(pp)
              for t in range(tp)], "ring")
+
+
+def _expert_device_groups(world: World, dp: int, pp: int, tp: int, pipeline_inner: bool,
+                          cp: int, ep: int) -> None:
+    """The device library's groups of expert parallelism, made by every rank in the same
+    order: the expert groups' all-to-all (``experts``) and the reductions and ZeRO-3
+    gathers over the ranks holding the same experts."""
+    from hpctrain.comm import device_collectives
+
+    ranks = device_collectives.world_ranks(world.comm)
+
+    def at(d: int, s: int, t: int, c: int) -> int:
+        return ranks[grid_rank(d, s, dp, pp, pipeline_inner, tp, t, cp, c)]
+
+    places = [(s, t, c) for s in range(pp) for t in range(tp) for c in range(cp)]
+    device_collectives.make_groups(
+        [[at(g * ep + e, s, t, c) for e in range(ep)]
+         for s, t, c in places for g in range(dp // ep)], "experts")
+    same = [[at(g * ep + e, s, t, c) for g in range(dp // ep) for c in range(cp)]
+            for s in range(pp) for t in range(tp) for e in range(ep)]
+    if dp // ep * cp > 1:
+        device_collectives.make_groups(same, "reduce")
+        device_collectives.make_groups(same, "gather")

@@ -92,6 +92,10 @@ class ParallelConfig:
                      "rank, and attention runs as ring attention over the group (long "
                      "sequences: activation memory per rank drops by cp); the ranks are "
                      "dp x pp x cp x tp", bounds=AT_LEAST_1)
+    ep: int = opt(1, "expert-parallel ranks: each MoE layer's experts are shared out over "
+                     "ep consecutive data-parallel replicas, tokens reaching them by an "
+                     "all-to-all (a divisor of dp and of model.moe_experts)",
+                  bounds=AT_LEAST_1)
 
     def __post_init__(self):
         _check_fields(self)

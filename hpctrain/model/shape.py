@@ -266,6 +266,14 @@ class GPTConfig:
         to: the parameters whose matrix multiplies one token costs."""
         return self.num_params() - self.blocks_params() + self.blocks_params(active=True)
 
+    def parameters_text(self) -> str:
+        """The start-up line's parameter count: with MoE blocks, the total and the active
+        ones a token works with."""
+        text = f"{self.num_params() / 1e6:.2f}M parameters"
+        if self.moe_experts:
+            text += f" ({self.active_params() / 1e6:.2f}M active)"
+        return text
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N for the weights (forward 2N, backward 4N) plus
         12 L C T for attention scores and their weighted sum (Chinchilla/PaLM appendix B

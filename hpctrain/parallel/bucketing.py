@@ -39,6 +39,21 @@ def plan_buckets(numels: list[int], elem_bytes: int, cap_bytes: int,
     return buckets
 
 
+def split_by_kind(buckets: list[list[int]], kinds: list[bool]) -> list[list[int]]:
+    """``buckets`` cut where ``kinds[i]`` changes, so that no bucket mixes the two kinds
+    (expert parallelism: experts are reduced over another group than the rest)."""
+    out: list[list[int]] = []
+    for bucket in buckets:
+        run = [bucket[0]]
+        for i in bucket[1:]:
+            if kinds[i] != kinds[run[-1]]:
+                out.append(run)
+                run = []
+            run.append(i)
+        out.append(run)
+    return out
+
+
 @dataclass
 class CommStats:
     reductions: int = 0

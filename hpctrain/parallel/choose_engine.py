@@ -27,14 +27,16 @@ def engine_class(zero: int, dtype: str) -> type:
 
 def build_engine(model: torch.nn.Module, world: World, cfg, *,
                  blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = (),
-                 tp_comm=None) -> GradEngine:
+                 tp_comm=None, experts: World | None = None, ep_comm=None) -> GradEngine:
     """The engine ``engine_class`` picks for ``cfg`` (the run's ``Config``), over ``world``
     (this stage's data-parallel ranks). ``blocks``: what ZeRO-3 gathers (the whole model's
-    blocks; None for a pipeline stage); ``norm_comms``, ``tp_comm``: see engine.py."""
+    blocks; None for a pipeline stage); ``norm_comms``, ``tp_comm``, ``experts``,
+    ``ep_comm``: see engine.py."""
     par, dtype = cfg.parallel, cfg.train.dtype
     cls = engine_class(par.zero, dtype)
     common = {"bucket_mb": par.bucket_mb, "first_bucket_mb": par.first_bucket_mb,
-              "norm_comms": norm_comms, "tp_comm": tp_comm}
+              "norm_comms": norm_comms, "tp_comm": tp_comm,
+              "experts": experts, "ep_comm": ep_comm}
     if cls is Zero:
         return Zero(model, world, cfg.optim, level=par.zero, dtype=dtype, blocks=blocks,
                     **common)

@@ -26,12 +26,12 @@ from hpctrain.comm.transport import PersistentMPITransport, Request, Transport
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.config import OptimConfig
-from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets
+from hpctrain.parallel.bucketing import BucketScheduler, plan_buckets, split_by_kind
 from hpctrain.parallel.engine import (STATE_KEYS, EngineState, finish_norm, local_norm_squares,
-                                     nothing_to_gather)
+                                     nothing_to_gather, norm_duplicates)
+from hpctrain.parallel.experts.apply import is_expert
 from hpctrain.parallel.memory import MemoryReport, tensor_bytes
 from hpctrain.parallel.optim import build_optimizer, clip_grads_, param_groups
-from hpctrain.parallel.tensor.layers import is_split
 from hpctrain.parallel.tensor.split_state import TensorSplit
 from hpctrain.profiling import profile_range
 from hpctrain.sizes import MiB
@@ -42,13 +42,16 @@ class Bucket:
     """A flat fp32 gradient buffer; each parameter's ``.grad`` is a view into it."""
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], transport: Transport,
-                 flat: torch.Tensor | None = None):
+                 flat: torch.Tensor | None = None, expert: bool = False):
+        """``transport``: what sums this bucket (``expert``: over the ranks holding the
+        same experts, not every replica)."""
         for p in params:
             if p.dtype != torch.float32:
                 raise TypeError(f"bucketed allreduce expects fp32 parameters, got {p.dtype}")
         self.index = index
         self.params = params
         self.transport = transport
+        self.expert = expert
         numel = sum(p.numel() for p in params)
         # ``flat`` given: the bucket lives in the node's shared-memory window.
         self.use_flat(torch.zeros(numel, dtype=torch.float32, device=params[0].device)
@@ -114,12 +117,18 @@ class DataParallel(BucketScheduler):
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  persistent: bool | None = None, allreduce: str = "auto",
                  node_comm: MPI.Comm | None = None, norm_comms: tuple = (),
-                 tp_comm: MPI.Comm | None = None, broadcast: bool = True):
+                 tp_comm: MPI.Comm | None = None, broadcast: bool = True,
+                 experts: World | None = None, ep_comm: MPI.Comm | None = None):
         """``optim_cfg``: the optimizer ``step()`` runs. ``broadcast``: start every rank
-        from rank 0's parameters. ``norm_comms``, ``tp_comm``: see engine.py."""
+        from rank 0's parameters. ``norm_comms``, ``tp_comm``, ``experts``, ``ep_comm``:
+        see engine.py."""
         self.model = model
-        self.tensor_split = TensorSplit(model, tp_comm, world.timeout)
-        self.norm_comms = ([tp_comm] if self.tensor_split.active else []) + list(norm_comms)
+        self.tensor_split = TensorSplit(model, tp_comm, world.timeout, ep_comm=ep_comm)
+        self.experts = experts
+        self.norm_comms = ([self.tensor_split.norm_comm] if self.tensor_split.active
+                           else []) + list(norm_comms)
+        if experts is not None:
+            allreduce = "mpi"  # two groups: the shared-memory window holds one
         self.world = world
         self.comm = world.comm
         self.size = world.size
@@ -127,13 +136,16 @@ class DataParallel(BucketScheduler):
         order = params[::-1]
         groups = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
                               int(first_bucket_mb * MiB))
+        kinds = [experts is not None and is_expert(p) for p in order]
+        groups = split_by_kind(groups, kinds)
         numels = [sum(order[j].numel() for j in g) for g in groups]
         self.transport = gradient_transport(world, numels, order[0], allreduce=allreduce,
                                             persistent=persistent, node_comm=node_comm)
         """What sums the buckets (``gradient_transport``); the world's once closed."""
         shm = self.transport if isinstance(self.transport, ShmTransport) else None
-        self.buckets = [Bucket(i, [order[j] for j in g], self.transport,
-                               shm.flat(i) if shm else None)
+        self.buckets = [Bucket(i, [order[j] for j in g],
+                               experts.transport if kinds[g[0]] else self.transport,
+                               shm.flat(i) if shm else None, expert=kinds[g[0]])
                         for i, g in enumerate(groups)]
         super().__init__(self.buckets, timeout=world.timeout)
         # Hooks start reductions during backward where something else then advances
@@ -174,13 +186,14 @@ class DataParallel(BucketScheduler):
             b.bind_grads()  # in case anything set .grad to None
 
     def broadcast_parameters(self, root: int = 0) -> None:
-        """Give every rank ``root``'s parameters, one bucket-sized broadcast at a time."""
+        """Give every rank ``root``'s parameters, one bucket-sized broadcast at a time
+        (experts: from ``root`` of the ranks holding the same ones)."""
         if self.size == 1:
             return
         with torch.no_grad():
             for b in self.buckets:
                 torch.cat([p.detach().reshape(-1) for p in b.params], out=b.flat)
-                req = self.transport.broadcast(b.buffer, root)
+                req = b.transport.broadcast(b.buffer, root)
                 wait_all([req], timeout=self.world.timeout,
                          what=f"broadcast of parameters (bucket {b.index})")
                 b.buffer.complete()
@@ -204,7 +217,7 @@ class DataParallel(BucketScheduler):
         self.stats.reductions += 1
         self.stats.bytes_reduced += b.nbytes
         with profile_range(f"allreduce bucket {b.index}"):
-            return self.transport.allreduce(b.buffer)
+            return b.transport.allreduce(b.buffer)
 
     def complete(self, b: Bucket) -> None:
         b.buffer.complete()
@@ -219,9 +232,10 @@ class DataParallel(BucketScheduler):
     def step(self, lr: float, clip: float) -> float:
         """Global norm of the (reduced) gradients; clip and update unless it is NaN/inf.
         Returns the norm before clipping."""
-        whole = [v for b in self.buckets for p, v in zip(b.params, b.views)
-                 if not is_split(p)]
-        squares = local_norm_squares(self.grad_tensors(), whole, self.tensor_split.size)
+        whole, copies = norm_duplicates(
+            [(v, p) for b in self.buckets for p, v in zip(b.params, b.views)],
+            self.tensor_split)
+        squares = local_norm_squares(self.grad_tensors(), whole, copies)
         value = finish_norm(squares, self.norm_comms, self.world.timeout)
         if not math.isfinite(value):
             return value
@@ -276,7 +290,9 @@ class DataParallel(BucketScheduler):
 
     def describe(self) -> str:
         summed = f" summed by {self.summed_by}" if self.size > 1 else ""
-        return f"{len(self.buckets)} gradient bucket(s){summed}, ZeRO level 0"
+        experts = (f", experts reduced over {self.experts.size} rank(s)"
+                   if self.experts is not None else "")
+        return f"{len(self.buckets)} gradient bucket(s){summed}{experts}, ZeRO level 0"
 
     def memory(self) -> MemoryReport:
         """Bytes this rank holds: replicated parameters, gradient buckets, AdamW state."""

@@ -6,7 +6,10 @@ Three engines implement it: ``DataParallel`` (fp32, replicated, bucketed allredu
 sharded AdamW). A step is the same for all: ``prepare_for_backward(last_micro)``,
 backward (the runner), ``finish()``, ``norm = step(lr, clip)``, ``zero_grad()``.
 ``norm_comms`` and ``tp_comm`` finish the global gradient norm over pipeline stages and
-the tensor-parallel group (whole copies counted 1/tp, ``local_norm_squares``).
+the tensor-parallel group (whole copies counted 1/tp, ``local_norm_squares``). Under
+expert parallelism ``experts`` (the ranks holding the same experts: ``ProcessGrid.
+expert_world``) reduces the experts' gradients, and ``ep_comm`` (the expert group) slices
+them: a replicated engine sums the norm over it, counting the other parameters 1/ep.
 Every member, per engine: docs/design/training-step.md ("The gradient engine (``GradEngine``)").
 """
 
@@ -126,6 +129,19 @@ def local_norm_squares(grads: list[torch.Tensor], duplicated: list[torch.Tensor]
 def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64)
                         for t in tensors]).square().sum()
+
+
+def norm_duplicates(grads: list[tuple[torch.Tensor, torch.Tensor]], split: TensorSplit
+                    ) -> tuple[list[torch.Tensor], int]:
+    """For ``local_norm_squares`` of an engine that holds whole gradients: of
+    ``grads`` ((gradient, its parameter) pairs), those every rank of ``split.norm_comm``
+    holds alike, and how many ranks that is (the parameters not tensor-parallel split;
+    under expert parallelism, those that are not experts)."""
+    from hpctrain.parallel.experts.apply import is_expert
+    from hpctrain.parallel.tensor.layers import is_split
+
+    sliced = is_expert if split.experts is not None else is_split
+    return [g for g, p in grads if not sliced(p)], split.copies
 
 
 def finish_norm(local_squares: float, comms: list[MPI.Comm], timeout: float) -> float:

@@ -24,12 +24,15 @@ class MixedPrecisionDataParallel(Zero):
 
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *,
                  dtype: str = "bf16", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 norm_comms: tuple = (), tp_comm: MPI.Comm | None = None):
+                 norm_comms: tuple = (), tp_comm: MPI.Comm | None = None,
+                 experts: World | None = None, ep_comm: MPI.Comm | None = None):
         super().__init__(model, world, optim_cfg, level=0, dtype=dtype, bucket_mb=bucket_mb,
                          first_bucket_mb=first_bucket_mb, norm_comms=norm_comms,
-                         tp_comm=tp_comm)
+                         tp_comm=tp_comm, experts=experts, ep_comm=ep_comm)
 
     def describe(self) -> str:
         summed = " summed by MPI Iallreduce" if self.size > 1 else ""
+        if self.experts is not None:
+            summed += f", experts reduced over {self.experts.size} rank(s)"
         return (f"{len(self.buckets)} gradient bucket(s){summed}, replicated "
                 "parameters with fp32 master weights")

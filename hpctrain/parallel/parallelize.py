@@ -3,11 +3,13 @@
 One fixed order (as torchtitan's ``parallelize``), because each step needs the previous:
 0. tensor split (tp > 1, ``tensor/apply.py``); 1. pipeline cut (pp > 1: this rank's
 stage); 2. device, then ring attention and global positions on what the rank holds
-(cp > 1, ``context/apply.py``); 3. gradient engine over the stage's data-parallel and
-context-parallel ranks (``Zero``, ``DataParallel`` or ``MixedPrecisionDataParallel``;
-it may turn parameters into bf16 views, so it comes before anything that reads their
-dtype); 4. runner (pipeline executor or ``LocalRunner``); 5. compute settings (TF32,
-then ``torch.compile`` of each block and of the head, last, so the engine's hooks stay
+(cp > 1, ``context/apply.py``), and this rank's experts of every MoE layer with the
+all-to-all dispatch (ep > 1, ``experts/apply.py``); 3. gradient engine over the stage's
+data-parallel and context-parallel ranks, the experts' over the ranks holding them
+(``Zero``, ``DataParallel`` or ``MixedPrecisionDataParallel``; it may turn parameters
+into bf16 views, so it comes before anything that reads their dtype); 4. runner
+(pipeline executor or ``LocalRunner``); 5. compute settings (TF32, then
+``torch.compile`` of each block and of the head, last, so the engine's hooks stay
 outside the compiled code).
 Each step and why: docs/design/training-step.md ("``parallelize(gpt, grid, cfg)``").
 """
@@ -25,6 +27,7 @@ from hpctrain.parallel.context.apply import context_parallelize
 from hpctrain.parallel.context.chunks import loader_parts
 from hpctrain.parallel.context.ring import Ring
 from hpctrain.parallel.engine import GradEngine
+from hpctrain.parallel.experts.apply import expert_parallelize
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD, V_PLACED
 from hpctrain.parallel.pipeline.stage import PipelineStage
@@ -58,9 +61,13 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
         model = gpt.to(device)
     if grid.cp > 1:  # on the stage: its embedding is the one that runs
         context_parallelize(model, Ring.of_world(grid.cp_comm, world))
+    if grid.ep > 1:  # every rank built the same whole model: the slices fit together
+        expert_parallelize(model, grid.ep_comm, world, grid.resources)
     engine = build_engine(model, grid.dp_world, cfg,
                           blocks=None if pipelined else whole_blocks(model),
-                          norm_comms=(grid.pp_comm,) if pipelined else (), tp_comm=grid.tp_comm)
+                          norm_comms=(grid.pp_comm,) if pipelined else (), tp_comm=grid.tp_comm,
+                          experts=grid.expert_world if grid.ep > 1 else None,
+                          ep_comm=grid.ep_comm)
     if pipelined:
         model.sync_head_dtype()  # the engine may have turned the parameters into bf16
         runner = PipelineExecutor(model, grid, kind=par.schedule, n_micro=par.micro_batches,
@@ -68,7 +75,7 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
                                   timeout=world.timeout,
                                   order_times=PassTimes(*(par.pass_time_ratios() or ())))
     else:
-        runner = LocalRunner(model, world.accel, whole=grid.tp == 1 and grid.cp == 1)
+        runner = LocalRunner(model, world.accel, whole=grid.tp == grid.cp == grid.ep == 1)
     set_matmul_precision(device, cfg.train.tf32)
     if cfg.train.compile:
         compile_model(model, backward_twice=pipelined and par.schedule in SPLIT_BACKWARD)

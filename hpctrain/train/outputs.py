@@ -174,7 +174,8 @@ class RunOutputs:
             "params": self.facts["params"], "memory_per_rank": memory.to_dict(),
             "memory_by_rank": by_rank,
             "grid": {"dp": self.grid.dp, "pp": self.grid.pp, "tp": self.grid.tp,
-                     "cp": self.grid.cp, "sequence_parallel": self.cfg.parallel.sequence_parallel},
+                     "cp": self.grid.cp, "ep": self.grid.ep,
+                     "sequence_parallel": self.cfg.parallel.sequence_parallel},
             "skipped_steps": skipped,
             **({"pipeline_pass_times": passes} if passes else {}),
             **({"changed_on_resume": self.facts["changed_on_resume"]}

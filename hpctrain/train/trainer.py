@@ -177,7 +177,7 @@ class Trainer:
                       "cannot split: B runs it whole and W again (about twice the blocks' "
                       "backward); zero-bubble schedules gain most without --train.compile")
         rows = t.batch_size // self.grid.dp
-        self._log(f"model: {self.gpt_cfg.num_params() / 1e6:.2f}M parameters, "
+        self._log(f"model: {self.gpt_cfg.parameters_text()}, "
                   f"{self.engine.describe()}, {t.dtype}; global batch {t.batch_size} x "
                   f"{cfg.model.block_size} tokens = {rows} row(s) per rank in {self.micro} "
                   "micro-batch(es)")

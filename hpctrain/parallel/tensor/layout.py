@@ -72,6 +72,10 @@ QUALIFIER = "@tp"
 """A sharded checkpoint names rank r's slice of ``name`` ``name@tp<r>``."""
 
 
+EXPERT_QUALIFIER = "@ep"
+"""... and rank r's slice of a layer's experts (expert parallelism) ``name@ep<r>``."""
+
+
 def qualified_name(name: str, rank: int) -> str:
     return f"{name}{QUALIFIER}{rank}"
 
@@ -90,4 +94,19 @@ def join_slices(state: dict[str, dict], cfg: GPTConfig, tp: int) -> dict[str, di
             raise KeyError(f"{base} is recorded in slices but is not split")
         slices = [state[qualified_name(base, r)] for r in range(tp)]
         out[base] = {k: unshard([s[k] for s in slices], spec) for k in slices[0]}
+    return out
+
+
+def join_expert_slices(state: dict[str, dict], ep: int) -> dict[str, dict]:
+    """Whole stacked experts from a checkpoint's ``name@ep<r>`` entries (rank r's
+    experts, consecutive along dimension 0); other entries pass through. A missing slice
+    is a KeyError naming it."""
+    if ep == 1:
+        return state
+    import torch
+
+    out = {n: v for n, v in state.items() if EXPERT_QUALIFIER not in n}
+    for base in sorted({n.split(EXPERT_QUALIFIER)[0] for n in state if EXPERT_QUALIFIER in n}):
+        slices = [state[f"{base}{EXPERT_QUALIFIER}{r}"] for r in range(ep)]
+        out[base] = {k: torch.cat([s[k] for s in slices], 0) for k in slices[0]}
     return out

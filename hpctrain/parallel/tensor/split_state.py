@@ -8,6 +8,8 @@ slices; ``TensorSplit`` gathers them into whole tensors over the group, and cuts
 rank's slices out of whole ones, for exactly the parameters that carry a ``ShardSpec``
 (``layers.is_split``). A sharded checkpoint keeps the slices as they are, under
 ``qualified`` names (``name@tp<rank>``) that ``layout.join_slices`` puts together again.
+Expert parallelism's slices of the experts (``experts/apply.py``: dimension 0 over the
+expert group, ``ep_comm``) go the same way, named ``name@ep<rank>``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hpctrain.comm.mpi import MPI
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.parallel.tensor.layers import SPLIT
 from hpctrain.model.plan import ShardSpec
-from hpctrain.parallel.tensor.layout import qualified_name, shard, unshard
+from hpctrain.parallel.tensor.layout import EXPERT_QUALIFIER, qualified_name, shard, unshard
 
 SLICED_KEYS = ("param", "exp_avg", "exp_avg_sq")
 """The per-parameter tensors that have the parameter's shape (``step`` is a number)."""
@@ -30,24 +32,57 @@ class TensorSplit:
     slices; with no split parameter (tp = 1) every method passes its input through."""
 
     def __init__(self, model: torch.nn.Module, comm: MPI.Comm | None = None,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, *, ep_comm: MPI.Comm | None = None,
+                 attr: str = SPLIT, qualifier: str | None = None):
+        """``ep_comm``: the expert group, whose slices of the experts a second
+        ``TensorSplit`` (``experts``) handles; ``attr``/``qualifier``: which parameters
+        (their ``ShardSpec`` attribute) and how a checkpoint names a slice."""
         comm = MPI.COMM_SELF if comm is None else comm  # tp = 1
         self.specs: dict[str, ShardSpec] = {
-            n: getattr(p, SPLIT) for n, p in model.named_parameters()
-            if getattr(p, SPLIT, None) is not None}
-        self.comm, self.timeout = comm, timeout
+            n: getattr(p, attr) for n, p in model.named_parameters()
+            if getattr(p, attr, None) is not None}
+        self.comm, self.timeout, self.qualifier = comm, timeout, qualifier
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.experts: TensorSplit | None = None
+        """The expert-parallel slices (ep > 1), else None."""
+        if ep_comm is not None and ep_comm.Get_size() > 1:
+            from hpctrain.parallel.experts.apply import EXPERT_SLICE
+
+            self.experts = TensorSplit(model, ep_comm, timeout, attr=EXPERT_SLICE,
+                                       qualifier=EXPERT_QUALIFIER)
 
     @property
     def active(self) -> bool:
-        return self.size > 1
+        """Whether anything is sliced (over the tensor-parallel or the expert group)."""
+        return self.size > 1 or self.experts is not None
+
+    @property
+    def norm_comm(self) -> MPI.Comm:
+        """The group a replicated engine sums the norm's squares over: the
+        tensor-parallel group, or the expert group (tp = 1 with experts)."""
+        return self.experts.comm if self.experts is not None else self.comm
+
+    @property
+    def copies(self) -> int:
+        """How many ranks of ``norm_comm`` hold each parameter that is not sliced."""
+        return self.experts.size if self.experts is not None else self.size
+
+    def sliced(self, name: str) -> bool:
+        return name in self.specs or (self.experts is not None and name in self.experts.specs)
 
     def qualified(self, name: str) -> str:
         """``name`` as a sharded checkpoint records it: a slice names its rank."""
-        return qualified_name(name, self.rank) if name in self.specs else name
+        if self.experts is not None and name in self.experts.specs:
+            return self.experts.qualified(name)
+        if name not in self.specs:
+            return name
+        return (qualified_name(name, self.rank) if self.qualifier is None
+                else f"{name}{self.qualifier}{self.rank}")
 
     def whole_shape(self, name: str, shape) -> tuple[int, ...]:
         """The shape of the whole tensor of which this rank holds ``shape``."""
+        if self.experts is not None and name in self.experts.specs:
+            return self.experts.whole_shape(name, shape)
         spec = self.specs.get(name)
         if spec is None:
             return tuple(shape)
@@ -55,7 +90,9 @@ class TensorSplit:
 
     def local(self, full: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's slices of whole per-parameter tensors (other entries as they are)."""
-        if not self.active:
+        if self.experts is not None:
+            full = self.experts.local(full)
+        if self.size == 1:
             return full
         out = dict(full)
         for name, spec in self.specs.items():
@@ -68,7 +105,9 @@ class TensorSplit:
               ) -> dict[str, dict[str, torch.Tensor]]:
         """Whole tensors from every rank's slices, on every rank of the group (collective;
         one all-gather of every slice, in fp32 on the host)."""
-        if not self.active:
+        if self.experts is not None:
+            state = self.experts.whole(state)
+        if self.size == 1:
             return state
         pieces = [(name, k) for name in self.specs for k in SLICED_KEYS if k in state[name]]
         mine = [state[n][k].detach().float().cpu().reshape(-1) for n, k in pieces]

@@ -16,7 +16,7 @@ import torch
 
 from hpctrain.comm.transport import CommBuffer
 from hpctrain.comm.world import World
-from hpctrain.parallel.bucketing import plan_buckets
+from hpctrain.parallel.bucketing import plan_buckets, split_by_kind
 from hpctrain.parallel.memory import tensor_bytes
 from hpctrain.parallel.shards import shard_layout
 from hpctrain.sizes import MiB
@@ -49,16 +49,20 @@ def refill_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
-def zero_buckets(model, level: int, blocks, bucket_mb: float, first_bucket_mb: float
-                 ) -> list[list[torch.nn.Parameter]]:
+def zero_buckets(model, level: int, blocks, bucket_mb: float, first_bucket_mb: float,
+                 expert=None) -> list[list[torch.nn.Parameter]]:
     """The parameters of each ZeRO bucket, in reduction order (also what ``ckpt reshard``
     lays a checkpoint out by). Levels 0-2: capped buckets in reverse registration order;
-    level 3: one per block (the unit it gathers), then everything else."""
+    level 3: one per block (the unit it gathers), then everything else. ``expert``: a
+    predicate on parameters (expert parallelism) by which buckets are cut in two, as the
+    experts are reduced and sharded over another group."""
     params = [p for p in model.parameters() if p.requires_grad]
     if level < 3:
         order = params[::-1]
         plan = plan_buckets([p.numel() for p in order], 4, int(bucket_mb * MiB),
                             int(first_bucket_mb * MiB))
+        if expert is not None:
+            plan = split_by_kind(plan, [expert(p) for p in order])
         return [[order[j] for j in g] for g in plan]
     if not blocks:
         raise ValueError("ZeRO-3 needs the model's blocks (the units it gathers)")
@@ -66,7 +70,11 @@ def zero_buckets(model, level: int, blocks, bucket_mb: float, first_bucket_mb: f
     # LayerNorm), whose last gradient (the tied embedding) arrives at the very end.
     in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
     units = [[p for p in blk.parameters() if p.requires_grad] for blk in reversed(blocks)]
-    return units + [[p for p in params if id(p) not in in_blocks]]
+    units = units + [[p for p in params if id(p) not in in_blocks]]
+    if expert is None:
+        return units
+    return [[unit[j] for j in run] for unit in units
+            for run in split_by_kind([list(range(len(unit)))], [expert(p) for p in unit])]
 
 
 class StagingPool:
@@ -124,11 +132,13 @@ class ZeroBucket:
     """One flat group of parameters and its shard of gradients and optimizer state."""
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], *, level: int,
-                 rank: int, dp_size: int, dtype: torch.dtype, world: World):
+                 rank: int, dp_size: int, dtype: torch.dtype, world: World,
+                 expert: bool = False):
         """``dp_size``: data-parallel ranks; at 1 nothing is reduced (gradients are added
-        straight into the fp32 gradient buffer or shard). ``world``: theirs."""
+        straight into the fp32 gradient buffer or shard). ``world``: theirs (``expert``:
+        the ranks holding the same experts)."""
         self.index, self.params, self.level, self.dtype = index, params, level, dtype
-        self.world = world
+        self.world, self.expert = world, expert
         self.layout = shard_layout([p.numel() for p in params], dp_size if level else 1, ALIGN)
         self.rank = rank if level else 0
         lo, hi = self.layout.rank_range(self.rank)

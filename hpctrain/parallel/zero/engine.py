@@ -22,10 +22,11 @@ from hpctrain.comm.transport import Request
 from hpctrain.comm.watchdog import wait_all
 from hpctrain.comm.world import World
 from hpctrain.parallel.bucketing import BucketScheduler
-from hpctrain.parallel.engine import finish_norm, local_norm_squares, nothing_to_gather
+from hpctrain.parallel.engine import (finish_norm, local_norm_squares, norm_duplicates,
+                                     nothing_to_gather)
+from hpctrain.parallel.experts.apply import is_expert
 from hpctrain.parallel.memory import STAGED_AT_ONCE, MemoryReport, tensor_bytes
 from hpctrain.parallel.optim import build_optimizer, clip_coefficient
-from hpctrain.parallel.tensor.layers import is_split
 from hpctrain.parallel.tensor.split_state import TensorSplit
 from hpctrain.parallel.zero.buckets import DTYPES, MiB, StagingPool, ZeroBucket, zero_buckets
 from hpctrain.parallel.zero.gather import ParameterGather
@@ -33,10 +34,10 @@ from hpctrain.parallel.zero.state import ShardedState
 from hpctrain.profiling import profile_range
 
 
-def _broadcast_module(model: torch.nn.Module, world: World, root: int = 0) -> None:
-    if world.size == 1:
+def _broadcast_params(params: list[torch.nn.Parameter], world: World, root: int = 0) -> None:
+    if world.size == 1 or not params:
         return
-    bufs = [world.transport.buffer(p.data) for p in model.parameters()]
+    bufs = [world.transport.buffer(p.data) for p in params]
     reqs = world.transport.broadcast_each(bufs, root)
     wait_all(reqs, timeout=world.timeout, what="broadcast of the initial parameters")
     for buf in bufs:
@@ -53,29 +54,45 @@ class Zero(ShardedState, BucketScheduler):
     def __init__(self, model: torch.nn.Module, world: World, optim_cfg, *, level: int,
                  dtype: str = "fp32", bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  blocks: list[torch.nn.Module] | None = None, norm_comms: tuple = (),
-                 tp_comm: MPI.Comm | None = None, staging_mb: float | None = None):
+                 tp_comm: MPI.Comm | None = None, staging_mb: float | None = None,
+                 experts: World | None = None, ep_comm: MPI.Comm | None = None):
         """``blocks``: the units ZeRO-3 gathers (the transformer blocks); ``norm_comms``,
-        ``tp_comm``: see engine.py; ``staging_mb``: the byte budget of levels 2-3's fp32
-        reduction buffers (default: ``STAGED_AT_ONCE`` of the largest staged bucket, or
+        ``tp_comm``, ``experts``, ``ep_comm``: see engine.py (the experts' buckets are
+        reduced and sharded over ``experts``); ``staging_mb``: the byte budget of levels
+        2-3's fp32 reduction buffers (default: ``STAGED_AT_ONCE`` of the largest staged bucket, or
         every staged bucket's bytes when that is less)."""
         if level not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO level must be 0-3, not {level}")
         self.model, self.world, self.level = model, world, level
-        self.tensor_split = TensorSplit(model, tp_comm, world.timeout)
+        self.tensor_split = TensorSplit(model, tp_comm, world.timeout, ep_comm=ep_comm)
+        self.experts = experts
         # The norm's squares are summed over the shards' ranks (levels 1-3), the
-        # tensor-parallel group, then these.
+        # tensor-parallel group (or, replicated, the expert group), then these. Sharded,
+        # the experts' shards over ``experts`` and the expert group make every expert once
+        # over ``world``.
+        self.copies_in_norm = self.tensor_split.size > 1 or (
+            level == 0 and self.tensor_split.experts is not None)
         self.norm_comms = (([world.comm] if level else [])
-                           + ([tp_comm] if self.tensor_split.active else []) + list(norm_comms))
+                           + ([self.tensor_split.norm_comm] if self.copies_in_norm else [])
+                           + list(norm_comms))
         self.dtype = DTYPES[dtype]
         self.optim_cfg = optim_cfg
         self.transport = world.transport
         self.gather_transport = world.transport.sibling() if level == 3 else None
+        self.expert_gather = (experts.transport.sibling() if level == 3 and experts
+                              else None)
         self.size, self.rank = world.size, world.rank
-        _broadcast_module(model, world)  # every rank starts from rank 0's initialization
-        groups = zero_buckets(model, level, blocks, bucket_mb, first_bucket_mb)
-        self.buckets = [ZeroBucket(i, g, level=level, rank=self.rank, dp_size=self.size,
-                                   dtype=self.dtype, world=world)
-                        for i, g in enumerate(groups)]
+        expert = is_expert if experts is not None else None
+        params = list(model.parameters())
+        # Every rank starts from rank 0's initialization (experts: of their holders').
+        _broadcast_params([p for p in params if not (expert and expert(p))], world)
+        if expert:
+            _broadcast_params([p for p in params if expert(p)], experts)
+        groups = zero_buckets(model, level, blocks, bucket_mb, first_bucket_mb, expert)
+        worlds = [experts if expert and expert(g[0]) else world for g in groups]
+        self.buckets = [ZeroBucket(i, g, level=level, rank=w.rank, dp_size=w.size,
+                                   dtype=self.dtype, world=w, expert=w is not world)
+                        for i, (g, w) in enumerate(zip(groups, worlds))]
         self.local = self.size == 1  # nothing to reduce or share: no MPI reduction
         device = self.buckets[0].full.device
         staged = [b.layout.padded * 4 for b in self.buckets
@@ -92,7 +109,7 @@ class Zero(ShardedState, BucketScheduler):
         self.gather = None
         if level == 3:
             self.gather = ParameterGather(self.buckets, self.gather_transport, world.timeout,
-                                          self.stats)
+                                          self.stats, self.expert_gather)
             self.gather.install_hooks(model, blocks)
 
     def _optimizer(self, b: ZeroBucket) -> torch.optim.Optimizer:
@@ -214,10 +231,10 @@ class Zero(ShardedState, BucketScheduler):
         self.stats.bytes_reduced += b.nbytes
         with profile_range(f"reduce bucket {b.index}"):
             if self.level == 0:
-                return self.transport.allreduce(b.mpi)
+                return b.world.transport.allreduce(b.mpi)
             # In place: the input is the whole buffer, this rank's reduced shard lands
             # at its start (MPI standard, MPI_Reduce_scatter_block with MPI_IN_PLACE).
-            return self.transport.reduce_scatter(b.mpi)
+            return b.world.transport.reduce_scatter(b.mpi)
 
     def complete(self, b: ZeroBucket) -> None:
         if b.mpi is None:
@@ -250,11 +267,14 @@ class Zero(ShardedState, BucketScheduler):
     def grad_norm(self) -> float:
         """L2 norm of the whole (averaged) gradient, summed over every rank's shards (and
         the ``norm_comms``)."""
-        whole = [b.grad_shard[piece.shard_start:piece.shard_start + piece.length]
-                 for b in self.buckets for piece in b.layout.pieces(b.rank)
-                 if not is_split(b.params[piece.index])]
-        local = local_norm_squares([b.grad_shard for b in self.buckets], whole,
-                                   self.tensor_split.size)
+        whole, copies = [], 1
+        if self.copies_in_norm:
+            whole, copies = norm_duplicates(
+                [(b.grad_shard[piece.shard_start:piece.shard_start + piece.length],
+                  b.params[piece.index])
+                 for b in self.buckets for piece in b.layout.pieces(b.rank)],
+                self.tensor_split)
+        local = local_norm_squares([b.grad_shard for b in self.buckets], whole, copies)
         return finish_norm(local, self.norm_comms, self.world.timeout)
 
     def step(self, lr: float, clip: float) -> float:
@@ -283,10 +303,13 @@ class Zero(ShardedState, BucketScheduler):
         collective over the data-parallel ranks)."""
         with profile_range("allgather parameters"):
             # In place: each rank's updated slice already sits at its own offset.
-            reqs = self.transport.allgather_each([b.full_mpi() for b in self.buckets])
+            shared = [b for b in self.buckets if not b.local]
+            reqs = [r for w in {id(b.world): b.world for b in shared}.values()
+                    for r in w.transport.allgather_each(
+                        [b.full_mpi() for b in shared if b.world is w])]
             wait_all(reqs, timeout=self.world.timeout, what="parameter allgather after the "
                      "optimizer step")
-        for b in self.buckets:
+        for b in shared:
             b.full_mpi().complete()
         self.stats.gathers += len(reqs)
 
@@ -310,7 +333,9 @@ class Zero(ShardedState, BucketScheduler):
 
     # ---------------------------------------------------------- memory and close
     def describe(self) -> str:
-        return f"{len(self.buckets)} gradient bucket(s), ZeRO level {self.level}"
+        experts = (f", experts reduced over {self.experts.size} rank(s)"
+                   if self.experts is not None else "")
+        return f"{len(self.buckets)} gradient bucket(s){experts}, ZeRO level {self.level}"
 
     def memory(self) -> MemoryReport:
         """Bytes this rank holds for model state, and its peak communication buffers."""
@@ -330,3 +355,6 @@ class Zero(ShardedState, BucketScheduler):
         if self.gather is not None and self.gather.transport is not self.transport:
             self.gather.transport.close()
             self.gather.transport = self.gather_transport = self.transport
+            if self.expert_gather is not None:
+                self.expert_gather.close()
+                self.gather.expert_transport = self.expert_gather = self.experts.transport

@@ -34,9 +34,11 @@ class ParameterGather:
     requests in flight, and the bytes held (``gathered_bytes``, ``peak_gathered_bytes``)."""
 
     def __init__(self, buckets: list[ZeroBucket], transport: Transport, timeout: float,
-                 stats: CommStats):
-        """``transport``: a channel of its own (the reductions' ``sibling()``)."""
+                 stats: CommStats, expert_transport: Transport | None = None):
+        """``transport``: a channel of its own (the reductions' ``sibling()``);
+        ``expert_transport``: the same over the ranks holding the same experts."""
         self.buckets, self.transport, self.timeout = buckets, transport, timeout
+        self.expert_transport = expert_transport
         self.stats = stats
         self.residency = {b.index: Residency.FREE for b in buckets}
         self.requests: dict[int, Request] = {}
@@ -45,36 +47,47 @@ class ParameterGather:
 
     def install_hooks(self, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
         """Gather around ``model``'s forward and each block's forward and backward.
-        Buckets are in backward order: block i's is ``buckets[n - 1 - i]``, the last one
-        holds everything outside the blocks."""
+        A block's buckets are those holding its parameters (one, or two under expert
+        parallelism: its experts apart); the rest hold everything outside the blocks."""
         n = len(blocks)
-        by_block = {i: self.buckets[n - 1 - i] for i in range(n)}
-        outer = self.buckets[-1]
+        owner = {id(p): i for i, blk in enumerate(blocks) for p in blk.parameters()}
+        by_block = {i: [] for i in range(n)}
+        outer = []
+        for b in self.buckets:
+            (by_block[owner[id(b.params[0])]] if id(b.params[0]) in owner else outer).append(b)
+
+        def gather(buckets, wait):
+            for b in buckets:
+                self.gather(b, wait=wait)
+
+        def release(buckets):
+            for b in buckets:
+                self.release(b)
 
         def root_pre(_module, _args):
-            self.gather(outer, wait=True)
-            self.gather(by_block[0], wait=False)  # prefetch
+            gather(outer, wait=True)
+            gather(by_block[0], wait=False)  # prefetch
 
         def root_post(_module, _args, _output):
             if torch.is_grad_enabled():
-                self.gather(by_block[n - 1], wait=False)  # backward starts with it
+                gather(by_block[n - 1], wait=False)  # backward starts with it
             else:
-                self.release(outer)
+                release(outer)
 
         def block_pre(i, _module, _args):
-            self.gather(by_block[i], wait=True)
+            gather(by_block[i], wait=True)
             if i + 1 < n:
-                self.gather(by_block[i + 1], wait=False)
+                gather(by_block[i + 1], wait=False)
 
         def block_backward(i):
-            self.gather(by_block[i], wait=True)
+            gather(by_block[i], wait=True)
             if i > 0:
-                self.gather(by_block[i - 1], wait=False)
+                gather(by_block[i - 1], wait=False)
 
         def block_post(i, _module, _args, output):
             if torch.is_grad_enabled() and output.requires_grad:
                 output.register_hook(lambda grad: block_backward(i))
-            self.release(by_block[i])
+            release(by_block[i])
 
         model.register_forward_pre_hook(root_pre)
         model.register_forward_hook(root_post)
@@ -91,7 +104,8 @@ class ParameterGather:
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
             b.shard_mpi.prepare()
             b.full_mpi().prepare(send=False)  # only written: nothing to stage
-            self.requests[b.index] = self.transport.allgather(b.full_mpi(), b.shard_mpi)
+            transport = self.expert_transport if b.expert else self.transport
+            self.requests[b.index] = transport.allgather(b.full_mpi(), b.shard_mpi)
             self.residency[b.index] = Residency.IN_FLIGHT
             self.stats.gathers += 1
         if wait and self.residency[b.index] is Residency.IN_FLIGHT:

@@ -36,7 +36,7 @@ class ShardedState:
                 if b.layout.world == 1:
                     flat.copy_(shard)
                 else:
-                    w = self.world
+                    w = b.world
                     src = w.transport.buffer(shard.contiguous())
                     dst = w.transport.buffer(flat)
                     src.prepare()
