@@ -23,7 +23,7 @@ from hpctrain.errors import CommTimeout
 from hpctrain.parallel.experts.alltoall import MPIAllToAll
 from hpctrain.parallel.experts.dispatch import (ExpertParallelDispatch, LocalDispatch,
                                                 dispatch_combine)
-from tests.helpers import cpu_world
+from tests.helpers import cpu_world, two_ranks_suffice
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -173,6 +173,7 @@ def test_rows_of_any_dtype_travel_as_their_bytes(dtype, aware):
         accel.close()
 
 
+@two_ranks_suffice("one late rank times out the same exchange whatever the group's size")
 def test_a_late_rank_times_out_naming_the_count_exchange():
     """The last rank dispatches late: the others get ``CommTimeout`` naming the count
     exchange and ``--comm.timeout``; the late rank's exchange then completes (the others

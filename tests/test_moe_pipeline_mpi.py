@@ -4,7 +4,8 @@ parameters; ``tests/helpers.py``): the balancing and z-losses of each stage's Mo
 reach their routers through ``AddAuxiliaryLoss`` (no path to the last stage), also when
 the backward is split in two (zero bubble) or a block runs again (recomputation).
 
-Run under ``mpiexec -n 2`` (``make test``); four ranks would test nothing more.
+Run under ``mpiexec -n 2`` (``make test``; zbv and selective recomputation in ``make
+test-slow``); four ranks would test nothing more.
 """
 
 import pytest
@@ -24,7 +25,9 @@ MOE = {"model.arch": "llama", "model.n_head": 4, "model.n_kv_head": 4,
 
 @two_ranks_suffice("a stage's blocks and schedule are the same whatever dp is")
 @pytest.mark.parametrize("schedule,extra", [
-    ("zb-h1", {}), ("zbv", {}), ("1f1b", {"model.recompute": "selective"}),
+    ("zb-h1", {}), pytest.param("zbv", {}, marks=pytest.mark.slow, id="zbv"),
+    pytest.param("1f1b", {"model.recompute": "selective"}, marks=pytest.mark.slow,
+                 id="1f1b-selective"),
     ("interleaved", {"parallel.virtual_stages": 2, "model.recompute": "block"})],
     ids=["zb-h1", "zbv", "1f1b-selective", "interleaved-block"])
 def test_moe_blocks_in_every_schedule_match_single_process(mpi_dataset, shared_tmp,
