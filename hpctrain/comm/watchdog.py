@@ -48,16 +48,18 @@ def test_all(requests: list[MPI.Request], statuses: list[MPI.Status] | None = No
 
 def wait_all(requests: list[MPI.Request], *, timeout: float, what: str,
              poll_sleep: float = 0.0, option: str = "--comm.timeout",
-             statuses: list[MPI.Status] | None = None) -> None:
+             statuses: list[MPI.Status] | None = None, together: bool = False) -> None:
     """Wait for ``requests``; raise ``CommTimeout`` after ``timeout`` seconds.
 
     ``poll_sleep`` > 0 sleeps that long between polls instead of yielding (default: the
-    node's pace, ``pace_for_node``). ``option`` is the setting that sets ``timeout``,
+    node's pace, ``pace_for_node``). ``together``: every rank of the operation waits in
+    it at the same time (an all-to-all), so each failed poll yields even on an
+    oversubscribed node: a sleep there stalls every stage of the exchange. ``option`` is the setting that sets ``timeout``,
     named in the message (``hpctrain prepare`` has ``--timeout``). ``statuses`` (one per
     request) receive the requests' statuses, e.g. the bytes a write wrote."""
     if not requests:
         return
-    poll_sleep = poll_sleep or _pace["poll_sleep"]
+    poll_sleep = poll_sleep or (0.0 if together else _pace["poll_sleep"])
     start = time.monotonic()
     polls = 0
     sleeping = False

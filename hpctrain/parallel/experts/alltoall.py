@@ -41,7 +41,7 @@ class AllToAll:
         send = np.ascontiguousarray(table.detach().cpu().numpy(), dtype=np.int64)
         recv = np.empty_like(send)
         wait_all([self.comm.Ialltoall(send, recv)], timeout=self.timeout,
-                 what="expert parallelism: exchanging the token counts")
+                 what="expert parallelism: exchanging the token counts", together=True)
         return torch.from_numpy(recv)
 
     def rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
@@ -92,7 +92,7 @@ class MPIAllToAll(AllToAll):
         send_obj, recv_obj = to_mpi_all([send, recv])
         request = self.comm.Ialltoallv([send_obj, _spec(send_rows), row],
                                        [recv_obj, _spec(recv_rows), row])
-        wait_all([request], timeout=self.timeout, what=self._what(what))
+        wait_all([request], timeout=self.timeout, what=self._what(what), together=True)
         recv.complete()
         return received
 
