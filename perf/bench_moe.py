@@ -42,7 +42,7 @@ from perf.common import (TorchDDP, bench_parser, fmt_spread, init_gloo,  # noqa:
                          spread, worker_args, write_result)
 
 TOKENS, E, K, C = 4096, 8, 2, 512
-REPEATS = 15
+REPEATS = 41
 STEP_MODEL = {"arch": "llama", "n_layer": 2, "n_embd": 128, "n_head": 4, "n_kv_head": 2,
               "moe_experts": 8, "moe_top_k": 2, "moe_ffn_hidden": 256}
 STEP_BATCH, STEP_STEPS, STEP_WARMUP = 8, 25, 5
