@@ -84,7 +84,7 @@ def torch_dispatch_combine(routed, counts, ep: int):
     arrived = routed.new_empty(sum(recv_rows), routed.size(1))
     dist.all_to_all_single(arrived, routed, recv_rows, send_rows)
     order = permute.expert_major_order(received)
-    back = arrived[order][permute.inverse(order)]
+    back = arrived.index_select(0, order).index_select(0, permute.inverse(order))
     out = routed.new_empty(routed.shape)
     dist.all_to_all_single(out, back, send_rows, recv_rows)
     return out

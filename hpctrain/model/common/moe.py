@@ -129,10 +129,11 @@ class MoE(nn.Module):
         order = torch.argsort(copies, stable=True)  # grouped by expert, tokens in order
         counts = torch.bincount(copies, minlength=self.n_experts)
         kept_order, kept_counts, dropped = self.apply_capacity(order, counts, flat.size(0))
-        routed = flat[kept_order // self.top_k]  # (M, C)
+        token_of = kept_order // self.top_k
+        routed = flat.index_select(0, token_of)  # (M, C); index_select: faster than [ ]
         out = self.dispatch(routed, kept_counts, self.experts)  # (M, C)
         w = weights.reshape(-1)[kept_order].to(out.dtype)
-        y = torch.zeros_like(flat).index_add_(0, kept_order // self.top_k, out * w[:, None])
+        y = torch.zeros_like(flat).index_add_(0, token_of, out * w[:, None])
         if hasattr(self, "shared"):
             shared = self.shared(flat)
             if hasattr(self, "shared_gate"):

@@ -82,8 +82,9 @@ class ExpertParallelDispatch:
         send_rows, recv_rows = permute.rows_per_peer(sent), permute.rows_per_peer(received)
         arrived = all_to_all(routed, t, send_rows, recv_rows, "dispatch")
         order = permute.expert_major_order(received, device=routed.device)
-        out = experts(arrived[order], permute.rows_per_expert(received))
-        back = out[permute.inverse(order)]
+        # index_select, not x[order]: half the time, and its backward is an index_add
+        out = experts(arrived.index_select(0, order), permute.rows_per_expert(received))
+        back = out.index_select(0, permute.inverse(order))
         return all_to_all(back, t, recv_rows, send_rows, "combine")
 
 
