@@ -133,7 +133,6 @@ def step_overrides(data: Path, extra: list[str]) -> list[str]:
 
 
 def worker_step(out: Path, data: Path, kind: str, steps: int) -> None:
-    import torch
     from mpi4py import MPI
 
     from hpctrain.comm.world import World
@@ -144,30 +143,24 @@ def worker_step(out: Path, data: Path, kind: str, steps: int) -> None:
     comm = MPI.COMM_WORLD
     n = comm.size
     batch = [f"--train.batch_size={STEP_BATCH * n}", f"--train.max_iters={steps}"]
-    times = []
     if kind == "hpctrain":
         tmp = f"--train.out_dir={scratch_dir('moe', comm)}"
         cfg = load_config("shakespeare-char",
                           step_overrides(data, batch + [f"--parallel.ep={n}", tmp]))
-        trainer = Trainer(cfg, World.create(comm), verbose=False)
-        params = sum(p.numel() for p in trainer.model.parameters())
-        for i in range(steps):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            trainer.train_step(i)
-            times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-        trainer.close()
+        runner = Trainer(cfg, World.create(comm), verbose=False)
+        step, model = runner.train_step, runner.model
     else:
-        ddp = TorchDDP(step_overrides(data, batch), lambda m, cfg: build_optimizer(
+        runner = TorchDDP(step_overrides(data, batch), lambda m, cfg: build_optimizer(
             param_groups(m, cfg.optim.weight_decay), cfg.optim))
-        params = sum(p.numel() for p in ddp.model.parameters())
-        for i in range(steps):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            ddp.step(i)
-            times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-        ddp.close()
-    del torch
+        step, model = runner.step, runner.model
+    params = sum(p.numel() for p in model.parameters())
+    times = []
+    for i in range(steps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        step(i)
+        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    runner.close()
     if comm.rank == 0:
         out.write_text(json.dumps({"step_s": times, "params_per_rank": params,
                                    "tokens_per_step": STEP_BATCH * n * 64}))

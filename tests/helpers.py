@@ -466,3 +466,39 @@ def two_ranks_suffice(why: str):
 
     return pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 2, reason=f"two ranks suffice: {why}")
 
+
+def assert_same_state(a: dict, b: dict, keys=None) -> None:
+    """Two whole states (name -> {key: tensor}) hold the same names and, for each of
+    ``keys`` (default: a checkpoint's, ``sharded.KEYS``), bit-identical tensors."""
+    import torch
+
+    from hpctrain.checkpoint.sharded import KEYS
+
+    keys = KEYS if keys is None else keys
+    assert set(a) == set(b)
+    for name in a:
+        for k in keys:
+            assert torch.equal(torch.as_tensor(a[name][k]), torch.as_tensor(b[name][k])), \
+                f"{name} {k}"
+
+
+def resumes_exactly_and_reshards(fit, data, tmp: str, layout: dict, losses: list,
+                                 step_dir: str = "checkpoints/step_000005") -> str:
+    """After ``fit(data, tmp/big, **layout)`` saved ``step_dir``: a resume from it at the
+    same layout repeats the big run's later losses bit for bit, and ``ckpt reshard
+    --world 1`` (on rank 0) copies every tensor unchanged; returns the resharded path.
+    ``fit`` returns (result, whole state). Collective over COMM_WORLD."""
+    from mpi4py import MPI
+
+    from hpctrain.checkpoint import ckpt_commands
+    from hpctrain.checkpoint.sharded import read_full_state, read_manifest
+
+    source = f"{tmp}/big/{step_dir}"
+    again, _ = fit(data, f"{tmp}/again", **layout, **{"train.resume": source})
+    assert again.losses == losses[5:]
+    resharded = f"{tmp}/resharded"
+    if MPI.COMM_WORLD.rank == 0:
+        ckpt_commands.reshard(source, resharded, world=1, zero=0)
+        assert_same_state(read_full_state(read_manifest(source)),
+                          read_full_state(read_manifest(resharded)))
+    return resharded

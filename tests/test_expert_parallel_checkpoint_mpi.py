@@ -9,14 +9,14 @@ Run under ``mpiexec -n 2`` and ``-n 4`` with pytest-mpi (``make test`` does both
 
 import numpy as np
 import pytest
-import torch
 from mpi4py import MPI
 
 from hpctrain.checkpoint import ckpt_commands
-from hpctrain.checkpoint.sharded import KEYS, read_full_state, read_manifest
+from hpctrain.checkpoint.sharded import read_full_state, read_manifest
 from hpctrain.checkpoint.weights import load_weights
 from hpctrain.train.trainer import Trainer
-from tests.helpers import cpu_world, tiny_config
+from tests.helpers import (assert_same_state, cpu_world, resumes_exactly_and_reshards,
+                           tiny_config)
 from tests.test_expert_parallel_mpi import MOE
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -34,14 +34,6 @@ def _fit(data, out, comm=COMM, **overrides):
     return result, whole
 
 
-def _assert_same_state(a: dict, b: dict, keys=KEYS) -> None:
-    assert set(a) == set(b)
-    for name in a:
-        for k in keys:
-            assert torch.equal(torch.as_tensor(a[name][k]), torch.as_tensor(b[name][k])), \
-                f"{name} {k}"
-
-
 @pytest.mark.parametrize("zero", [0, 1])
 def test_an_expert_parallel_checkpoint_moves_to_one_rank_and_to_another_ep(
         mpi_dataset, shared_tmp, zero):
@@ -56,17 +48,11 @@ def test_an_expert_parallel_checkpoint_moves_to_one_rank_and_to_another_ep(
     assert any(n.endswith(f"w_in@ep{ep - 1}") for n in names)
     full = read_full_state(manifest)
     assert full["h.0.mlp.experts.w_in"]["param"].shape[0] == 4  # every expert
-    _assert_same_state(full, live)
+    assert_same_state(full, live)
 
-    again, _ = _fit(mpi_dataset, f"{shared_tmp}/again", **layout,
-                    **{"train.resume": f"{shared_tmp}/big/{STEP5}"})
-    assert again.losses == big.losses[5:]
-
-    resharded = f"{shared_tmp}/resharded"
+    resharded = resumes_exactly_and_reshards(_fit, mpi_dataset, shared_tmp, layout,
+                                             big.losses)
     if COMM.rank == 0:
-        ckpt_commands.reshard(f"{shared_tmp}/big/{STEP5}", resharded, world=1, zero=0)
-        _assert_same_state(read_full_state(read_manifest(f"{shared_tmp}/big/{STEP5}")),
-                           read_full_state(read_manifest(resharded)))
         merged, _, _ = load_weights(ckpt_commands.merge(f"{shared_tmp}/big/{STEP5}",
                                                         f"{shared_tmp}/merged.h5"))
         assert merged["h.1.mlp.experts.w_out"].shape[0] == 4
@@ -88,7 +74,7 @@ def test_a_bf16_expert_parallel_checkpoint_resumes_bit_for_bit(mpi_dataset, shar
     layout = {"parallel.ep": 2, "train.dtype": "bf16", "train.max_iters": 6,
               "train.ckpt_interval": 3}
     first, live = _fit(mpi_dataset, f"{shared_tmp}/first", **layout)
-    _assert_same_state(read_full_state(read_manifest(
+    assert_same_state(read_full_state(read_manifest(
         f"{shared_tmp}/first/checkpoints/step_000006")), live)
     again, _ = _fit(mpi_dataset, f"{shared_tmp}/again", **layout, **{
         "train.resume": f"{shared_tmp}/first/checkpoints/step_000003"})

@@ -15,10 +15,11 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.checkpoint import ckpt_commands
-from hpctrain.checkpoint.sharded import KEYS, read_full_state, read_manifest
+from hpctrain.checkpoint.sharded import read_full_state, read_manifest
 from hpctrain.checkpoint.weights import load_weights
 from hpctrain.train.trainer import Trainer
-from tests.helpers import cpu_world, read_safetensors_by_hand, tiny_config
+from tests.helpers import (assert_same_state, cpu_world, read_safetensors_by_hand,
+                           resumes_exactly_and_reshards, tiny_config)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 COMM = MPI.COMM_WORLD
@@ -37,14 +38,6 @@ def _fit(data, out, comm=COMM, **overrides):
         whole.update(stage)  # every stage's parameters
     trainer.close()
     return result, whole
-
-
-def _assert_same_state(a: dict, b: dict, keys=KEYS) -> None:
-    assert set(a) == set(b)
-    for name in a:
-        for k in keys:
-            assert torch.equal(torch.as_tensor(a[name][k]), torch.as_tensor(b[name][k])), \
-                f"{name} {k}"
 
 
 def _tensor_parallel_layouts():
@@ -82,17 +75,10 @@ def test_a_tensor_parallel_checkpoint_moves_to_one_rank_and_back(mpi_dataset, sh
     assert manifest.data["tensor_parallel"] == 2
     summary = json.loads(Path(f"{shared_tmp}/big/summary.json").read_text())
     assert summary["grid"]["tp"] == 2
-    _assert_same_state(read_full_state(manifest), live)
+    assert_same_state(read_full_state(manifest), live)
 
-    again, _ = _fit(mpi_dataset, f"{shared_tmp}/again", **layout,
-                    **{"train.resume": f"{shared_tmp}/big/{STEP5}"})
-    assert again.losses == big.losses[5:]
-
-    resharded = f"{shared_tmp}/resharded"
-    if COMM.rank == 0:
-        ckpt_commands.reshard(f"{shared_tmp}/big/{STEP5}", resharded, world=1, zero=0)
-        _assert_same_state(read_full_state(read_manifest(f"{shared_tmp}/big/{STEP5}")),
-                           read_full_state(read_manifest(resharded)))
+    resharded = resumes_exactly_and_reshards(_fit, mpi_dataset, shared_tmp, layout,
+                                             big.losses)
     COMM.Barrier()
     model = {k: v for k, v in layout.items() if k.startswith("model.")}
     one = COMM.Split(color=int(COMM.rank == 0), key=COMM.rank)
@@ -104,7 +90,7 @@ def test_a_tensor_parallel_checkpoint_moves_to_one_rank_and_back(mpi_dataset, sh
     one.Free()
     back, _ = _fit(mpi_dataset, f"{shared_tmp}/back", **layout,
                    **{"train.resume": resharded})
-    assert back.losses == again.losses
+    assert back.losses == big.losses[5:]
 
 
 def test_a_one_rank_checkpoint_resumes_at_tp2_on_every_rank(mpi_dataset, shared_tmp):
@@ -133,7 +119,7 @@ def test_merge_export_and_init_from_read_a_tensor_parallel_checkpoint(mpi_datase
         merged = ckpt_commands.merge(step5, f"{shared_tmp}/merged.h5")
         exported = ckpt_commands.export(step5, "safetensors", f"{shared_tmp}/model.safetensors")
         params, _, _ = load_weights(merged)
-        _assert_same_state({n: {"param": p} for n, p in params.items()}, live, ("param",))
+        assert_same_state({n: {"param": p} for n, p in params.items()}, live, ("param",))
         tensors = read_safetensors_by_hand(exported)
         assert torch.equal(tensors["h.0.attn.c_attn.weight"],
                            live["h.0.attn.c_attn.weight"]["param"])
