@@ -10,6 +10,8 @@ Dai et al. 2024), plus a router. ``GPTConfig`` holds the fields; the torch layer
 
 from __future__ import annotations
 
+import dataclasses
+
 ROUTERS = ("softmax", "sigmoid")
 """How the router turns its logits into scores (``moe_router``): a softmax over the
 experts (Switch, Mixtral, Qwen-MoE) or a sigmoid per expert (DeepSeek-V3)."""
@@ -30,6 +32,14 @@ def moe_blocks(cfg) -> int:
 def expert_hidden(cfg) -> int:
     """One expert's hidden width (``moe_ffn_hidden``; 0 = the dense MLP's)."""
     return cfg.moe_ffn_hidden or cfg.ffn_hidden
+
+
+def shared_experts_config(cfg):
+    """The dense MLP the shared experts are: ``cfg`` with an MLP as wide as
+    ``moe_shared`` experts and no MoE fields (the family builds it as its MLP, and
+    tensor parallelism splits it as one)."""
+    return dataclasses.replace(cfg, ffn_hidden=cfg.moe_shared * expert_hidden(cfg),
+                               moe_experts=0, moe_shared=0, moe_shared_gate=False)
 
 
 def expert_params(cfg) -> int:

@@ -8,10 +8,11 @@ on login nodes. What a family provides: docs/design/models.md.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Callable
+
+from hpctrain.model.moe_shape import expert_hidden, shared_experts_config
 
 COLUMN, ROW = "column", "row"
 """Megatron-LM's two splits (Shoeybi et al. 2019, section 3): a column-parallel layer
@@ -111,18 +112,15 @@ class ParallelPlan:
         blocks = re.escape(self.blocks)
         m = re.fullmatch(rf"{blocks}\.\d+\.{re.escape(self.experts)}\.(w_in|w_out)", name)
         if m:
-            hidden = cfg.moe_ffn_hidden or cfg.ffn_hidden
+            hidden = expert_hidden(cfg)
             gated = cfg.family.mlp_matrices - 1  # 1 part (in) or 2 (gate, up)
             return ShardSpec(1, (hidden,) * gated) if m.group(1) == "w_in" else ShardSpec(2, (hidden,))
         m = re.fullmatch(rf"{blocks}\.(\d+)\.{re.escape(self.moe)}\.shared\.(.+)\.(weight|bias)",
                          name)
         if not m or not cfg.moe_shared:
             return None
-        wide = dataclasses.replace(cfg, ffn_hidden=cfg.moe_shared * (cfg.moe_ffn_hidden
-                                                                     or cfg.ffn_hidden),
-                                   moe_experts=0, moe_shared=0, moe_shared_gate=False)
         dense = f"{self.blocks}.{m.group(1)}.{self.moe}.{m.group(2)}.{m.group(3)}"
-        return self.shard_spec(dense, wide)
+        return self.shard_spec(dense, shared_experts_config(cfg))
 
 
 def attention_parts(cfg) -> tuple[int, int, int]:

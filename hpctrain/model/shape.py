@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 from hpctrain.model.families import ARCHS, family_of
 from hpctrain.model.family import LAYER_NORM, LEARNED, ROTARY, Family
-from hpctrain.model.moe_shape import check_moe, moe_blocks, moe_mlp_params
+from hpctrain.model.moe_shape import check_moe, is_moe_block, moe_mlp_params
 from hpctrain.sizes import (MAX_CONTEXT, MAX_ELEMENTS, MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB,
                             MAX_WIDTH, finite, whole)
 
@@ -236,15 +236,16 @@ class GPTConfig:
             n += c + 2 * kv
         return n + (c if self.bias else 0)
 
+    def params_of_block(self, index: int, active: bool = False) -> int:
+        """Parameters of block ``index``: a dense block's, or a MoE block's with all of
+        its experts (``active``: only the ``moe_top_k`` routed ones a token works with)."""
+        if not is_moe_block(self, index):
+            return self.block_params()
+        return self.attention_params() + 2 * self.norm_params() + moe_mlp_params(self, active)
+
     def blocks_params(self, active: bool = False) -> int:
-        """Parameters of all blocks; ``active``: those one token works with (the
-        ``moe_top_k`` routed experts of a MoE block, not all of them)."""
-        moe = moe_blocks(self)
-        if not moe:
-            return self.n_layer * self.block_params()
-        moe_block = (self.attention_params() + 2 * self.norm_params()
-                     + moe_mlp_params(self, active))
-        return (self.n_layer - moe) * self.block_params() + moe * moe_block
+        """Parameters of all blocks (``active``: as ``params_of_block``)."""
+        return sum(self.params_of_block(i, active) for i in range(self.n_layer))
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters of ``GPT(self)``, a tied embedding and head once (padded rows

@@ -42,8 +42,8 @@ class Bucket:
     """A flat fp32 gradient buffer; each parameter's ``.grad`` is a view into it."""
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], transport: Transport,
-                 flat: torch.Tensor | None = None, expert: bool = False):
-        """``transport``: what sums this bucket (``expert``: over the ranks holding the
+                 flat: torch.Tensor | None = None):
+        """``transport``: what sums this bucket (for experts: over the ranks holding the
         same experts, not every replica)."""
         for p in params:
             if p.dtype != torch.float32:
@@ -51,7 +51,6 @@ class Bucket:
         self.index = index
         self.params = params
         self.transport = transport
-        self.expert = expert
         numel = sum(p.numel() for p in params)
         # ``flat`` given: the bucket lives in the node's shared-memory window.
         self.use_flat(torch.zeros(numel, dtype=torch.float32, device=params[0].device)
@@ -145,7 +144,7 @@ class DataParallel(BucketScheduler):
         shm = self.transport if isinstance(self.transport, ShmTransport) else None
         self.buckets = [Bucket(i, [order[j] for j in g],
                                experts.transport if kinds[g[0]] else self.transport,
-                               shm.flat(i) if shm else None, expert=kinds[g[0]])
+                               shm.flat(i) if shm else None)
                         for i, g in enumerate(groups)]
         super().__init__(self.buckets, timeout=world.timeout)
         # Hooks start reductions during backward where something else then advances

@@ -14,7 +14,7 @@ from functools import cached_property
 from importlib import resources
 
 from hpctrain.errors import UserError
-from hpctrain.model.moe_shape import expert_hidden, expert_params, is_moe_block, moe_mlp_params
+from hpctrain.model.moe_shape import expert_hidden, expert_params, is_moe_block
 from hpctrain.model.shape import GPTConfig
 
 if sys.version_info >= (3, 11):
@@ -104,19 +104,13 @@ class ModelShape:
     def params_per_block(self) -> tuple[int, ...]:
         """Parameters of each block, in order: a dense block's, or a MoE block's with all
         of its experts (``moe_every`` decides which blocks route, ``model/moe_shape.py``)."""
-        gpt = self.gpt
-        moe = gpt.attention_params() + 2 * gpt.norm_params() + moe_mlp_params(gpt)
-        return tuple(moe if is_moe_block(gpt, i) else gpt.block_params()
-                     for i in range(self.n_layer))
+        return tuple(self.gpt.params_of_block(i) for i in range(self.n_layer))
 
     @cached_property
     def active_per_block(self) -> tuple[int, ...]:
         """Parameters one token works with in each block (a MoE block's ``moe_top_k``
         routed experts, not all of them): what its FLOPs count."""
-        gpt = self.gpt
-        moe = gpt.attention_params() + 2 * gpt.norm_params() + moe_mlp_params(gpt, True)
-        return tuple(moe if is_moe_block(gpt, i) else gpt.block_params()
-                     for i in range(self.n_layer))
+        return tuple(self.gpt.params_of_block(i, active=True) for i in range(self.n_layer))
 
     @cached_property
     def experts_per_block(self) -> tuple[int, ...]:

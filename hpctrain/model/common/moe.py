@@ -13,7 +13,6 @@ without passing through the blocks' outputs (``AddAuxiliaryLoss``). docs/design/
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable
 
@@ -22,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpctrain.model.common.experts import Experts
-from hpctrain.model.moe_shape import expert_hidden
+from hpctrain.model.moe_shape import expert_hidden, shared_experts_config
 from hpctrain.model.shape import GPTConfig
 
 RESIDUAL_OUTPUTS = ("experts.w_out", "shared.c_proj.weight")
@@ -97,9 +96,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.moe_experts, cfg.n_embd, expert_hidden(cfg), gated,
                                layers.expert_activation)
         if cfg.moe_shared:
-            wide = dataclasses.replace(cfg, ffn_hidden=cfg.moe_shared * expert_hidden(cfg),
-                                       moe_experts=0, moe_shared=0, moe_shared_gate=False)
-            self.shared = layers.mlp(wide)
+            self.shared = layers.mlp(shared_experts_config(cfg))
             if cfg.moe_shared_gate:
                 self.shared_gate = nn.Linear(cfg.n_embd, 1, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
