@@ -13,7 +13,8 @@ import typing
 from dataclasses import dataclass, field
 
 from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, SHARE, Bounds,
-                                     SwitchOrPath, check_fields, opt, parse_hints, require)
+                                     SwitchOrPath, check_fields, opt, parse_hints,
+                                     parse_step_range, require)
 from hpctrain.errors import ConfigError
 from hpctrain.config.model_section import ModelConfig
 from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT, MAX_WAIT_S
@@ -263,12 +264,25 @@ class TrainConfig:
                             "server as it goes, 'off' not at all", ("off", "offline", "online"))
     wandb_project: str = opt("hpctrain", "the W&B project of --train.wandb's run")
     wandb_name: str = opt("", "the W&B run's name; '' takes out_dir's last folder name")
+    profile: str = opt("", "steps to trace with the torch profiler, e.g. '20-22' or '20' "
+                           "(1-based, at most 20 steps): each rank writes <out_dir>/trace/"
+                           "rank<r>.json (Perfetto or chrome://tracing) and `hpctrain "
+                           "report` summarises the top kernels and the idle share per rank; "
+                           "'' traces nothing")
+    fp8: bool = opt(False, "compute the linear layers' matrix multiplies in FP8 with dynamic "
+                           "scaling (torchao's float8 training; master weights, gradients "
+                           "and their reductions stay as --train.dtype has them); needs "
+                           "--train.dtype=bf16 and a GPU with FP8 units (NVIDIA compute "
+                           "capability 8.9 or newer); `pip install 'hpctrain[gpu]'`")
 
     def __post_init__(self):
         _check_fields(self)
         require(self.out_dir != "", "train.out_dir must name a directory")
         require(self.tensorboard.strip() != "", "train.tensorboard must be true, false or "
                                                 "the folder to write the event files into")
+        parse_step_range("train.profile", self.profile)
+        require(not self.fp8 or self.dtype == "bf16", "--train.fp8=true computes in FP8 "
+                "beside bf16 activations: add --train.dtype=bf16")
         require(self.wandb_project.strip() != "", "train.wandb_project must name a W&B project")
         require(not (self.ckpt_async and self.ckpt_files == "node"), "--train.ckpt_async "
                 "writes from a thread, which makes no MPI call, and --train.ckpt_files=node "
