@@ -48,6 +48,8 @@ def test_an_expert_parallel_checkpoint_moves_to_one_rank_and_to_another_ep(
     assert any(n.endswith(f"w_in@ep{ep - 1}") for n in names)
     full = read_full_state(manifest)
     assert full["h.0.mlp.experts.w_in"]["param"].shape[0] == 4  # every expert
+    # inspect counts a sliced tensor once: as many tensors as the whole state has
+    assert f"  {len(full)} tensors, " in ckpt_commands.inspect(manifest.path)
     assert_same_state(full, live)
 
     resharded = resumes_exactly_and_reshards(_fit, mpi_dataset, shared_tmp, layout,

@@ -21,6 +21,7 @@ from hpctrain.model.gpt import GPT, GPTConfig
 from hpctrain.output_paths import check_output_file, check_output_folder
 from hpctrain.parallel.choose_engine import engine_class
 from hpctrain.parallel.shards import shard_layout
+from hpctrain.parallel.tensor.layout import EXPERT_QUALIFIER, QUALIFIER
 from hpctrain.parallel.zero.buckets import ALIGN, pack_flat, zero_buckets
 from hpctrain.sizes import MAX_WORLD, MiB, finite, whole
 
@@ -41,7 +42,7 @@ def inspect(path: str | Path, verify: bool = False) -> str:
              f"{m.world_size} rank(s), ZeRO level {_get(config, 'parallel', 'zero')}, "
              f"dtype {_get(config, 'train', 'dtype')}",
              "  model " + ", ".join(f"{k}={v}" for k, v in d["model"].items()),
-             f"  {len(_shapes(d))} tensors, {n_params:,} parameters",
+             f"  {len(_whole_names(_shapes(d)))} tensors, {n_params:,} parameters",
              f"  data: {data.get('sampler')} sampler, seed {data.get('seed')}, next step "
              f"{data.get('next_step')}",
              *([f"  imported from {d['imported'].get('from')} {d['imported'].get('path')} "
@@ -64,6 +65,12 @@ def _shapes(d: dict) -> dict[str, list[int]]:
     if d["layout"] == "replicated":
         return d["index"]["params"]
     return {n: s for b in d["index"]["buckets"] for n, s in zip(b["names"], b["shapes"])}
+
+
+def _whole_names(shapes: dict) -> set[str]:
+    """The model's tensors behind a checkpoint's entries: a tensor- or expert-parallel
+    run records one entry per slice (``name@tp<r>``, ``name@ep<r>``), counted once."""
+    return {n.split(QUALIFIER)[0].split(EXPERT_QUALIFIER)[0] for n in shapes}
 
 
 def merge(path: str | Path, output: str | Path) -> Path:
