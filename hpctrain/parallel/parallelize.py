@@ -1,7 +1,9 @@
 """``parallelize(gpt, grid, cfg)``: wrap a whole GPT for this rank's place in the grid.
 
 One fixed order (as torchtitan's ``parallelize``), because each step needs the previous:
-0. tensor split (tp > 1, ``tensor/apply.py``); 1. pipeline cut (pp > 1: this rank's
+0. FP8 linear layers (``--train.fp8``, ``fp8.py``: the swapped modules keep their
+parameters, which every later step takes as they are), then the tensor split (tp > 1,
+``tensor/apply.py``); 1. pipeline cut (pp > 1: this rank's
 stage); 2. device, then ring attention and global positions on what the rank holds
 (cp > 1, ``context/apply.py``), and this rank's experts of every MoE layer with the
 all-to-all dispatch (ep > 1, ``experts/apply.py``); 3. gradient engine over the stage's
@@ -28,6 +30,7 @@ from hpctrain.parallel.context.chunks import loader_parts
 from hpctrain.parallel.context.ring import Ring
 from hpctrain.parallel.engine import GradEngine
 from hpctrain.parallel.experts.apply import expert_parallelize
+from hpctrain.parallel.fp8 import Fp8Layers, fp8_parallelize
 from hpctrain.parallel.pipeline.executor import PipelineExecutor
 from hpctrain.parallel.pipeline.schedules import SPLIT_BACKWARD, V_PLACED
 from hpctrain.parallel.pipeline.stage import PipelineStage
@@ -43,6 +46,8 @@ class Parallel:
     """What this rank holds: the whole GPT, or its pipeline stage."""
     engine: GradEngine
     runner: Runner
+    fp8: Fp8Layers | None = None
+    """The layers ``--train.fp8`` put in FP8 (None: off)."""
 
 
 def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
@@ -51,6 +56,7 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     par, world = cfg.parallel, grid.world
     device = torch.device(world.device)
     pipelined = par.pp > 1
+    fp8 = fp8_parallelize(gpt, grid, cfg) if cfg.train.fp8 else None
     if grid.tp > 1:
         tensor_parallelize(gpt, TensorParallelGroup(grid.tp_comm, world),
                            sequence_parallel=par.sequence_parallel)
@@ -79,7 +85,7 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     set_matmul_precision(device, cfg.train.tf32)
     if cfg.train.compile:
         compile_model(model, backward_twice=pipelined and par.schedule in SPLIT_BACKWARD)
-    return Parallel(model, engine, runner)
+    return Parallel(model, engine, runner, fp8)
 
 
 def sequence_parts(grid: ProcessGrid) -> tuple[tuple[int, ...], int]:

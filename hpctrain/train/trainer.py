@@ -169,7 +169,7 @@ class Trainer:
             self._log(f"metrics.jsonl: {note}")
         for note in filter(None, self.lock.notes):
             self._log(f"out_dir: {note}")
-        for part in (self.model.tensor_parallel, self.runner):
+        for part in (self.model.tensor_parallel, self.runner, self.par.fp8):
             if part is not None and part.describe():
                 self._log(part.describe())
         if t.compile and self.grid.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD:
