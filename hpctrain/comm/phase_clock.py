@@ -1,18 +1,13 @@
-"""The step's one timer: each phase (``PHASES``) is a span that the runner, the gradient
-engines and the trainer bracket with ``clock.span("forward")``; ``stop()`` turns a step's
-spans into seconds per phase.
+"""The step's one timer: the runner, the gradient engines and the trainer bracket each
+phase (``PHASES``) with ``clock.span("forward")``; ``stop()`` turns a step's spans into
+seconds per phase. Each rank's device layer holds one (``accel.clock``).
 
-Each rank's device layer holds one (``accel.clock``). On the CPU a span is the host clock
-around the work, which runs as it is queued. On a GPU the host clock would time kernel
-launches, so a span is two timing events recorded on the compute stream (the stream the
-host queues the step's work on; the copy stream's copies overlap it and are no phase):
-their distance is the device's own time between the two points, waits included, and
-the step's spans partition one timeline so they add up. The events are read once per
-step, in ``stop()``: after the step's one wait for the gradient norm the device has caught
-up, so waiting for the step's last event costs nothing and the step gains no sync. The
-fake device's events are host times that pass only once the host waits for them: that
-proves the plumbing (every phase bracketed, read after that one wait, numbers adding up),
-not a device's concurrency. docs/design/gpu-timing.md.
+On the CPU a span's ends are host times (work runs as it is queued); on a GPU, timing
+events on the compute stream, whose distance is the device's own time, so the step's
+spans partition one timeline and add up. They are read once per step, after the step's
+one wait for the gradient norm: no device sync. The fake device's events are host times
+readable only once waited for: that proves the plumbing, not a device's concurrency.
+Why, and what the fake device proves: docs/design/gpu-timing.md.
 """
 
 from __future__ import annotations

@@ -110,10 +110,10 @@ class LocalRunner:
         starts its reductions in the last one's backward pass)."""
         loss_sum = torch.zeros((), device=xs[0].device)
         set_loss_scale(self.model, loss_scale)
+        clock = self.accel.clock  # the rank's phase clock (host time, or device events)
         for m, (x, y) in enumerate(zip(xs, ys)):
             if before_backward is not None:
                 before_backward(m == len(xs) - 1)
-            clock = self.accel.clock
             with clock.span("forward") as f, profile_range("forward"):
                 loss = self.model(x, y)
             with clock.span("backward") as b, profile_range("backward"):

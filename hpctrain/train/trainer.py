@@ -54,8 +54,8 @@ class Trainer:
         self._stop: StopAgreement | None = None
         self._closed = False
         check_layout(cfg, world.size)
-        # Refused on every rank alike, before anything is claimed or written.
-        self._sinks, self._traced = ScalarSinks.check(cfg), traced_steps(cfg.train)  # refused before any write
+        # Refused on every rank alike, before anything is written (packages, traced steps).
+        self._sinks, self._traced = ScalarSinks.check(cfg), traced_steps(cfg.train)
         # Before anything is written: one run per out_dir (rundir.py).
         self.lock = claim_run_dir(Path(cfg.train.out_dir), cfg.train.resume,
                                   cfg.train.overwrite, world)
