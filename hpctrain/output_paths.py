@@ -17,8 +17,10 @@ RUN_CONFIG = "config.toml"
 """The run's resolved configuration (``config/recipe_file.py``)."""
 RUN_CONFIG_HEADER = "# hpctrain: the resolved configuration of a run"
 """Its first line: a ``config.toml`` without it is the user's own recipe, not an output."""
+RUN_TRACES = "trace"
+"""The run's folder of profiler traces (``--train.profile``: ``rank<r>.json`` each)."""
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "final.h5", "sample.txt",
-               "tensorboard", "wandb", "report", RUN_CONFIG)
+               "tensorboard", "wandb", "report", RUN_TRACES, RUN_CONFIG)
 """What a training run writes into its out_dir; any of them means a run was there."""
 
 

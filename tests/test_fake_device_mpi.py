@@ -18,6 +18,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.comm import device_collectives
+from hpctrain.comm.phase_clock import DEVICE_EVENTS, PARTS_OF_BACKWARD
 from hpctrain.comm.world import World
 from hpctrain.comm.xccl_transport import XcclTransport
 from hpctrain.train.trainer import Trainer
@@ -51,6 +52,7 @@ def _fit_on_fake(cfg, aware: str, check=None, collectives: str = "mpi") -> tuple
     def fit_and_count(close=True):
         result = fit(close=close)
         counts.update({k: v - before[k] for k, v in stats.snapshot().items()})
+        counts["phases"] = result.phases
         return result
 
     trainer.fit = fit_and_count
@@ -73,6 +75,7 @@ def _check_counts(trainer, counts: dict, aware: str) -> None:
         f"{waits:.1f} blocking event waits per step for {buckets} buckets, {gathers:.1f} "
         f"gathers and {messages:.1f} messages")
     assert counts["device_syncs"] == 0 and counts["syncs_in_backward"] == 0
+    _check_phases(trainer, counts["phases"])
     assert counts["unready_handoffs"] == 0 and counts["numpy_on_device"] == 0
     if aware == "no":
         assert counts["staged_bytes"] > 0 and counts["direct_handoffs"] == 0
@@ -87,6 +90,21 @@ def _check_counts(trainer, counts: dict, aware: str) -> None:
         assert counts["handoffs_off_main_thread"] > 0
         stats = trainer.engine.stats
         assert stats.launched_in_backward >= stats.reductions // 2  # most overlap backward
+
+
+def _check_phases(trainer, phases: list[dict]) -> None:
+    """The phase clock's device events (docs/design/gpu-timing.md): each step's phases
+    add up to it, none below zero; the hooks, the wait and a stage's bubble bracketed."""
+    assert trainer.world.accel.clock.name == DEVICE_EVENTS
+    for step in phases:
+        beside = sum(v for k, v in step.items() if k not in (*PARTS_OF_BACKWARD, "step"))
+        assert beside == pytest.approx(step["step"]) and min(step.values()) >= 0, step
+    total = {k: sum(p[k] for p in phases) for k in phases[0]}
+    assert min(total["data"], total["forward"], total["backward"], total["optimizer"]) > 0
+    if trainer.grid.dp > 1:
+        assert total["wait"] > 0
+    if trainer.grid.pp > 1:
+        assert total["bubble"] > 0
 
 
 @pytest.mark.parametrize("aware", ["yes", "no"])
@@ -165,6 +183,7 @@ def test_expert_parallelism_on_the_fake_device(mpi_dataset, shared_tmp, aware, z
     trainer, counts = _fit_on_fake(cfg, aware, check=lambda t, c: fit_against_reference(
         t, c, t.grid.expert_world.comm))
     assert counts["device_syncs"] == 0 and counts["syncs_in_backward"] == 0
+    _check_phases(trainer, counts["phases"])
     assert counts["unready_handoffs"] == 0 and counts["numpy_on_device"] == 0
     if aware == "no":
         assert counts["staged_bytes"] > 0 and counts["direct_handoffs"] == 0

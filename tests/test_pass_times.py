@@ -15,7 +15,7 @@ from hpctrain.parallel.pipeline import schedules as S
 from hpctrain.parallel.pipeline.pass_times import EQUAL, PassTimes, measured
 from hpctrain.train.outputs import RunOutputs
 from hpctrain.train.result import TrainResult
-from hpctrain.train.timing import PhaseClock
+from hpctrain.comm.phase_clock import HOST, HostMark, PhaseClock
 from tests.helpers import TIMED
 
 TIMES = [PassTimes(1, 1, 1), PassTimes(1, 1.3, 1.05), PassTimes(1, 1.5, 0.7),
@@ -167,17 +167,20 @@ def test_no_pass_times_where_the_host_clock_counts_kernel_launches():
 
 
 def test_the_phase_clock_counts_w_passes_as_backward():
-    class Stats:
-        forward_s = backward_s = weight_s = bubble_s = hook_s = wait_s = 0.0
+    now = [0.0]
 
-    class Part:
-        stats = Stats()
+    class Mark(HostMark):  # a host mark on a clock the test moves
+        def __init__(self):
+            self.t = now[0]
 
-    runner, engine = Part(), Part()
-    clock = PhaseClock(runner, engine)
+    clock = PhaseClock(Mark, HOST)
     clock.start()
-    runner.stats.backward_s, runner.stats.weight_s = 0.25, 0.5
+    with clock.span("backward"):
+        now[0] += 0.25
+    with clock.span("weight"):
+        now[0] += 0.5
+    now[0] += 1.0
     phases = clock.stop()
     assert phases["backward"] == pytest.approx(0.75) and phases["weight"] == 0.5
     # W is a part of backward: the rest of the step does not lose it twice.
-    assert phases["other"] == pytest.approx(phases["step"] - 0.75)
+    assert phases["other"] == pytest.approx(phases["step"] - 0.75) == pytest.approx(1.0)

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from hpctrain.comm.phase_clock import DEVICE_EVENTS, HOST, DeviceMark, HostMark, PhaseClock
 from hpctrain.sizes import GiB
 
 
@@ -113,6 +114,9 @@ class Accelerator:
         """How the device was chosen among those visible (for the start-up line)."""
         self.stats = DeviceStats()
         self._backward_depth = 0
+        self.clock = PhaseClock(self.mark, DEVICE_EVENTS if self.is_accelerator else HOST)
+        """This rank's one timer of a step's phases (what the runner, the engines and the
+        trainer bracket their work with)."""
 
     # ----------------------------------------------------------------- identity
     @property
@@ -187,6 +191,11 @@ class Accelerator:
     # ----------------------------------------------------------------- waiting
     def event(self) -> Event:
         return Event(self)
+
+    def mark(self) -> HostMark:
+        """A point on this device's timeline for the phase clock: the host's clock here
+        (work runs as it is queued); a timing event on the current stream on a GPU."""
+        return HostMark()
 
     def synchronize(self) -> None:
         """Wait for all work on the device (never inside a step; counted)."""
@@ -306,6 +315,9 @@ class GPUAccelerator(Accelerator):
 
     def event(self):
         return Event(self, self.module.Event())
+
+    def mark(self):
+        return DeviceMark(self.module)
 
     def _synchronize(self):
         self.module.synchronize(self.index)

@@ -11,6 +11,7 @@ import weakref
 import torch
 
 from hpctrain.comm.device import Accelerator, Event
+from hpctrain.comm.phase_clock import HostMark
 
 # DLPack device types (dlpack.h): what mpi4py is told a buffer's memory is.
 DLPACK_CUDA = 2
@@ -36,6 +37,25 @@ class _FakeEvent(Event):
 
     def _block(self) -> None:
         self.accel.done_seq = max(self.accel.done_seq, self.seq)
+
+
+class _FakeMark(HostMark):
+    """The phase clock's event on the fake stream: the host's time when it was recorded,
+    readable only once the host has waited for it or a later one (as a GPU's timing
+    event, whose time exists only once the device has passed it): a clock that read a
+    step's spans before its one wait, or never waited, raises."""
+
+    def __init__(self, accel: FakeAccelerator):
+        super().__init__()
+        self.accel, self.seq = accel, accel.next_seq()
+
+    def wait(self):
+        self.accel.done_seq = max(self.accel.done_seq, self.seq)
+
+    def seconds_to(self, later):
+        if max(self.seq, later.seq) > self.accel.done_seq:
+            raise RuntimeError("a fake timing event read before the host waited for it")
+        return super().seconds_to(later)
 
 
 class _FakeDeviceMemory:
@@ -129,6 +149,9 @@ class FakeAccelerator(Accelerator):
 
     def event(self):
         return _FakeEvent(self)
+
+    def mark(self):
+        return _FakeMark(self)
 
     def _synchronize(self):
         self.done_seq = self._seq

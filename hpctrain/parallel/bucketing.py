@@ -10,10 +10,10 @@ collectives only inside MPI calls, so polling during backward is what overlaps t
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from hpctrain.comm.mpi import MPI
+from hpctrain.comm.phase_clock import PhaseClock
 from hpctrain.comm.watchdog import wait_all
 
 
@@ -85,8 +85,11 @@ class BucketScheduler:
     in ``finish()`` (which waits for it): the host never stalls the device mid-backward.
     """
 
-    def __init__(self, buckets: list, *, timeout: float):
+    def __init__(self, buckets: list, *, timeout: float, clock: PhaseClock):
+        """``clock``: the rank's phase clock (``accel.clock``), which times the hooks
+        and the wait in ``finish()``."""
         self.sched_buckets = buckets
+        self.clock = clock
         self.timeout = timeout
         self.stats = CommStats()
         self.syncing = True
@@ -120,15 +123,15 @@ class BucketScheduler:
         """One more of ``bucket``'s gradients is final for this backward."""
         if not self.syncing:
             return
-        t0 = time.perf_counter()
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self.bucket_ready(bucket)
-        launched = self._launch_in_order(block=False)
-        self.stats.launched_in_backward += launched
-        if not launched and self._inflight:
-            self.poll()
-        self.stats.hook_s += time.perf_counter() - t0
+        with self.clock.span("hooks") as hook:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self.bucket_ready(bucket)
+            launched = self._launch_in_order(block=False)
+            self.stats.launched_in_backward += launched
+            if not launched and self._inflight:
+                self.poll()
+        self.stats.hook_s += hook.host_s
 
     def _launch_in_order(self, block: bool) -> int:
         """Launch the complete buckets in order; stop at one still waited for, or (not
@@ -169,10 +172,10 @@ class BucketScheduler:
                 b.pending = 0
                 self.bucket_ready(b)
         self._launch_in_order(block=True)
-        t0 = time.perf_counter()
-        wait_all([req for _, req in self._inflight], timeout=self.timeout,
-                 what=f"gradient reduction of {len(self.sched_buckets)} bucket(s)")
-        self.stats.wait_s += time.perf_counter() - t0
+        with self.clock.span("wait") as wait:
+            wait_all([req for _, req in self._inflight], timeout=self.timeout,
+                     what=f"gradient reduction of {len(self.sched_buckets)} bucket(s)")
+        self.stats.wait_s += wait.host_s
         for b, _ in self._inflight:
             self.complete(b)
         self._inflight = []

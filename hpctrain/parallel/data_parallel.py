@@ -146,7 +146,7 @@ class DataParallel(BucketScheduler):
                                experts.transport if kinds[g[0]] else self.transport,
                                shm.flat(i) if shm else None)
                         for i, g in enumerate(groups)]
-        super().__init__(self.buckets, timeout=world.timeout)
+        super().__init__(self.buckets, timeout=world.timeout, clock=world.accel.clock)
         # Hooks start reductions during backward where something else then advances
         # them: MPI (GPU gradients, the MPI path) or, across nodes, the inter-node part
         # of the shared-memory sums. Not with one rank, nor for sums in one node's memory.

@@ -12,7 +12,6 @@ rank (pp = 1), so a training step has one path::
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
@@ -31,7 +30,9 @@ class RunnerStats(Protocol):
     """Seconds blocked waiting for a neighbouring stage."""
     forward_s: float
     backward_s: float
-    """Seconds in forward and backward passes (host clock), gradient hooks included."""
+    """Seconds in forward and backward passes (host clock), gradient hooks included.
+    The step's phases come from the device layer's clock (``accel.clock``), whose spans
+    these tallies are read from."""
     weight_s: float
     """Seconds in the weight-gradient passes of a backward split in two (zero-bubble
     schedules; ``backward_s`` is then the input-gradient passes); 0 where it is fused."""
@@ -109,17 +110,16 @@ class LocalRunner:
         starts its reductions in the last one's backward pass)."""
         loss_sum = torch.zeros((), device=xs[0].device)
         set_loss_scale(self.model, loss_scale)
+        clock = self.accel.clock  # the rank's phase clock (host time, or device events)
         for m, (x, y) in enumerate(zip(xs, ys)):
             if before_backward is not None:
                 before_backward(m == len(xs) - 1)
-            t0 = time.perf_counter()
-            with profile_range("forward"):
+            with clock.span("forward") as f, profile_range("forward"):
                 loss = self.model(x, y)
-            t1 = time.perf_counter()
-            with profile_range("backward"):
+            with clock.span("backward") as b, profile_range("backward"):
                 self.accel.backward(loss * loss_scale)
-            self.stats.forward_s += t1 - t0
-            self.stats.backward_s += time.perf_counter() - t1
+            self.stats.forward_s += f.host_s
+            self.stats.backward_s += b.host_s
             loss_sum += loss.detach()
         return loss_sum
 

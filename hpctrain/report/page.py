@@ -12,6 +12,7 @@ from hpctrain.markdown_html import to_html
 from hpctrain.report import plots
 from hpctrain.report.expert_plots import expert_load, has_expert_load
 from hpctrain.report.runs import Run, read_run
+from hpctrain.report.trace_summary import trace_line
 
 PAGE = "report.html"
 
@@ -71,15 +72,45 @@ def _images(runs: list[Run], plot_dir: Path) -> list[tuple]:
     else:
         blocks.append(("p", "No `summary.json` with memory yet: it is written when a run "
                             "finishes."))
+    return blocks + trace_blocks(runs)
+
+
+def trace_blocks(runs: list[Run]) -> list[tuple]:
+    """A table per rank of each run traced with ``--train.profile``: its top kernels (or
+    host operators on a CPU) over the traced steps, and how idle the device was."""
+    traced = [r for r in runs if r.traces]
+    if not traced:
+        return []
+    blocks = [("h2", "Trace"),
+              ("p", "From each rank's `trace/rank<r>.json` (open one in "
+                    "https://ui.perfetto.dev): busy is the union of the device's kernel "
+                    "intervals (on a CPU run, of the host's outermost operators), span the "
+                    "traced steps from first to last event, idle = 1 - busy / span; share "
+                    "is of the summed kernel time.")]
+    for run in traced:
+        for rank, s in run.traces.items():
+            what = "kernel" if s["source"] == "device" else "host operator (CPU trace)"
+            blocks += [("p", f"{run.label}, rank {rank}: {s['steps']} step(s), span "
+                             f"{s['span_ms']:.1f} ms, busy {s['busy_ms']:.1f} ms, idle "
+                             f"{100 * s['idle_share']:.1f}%"),
+                       ("table", [what, "ms", "count", "share"],
+                        [[f"`{t['name'][:80]}`", f"{t['ms']:.2f}", t["count"],
+                          f"{100 * t['share']:.1f}%"] for t in s["top"]])]
     return blocks
 
 
-def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+def build_report(run_dirs: list[str | Path], out: str | Path | None = None,
+                 log=None) -> Path:
     """Read the runs, draw, write the page; return its path. ``out`` defaults to
-    ``RUN/report`` for one run and is required for several."""
+    ``RUN/report`` for one run and is required for several. ``log``: prints a line per
+    traced rank (``hpctrain report``'s output)."""
     if not run_dirs:
         raise UserError("name at least one run directory (a --train.out_dir)")
     runs = [read_run(d) for d in run_dirs]
+    for run in runs:
+        for rank, s in run.traces.items():
+            if log is not None:
+                log(f"{run.label}: {trace_line(rank, s)}")
     if out is None:
         if len(runs) > 1:
             raise UserError("several runs: name the folder for their report with --out DIR")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctrain.errors import UserError
+from hpctrain.report.trace_summary import summarize_run_traces
 from hpctrain.sizes import MAX_EXPERTS, MAX_LAYERS
 
 METRICS = "metrics.jsonl"
@@ -36,6 +37,8 @@ class Run:
     """``summary.json``; None while the run is going (or when it stopped early)."""
     segments: int = 1
     notes: list[str] = field(default_factory=list)
+    traces: dict[int, dict] = field(default_factory=dict)
+    """Rank -> the summary of its ``--train.profile`` trace (``trace_summary.py``)."""
 
 
 NUMBERS = ("loss", "val_loss", "final_val_loss", "lr", "mfu", "tokens_per_s", "step_ms",
@@ -207,4 +210,4 @@ def read_run(path: str | Path) -> Run:
                      f"{summary['steps']}); its phases and memory describe that one")
     config, world = _config_record(path, summary)
     return Run(path, layout_label(path.name, config, world), steps, final, summary,
-               len(segments), notes)
+               len(segments), notes, summarize_run_traces(path))

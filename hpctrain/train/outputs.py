@@ -128,6 +128,7 @@ class RunOutputs:
         if mine:
             timing["phases_ms"] = {k: float(v) / self.world.size
                                    for k, v in zip(names, per_rank)}
+        timing["clock"] = self.world.accel.clock.name  # host, or device events
         return timing
 
     def _pass_times(self, result: TrainResult) -> dict | None:

@@ -1,27 +1,21 @@
 """Where a step's time went: compute, exposed communication, pipeline bubble, data wait.
 
-The trainer measures the last three directly (each is time spent blocked on something);
-compute is the rest of the step. Scaling studies read these from ``summary.json``.
+The phases of each step come from the device layer's one clock (``PhaseClock``,
+``comm/phase_clock.py``: host time on the CPU, device events on a GPU); this module
+summarises them. Scaling studies read these from ``summary.json``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import sys
-import time
 
 import numpy as np
 
-PHASES = ("data", "forward", "backward", "hooks", "wait", "optimizer", "bubble", "other")
-"""Where a step's time goes. ``hooks`` is the part of ``backward`` that gradient hooks
-spend on reductions (launching, polling; the shared-memory sums across nodes); ``wait``
-is ``finish()`` completing them after backward (on one node with shared memory, all the
-sums: there are no hooks there); ``other`` is the rest of the step (loss bookkeeping,
-zero_grad)."""
-PARTS_OF_BACKWARD = ("hooks", "weight")
-"""Per-step entries that are a part of ``backward``, not beside it: the hooks, and a
-zero-bubble schedule's W passes (``weight``; recorded per step, not in ``PHASES``)."""
+from hpctrain.comm.phase_clock import PARTS_OF_BACKWARD, PHASES, PhaseClock
+
+__all__ = ["PARTS_OF_BACKWARD", "PHASES", "PhaseClock", "peak_rss_bytes", "phase_medians",
+           "summarize", "warmup_steps"]
 
 
 def warmup_steps(n_steps: int) -> int:
@@ -51,42 +45,6 @@ def peak_rss_bytes() -> int:
     """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-class PhaseClock:
-    """Each step's seconds per phase (``PHASES``), from the cumulative counters of the
-    runner (forward, backward, bubble) and the gradient engine (hooks, wait), and the
-    trainer's own timed sections (``with clock.timing("data")``)."""
-
-    def __init__(self, runner, engine):
-        self.runner, self.engine = runner, engine
-        self.own = {"data": 0.0, "optimizer": 0.0}
-
-    @contextlib.contextmanager
-    def timing(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.own[phase] += time.perf_counter() - t0
-
-    def _counters(self) -> dict[str, float]:
-        r, e = self.runner.stats, self.engine.stats
-        return {"forward": r.forward_s, "backward": r.backward_s + r.weight_s,
-                "weight": r.weight_s, "bubble": r.bubble_s,
-                "hooks": e.hook_s, "wait": e.wait_s, **self.own}
-
-    def start(self) -> None:
-        self._t0, self._c0 = time.perf_counter(), self._counters()
-
-    def stop(self) -> dict[str, float]:
-        """Seconds of each phase since ``start()``, and ``step`` in all."""
-        step = time.perf_counter() - self._t0
-        now = self._counters()
-        phases = {k: now[k] - self._c0[k] for k in now}
-        phases["other"] = step - sum(v for k, v in phases.items()
-                                     if k not in PARTS_OF_BACKWARD)
-        return {**phases, "step": step}
 
 
 def phase_medians(phases: list[dict], skip: int) -> dict[str, float]:

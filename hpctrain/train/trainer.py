@@ -39,7 +39,7 @@ from hpctrain.train.schedule import learning_rate
 from hpctrain.train.start import load_starting_point
 from hpctrain.train.stop import SignalFlag, StopAgreement
 from hpctrain.train.tensorboard import ScalarSinks
-from hpctrain.train.timing import PhaseClock
+from hpctrain.train.trace import StepTrace, traced_steps
 
 
 class Trainer:
@@ -54,8 +54,8 @@ class Trainer:
         self._stop: StopAgreement | None = None
         self._closed = False
         check_layout(cfg, world.size)
-        # Refused on every rank alike, before anything is claimed or written.
-        self._sinks = ScalarSinks.check(cfg)  # TensorBoard's and W&B's packages
+        # Refused on every rank alike, before anything is written (packages, traced steps).
+        self._sinks, self._traced = ScalarSinks.check(cfg), traced_steps(cfg.train)
         # Before anything is written: one run per out_dir (rundir.py).
         self.lock = claim_run_dir(Path(cfg.train.out_dir), cfg.train.resume,
                                   cfg.train.overwrite, world)
@@ -81,7 +81,7 @@ class Trainer:
         self.model, self.engine, self.runner = self.par.model, self.par.engine, self.par.runner
         self.micro = cfg.parallel.micro_batches
         self.expert_load = ExpertLoad(self.model, self.gpt_cfg, world, copies=grid.tp)
-        self.clock = PhaseClock(self.runner, self.engine)
+        self.clock = world.accel.clock  # host time on the CPU, device events on a GPU
         self.evaluator = Evaluator(self.model, self.runner, self.batches, world, t,
                                    self.grid.loss_ranks)
         self.tokens_per_step = t.batch_size * cfg.model.block_size
@@ -99,6 +99,7 @@ class Trainer:
             on_saved=self.deadline.record_save)
         self.start = load_starting_point(cfg, self.out_dir, self.engine, self.grid, self.runner,
                                          self.gpt_cfg.shape(), self.tokenizer.meta())
+        self.trace = StepTrace(self._traced, self.out_dir, world, self._log, self.start.step)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=world.is_root,
                                   resumed_at=self.start.step)
         self.scalars = self._sinks.open(world.is_root, self.start.step, self._log)
@@ -115,25 +116,23 @@ class Trainer:
             self.lock.notes.append(self.end.begin_attempt())
 
     def _log(self, line: str, bar: Progress | None = None) -> None:
-        if not self.log_enabled:
-            return
-        if bar is not None and bar.enabled:
+        if self.log_enabled and bar is not None and bar.enabled:
             bar.write(line)
-        else:
+        elif self.log_enabled:
             print(line, flush=True)
 
     # ---------------------------------------------------------------- the step
     def train_step(self, step: int) -> tuple[torch.Tensor, float]:
         """One optimizer step; returns (this rank's mean loss, grad norm).
         The norm is the same number on every rank; a NaN or inf one skipped the update."""
-        with self.clock.timing("data"):
+        with self.clock.span("data"):
             x, y = self.batches.train(step)
         engine = self.engine
         loss_sum = self.runner.train_step(x.chunk(self.micro), y.chunk(self.micro),
                                           engine.grad_scale / self.micro,
                                           engine.prepare_for_backward)
         engine.finish()
-        with self.clock.timing("optimizer"):
+        with self.clock.span("optimizer"):
             norm = engine.step(learning_rate(step, self.cfg.optim, self.cfg.train.max_iters),
                                self.cfg.optim.grad_clip)
         self.runner.tie_weights()
@@ -146,11 +145,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def fit(self, close: bool = True) -> TrainResult:
-        """Train, evaluate and write the outputs; then release everything (``close``;
-        ``close=False`` keeps the communicators for a caller that inspects the run and
-        closes it). On an error status.json says so, and only this process's own holds are
-        let go (the lock, the signal handlers): the collective releases could wait for a
-        rank that failed."""
+        """Train, evaluate and write the outputs; then release everything (``close=False``
+        keeps the communicators for a caller that inspects the run, and closes it). On an
+        error status.json says so and only this process's own holds (the lock, the signal
+        handlers) are let go: the collective releases could wait for a rank that failed."""
         try:
             result = self._fit()
         except BaseException as exc:
@@ -176,11 +174,10 @@ class Trainer:
             self._log("note: a compiled block's backward is one autograd node that B and W "
                       "cannot split: B runs it whole and W again (about twice the blocks' "
                       "backward); zero-bubble schedules gain most without --train.compile")
-        rows = t.batch_size // self.grid.dp
         self._log(f"model: {self.gpt_cfg.parameters_text()}, "
                   f"{self.engine.describe()}, {t.dtype}; global batch {t.batch_size} x "
-                  f"{cfg.model.block_size} tokens = {rows} row(s) per rank in {self.micro} "
-                  "micro-batch(es)")
+                  f"{cfg.model.block_size} tokens = {t.batch_size // self.grid.dp} row(s) "
+                  f"per rank in {self.micro} micro-batch(es)")
         self._log(f"data: {self.batches.describe()}")
         peak = self.peak
         self._log(f"MFU against {peak.tflops:g} TFLOP/s per device x {peak.devices} device(s): "
@@ -209,6 +206,7 @@ class Trainer:
         self.saver.finish_pending(end=True)
         result.wall_s = time.perf_counter() - start
         train_time, steps_run = sum(result.step_times), len(result.step_times)
+        self.trace.close(self.start.step + steps_run)  # stopped inside the traced steps
         result.tokens_per_s = self.tokens_per_step * steps_run / train_time if train_time else 0.0
         if result.stopped_at is not None:
             return self.end.stopped_in_training(result)
@@ -219,12 +217,14 @@ class Trainer:
         window = LogWindow(w, self.grid.loss_ranks)
         self.deadline.record_startup()
         for step in range(self.start.step, t.max_iters):
+            self.trace.before(step + 1)
             self.clock.start()
             try:
                 loss, norm = self.train_step(step)
             except CommTimeout as e:  # say where the job was when it stopped
                 raise CommTimeout(f"step {step + 1}: {e}") from None
             add_step(result, self.clock.stop())
+            self.trace.after(step + 1)
             self.deadline.record_step(result.step_times[-1])
             self.saver.poll()  # publishes an asynchronous save once every rank wrote it
             if step == self.start.step:

@@ -10,7 +10,6 @@ without a buffer per micro-batch. Time blocked in receives is the stage's bubble
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -191,10 +190,12 @@ class PipelineExecutor:
         # A peer may be waiting for one of our queued sends before it can answer: post
         # them all first (the host would block here anyway).
         self._post_ready(self._sends, block=True)
-        t0 = time.perf_counter()
-        wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}")
-        if bubble:
-            self.stats.bubble_s += time.perf_counter() - t0
+        if not bubble:
+            wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}")
+            return
+        with self.accel.clock.span("bubble") as idle:
+            wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}")
+        self.stats.bubble_s += idle.host_s
 
     # ------------------------------------------------------------------- running
     def run(self, actions: list[S.Action], xs: list, ys: list, loss_scale: float,
@@ -248,11 +249,11 @@ class PipelineExecutor:
             x = walk.received.pop((S.RECV_ACT, *key))
             x.requires_grad_(walk.backward)
         last = self.stage.is_last_chunk(a.chunk)
-        t0 = time.perf_counter()
-        with profile_range(f"forward m{a.micro} c{a.chunk}"):
+        with self.accel.clock.span("forward") as f, \
+                profile_range(f"forward m{a.micro} c{a.chunk}"):
             out = self.stage.chunk_forward(a.chunk, x, walk.ys[a.micro] if last else None)
         if walk.backward:
-            self.stats.forward_s += time.perf_counter() - t0
+            self.stats.forward_s += f.host_s
         if last:
             walk.loss_sum = out.detach() if walk.loss_sum is None else walk.loss_sum + out.detach()
         handed = not last and self._hand_over(walk, a, out, +1)
@@ -279,13 +280,13 @@ class PipelineExecutor:
             self._add_tied_gradient(walk.tie_recv)
         if walk.before_backward is not None:
             walk.before_backward(i == walk.last_backward)
-        t0 = time.perf_counter()
-        with profile_range(f"backward m{a.micro} c{a.chunk}"):
+        with self.accel.clock.span("backward") as b, \
+                profile_range(f"backward m{a.micro} c{a.chunk}"):
             if self.stage.is_last_chunk(a.chunk):
                 self.accel.backward(out * walk.loss_scale)
             else:
                 self.accel.backward(out, walk.received.pop((S.RECV_GRAD, *key)))
-        self.stats.backward_s += time.perf_counter() - t0
+        self.stats.backward_s += b.host_s
         walk.in_flight -= 1
         if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
             self._send_tied_gradient(walk.sends)
@@ -301,10 +302,10 @@ class PipelineExecutor:
         else:
             grad = walk.received.pop((S.RECV_GRAD, *key))
         kept = []
-        t0 = time.perf_counter()
-        with profile_range(f"backward-input m{a.micro} c{a.chunk}"):
+        with self.accel.clock.span("backward") as b, \
+                profile_range(f"backward-input m{a.micro} c{a.chunk}"):
             self.accel.autograd(lambda: kept.append(backward_input(out, grad, x, self._weights)))
-        self.stats.backward_s += time.perf_counter() - t0
+        self.stats.backward_s += b.host_s
         walk.weights[key] = kept[0]
         if not self.stage.is_first_chunk(a.chunk) and not self._hand_over(walk, a, x.grad, -1):
             walk.inputs[key] = x  # its .grad goes back at the next send_grad
@@ -319,14 +320,14 @@ class PipelineExecutor:
             tie = self.stage.embedding_weight.register_hook(self._tied_gradient_hook(walk.tie_recv))
         if walk.before_backward is not None:
             walk.before_backward(i == walk.last_backward)
-        t0 = time.perf_counter()
         try:
-            with profile_range(f"backward-weight m{a.micro} c{a.chunk}"):
+            with self.accel.clock.span("weight") as w, \
+                    profile_range(f"backward-weight m{a.micro} c{a.chunk}"):
                 self.accel.autograd(lambda: weights.run(lambda: self._drop_finished(walk.sends)))
         finally:
             if tie is not None:
                 tie.remove()
-        self.stats.weight_s += time.perf_counter() - t0
+        self.stats.weight_s += w.host_s
         walk.in_flight -= 1
         if self.stage.is_last_chunk(a.chunk) and a.micro == self.n_micro - 1:
             self._send_tied_gradient(walk.sends)

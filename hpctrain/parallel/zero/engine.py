@@ -101,7 +101,7 @@ class Zero(ShardedState, BucketScheduler):
                   if staging_mb is None else int(staging_mb * MiB))
         self.staging = StagingPool(budget, device, world)
         self.optimizers = [self._optimizer(b) for b in self.buckets]
-        super().__init__(self.buckets, timeout=world.timeout)
+        super().__init__(self.buckets, timeout=world.timeout, clock=world.accel.clock)
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b))

@@ -1,0 +1,123 @@
+"""The step's one timer: the runner, the gradient engines and the trainer bracket each
+phase (``PHASES``) with ``clock.span("forward")``; ``stop()`` turns a step's spans into
+seconds per phase. Each rank's device layer holds one (``accel.clock``).
+
+On the CPU a span's ends are host times (work runs as it is queued); on a GPU, timing
+events on the compute stream, whose distance is the device's own time, so the step's
+spans partition one timeline and add up. They are read once per step, after the step's
+one wait for the gradient norm: no device sync. The fake device's events are host times
+readable only once waited for: that proves the plumbing, not a device's concurrency.
+Why, and what the fake device proves: docs/design/gpu-timing.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+PHASES = ("data", "forward", "backward", "hooks", "wait", "optimizer", "bubble", "other")
+"""Where a step's time goes. ``hooks`` is the part of ``backward`` that gradient hooks
+spend on reductions (launching, polling; the shared-memory sums across nodes); ``wait``
+is ``finish()`` completing them after backward (on one node with shared memory, all the
+sums: there are no hooks there); ``other`` is the rest of the step (loss bookkeeping,
+zero_grad)."""
+PARTS_OF_BACKWARD = ("hooks", "weight")
+"""Per-step entries that are a part of ``backward``, not beside it: the hooks, and a
+zero-bubble schedule's W passes (``weight``; recorded per step, not in ``PHASES``)."""
+SPANNED = tuple(p for p in PHASES if p != "other") + ("weight",)
+"""What ``span()`` accepts: ``other`` is what no span covers."""
+INSIDE_BACKWARD = {"weight": "backward"}
+"""Spans that also count in another phase (a W pass is backward time too)."""
+
+HOST, DEVICE_EVENTS = "host", "device events"
+"""The clocks, as ``summary.json``'s ``timing.clock`` names them."""
+
+
+class HostMark:
+    """A point in time on the host's clock (the CPU device: work runs as it is queued)."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def wait(self) -> None:
+        """Nothing to wait for: the host has passed it."""
+
+    def seconds_to(self, later: HostMark) -> float:
+        return later.t - self.t
+
+
+class DeviceMark:
+    """A timing event recorded on the current stream of a CUDA or XPU device."""
+
+    def __init__(self, module):
+        self.event = module.Event(enable_timing=True)
+        self.event.record()
+
+    def wait(self) -> None:
+        self.event.synchronize()  # this event only, never the whole device
+
+    def seconds_to(self, later: DeviceMark) -> float:
+        return self.event.elapsed_time(later.event) / 1e3
+
+
+class Span:
+    """One bracketed piece of work: ``host_s`` (the host clock around it, what the
+    components' own host-clock tallies add up) is set when it ends."""
+
+    __slots__ = ("phase", "begin", "end", "host_s")
+
+    def __init__(self, phase: str, begin):
+        self.phase, self.begin, self.end, self.host_s = phase, begin, None, 0.0
+
+
+class PhaseClock:
+    """Spans of a step's phases on one rank, read once per step.
+
+    ``mark``: makes a mark now (the device layer's ``mark``: host time, or an event on
+    the current stream); ``name``: the clock it is (``HOST`` or ``DEVICE_EVENTS``)."""
+
+    def __init__(self, mark, name: str):
+        self.mark, self.name = mark, name
+        self._spans: list[Span] = []
+        self._begin = None
+
+    @contextlib.contextmanager
+    def span(self, phase: str):
+        """Bracket the work inside as ``phase`` (gradient hooks call it from autograd's
+        thread: the list append is atomic)."""
+        if phase not in SPANNED:
+            raise ValueError(f"no phase {phase!r} (one of {', '.join(SPANNED)})")
+        t0 = time.perf_counter()
+        s = Span(phase, self.mark())
+        try:
+            yield s
+        finally:
+            s.end = self.mark()
+            s.host_s = time.perf_counter() - t0
+            if self._begin is not None:
+                self._spans.append(s)
+
+    def start(self) -> None:
+        """The step begins: spans from now on are its own."""
+        self._spans = []
+        self._begin = self.mark()
+
+    def stop(self) -> dict[str, float]:
+        """Seconds of each phase since ``start()``, ``weight`` (a part of backward) and
+        ``step`` in all: waits for the step's last mark (on a device, the event behind
+        the step's work, which the gradient norm's wait has already passed), then reads
+        every span of the step."""
+        end = self.mark()
+        end.wait()
+        spans, begin = self._spans, self._begin
+        self._spans, self._begin = [], None
+        phases = {k: 0.0 for k in SPANNED}
+        for s in spans:
+            seconds = s.begin.seconds_to(s.end)
+            phases[s.phase] += seconds
+            if s.phase in INSIDE_BACKWARD:
+                phases[INSIDE_BACKWARD[s.phase]] += seconds
+        step = begin.seconds_to(end)
+        phases["other"] = step - sum(v for k, v in phases.items()
+                                     if k not in PARTS_OF_BACKWARD)
+        return {**phases, "step": step}
