@@ -127,14 +127,13 @@ def test_pass_times_reach_the_config_as_three_numbers():
             PassTimes(*bad)
 
 
-def _outputs(host_clock_times_work=True, stage=1):
+def _outputs(stage=1):
     """RunOutputs with only what ``_pass_times`` reads: a zbv pp=2 run on one rank."""
     out = RunOutputs.__new__(RunOutputs)
     out.cfg = load_config("default", ["--parallel.pp=2", "--parallel.schedule=zbv",
                                       "--parallel.micro_batches=8"])
     out.grid = SimpleNamespace(pp=2, stage=stage)
-    out.world = SimpleNamespace(accel=SimpleNamespace(
-        host_clock_times_work=host_clock_times_work, kind="cuda"))
+    out.world = SimpleNamespace(accel=SimpleNamespace(kind="cuda"))
     out.par = SimpleNamespace(runner=SimpleNamespace(order_times=EQUAL))
     out.lines = []
     out.log = out.lines.append
@@ -156,14 +155,6 @@ def test_the_end_of_run_advice_leaves_out_the_warm_up_and_the_hooks():
     rec = out._pass_times(result)
     assert rec["measured"] == "1,1,0.4" and rec["used"] == "1,1,1"
     assert out.lines == [PT.advice_line("zbv", rec)]
-
-
-def test_no_pass_times_where_the_host_clock_counts_kernel_launches():
-    out = _outputs(host_clock_times_work=False)
-    assert out._pass_times(_steps(20, forward=1.0, backward=1.5, weight=0.5,
-                                  hooks=0.0)) is None
-    assert "counts kernel launches" in out.lines[0]
-    assert "--parallel.pass_times" in out.lines[0]
 
 
 def test_the_phase_clock_counts_w_passes_as_backward():

@@ -104,9 +104,6 @@ class Accelerator:
     is_accelerator = False
     hooks_off_main_thread = False
     """Whether autograd runs gradient hooks (which call MPI) on a thread of its own."""
-    host_clock_times_work = True
-    """Whether work runs as the host queues it, so the host clock around a pass times the
-    pass (the host, the fake device); a GPU's kernels run after they are queued."""
 
     def __init__(self, index: int | None = None, *, placement: str = ""):
         self.index = index
@@ -242,7 +239,6 @@ class GPUAccelerator(Accelerator):
 
     is_accelerator = True
     hooks_off_main_thread = True  # autograd's per-device worker thread
-    host_clock_times_work = False
 
     def __init__(self, kind: str, index: int, *, placement: str = ""):
         self.kind = kind
