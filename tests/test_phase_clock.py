@@ -98,6 +98,12 @@ def test_profile_writes_a_trace_per_rank_of_the_traced_steps(fake_run):
     assert 0 < s["busy_ms"] <= s["span_ms"] and 0 <= s["idle_share"] < 1
     assert s["top"] and all(t["name"].startswith("aten::") or t["count"] > 0
                             for t in s["top"])
+    # the phase clock names its spans in the trace: per traced step, each phase the
+    # main thread brackets (the fake device's backward runs on a thread the profiler
+    # does not follow, so its hooks are not there)
+    assert {"data", "forward", "backward", "optimizer"} <= set(s["phases_ms"])
+    assert all(v > 0 for v in s["phases_ms"].values())
+    assert s["phases_ms"]["forward"] < s["span_ms"] / s["steps"]
 
 
 def test_a_traced_step_beyond_the_run_is_refused(dataset_path, tmp_path):

@@ -29,6 +29,9 @@ SPANNED = tuple(p for p in PHASES if p != "other") + ("weight",)
 INSIDE_BACKWARD = {"weight": "backward"}
 """Spans that also count in another phase (a W pass is backward time too)."""
 
+ANNOTATION = "phase:"
+"""A span's name in a profiler trace (``phase:forward``): ``hpctrain report`` sums them."""
+
 HOST, DEVICE_EVENTS = "host", "device events"
 """The clocks, as ``summary.json``'s ``timing.clock`` names them."""
 
@@ -78,6 +81,9 @@ class PhaseClock:
 
     def __init__(self, mark, name: str):
         self.mark, self.name = mark, name
+        self.annotate = None
+        """While a profiler records (``train/trace.py`` sets it): a context manager
+        factory that names each span in the trace, ``ANNOTATION + phase``."""
         self._spans: list[Span] = []
         self._begin = None
 
@@ -88,9 +94,11 @@ class PhaseClock:
         if phase not in SPANNED:
             raise ValueError(f"no phase {phase!r} (one of {', '.join(SPANNED)})")
         t0 = time.perf_counter()
+        named = self.annotate(ANNOTATION + phase) if self.annotate else contextlib.nullcontext()
         s = Span(phase, self.mark())
         try:
-            yield s
+            with named:
+                yield s
         finally:
             s.end = self.mark()
             s.host_s = time.perf_counter() - t0

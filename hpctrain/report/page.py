@@ -12,7 +12,7 @@ from hpctrain.markdown_html import to_html
 from hpctrain.report import plots
 from hpctrain.report.expert_plots import expert_load, has_expert_load
 from hpctrain.report.runs import Run, read_run
-from hpctrain.report.trace_summary import trace_line
+from hpctrain.report.trace_summary import phase_text, trace_line
 
 PAGE = "report.html"
 
@@ -92,7 +92,9 @@ def trace_blocks(runs: list[Run]) -> list[tuple]:
             what = "kernel" if s["source"] == "device" else "host operator (CPU trace)"
             blocks += [("p", f"{run.label}, rank {rank}: {s['steps']} step(s), span "
                              f"{s['span_ms']:.1f} ms, busy {s['busy_ms']:.1f} ms, idle "
-                             f"{100 * s['idle_share']:.1f}%"),
+                             f"{100 * s['idle_share']:.1f}%"
+                             + (f"; per step, phase ranges: {phase_text(s)}"
+                                if s.get("phases_ms") else "")),
                        ("table", [what, "ms", "count", "share"],
                         [[f"`{t['name'][:80]}`", f"{t['ms']:.2f}", t["count"],
                           f"{100 * t['share']:.1f}%"] for t in s["top"]])]

@@ -10,6 +10,10 @@ JSON as torch's profiler exports it): per rank, where the time of the traced ste
   count once); ``span_ms``: first to last event of the trace (the traced steps);
   ``idle_share``: 1 - busy / span, the time the device (or the host) did none of it.
 - ``steps``: the ``ProfilerStep#N`` ranges, one per traced step.
+- ``phases_ms``: milliseconds per traced step of each ``phase:<name>`` range the phase
+  clock wrote (forward, backward, ...): on a device trace their extent on the device's
+  timeline (``gpu_user_annotation``: first to last kernel inside), else on the host's
+  (``user_annotation``). ``hooks`` and ``weight`` lie inside ``backward``.
 docs/design/gpu-timing.md says how to read them.
 """
 
@@ -19,6 +23,7 @@ import json
 import re
 from pathlib import Path
 
+from hpctrain.comm.phase_clock import ANNOTATION
 from hpctrain.errors import UserError
 from hpctrain.output_paths import RUN_TRACES as TRACE_DIR
 from hpctrain.sizes import GiB
@@ -102,10 +107,18 @@ def summarize_events(events: list[dict], top: int = TOP) -> dict:
         entry[0] += e["dur"]
         entry[1] += 1
     total = sum(us for us, _ in by_name.values())
+    ranges = "gpu_user_annotation" if device else "user_annotation"
+    phases: dict[str, float] = {}
+    for e in events:
+        name = str(e.get("name", ""))
+        if e.get("cat") == ranges and name.startswith(ANNOTATION):
+            key = name[len(ANNOTATION):]
+            phases[key] = phases.get(key, 0.0) + e["dur"] / 1e3 / max(1, len(steps))
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"source": "device" if device else "cpu", "steps": len(steps),
             "span_ms": span / 1e3, "busy_ms": busy / 1e3,
             "idle_share": max(0.0, 1.0 - busy / span) if span else 0.0,
+            "phases_ms": phases,
             "top": [{"name": name, "ms": us / 1e3, "count": n,
                      "share": us / total if total else 0.0}
                     for name, (us, n) in ranked]}
@@ -138,4 +151,10 @@ def trace_line(rank: int, s: dict, top: int = 3) -> str:
                       for t in s["top"][:top])
     return (f"trace rank {rank}: {s['steps']} step(s), span {s['span_ms']:.1f} ms, "
             f"{what} busy {s['busy_ms']:.1f} ms (idle {100 * s['idle_share']:.1f}%); "
-            f"top: {names or '-'}")
+            f"top: {names or '-'}"
+            + (f"; per step: {phase_text(s)}" if s.get("phases_ms") else ""))
+
+
+def phase_text(s: dict) -> str:
+    """``forward 12.0 ms, backward 30.1 ms, ...``: a summary's phase ranges per step."""
+    return ", ".join(f"{k} {v:.1f} ms" for k, v in s["phases_ms"].items())

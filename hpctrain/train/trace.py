@@ -3,8 +3,9 @@ writes ``<out_dir>/trace/rank<r>.json`` (Chrome trace JSON: Perfetto, chrome://t
 
 The profiler records host operators, and the device's kernels and copies where torch
 can see them (CUDA, ROCm, XPU); no shapes, no Python stacks (they multiply a trace's
-size). Each traced step is one ``ProfilerStep#N`` range, which ``hpctrain report``
-counts (``report/trace_summary.py``). docs/design/gpu-timing.md.
+size). Each traced step is one ``ProfilerStep#N`` range, and each span of the phase clock
+a ``phase:<name>`` range, which ``hpctrain report`` counts and sums
+(``report/trace_summary.py``). docs/design/gpu-timing.md.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class StepTrace:
             self._prof = torch.profiler.profile(activities=activities(self.world.accel.kind),
                                                 record_shapes=False, with_stack=False)
             self._prof.start()
+            self.world.accel.clock.annotate = torch.profiler.record_function
         if self._prof is not None:
             self._range = torch.profiler.record_function(f"ProfilerStep#{done}")
             self._range.__enter__()
@@ -102,6 +104,7 @@ class StepTrace:
 
     def _write(self, steps: range) -> None:
         prof, self._prof = self._prof, None
+        self.world.accel.clock.annotate = None
         prof.stop()
         path = trace_path(self.out_dir, self.world.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
