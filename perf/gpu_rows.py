@@ -7,6 +7,7 @@ constants below, with a tiny shape of each on the fake device (``make gpu-check 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from perf.gpu_runs import Context, train
 from perf.gpu_verdict import FAILED, NOT_POSSIBLE, OK
@@ -88,7 +89,7 @@ def trace(ctx: Context) -> dict:
                                           f"--train.profile={window}", *shape])
     if r["status"] != OK:
         return _brief(r)
-    ranks = summarize_run_traces(r["run_dir"])
+    ranks = summarize_run_traces(Path(r["run_dir"]))
     if not ranks:
         return {"status": FAILED, "error": f"--train.profile={window} wrote no trace under "
                 f"{r['run_dir']}/trace", "phases_ms": r["phases_ms"], "clock": r["clock"]}

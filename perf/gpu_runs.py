@@ -129,9 +129,11 @@ def train(ctx: Context, name: str, recipe: str, overrides: list[str], *,
     rc, text = run(mpiexec(1, *hpctrain("train", recipe, *args)), ctx.left(cap))
     summary_path = run_dir / "summary.json"
     if rc != 0 or not summary_path.exists():
-        out = {"status": FAILED, "exit": rc, "tail": text[-2500:],
-               "oom": any(w in text for w in OOM_WORDS), "timed_out": rc == 124}
-        return {**out, "refusal": refusal_line(text)} if rc == 2 else out
+        oom, line = any(w in text for w in OOM_WORDS), refusal_line(text)
+        why = "out of memory" if oom else "timed out" if rc == 124 else f"exit {rc}: {line}"
+        out = {"status": FAILED, "exit": rc, "error": why, "tail": text[-2500:], "oom": oom,
+               "timed_out": rc == 124}
+        return {**out, "refusal": line} if rc == 2 else out
     summary = json.loads(summary_path.read_text())
     return {"status": OK, **facts(summary, text),
             **memory_vs_formula(summary, device_peak_gib(text), data or ctx.gpt2),
