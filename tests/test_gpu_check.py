@@ -168,3 +168,24 @@ def test_the_trace_step_keeps_each_ranks_top_15_kernels_idle_share_and_clock(
     assert section["clock"] == "device events" and "idle 25%" in section["key"]
     module.summarize_run_traces = lambda run_dir: {}
     assert gpu_rows.trace(ctx)["status"] == FAILED  # profiled, yet no trace: a finding
+
+
+def test_the_environment_step_names_the_gpu_its_count_and_memory(monkeypatch, tmp_path):
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(total_memory=150_117_646_336))
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    ctx = Context(device="cuda", dry=False, gpt2=tmp_path, small=tmp_path, out=tmp_path)
+    env = gpu_check.environment(ctx)
+    assert (env["name"], env["count"], env["memory_gib"], env["nccl"]) == (
+        "NVIDIA H200", 1, 139.8, "2.28.9")
+    assert "status" not in env and env["key"].startswith("1 x NVIDIA H200")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cpu")
+    assert gpu_check.environment(ctx)["status"] == FAILED
