@@ -268,10 +268,12 @@ test-openmpi: openmpi-install
 # ---- the GPU check ------------------------------------------------------------------
 #   make gpu-check        on a GPU node: a virtual environment with a GPU build of torch
 #                         ($(GPU_VENV); TORCH_GPU says which, never a +cpu wheel), GPT-2's
-#                         BPE file, then perf/gpu_check.py: doctor, equivalence at 1 and 2
-#                         ranks (MPI and xccl), a gpt2-124m run; writes
-#                         perf/results/gpu-<device>.json
+#                         BPE file, then perf/gpu_check.py within a 9-minute budget: doctor,
+#                         equivalence at 1 and 2 ranks, gpt2-124m, a trace, llama-1b, FP8,
+#                         multi-GPU equivalence, llama-1b's longest context; a verdict
+#                         table last; writes perf/results/gpu-<device>.json
 #   make gpu-check DRY=1  the same steps on the fake device with tiny shapes (any machine)
+#   GPU_CHECK_ARGS="--only fp8,trace"  rerun some steps, keeping the others' results
 GPU_VENV ?= .venv-gpu
 TORCH_GPU ?= torch --index-url https://download.pytorch.org/whl/cu128
 GPU_PY := $(GPU_VENV)/bin/python
@@ -279,6 +281,7 @@ TIKTOKEN_CACHE := $(abspath $(GPU_VENV))/share/tiktoken
 # tiktoken's cache names a file by the sha1 of the URL it comes from (r50k_base).
 R50K_CACHED := $(TIKTOKEN_CACHE)/$(R50K_SHA1)
 DRY ?=
+GPU_CHECK_ARGS ?=
 
 $(GPU_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(GPU_PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(GPU_VENV)
@@ -294,8 +297,8 @@ $(R50K_CACHED): | $(GPU_VENV)/.installed
 gpu-check:
 ifneq ($(strip $(DRY)),)
 	@$(MAKE) --no-print-directory install
-	$(RUN_ENV) timeout 900 $(PY) perf/gpu_check.py --dry-run
+	$(RUN_ENV) timeout 900 $(PY) perf/gpu_check.py --dry-run $(GPU_CHECK_ARGS)
 else
 	@$(MAKE) --no-print-directory $(GPU_VENV)/.installed $(R50K_CACHED)
-	TIKTOKEN_CACHE_DIR=$(TIKTOKEN_CACHE) timeout 900 $(GPU_PY) perf/gpu_check.py
+	TIKTOKEN_CACHE_DIR=$(TIKTOKEN_CACHE) timeout 900 $(GPU_PY) perf/gpu_check.py $(GPU_CHECK_ARGS)
 endif

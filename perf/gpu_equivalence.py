@@ -6,7 +6,8 @@ per step.
         --device cuda --collectives xccl
 
 TF32 is off, so 1 and 2 ranks differ only by the order of fp32 sums; ``--tp 2``
-(and ``--sequence-parallel``) splits the layers over the 2 ranks instead of the batch. ``--count-syncs``
+(and ``--sequence-parallel``) splits the layers over the 2 ranks instead of the batch;
+``--zero N`` shards the optimizer state, gradients and (3) parameters over them. ``--count-syncs``
 turns on CUDA's sync debug mode for the steps after the first two and counts the
 synchronizing calls it reports (each is the host waiting for the device).
 """
@@ -27,13 +28,13 @@ from hpctrain.train.trainer import Trainer
 
 
 def _config(data: str, out: str, steps: int, device: str, tp: int, sequence_parallel: bool,
-            compile_: bool):
+            compile_: bool, zero: int):
     return build_config({
         "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64},
         "data": {"path": data},
         "optim": {"lr": 3e-3, "warmup_iters": 2, "min_lr": 3e-4},
         "parallel": {"micro_batches": 2, "bucket_mb": 0.25, "first_bucket_mb": 0.05,
-                     "tp": tp, "sequence_parallel": sequence_parallel},
+                     "tp": tp, "sequence_parallel": sequence_parallel, "zero": zero},
         "train": {"batch_size": 16, "max_iters": steps, "log_interval": steps,
                   "eval_interval": 0, "final_eval": False, "out_dir": out,
                   "sample_tokens": 0, "save_checkpoint": False, "progress": False,
@@ -74,13 +75,14 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="--parallel.tp")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--compile", action="store_true", help="--train.compile")
+    p.add_argument("--zero", type=int, default=0, help="--parallel.zero")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     world = World.create(comm, device=args.device, collectives=args.collectives)
     run_dir = comm.bcast(str(Path(args.out).with_suffix("")) + "-run" if comm.rank == 0
                          else None)
     cfg = _config(args.data, run_dir, args.steps, args.device, args.tp, args.sequence_parallel,
-                  args.compile)
+                  args.compile, args.zero)
     trainer = Trainer(cfg, world, verbose=False)
     syncs = None
     if args.count_syncs:  # two warm-up steps, then count over the rest

@@ -46,6 +46,50 @@ def test_gpt2_124m_recipe_builds_gpt2_for_gpus():
         assert job.train.batch_size // (ranks * job.parallel.micro_batches) == 12
 
 
+def test_llama_1b_recipe_builds_llama_3_2_1b_on_gpt2_tokens():
+    """Llama 3.2 1B's shape on GPT-2's vocabulary (tied head, grouped-query attention),
+    bf16 and compiled, about 0.5M tokens a step: it builds on the meta device with the
+    planner's llama3.2-1b preset's blocks, its batch splits over 8 GPUs, and its options
+    on a tiny shape train a step on the CPU."""
+    import math
+
+    import torch
+
+    from hpctrain.model.gpt import GPT
+    from hpctrain.scaling.models import preset_shape
+
+    cfg = load_config("llama-1b")
+    m, t = cfg.model, cfg.train
+    gpt = m.to_gpt(50257)
+    assert (gpt.arch, gpt.n_layer, gpt.n_embd, gpt.n_head, gpt.n_kv_head, gpt.ffn_hidden) == (
+        "llama", 16, 2048, 32, 8, 8192)
+    assert (gpt.rope_theta, gpt.norm_eps, gpt.tie_embeddings) == (500000.0, 1e-5, True)
+    assert (t.dtype, t.compile, m.block_size, gpt.padded_vocab_size) == ("bf16", True, 2048,
+                                                                         50304)
+    with torch.device("meta"):
+        model = GPT(gpt)
+    assert model.lm_head.weight is model.wte.weight
+    total = sum(p.numel() for p in model.parameters())
+    preset = preset_shape("llama3.2-1b", vocab_size=50257, vocab_multiple=64, block_size=2048)
+    assert total == gpt.num_params(non_embedding=False) == preset.params
+    assert round(total / 1e9, 2) == 1.08  # Llama 3.2 1B's 1.24B less 77,952 vocabulary rows
+    assert preset_shape("llama3.2-1b").params == 1_235_814_400  # Meta's checkpoint
+    assert t.batch_size * m.block_size == 524288
+    job = load_config("llama-1b", ["--parallel.micro_batches=4"])
+    check_layout(job, 8)
+    assert job.train.batch_size // (8 * job.parallel.micro_batches) == 8  # as on one GPU
+    tiny = load_config("llama-1b", ["--model.n_layer=2", "--model.n_embd=64",
+                                    "--model.n_head=4", "--model.n_kv_head=2",
+                                    "--model.ffn_hidden=128", "--model.block_size=32"])
+    torch.manual_seed(0)
+    small = GPT(tiny.model.to_gpt(50257))
+    idx = torch.randint(0, 50257, (2, 32))
+    loss = small(idx, torch.roll(idx, -1, 1))
+    loss.backward()
+    assert abs(loss.item() - math.log(50304)) < 1.0  # near uniform over the padded rows
+    assert small.wte.weight.grad is not None and torch.isfinite(small.wte.weight.grad).all()
+
+
 def test_overrides_are_typed_in_both_spellings():
     cfg = load_config("default", ["--train.max_iters=7", "--model.bias", "true",
                                   "--optim.lr=5e-4", "--train.out_dir", "x/y"])
@@ -97,7 +141,7 @@ def test_bad_values_name_the_fix(args, message):
 
 def test_unknown_recipe_lists_the_builtin_ones(tmp_path):
     with pytest.raises(ConfigError,
-                       match="built-in recipes: default, gpt2-124m, llama-tiny, llama3-8b, "
+                       match="built-in recipes: default, gpt2-124m, llama-1b, llama-tiny, llama3-8b, "
                              "shakespeare-char"):
         load_config("no-such-recipe")
     bad = tmp_path / "bad.toml"

@@ -295,6 +295,22 @@ def test_zero_stages_memory_and_communication():
     assert single.comm_s == 0.0
 
 
+def test_predicted_memory_is_what_the_rank_allocates_plus_the_systems_base():
+    """``rank_memory_terms`` (what ``make gpu-check`` holds a device's allocator peak
+    against) is the prediction without the base, term for term."""
+    from hpctrain.scaling.rank_memory import rank_memory_terms
+
+    sys_ = load_perf("polaris")
+    shape = preset_shape("llama3.2-1b", block_size=2048)
+    for arr in (pm.Arrangement(ranks=1, micro_batches=32, global_batch=256, dtype="bf16"),
+                pm.Arrangement(ranks=4, zero=3, global_batch=8, dtype="bf16",
+                               recompute="block", loss_chunk=4096)):
+        total, terms = pm.predict_memory(sys_, shape, arr)
+        allocated = rank_memory_terms(shape, arr, sys_.flash_attention)
+        assert terms == {**allocated, "base": sys_.base_memory + sys_.memory_reserve}
+        assert total == pytest.approx(sum(allocated.values()) + terms["base"])
+
+
 @pytest.mark.parametrize("arrangement,match", [
     (pm.Arrangement(ranks=6, pp=4, global_batch=8), "do not split"),
     (pm.Arrangement(ranks=2, global_batch=3), "multiple of 2"),

@@ -16,7 +16,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from hpctrain.model.shape import WHOLE_HEAD, head_chunk
-from hpctrain.parallel.memory import STAGED_AT_ONCE, zero_formula
 from hpctrain.parallel.pipeline.schedules import chunks_per_stage
 from hpctrain.scaling import comm_cost, context_cost, expert_cost, tensor_cost
 from hpctrain.scaling.checkpoint_cost import (CheckpointCost, Checkpointing, checkpoint_cost,
@@ -27,6 +26,8 @@ from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_inpu
                                           selective_bytes_per_layer, word_bytes)
 from hpctrain.parallel.pipeline.schedules import predicted_bubble
 from hpctrain.scaling.models import ModelShape
+from hpctrain.scaling.rank_memory import (activation_bytes, rank_memory_terms,  # noqa: F401
+                                          recomputed_layers)
 from hpctrain.scaling.system_perf import SystemPerf
 from hpctrain.sizes import GiB, MiB
 
@@ -109,36 +110,6 @@ def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float
             return (p - 1) / (3 * m + p - 1)
         return predicted_bubble("zb-h1", p, m)
     return (p - 1) / (m + p - 1)
-
-
-def recomputed_layers(arrangement: Arrangement, layers: int) -> int:
-    """How many of ``layers`` layers run wholly again in backward: all with 'block', else
-    every ``recompute_every``-th (a stage's share of the model's, ``layers // N``)."""
-    if arrangement.recompute == "block":
-        return layers
-    n = arrangement.recompute_every
-    return layers // n if n else 0
-
-
-def activation_bytes(shape: ModelShape, arrangement: Arrangement, layers: int,
-                     flash_attention: bool) -> float:
-    """Activations on a stage of ``layers`` layers holding the micro-batches in flight.
-    A wholly recomputed layer keeps its input (s b h) per held micro-batch, and the layer
-    running backward holds its full set again, one at a time (Chen et al. 2016); a
-    selective layer keeps its matmul and attention outputs (``selective_bytes_per_layer``)
-    and, while its backward runs, the rest again. Context parallelism divides all of it
-    by cp (each rank holds s/cp tokens of every sequence)."""
-    held = micro_batches_in_flight(arrangement.pp, arrangement.micro_batches, arrangement.schedule)
-    tp, sp, rows, dtype = (arrangement.tp, arrangement.sequence_parallel,
-                           arrangement.micro_rows, arrangement.dtype)
-    full = activation_bytes_per_layer(shape, rows, dtype, flash_attention, tp, sp)
-    whole = recomputed_layers(arrangement, layers)
-    kept = full
-    if arrangement.recompute == "selective":
-        kept = min(full, selective_bytes_per_layer(shape, rows, dtype, tp, sp))
-    inputs = layer_input_bytes(shape, rows, dtype, tp, sp)
-    transient = full if whole else full - kept
-    return (held * (whole * inputs + (layers - whole) * kept) + transient) / arrangement.cp
 
 
 def collective(system: SystemPerf, kind: str, group: int, n_bytes: float,
@@ -371,29 +342,10 @@ def predict(system: SystemPerf, shape: ModelShape, arrangement: Arrangement,
 
 def predict_memory(system: SystemPerf, shape: ModelShape,
                    arrangement: Arrangement) -> tuple[float, dict]:
-    """Bytes on the busiest rank and the terms that make them up: the dense weights' state
-    ZeRO-sharded over dp x cp, the rank's 1/ep of the experts' over dp x cp / ep."""
-    p, dp = arrangement.pp, arrangement.grad_group
-    dense, experts = expert_cost.rank_param_split(
-        shape, arrangement, tensor_cost.rank_params(shape, p, arrangement.tp))
-    params = dense + experts
-    state = zero_formula(arrangement.zero, arrangement.dtype, dp) * dense
-    expert_state = (zero_formula(arrangement.zero, arrangement.dtype, arrangement.expert_group)
-                    * experts)
-    layers = -(-shape.n_layer // p)
-    acts = activation_bytes(shape, arrangement, layers, system.flash_attention)
-    logits = logits_bytes(shape, arrangement.micro_rows * shape.block_size // arrangement.cp,
-                          arrangement.loss_chunk, arrangement.tp)
-    if arrangement.zero == 3:  # the gathered block and the prefetched next one
-        buffers = 2 * word_bytes(arrangement.dtype) * params / (layers + 1)
-    elif arrangement.dtype == "bf16" or arrangement.zero == 2:  # the staging pool's budget
-        buffers = STAGED_AT_ONCE * min(4.0 * params, arrangement.bucket_mb * MiB)
-    else:
-        buffers = 0.0
-    terms = {"model_state": state, "activations": acts, "logits": logits,
-             "comm_buffers": buffers, "base": system.base_memory + system.memory_reserve}
-    if shape.moe_experts:
-        terms = {"model_state": state, "expert_state": expert_state, **terms}
+    """Bytes on the busiest rank and the terms that make them up: what the step allocates
+    (``rank_memory_terms``) and the system's base (the runtime's own, a reserve)."""
+    terms = rank_memory_terms(shape, arrangement, system.flash_attention)
+    terms["base"] = system.base_memory + system.memory_reserve
     return float(sum(terms.values())), terms
 
 
