@@ -37,7 +37,7 @@ DATA := datasets/stdlib-char.h5
 # Several ranks share the cores of one machine: one thread each.
 RUN_ENV := OMP_NUM_THREADS=1
 
-.PHONY: run test test-fast install bench jobscripts clean gpu-check
+.PHONY: run test test-fast install bench jobscripts clean gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -274,6 +274,11 @@ test-openmpi: openmpi-install
 #                         table last; writes perf/results/gpu-<device>.json
 #   make gpu-check DRY=1  the same steps on the fake device with tiny shapes (any machine)
 #   GPU_CHECK_ARGS="--only fp8,trace"  rerun some steps, keeping the others' results
+#   make gpu-wheels       where pip reaches PyPI: what a GPU image's Python usually lacks
+#                         (torchao, pytest-mpi, the build's setuptools, wheel, packaging), GPT-2's
+#                         BPE source, into $(GPU_WHEELS), for a GPU node without network:
+#     PIP_NO_INDEX=1 PIP_FIND_LINKS=$$PWD/.gpu-wheels make gpu-check TORCH_GPU= \
+#         VENV_FLAGS=--system-site-packages MPI_PACKAGES=
 GPU_VENV ?= .venv-gpu
 TORCH_GPU ?= torch --index-url https://download.pytorch.org/whl/cu128
 GPU_PY := $(GPU_VENV)/bin/python
@@ -282,17 +287,28 @@ TIKTOKEN_CACHE := $(abspath $(GPU_VENV))/share/tiktoken
 R50K_CACHED := $(TIKTOKEN_CACHE)/$(R50K_SHA1)
 DRY ?=
 GPU_CHECK_ARGS ?=
+GPU_WHEELS ?= .gpu-wheels
+GPU_WHEELS_PYTHON ?= 3.12
+GPU_WHEELS_PLATFORM ?= manylinux_2_28_x86_64
 
 $(GPU_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(GPU_PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(GPU_VENV)
 	$(if $(strip $(TORCH_GPU)),$(GPU_PY) -m pip install -q $(TORCH_GPU))
 	@$(GPU_PY) -c "import torch, sys; sys.exit('a CPU-only torch (' + torch.__version__ + '): set TORCH_GPU to a GPU build') if '+cpu' in torch.__version__ or not (torch.version.cuda or torch.version.hip or hasattr(torch, 'xpu')) else None"
-	$(GPU_PY) -m pip install -q $(MPI_PACKAGES)
+	$(if $(strip $(MPI_PACKAGES)),$(GPU_PY) -m pip install -q $(MPI_PACKAGES))
 	$(GPU_PY) -m pip install -q -e '.[dev,gpu]'
 	touch $@
 
 $(R50K_CACHED): | $(GPU_VENV)/.installed
 	$(GPU_PY) tests/fetch_gpt2_bpe.py $@
+
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q -d $(GPU_WHEELS) --no-deps --only-binary=:all: \
+	  --python-version $(GPU_WHEELS_PYTHON) --platform $(GPU_WHEELS_PLATFORM) \
+	  torchao pytest-mpi 'setuptools>=64' wheel packaging
+	$(PY) -m pip download -q -d $(GPU_WHEELS) --no-deps \
+	  "$$($(PY) -c 'from tests.fetch_gpt2_bpe import SDIST; print(SDIST)')"
+	@ls -s $(GPU_WHEELS)
 
 gpu-check:
 ifneq ($(strip $(DRY)),)

@@ -28,6 +28,7 @@ from perf.results_format import md_table, provenance  # noqa: E402
 from perf.bench_perfmodel import render_perfmodel  # noqa: E402
 from perf.render_moe import render_moe  # noqa: E402
 from perf.bench_ckpt_files import render_ckpt_files  # noqa: E402
+from perf.gpu_verdict import verdict_rows  # noqa: E402
 from hpctrain.sizes import MiB  # noqa: E402
 
 DOC = ROOT / "perf" / "RESULTS.md"
@@ -275,13 +276,16 @@ def render_gpu(d: dict) -> list[str]:
     out = [f"{env.get('name', env['device'])}, torch {env['torch']}, {env['mpi'].strip(chr(0))}"
            + (f", NCCL {env['nccl']}" if env.get("nccl") else "") + ". Steps: "
            + ", ".join(f"{k} {v['status']}" for k, v in s.items()) + ".", ""]
+    if any("key" in v for v in s.values()):  # a check that writes its verdict per step
+        out += md_table(["step", "status", "key number", "goal", "met"], verdict_rows(s))
     g = s.get("gpt2_124m", {})
     if g.get("status") == "ok":
         mem = g["device_memory"][0].split("device: ")[-1] if g["device_memory"] else ""
         rows = [["gpt2-124m, bf16, compiled, 1 device", g["steps"], g["tokens_per_step"],
                  fmt(g["step_ms_median"]), fmt(g["tokens_per_s_steady"] / 1e3),
                  fmt(100 * g["mfu"]) if g.get("mfu") else "n/a",
-                 f"{g['peak']['tflops']:g} ({g['peak']['basis']})", mem]]
+                 f"{g['peak']['tflops']:g} ({g['peak']['basis']})"
+                 if g["peak"].get("tflops") else "n/a", mem]]
         out += md_table(["run", "steps", "tokens/step", "median step ms", "k tokens/s",
                        "MFU %", "peak TFLOP/s", "device memory"], rows)
         phases = g.get("phases_ms") or {}

@@ -189,3 +189,16 @@ def test_the_environment_step_names_the_gpu_its_count_and_memory(monkeypatch, tm
     assert "status" not in env and env["key"].startswith("1 x NVIDIA H200")
     monkeypatch.setattr(torch, "__version__", "2.11.0+cpu")
     assert gpu_check.environment(ctx)["status"] == FAILED
+
+
+def test_results_md_renders_the_verdict_of_a_check_that_writes_one():
+    from perf.make_results import render_gpu
+
+    env = {"device": "cuda", "name": "GPU", "torch": "2.11", "mpi": "MPI"}
+    new = {"environment": {**env, "status": "ok", "key": "GPU"},
+           "fp8": {"status": NOT_POSSIBLE, "key": "no FP8 units", "goal": "gap <= 0.05",
+                   "met": None}}
+    text = "\n".join(render_gpu({"sections": new}))
+    assert "| fp8 | not possible | no FP8 units | gap <= 0.05 | - |" in text
+    old = {"environment": {**env, "status": "ok"}}  # a check from before the verdicts
+    assert "| step | status |" not in "\n".join(render_gpu({"sections": old}))

@@ -14,8 +14,8 @@ fused kernels and build, which would replace the model's layers and their names.
 What is converted: the layers the family's plan splits in each block (attention and MLP
 projections, and a MoE block's shared experts), when both their dimensions are multiples
 of 16 (what ``_scaled_mm`` takes). Never the embedding, the head (the loss's precision),
-the router or the routed experts. The device check, what the fake device proves and the
-loss bound: docs/design/fp8.md.
+the layer choosing experts or the routed experts themselves. The device check, what the
+fake device proves and the loss bound: docs/design/fp8.md.
 """
 
 from __future__ import annotations
