@@ -37,7 +37,7 @@ DATA := datasets/stdlib-char.h5
 # Several ranks share the cores of one machine: one thread each.
 RUN_ENV := OMP_NUM_THREADS=1
 
-.PHONY: run test test-fast install bench jobscripts clean gpu-check gpu-wheels
+.PHONY: run test test-fast install bench jobscripts clean gpu-check gpu-wheels gpu-env
 
 install: $(STAMP)
 
@@ -60,8 +60,9 @@ $(STAMP): setup.cfg pyproject.toml
 	  gone=$$(for w in $(MPI_RECORDED); do case " $(MPI_PACKAGES) " in *" $$w "*) ;; \
 	    *) case $$w in -*|:*) ;; *) echo $$w ;; esac ;; esac; done); \
 	  set -x; $(PY) -m pip uninstall -q -y mpi4py $$gone && \
-	  $(PY) -m pip install -q --no-cache-dir --force-reinstall --no-deps $(MPI_PACKAGES); \
-	else set -x; $(PY) -m pip install -q $(MPI_PACKAGES); fi
+	  $(if $(strip $(MPI_PACKAGES)),$(PY) -m pip install -q --no-cache-dir --force-reinstall \
+	    --no-deps $(MPI_PACKAGES),:); \
+	else set -x; $(if $(strip $(MPI_PACKAGES)),$(PY) -m pip install -q $(MPI_PACKAGES),:); fi
 	$(PY) -m pip install -q -e '.[dev,corpora]'
 	echo 'MPI_PACKAGES=$(strip $(MPI_PACKAGES))' > $@
 
@@ -275,7 +276,8 @@ test-openmpi: openmpi-install
 #   make gpu-check DRY=1  the same steps on the fake device with tiny shapes (any machine)
 #   GPU_CHECK_ARGS="--only fp8,trace"  rerun some steps, keeping the others' results
 #   make gpu-wheels       where pip reaches PyPI: what a GPU image's Python usually lacks
-#                         (torchao, pytest-mpi, the build's setuptools, wheel, packaging), GPT-2's
+#                         (torchao, pytest-mpi, zstandard, the build's setuptools, wheel,
+#                         packaging), GPT-2's
 #                         BPE source, into $(GPU_WHEELS), for a GPU node without network:
 #     PIP_NO_INDEX=1 PIP_FIND_LINKS=$$PWD/.gpu-wheels make gpu-check TORCH_GPU= \
 #         VENV_FLAGS=--system-site-packages MPI_PACKAGES=
@@ -305,16 +307,18 @@ $(R50K_CACHED): | $(GPU_VENV)/.installed
 gpu-wheels: $(STAMP)
 	$(PY) -m pip download -q -d $(GPU_WHEELS) --no-deps --only-binary=:all: \
 	  --python-version $(GPU_WHEELS_PYTHON) --platform $(GPU_WHEELS_PLATFORM) \
-	  torchao pytest-mpi 'setuptools>=64' wheel packaging
+	  torchao pytest-mpi zstandard 'setuptools>=64' wheel packaging
 	$(PY) -m pip download -q -d $(GPU_WHEELS) --no-deps \
 	  "$$($(PY) -c 'from tests.fetch_gpt2_bpe import SDIST; print(SDIST)')"
 	@ls -s $(GPU_WHEELS)
+
+gpu-env: $(GPU_VENV)/.installed $(R50K_CACHED)
 
 gpu-check:
 ifneq ($(strip $(DRY)),)
 	@$(MAKE) --no-print-directory install
 	$(RUN_ENV) timeout 900 $(PY) perf/gpu_check.py --dry-run $(GPU_CHECK_ARGS)
 else
-	@$(MAKE) --no-print-directory $(GPU_VENV)/.installed $(R50K_CACHED)
+	@$(MAKE) --no-print-directory gpu-env
 	TIKTOKEN_CACHE_DIR=$(TIKTOKEN_CACHE) timeout 900 $(GPU_PY) perf/gpu_check.py $(GPU_CHECK_ARGS)
 endif
