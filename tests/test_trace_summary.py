@@ -100,3 +100,32 @@ def test_the_report_has_a_trace_table_per_rank(tmp_path, capsys):
     assert page.count("rank 0: 2 step(s), span 2.0 ms, busy 0.5 ms, idle 75.0%") == 1
     assert "rank 1: 2 step(s)" in page and "<code>gemm</code>" in page
     assert len(lines) == 2 and "trace rank 1: 2 step(s)" in lines[1]
+
+
+def _launch(ts, corr, tid):
+    return {**_x("cudaLaunchKernel", "cuda_runtime", ts, 5, tid=tid), "args": {"correlation": corr}}
+
+
+def _kernel(ts, dur, corr):
+    return {**_x("k", "kernel", ts, dur, tid=7), "args": {"correlation": corr}}
+
+
+def test_device_phases_take_each_kernel_from_the_range_open_at_its_launch_on_any_thread(
+        tmp_path):
+    # One step. The main thread (tid 1) brackets forward 0-100 and backward 100-400;
+    # autograd's thread (tid 2) launches the backward's kernels, one of them inside a
+    # hook's range; the device runs each kernel well after its launch.
+    events = [
+        _x("ProfilerStep#1", "user_annotation", 0, 500),
+        _x("phase:forward", "user_annotation", 0, 100),
+        _x("phase:backward", "user_annotation", 100, 300),
+        _x("phase:hooks", "user_annotation", 300, 20, tid=2),
+        _launch(10, 1, tid=1), _kernel(50, 100, 1),      # forward: 50-150
+        _launch(150, 2, tid=2), _kernel(150, 100, 2),    # backward: 150-250
+        _launch(305, 3, tid=2), _kernel(250, 50, 3),     # hooks (and backward): 250-300
+        _launch(450, 4, tid=1), _kernel(460, 30, 4),     # after every phase: none
+        _kernel(480, 10, 99),                            # no launch seen: none
+    ]
+    s = summarize_trace(_write(tmp_path / "rank0.json", events))
+    assert s["source"] == "device"
+    assert s["phases_ms"] == {"forward": 0.1, "backward": 0.15, "hooks": 0.05}

@@ -10,15 +10,16 @@ JSON as torch's profiler exports it): per rank, where the time of the traced ste
   count once); ``span_ms``: first to last event of the trace (the traced steps);
   ``idle_share``: 1 - busy / span, the time the device (or the host) did none of it.
 - ``steps``: the ``ProfilerStep#N`` ranges, one per traced step.
-- ``phases_ms``: milliseconds per traced step of each ``phase:<name>`` range the phase
-  clock wrote (forward, backward, ...): on a device trace their extent on the device's
-  timeline (``gpu_user_annotation``: first to last kernel inside), else on the host's
-  (``user_annotation``). ``hooks`` and ``weight`` lie inside ``backward``.
+- ``phases_ms``: milliseconds per traced step of each phase the phase clock bracketed
+  (its ``phase:<name>`` ranges): on a device trace the device's busy time (union) of the
+  kernels launched while the range was open, on any thread (``device_phase_us``); on a
+  CPU trace the ranges' own length. ``hooks`` and ``weight`` lie inside ``backward``.
 docs/design/gpu-timing.md says how to read them.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from pathlib import Path
@@ -107,13 +108,9 @@ def summarize_events(events: list[dict], top: int = TOP) -> dict:
         entry[0] += e["dur"]
         entry[1] += 1
     total = sum(us for us, _ in by_name.values())
-    ranges = "gpu_user_annotation" if device else "user_annotation"
-    phases: dict[str, float] = {}
-    for e in events:
-        name = str(e.get("name", ""))
-        if e.get("cat") == ranges and name.startswith(ANNOTATION):
-            key = name[len(ANNOTATION):]
-            phases[key] = phases.get(key, 0.0) + e["dur"] / 1e3 / max(1, len(steps))
+    per_step = 1e3 * max(1, len(steps))
+    phases = {k: us / per_step for k, us in
+              (device_phase_us(events, device) if device else host_phase_us(events)).items()}
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"source": "device" if device else "cpu", "steps": len(steps),
             "span_ms": span / 1e3, "busy_ms": busy / 1e3,
@@ -122,6 +119,59 @@ def summarize_events(events: list[dict], top: int = TOP) -> dict:
             "top": [{"name": name, "ms": us / 1e3, "count": n,
                      "share": us / total if total else 0.0}
                     for name, (us, n) in ranked]}
+
+
+def phase_ranges(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """The phase clock's ranges (``phase:<name>`` host annotations, on any thread) by
+    phase, each phase's as sorted disjoint ``(start, end)`` intervals."""
+    found: dict[str, list] = {}
+    for e in events:
+        name = str(e.get("name", ""))
+        if e.get("cat") == "user_annotation" and name.startswith(ANNOTATION):
+            found.setdefault(name[len(ANNOTATION):], []).append((e["ts"], e["ts"] + e["dur"]))
+    return {k: _merged(v) for k, v in found.items()}
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _inside(t: float, merged: list[tuple[float, float]]) -> bool:
+    i = bisect.bisect_right(merged, (t, float("inf"))) - 1
+    return i >= 0 and merged[i][0] <= t <= merged[i][1]
+
+
+def host_phase_us(events: list[dict]) -> dict[str, float]:
+    """Microseconds of each phase on the host's clock: its ranges' total length."""
+    return {k: sum(e - s for s, e in v) for k, v in phase_ranges(events).items()}
+
+
+def device_phase_us(events: list[dict], device: list[dict]) -> dict[str, float]:
+    """Microseconds of device work per phase: each kernel (copy, memset) belongs to the
+    phases whose host range was open when it was launched, on whichever thread (autograd
+    launches the backward's kernels from a thread of its own, while the range is open on
+    the main one), found through the launch's ``correlation`` id; a phase's time is the
+    union of its kernels' intervals."""
+    ranges = phase_ranges(events)
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") not in DEVICE_CATEGORIES and isinstance(e.get("args"), dict)
+                and "correlation" in e["args"]}
+    by_phase: dict[str, list] = {k: [] for k in ranges}
+    for k in device:
+        args = k.get("args") if isinstance(k.get("args"), dict) else {}
+        t = launched.get(args.get("correlation"))
+        if t is None:
+            continue
+        for phase, merged in ranges.items():
+            if _inside(t, merged):
+                by_phase[phase].append((k["ts"], k["ts"] + k["dur"]))
+    return {k: union_us(v) for k, v in by_phase.items()}
 
 
 def summarize_trace(path: str | Path) -> dict:
