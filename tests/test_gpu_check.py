@@ -202,3 +202,24 @@ def test_results_md_renders_the_verdict_of_a_check_that_writes_one():
     assert "| fp8 | not possible | no FP8 units | gap <= 0.05 | - |" in text
     old = {"environment": {**env, "status": "ok"}}  # a check from before the verdicts
     assert "| step | status |" not in "\n".join(render_gpu({"sections": old}))
+
+
+def test_an_fp8_llama_run_cut_by_the_budget_is_a_step_to_rerun_not_a_finding(
+        monkeypatch, tmp_path):
+    ctx = Context(device="cuda", dry=False, gpt2=tmp_path, small=tmp_path, out=tmp_path)
+    ctx.sections = {}
+    gpt2 = {"status": "ok", "losses": {i: 5.0 for i in range(1, 201)},
+            "tokens_per_s": 1.0}
+
+    def train(ctx, name, recipe, overrides, **kw):
+        if recipe == "llama-1b":
+            return {"status": FAILED, "exit": 124, "error": "timed out", "timed_out": True}
+        return dict(gpt2)
+
+    monkeypatch.setattr(gpu_rows, "train", train)
+    section = gpu_rows.fp8(ctx)
+    assert section["status"] == SKIPPED and "out of time" in section["why"]
+    monkeypatch.setattr(gpu_rows, "train", lambda ctx, name, recipe, *a, **k: (
+        {"status": FAILED, "exit": 1, "error": "exit 1"} if recipe == "llama-1b"
+        else dict(gpt2)))
+    assert gpu_rows.fp8(ctx)["status"] == FAILED
