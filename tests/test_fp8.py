@@ -19,7 +19,6 @@ from hpctrain.comm.world import World  # noqa: E402
 from hpctrain.config import ConfigError  # noqa: E402
 from hpctrain.model.gpt import GPT  # noqa: E402
 from hpctrain.model.shape import GPTConfig  # noqa: E402
-from hpctrain.parallel import fp8 as fp8_mod  # noqa: E402
 from hpctrain.parallel.fp8 import check_fp8_device, convert_linears  # noqa: E402
 from hpctrain.train.trainer import Trainer  # noqa: E402
 from tests.helpers import LLAMA, cpu_world, tiny_config  # noqa: E402
@@ -166,12 +165,10 @@ def test_amd_gpus_need_mi300_class(monkeypatch, arch, ok):
             check_fp8_device(_gpu())
 
 
-def test_xpu_tensor_parallelism_and_a_missing_torchao_are_refused(monkeypatch):
+def test_xpu_and_a_missing_torchao_are_refused(monkeypatch):
+    """Tensor parallelism is no longer refused: ``test_fp8_tp_mpi.py``."""
     with pytest.raises(ConfigError, match="CUDA and ROCm"):
         check_fp8_device(_gpu("xpu"))
-    grid = types.SimpleNamespace(tp=2, cp=1, world=types.SimpleNamespace(accel=_gpu("fake")))
-    with pytest.raises(ConfigError, match="--parallel.tp=1"):
-        fp8_mod.fp8_parallelize(_gpt(), grid, None)
     monkeypatch.setitem(__import__("sys").modules, "torchao", None)
     with pytest.raises(ConfigError, match=r"pip install 'hpctrain\[gpu\]'"):
         convert_linears(_gpt(), emulate=True, seq=16)

@@ -16,6 +16,12 @@ projections, and a MoE block's shared experts), when both their dimensions are m
 of 16 (what ``_scaled_mm`` takes). Never the embedding, the head (the loss's precision),
 the layer choosing experts or the routed experts themselves. The device check, what the
 fake device proves and the loss bound: docs/design/fp8.md.
+
+Under tensor parallelism (converted after the split) a column- or row-parallel layer
+keeps its own forward and its collectives and is given an FP8 product for its local
+matrix multiply (``Fp8Product``); each rank scales its own shard's operands, so a tp run
+rounds differently from the single-process FP8 run (docs/design/fp8.md, "Tensor
+parallelism").
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from hpctrain.errors import ConfigError
+from hpctrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+SPLIT_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
 FP8_ALIGN = 16
 """``torch._scaled_mm`` needs both dimensions of each operand to be multiples of 16."""
@@ -91,9 +100,27 @@ def check_fp8_device(accel) -> bool:
     return False
 
 
+class Fp8Product:
+    """``x W^T`` in FP8 for a tensor-parallel layer that keeps its own weight, bias and
+    collectives: the body of torchao's ``Float8Linear.forward`` without the bias (a
+    row-parallel layer adds it after the group's sum; hpctrain runs no autocast), called
+    with the layer's weight as it is at that moment (the engines may replace it by a
+    bf16 view, ZeRO-3 gathers it). Holds no tensor: nothing to register, save or move."""
+
+    def __init__(self, in_features: int, out_features: int, config, float8):
+        twin = float8.float8_linear.Float8Linear(in_features, out_features, bias=False,
+                                                 config=config, device="meta")
+        self.config, self.mm_config = twin.config, twin.linear_mm_config
+        self.matmul = float8.float8_linear.matmul_with_hp_or_float8_args
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.matmul.apply(x, weight.t(), self.mm_config, self.config)
+
+
 def fp8_candidates(model: torch.nn.Module) -> list[str]:
     """Module paths of the linear layers FP8 may take: the layers the plan splits in each
-    block, and the same layers of a MoE block's shared experts."""
+    block (whole, or this rank's column- or row-parallel part), and the same layers of a
+    MoE block's shared experts."""
     plan = model.plan
     paths = {s.path for s in plan.block_splits}
     prefix = f"{plan.moe}."
@@ -101,24 +128,33 @@ def fp8_candidates(model: torch.nn.Module) -> list[str]:
     out = []
     for i, blk in enumerate(model.get_submodule(plan.blocks)):
         for name, mod in blk.named_modules():
-            if name in paths and type(mod) is torch.nn.Linear:
+            if name in paths and (type(mod) is torch.nn.Linear
+                                  or isinstance(mod, SPLIT_LINEARS)):
                 out.append(f"{plan.blocks}.{i}.{name}")
     return out
 
 
 def convert_linears(model: torch.nn.Module, *, emulate: bool, seq: int) -> Fp8Layers:
-    """Swap ``model``'s FP8 candidates whose dimensions fit for ``Float8Linear`` in place
-    (the same ``weight`` and ``bias`` parameters: call before the engine takes them).
+    """Swap ``model``'s FP8 candidates whose dimensions (this rank's, under tensor
+    parallelism) fit for ``Float8Linear`` in place (the same ``weight`` and ``bias``
+    parameters: call before the engine takes them); a tensor-parallel layer gets an
+    ``Fp8Product`` for its local product instead.
     ``seq``: tokens per sequence on a rank; when not a multiple of 16, the tokens a
     weight gradient sums over may not be, and torchao pads that inner dimension."""
     torchao, float8 = _import_torchao()
     chosen, skipped = [], []
     for path in fp8_candidates(model):
-        lin = model.get_submodule(path)
-        fits = lin.in_features % FP8_ALIGN == 0 and lin.out_features % FP8_ALIGN == 0
+        rows, cols = model.get_submodule(path).weight.shape
+        fits = rows % FP8_ALIGN == 0 and cols % FP8_ALIGN == 0
         (chosen if fits else skipped).append(path)
     config = float8.Float8LinearConfig(emulate=emulate, pad_inner_dim=seq % FP8_ALIGN != 0)
-    wanted = set(chosen)
+    wanted = set()
+    for path in chosen:
+        lin = model.get_submodule(path)
+        if isinstance(lin, SPLIT_LINEARS):
+            lin.fp8 = Fp8Product(lin.weight.shape[1], lin.weight.shape[0], config, float8)
+        else:
+            wanted.add(path)
     float8.convert_to_float8_training(model, config=config,
                                       module_filter_fn=lambda _mod, fqn: fqn in wanted)
     return Fp8Layers(tuple(chosen), tuple(skipped), emulate, torchao.__version__)
@@ -142,12 +178,8 @@ def _import_torchao():
 
 
 def fp8_parallelize(gpt: torch.nn.Module, grid, cfg) -> Fp8Layers:
-    """Check the device and convert the whole ``gpt`` (before the pipeline cut and the
-    engine: both keep the converted modules and their parameters)."""
-    if grid.tp > 1:
-        raise ConfigError("--train.fp8=true converts the blocks' nn.Linear layers, and "
-                          f"--parallel.tp={grid.tp} replaces them with its own "
-                          "column- and row-parallel layers, which have no FP8 path: drop "
-                          "one of them (--parallel.tp=1)")
+    """Check the device and convert the whole ``gpt``, after the tensor split (its
+    layers get their FP8 product) and before the pipeline cut and the engine (both keep
+    the converted modules and their parameters)."""
     emulate = check_fp8_device(grid.world.accel)
     return convert_linears(gpt, emulate=emulate, seq=cfg.model.block_size // grid.cp)

@@ -1,9 +1,9 @@
 """``parallelize(gpt, grid, cfg)``: wrap a whole GPT for this rank's place in the grid.
 
 One fixed order (as torchtitan's ``parallelize``), because each step needs the previous:
-0. FP8 linear layers (``--train.fp8``, ``fp8.py``: the swapped modules keep their
-parameters, which every later step takes as they are), then the tensor split (tp > 1,
-``tensor/apply.py``); 1. pipeline cut (pp > 1: this rank's
+0. tensor split (tp > 1, ``tensor/apply.py``), then FP8 linear layers (``--train.fp8``,
+``fp8.py``: the swapped modules keep their parameters, which every later step takes as
+they are; a split layer gets an FP8 product for its local multiply); 1. pipeline cut (pp > 1: this rank's
 stage); 2. device, then ring attention and global positions on what the rank holds
 (cp > 1, ``context/apply.py``), and this rank's experts of every MoE layer with the
 all-to-all dispatch (ep > 1, ``experts/apply.py``); 3. gradient engine over the stage's
@@ -56,10 +56,10 @@ def parallelize(gpt: GPT, grid: ProcessGrid, cfg) -> Parallel:
     par, world = cfg.parallel, grid.world
     device = torch.device(world.device)
     pipelined = par.pp > 1
-    fp8 = fp8_parallelize(gpt, grid, cfg) if cfg.train.fp8 else None
     if grid.tp > 1:
         tensor_parallelize(gpt, TensorParallelGroup(grid.tp_comm, world),
                            sequence_parallel=par.sequence_parallel)
+    fp8 = fp8_parallelize(gpt, grid, cfg) if cfg.train.fp8 else None
     if pipelined:
         model = PipelineStage(gpt, grid.stage, par.pp, par.virtual_stages, device=device,
                               v_shape=par.schedule in V_PLACED)

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from hpctrain.model.plan import ShardSpec
 from hpctrain.parallel.tensor.group import TensorParallelGroup
 from hpctrain.parallel.tensor.layout import shard
-from hpctrain.parallel.tensor.mappings import (copy_to_group, reduce_from_group,
-                                               reduce_scatter_to_sequence,
+from hpctrain.parallel.tensor.mappings import (copy_to_group, gather_from_sequence,
+                                               reduce_from_group, reduce_scatter_to_sequence,
                                                sequence_gathered_linear,
                                                sum_gradient_over_group)
 
@@ -46,12 +46,29 @@ def _shell_linear(cls, linear: nn.Linear, in_features: int, out_features: int):
     return cls(in_features, out_features, bias=linear.bias is not None, device="meta")
 
 
-class ColumnParallelLinear(nn.Linear):
+class _SplitLinear(nn.Linear):
+    """What the column- and row-parallel layers share: this rank's local product."""
+
+    fp8 = None
+    """``--train.fp8``'s product (``parallel/fp8.py``: ``x W^T`` in FP8, called with the
+    layer's current weight), or None: ``F.linear``. A plain attribute, no submodule, so
+    the layer's parameter and checkpoint names stay the model's."""
+
+    def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8 is None:
+            return F.linear(x, self.weight, bias)
+        y = self.fp8(x, self.weight)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+class ColumnParallelLinear(_SplitLinear):
     """y = x A^T + b with the rows of A (the output features) and of b split: this rank
     computes its slice of y's last dimension. The input is the whole activation
     (``copy_to_group``: its gradient is summed over the group in backward), or, under
     sequence parallelism, every rank's tokens gathered (reduce-scattered in backward;
-    only this rank's tokens are kept for it: ``sequence_gathered_linear``)."""
+    only this rank's tokens are kept for it: ``sequence_gathered_linear``). In FP8 the
+    gathered input is kept instead (``gather_from_sequence``, then the FP8 product: its
+    backward needs the whole input it multiplied)."""
 
     group: TensorParallelGroup
     sequence_parallel: bool
@@ -68,18 +85,21 @@ class ColumnParallelLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.fp8 is None:
             return sequence_gathered_linear(x, self.weight, self.bias, self.group)
-        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        x = (gather_from_sequence(x, self.group) if self.sequence_parallel
+             else copy_to_group(x, self.group))
+        return self.local_linear(x, self.bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_SplitLinear):
     """y = x A^T + b with the columns of A (the input features) split: this rank's input
     is its slice of x (what the column-parallel layer before it produced), its product
     a partial sum that the group adds up (allreduce, or reduce-scatter onto the
     sequence slices). The bias is whole and added once, after the sum; under sequence
     parallelism it is added to each rank's tokens only, so its gradient is summed over
-    the group (``sum_gradient_over_group``)."""
+    the group (``sum_gradient_over_group``). In FP8 only the local product is: the bias
+    stays out of it."""
 
     group: TensorParallelGroup
     sequence_parallel: bool
@@ -98,7 +118,7 @@ class RowParallelLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.local_linear(x, None)
         y = (reduce_scatter_to_sequence(y, self.group) if self.sequence_parallel
              else reduce_from_group(y, self.group))
         return y if self.bias is None else y + self.bias
