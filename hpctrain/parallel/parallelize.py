@@ -3,8 +3,8 @@
 One fixed order (as torchtitan's ``parallelize``), because each step needs the previous:
 0. tensor split (tp > 1, ``tensor/apply.py``), then FP8 linear layers (``--train.fp8``,
 ``fp8.py``: the swapped modules keep their parameters, which every later step takes as
-they are; a split layer gets an FP8 product for its local multiply); 1. pipeline cut (pp > 1: this rank's
-stage); 2. device, then ring attention and global positions on what the rank holds
+they are; a split layer gets an FP8 product for its local multiply); 1. pipeline cut
+(pp > 1: this rank's stage); 2. device, then ring attention and global positions on what the rank holds
 (cp > 1, ``context/apply.py``), and this rank's experts of every MoE layer with the
 all-to-all dispatch (ep > 1, ``experts/apply.py``); 3. gradient engine over the stage's
 data-parallel and context-parallel ranks, the experts' over the ranks holding them
