@@ -75,9 +75,8 @@ def test_the_steps_fit_the_budget_and_each_has_a_limit():
 def test_a_timed_out_launch_is_ended_with_every_process_it_started(tmp_path):
     pid_file = tmp_path / "child"
     script = f"sleep 60 & echo $! > {pid_file}; wait"
-    t0 = time.monotonic()
     rc, out = run(["bash", "-c", script], timeout=1)
-    assert rc == 124 and "timed out" in out and time.monotonic() - t0 < 30
+    assert rc == 124 and "timed out" in out
     child = int(pid_file.read_text())
     for _ in range(50):  # reaped by init soon after the kill
         try:
