@@ -171,7 +171,7 @@ def test_the_phase_clock_counts_w_passes_as_backward():
     with clock.span("weight"):
         now[0] += 0.5
     now[0] += 1.0
-    phases = clock.stop()
+    phases, = clock.stop()  # host marks: read at once
     assert phases["backward"] == pytest.approx(0.75) and phases["weight"] == 0.5
     # W is a part of backward: the rest of the step does not lose it twice.
     assert phases["other"] == pytest.approx(phases["step"] - 0.75) == pytest.approx(1.0)

@@ -52,6 +52,9 @@ class _FakeMark(HostMark):
     def wait(self):
         self.accel.done_seq = max(self.accel.done_seq, self.seq)
 
+    def passed(self) -> bool:
+        return self.seq <= self.accel.done_seq
+
     def seconds_to(self, later):
         if max(self.seq, later.seq) > self.accel.done_seq:
             raise RuntimeError("a fake timing event read before the host waited for it")

@@ -4,8 +4,9 @@ seconds per phase. Each rank's device layer holds one (``accel.clock``).
 
 On the CPU a span's ends are host times (work runs as it is queued); on a GPU, timing
 events on the compute stream, whose distance is the device's own time, so the step's
-spans partition one timeline and add up. They are read once per step, after the step's
-one wait for the gradient norm: no device sync. The fake device's events are host times
+spans partition one timeline and add up. A step's events are read at the next step's end,
+behind that step's wait for its gradient norm; the host waits for a step's last event
+only at a log step and at the run's end. The fake device's events are host times
 readable only once waited for: that proves the plumbing, not a device's concurrency.
 Why, and what the fake device proves: docs/design/gpu-timing.md.
 """
@@ -45,6 +46,9 @@ class HostMark:
     def wait(self) -> None:
         """Nothing to wait for: the host has passed it."""
 
+    def passed(self) -> bool:
+        return True
+
     def seconds_to(self, later: HostMark) -> float:
         return later.t - self.t
 
@@ -58,6 +62,10 @@ class DeviceMark:
 
     def wait(self) -> None:
         self.event.synchronize()  # this event only, never the whole device
+
+    def passed(self) -> bool:
+        """Whether the device has reached it (never blocks)."""
+        return self.event.query()
 
     def seconds_to(self, later: DeviceMark) -> float:
         return self.event.elapsed_time(later.event) / 1e3
@@ -86,6 +94,7 @@ class PhaseClock:
         factory that names each span in the trace, ``ANNOTATION + phase``."""
         self._spans: list[Span] = []
         self._begin = None
+        self._pending: list[tuple] = []  # (begin, spans, end) of steps not read yet
 
     @contextlib.contextmanager
     def span(self, phase: str):
@@ -95,14 +104,15 @@ class PhaseClock:
             raise ValueError(f"no phase {phase!r} (one of {', '.join(SPANNED)})")
         t0 = time.perf_counter()
         named = self.annotate(ANNOTATION + phase) if self.annotate else contextlib.nullcontext()
-        s = Span(phase, self.mark())
+        in_step = self._begin is not None  # outside a step (evaluation): host time only
+        s = Span(phase, self.mark() if in_step else None)
         try:
             with named:
                 yield s
         finally:
-            s.end = self.mark()
             s.host_s = time.perf_counter() - t0
-            if self._begin is not None:
+            if in_step:
+                s.end = self.mark()
                 self._spans.append(s)
 
     def start(self) -> None:
@@ -110,15 +120,35 @@ class PhaseClock:
         self._spans = []
         self._begin = self.mark()
 
-    def stop(self) -> dict[str, float]:
-        """Seconds of each phase since ``start()``, ``weight`` (a part of backward) and
-        ``step`` in all: waits for the step's last mark (on a device, the event behind
-        the step's work, which the gradient norm's wait has already passed), then reads
-        every span of the step."""
-        end = self.mark()
-        end.wait()
-        spans, begin = self._spans, self._begin
+    def stop(self) -> list[dict[str, float]]:
+        """The step ends. Returns the phases of the steps whose marks can be read now,
+        oldest first: the earlier steps', which the device passed before this
+        step's wait for its gradient norm (reading them waits for nothing), and this
+        step's if the device has passed its last mark already (always on the host). A
+        device's step is otherwise read at the next ``stop()`` or at ``flush()``: waiting
+        for it here would hold the host while the device ends the optimizer's work, and
+        leave the device idle while the host prepares the next step."""
+        self._pending.append((self._begin, self._spans, self.mark()))
         self._spans, self._begin = [], None
+        newest = self._pending[-1][2]
+        return self.flush() if newest.passed() else self._read(self._pending[:-1])
+
+    def flush(self) -> list[dict[str, float]]:
+        """The phases of every step not yet read (waits for the last one's end: at a log
+        step, and at the end of the run)."""
+        return self._read(self._pending)
+
+    def _read(self, steps: list) -> list[dict[str, float]]:
+        if steps:
+            steps[-1][2].wait()  # the newest end: every mark before it has passed too
+        done = [self.read(*s) for s in steps]
+        del self._pending[:len(steps)]
+        return done
+
+    @staticmethod
+    def read(begin, spans: list[Span], end) -> dict[str, float]:
+        """Seconds of each phase of one step whose marks have passed, ``weight`` (a part
+        of backward) and ``step`` in all."""
         phases = {k: 0.0 for k in SPANNED}
         for s in spans:
             seconds = s.begin.seconds_to(s.end)

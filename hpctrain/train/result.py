@@ -65,22 +65,29 @@ def bar_text(r: dict) -> str:
             f"{r['tflops_per_device']:.3f} TFLOP/s/dev | MFU {mfu}{skipped}")
 
 
-def add_step(result: TrainResult, phases: dict) -> None:
-    """Record one step's phase times (``PhaseClock.stop()``)."""
-    result.step_times.append(phases["step"])
-    result.data_times.append(phases["data"])
-    result.comm_times.append(phases["wait"])
-    result.bubble_times.append(phases["bubble"])
-    result.phases.append(phases)
+def add_steps(result: TrainResult, steps: list[dict], deadline) -> None:
+    """Record the phase times of the steps the phase clock read (``PhaseClock.stop()``,
+    ``flush()``: on a device, a step is read after the next one), and their durations
+    in the time-limit guard (``deadline``: ``train/deadline.py``)."""
+    for phases in steps:
+        result.step_times.append(phases["step"])
+        result.data_times.append(phases["data"])
+        result.comm_times.append(phases["wait"])
+        result.bubble_times.append(phases["bubble"])
+        result.phases.append(phases)
+        deadline.record_step(phases["step"])
 
 
 class LogWindow:
     """The steps since the last log line. Their losses stay on each rank until the log
     step, where one small collective turns them into means over the whole global batch."""
 
-    def __init__(self, world, loss_ranks: int):
-        """``loss_ranks``: ranks that compute each step's loss (``ProcessGrid``)."""
+    def __init__(self, world, loss_ranks: int, clock, deadline):
+        """``loss_ranks``: ranks that compute each step's loss (``ProcessGrid``);
+        ``clock``: the phase clock, whose unread steps ``flush`` records (with their
+        durations in ``deadline``) so that the window's means hold its every step."""
         self.world, self.loss_ranks = world, loss_ranks
+        self.clock, self.deadline = clock, deadline
         self.losses: list[torch.Tensor] = []
         self.restart()
 
@@ -93,6 +100,7 @@ class LogWindow:
         (the last loss, steps, seconds, mean data / comm / bubble seconds per step)."""
         w, n = self.world, len(self.losses)
         elapsed = time.perf_counter() - self.t0
+        add_steps(result, self.clock.flush(), self.deadline)
         local = torch.stack(self.losses).double().cpu().numpy()
         # Each replica's last stage holds its loss (on each of its tensor-parallel
         # ranks); the other stages add zeros.

@@ -30,7 +30,7 @@ from hpctrain.train.expert_load import ExpertLoad
 from hpctrain.train.metrics import MetricsLog, device_peak
 from hpctrain.train.nonfinite import NonFiniteGuard
 from hpctrain.train.outputs import RunOutputs
-from hpctrain.train.result import (LogWindow, TrainResult, add_step, bar_text, logs_step,
+from hpctrain.train.result import (LogWindow, TrainResult, add_steps, bar_text, logs_step,
                                    step_record)
 from hpctrain.train.run_end import RunEnd
 from hpctrain.train.rundir import claim_run_dir
@@ -201,7 +201,7 @@ class Trainer:
                        enabled=self.log_enabled and t.progress)
         start = time.perf_counter()
         self._segment["started_at"], self._t0 = round(time.time(), 3), start
-        self._loop(result, bar, stop)
+        self._loop(result, bar, stop)  # ends at a log step: every step's phases are read
         bar.close()
         self.saver.finish_pending(end=True)
         result.wall_s = time.perf_counter() - start
@@ -214,7 +214,7 @@ class Trainer:
 
     def _loop(self, result: TrainResult, bar: Progress, stop: StopAgreement) -> None:
         t, w = self.cfg.train, self.world
-        window = LogWindow(w, self.grid.loss_ranks)
+        window = LogWindow(w, self.grid.loss_ranks, self.clock, self.deadline)
         self.deadline.record_startup()
         for step in range(self.start.step, t.max_iters):
             self.trace.before(step + 1)
@@ -223,9 +223,8 @@ class Trainer:
                 loss, norm = self.train_step(step)
             except CommTimeout as e:  # say where the job was when it stopped
                 raise CommTimeout(f"step {step + 1}: {e}") from None
-            add_step(result, self.clock.stop())
+            add_steps(result, self.clock.stop(), self.deadline)
             self.trace.after(step + 1)
-            self.deadline.record_step(result.step_times[-1])
             self.saver.poll()  # publishes an asynchronous save once every rank wrote it
             if step == self.start.step:
                 device = w.accel.describe_memory()
