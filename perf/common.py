@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -153,6 +154,43 @@ def run_worker(n: int, script: str | Path, args: list[str], *, threads: int = 1,
     raise AssertionError("unreachable")
 
 
+def run(cmd: list[str], timeout: float, *, full_env: dict | None = None,
+        **env: str) -> tuple[int, str]:
+    """``cmd``'s exit status and its output (stdout and stderr), 124 on a timeout, when
+    its process group (the launcher and the ranks it started) is ended: SIGTERM, then
+    SIGKILL after 10 s, so no rank lives on holding a core or a GPU. ``env``: variables to
+    set beside the launcher's; ``full_env``: the whole environment instead."""
+    if timeout <= 0:
+        return 124, "(no time left for this run)"
+    p = subprocess.Popen(cmd, cwd=ROOT, env=full_env or launch_env(**env), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out
+    except subprocess.TimeoutExpired:
+        out = ""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not _signal_group(p.pid, sig):
+                break
+            try:
+                out = p.communicate(timeout=10)[0] or ""
+                _signal_group(p.pid, signal.SIGKILL)  # a rank that closed its output
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return 124, out + f"\n(timed out after {timeout:.0f} s)"
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; False when none of it is left."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def _run_worker_once(n, script, args, threads, timeout, mpi, env, python) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
@@ -161,10 +199,9 @@ def _run_worker_once(n, script, args, threads, timeout, mpi, env, python) -> dic
         if mpi:
             cmd = launcher.command(n, *cmd)
         full_env = launcher.environ(OMP_NUM_THREADS=str(threads), **(env or {}))
-        p = subprocess.run(cmd, env=full_env, text=True, capture_output=True, timeout=timeout,
-                           cwd=ROOT)
-        if p.returncode != 0:
-            raise RuntimeError(f"worker failed ({' '.join(cmd)}):\n{p.stdout}\n{p.stderr}")
+        rc, text = run(cmd, timeout, full_env=full_env)
+        if rc != 0 or not out.exists():
+            raise RuntimeError(f"worker failed (exit {rc}; {' '.join(cmd)}):\n{text}")
         return json.loads(out.read_text())
 
 

@@ -44,9 +44,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import RESULTS, ROOT, mpiexec, write_result  # noqa: E402
+from perf.common import RESULTS, ROOT, mpiexec, run, run_worker, write_result  # noqa: E402
 from perf import gpu_rows  # noqa: E402
-from perf.gpu_runs import Context, hpctrain, run, worker  # noqa: E402
+from perf.gpu_runs import Context, hpctrain  # noqa: E402
 from perf.gpu_verdict import (FAILED, NOT_POSSIBLE, SKIPPED, Check,  # noqa: E402
                               earlier_sections, parse_only, verdict_table)
 from hpctrain.sizes import GiB  # noqa: E402
@@ -117,15 +117,15 @@ def doctor(ctx: Context) -> dict:
     return section
 
 
-def _equal_runs(ctx: Context, tag: str, runs: dict, reference: str, cap: float) -> dict:
+def _equal_runs(ctx: Context, runs: dict, reference: str, cap: float) -> dict:
     """Each of ``runs`` (name: (ranks, worker options)) trained and compared with the
     ``reference`` run: losses and final parameters within LOSS_ATOL and PARAM_ATOL."""
     common = ["--data", str(ctx.small), "--device", ctx.device, "--steps", "8"]
     results, section = {}, {"runs": {}}
-    for i, (name, (n, extra)) in enumerate(runs.items()):
+    for name, (n, extra) in runs.items():
         try:
-            results[name] = worker(n, WORKER, common + extra, ctx.out / f"{tag}-{i}.json",
-                                   ctx.left(cap))
+            results[name] = run_worker(n, WORKER, common + extra, threads=4,
+                                       timeout=ctx.left(cap))
             section["runs"][name] = {k: v for k, v in results[name].items() if k != "params"}
         except RuntimeError as e:
             duplicate = "Duplicate GPU" in str(e) and "xccl" in name
@@ -159,7 +159,7 @@ def equivalence(ctx: Context) -> dict:
             "2 ranks, tp=2, mpi": (2, ["--collectives", "mpi", "--tp", "2"]),
             "2 ranks, tp=2 + sequence parallel, mpi": (2, ["--collectives", "mpi", "--tp", "2",
                                                            "--sequence-parallel"])}
-    return _equal_runs(ctx, "equivalence", runs, "1 rank", 300)
+    return _equal_runs(ctx, runs, "1 rank", 300)
 
 
 def multi_gpu(ctx: Context) -> dict:
@@ -171,7 +171,7 @@ def multi_gpu(ctx: Context) -> dict:
     xccl = ["--collectives", "xccl"]
     runs = {"1 rank": (1, []), "dp=2, xccl": (2, xccl),
             "ZeRO-3, xccl": (2, [*xccl, "--zero", "3"]), "tp=2, xccl": (2, [*xccl, "--tp", "2"])}
-    return _equal_runs(ctx, "multi-gpu", runs, "1 rank", 300)
+    return _equal_runs(ctx, runs, "1 rank", 300)
 
 
 def prepared_data(args, out: Path) -> tuple[Path, Path]:

@@ -7,16 +7,13 @@ the measured peak against the performance model's (``hpctrain.scaling.rank_memor
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perf.common import ROOT, launch_env, mpiexec
+from perf.common import mpiexec, run
 from perf.gpu_verdict import FAILED, OK
 from hpctrain.sizes import GiB, MiB
 
@@ -48,52 +45,6 @@ class Context:
 
 def hpctrain(*args: str) -> list[str]:
     return [sys.executable, "-m", "hpctrain", *args]
-
-
-def run(cmd: list[str], timeout: float, **env: str) -> tuple[int, str]:
-    """``cmd``'s exit status and its output (stdout and stderr), 124 on a timeout, when
-    its process group (the launcher and the ranks it started) is ended: SIGTERM, then
-    SIGKILL after 10 s. ``env``: variables to set beside the launcher's."""
-    if timeout <= 0:
-        return 124, "(no time left for this run)"
-    p = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(**env), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-        return p.returncode, out
-    except subprocess.TimeoutExpired:
-        out = ""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if not _signal_group(p.pid, sig):
-                break
-            try:
-                out = p.communicate(timeout=10)[0] or ""
-                _signal_group(p.pid, signal.SIGKILL)  # a rank that closed its output
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        return 124, out + f"\n(timed out after {timeout:.0f} s)"
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to process group ``pgid``; False when none of it is left."""
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def worker(n: int, script: Path, args: list[str], out: Path, timeout: float,
-           threads: int = 4) -> dict:
-    """``script --worker --out OUT args`` on ``n`` ranks; the JSON it wrote, or
-    RuntimeError with its output."""
-    rc, text = run(mpiexec(n, sys.executable, str(script), "--worker", "--out", str(out),
-                           *args), timeout, OMP_NUM_THREADS=str(threads))
-    if rc != 0 or not out.exists():
-        raise RuntimeError(f"worker failed (exit {rc}):\n{text[-3000:]}")
-    return json.loads(out.read_text())
 
 
 def device_peak_gib(log: str) -> float | None:

@@ -133,6 +133,11 @@ def test_unknown_option_suggests_the_close_one():
     (["--model.vocab_multiple=0"], "model.vocab_multiple must be at least 1, not 0"),
     (["--train.compile=maybe"], "--train.compile expects bool"),
     (["--train.tf32=2"], "--train.tf32 expects bool"),
+    (["--train.profile=0"], "takes a step or a range of steps, e.g. 20 or 20-22"),
+    (["--train.profile=5-3"], "the first not above the last"),
+    (["--train.profile=ten"], "takes a step or a range of steps"),
+    (["--train.profile=1-21"], "names 21 steps; at most 20"),
+    (["--train.fp8=true"], "add --train.dtype=bf16"),
 ])
 def test_bad_values_name_the_fix(args, message):
     with pytest.raises(ConfigError, match=message):

@@ -15,7 +15,8 @@ from hpctrain.scaling.arrangement import Arrangement
 from hpctrain.scaling.models import ModelShape
 from hpctrain.scaling.rank_memory import rank_memory_terms
 from perf import gpu_check, gpu_rows
-from perf.gpu_runs import Context, device_peak_gib, formula_terms, run
+from perf.common import run
+from perf.gpu_runs import Context, device_peak_gib, formula_terms
 from perf.gpu_verdict import (FAILED, NOT_POSSIBLE, SKIPPED, Check, parse_only,
                               verdict_table)
 

@@ -117,11 +117,11 @@ def test_profile_writes_a_trace_per_rank_of_the_traced_steps(fake_run):
 
 
 def test_a_traced_step_beyond_the_run_is_refused(dataset_path, tmp_path):
-    cfg = tiny_config(dataset_path, tmp_path, **{"train.max_iters": 4,
-                                                 "train.profile": "4-6"})
-    with pytest.raises(ConfigError, match="raise --train.max_iters"):
-        Trainer(cfg, cpu_world(MPI.COMM_SELF), verbose=False)
-    assert not (tmp_path / "metrics.jsonl").exists()  # refused before anything is written
+    with pytest.raises(ConfigError, match="raise --train.max_iters"):  # by the config
+        tiny_config(dataset_path, tmp_path, **{"train.max_iters": 4, "train.profile": "4-6"})
+    assert tiny_config(dataset_path, tmp_path, **{"train.max_iters": 6,
+                                                  "train.profile": "4-6"}).train.traced_steps \
+        == range(4, 7)
 
 
 def test_a_trace_from_an_earlier_run_is_moved_aside_not_replaced(dataset_path, tmp_path):

@@ -122,10 +122,10 @@ def coerce(key: str, value, typ):
     raise ConfigError(f"--{key} expects {wanted}, got {value!r}")
 
 
-def parse_step_range(key: str, text: str) -> range:
+def parse_step_range(key: str, text: str, most: int) -> range:
     """Training steps as typed: ``"20"`` is step 20, ``"20-22"`` steps 20 to 22 (both
     counted, the trainer's 1-based numbers), ``""`` none; ``key`` names the option in the
-    message. At most ``MAX_TRACED_STEPS`` steps: a trace grows by megabytes a step."""
+    message; at most ``most`` steps."""
     text = text.strip()
     if not text:
         return range(0)
@@ -134,14 +134,10 @@ def parse_step_range(key: str, text: str) -> range:
     if not m or first < 1 or last < first:
         raise ConfigError(f"--{key} takes a step or a range of steps, e.g. 20 or 20-22 "
                           f"(from step 1, the first not above the last), not {text!r}")
-    if last - first + 1 > MAX_TRACED_STEPS:
-        raise ConfigError(f"--{key}={text} traces {last - first + 1} steps; at most "
-                          f"{MAX_TRACED_STEPS} (each adds megabytes per rank): give a "
-                          f"shorter range")
+    if last - first + 1 > most:
+        raise ConfigError(f"--{key}={text} names {last - first + 1} steps; at most {most}: "
+                          f"give a shorter range")
     return range(first, last + 1)
-
-
-MAX_TRACED_STEPS = 20
 
 _HINT_KEY = re.compile(r"^[A-Za-z0-9_]+$")
 

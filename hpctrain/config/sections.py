@@ -19,6 +19,10 @@ from hpctrain.errors import ConfigError
 from hpctrain.config.model_section import ModelConfig
 from hpctrain.sizes import MAX_BATCH_TOKENS, MAX_CONTEXT, MAX_WAIT_S
 
+MAX_TRACED_STEPS = 20
+"""The most steps ``--train.profile`` traces (a trace grows by megabytes per rank and
+step)."""
+
 TRANSPORTS = ("auto", "mpi", "shm", "xccl")
 """``--comm.transport``'s values (``comm/transport.py`` has a transport for each)."""
 
@@ -275,12 +279,21 @@ class TrainConfig:
                            "--train.dtype=bf16 and a GPU with FP8 units (NVIDIA compute "
                            "capability 8.9 or newer); `pip install 'hpctrain[gpu]'`")
 
+    @property
+    def traced_steps(self) -> range:
+        """The 1-based steps ``--train.profile`` names (at most ``MAX_TRACED_STEPS``)."""
+        return parse_step_range("train.profile", self.profile, MAX_TRACED_STEPS)
+
     def __post_init__(self):
         _check_fields(self)
         require(self.out_dir != "", "train.out_dir must name a directory")
         require(self.tensorboard.strip() != "", "train.tensorboard must be true, false or "
                                                 "the folder to write the event files into")
-        parse_step_range("train.profile", self.profile)
+        traced = self.traced_steps
+        require(not traced or traced[-1] <= self.max_iters, f"--train.profile={self.profile} "
+                f"traces step {traced[-1] if traced else 0}, but the run ends at step "
+                f"{self.max_iters} (--train.max_iters): trace steps up to {self.max_iters}, "
+                "or raise --train.max_iters")
         require(not self.fp8 or self.dtype == "bf16", "--train.fp8=true computes in FP8 "
                 "beside bf16 activations: add --train.dtype=bf16")
         require(self.wandb_project.strip() != "", "train.wandb_project must name a W&B project")

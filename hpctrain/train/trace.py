@@ -15,21 +15,8 @@ from pathlib import Path
 import torch
 
 from hpctrain.comm.small_collectives import barrier
-from hpctrain.config.options import parse_step_range
-from hpctrain.errors import ConfigError
 from hpctrain.output_paths import RUN_TRACES as TRACE_DIR
 from hpctrain.train.rundir import move_aside
-
-
-def traced_steps(t) -> range:
-    """The 1-based steps ``--train.profile`` names (``t``: the train config); refused when
-    one lies beyond ``--train.max_iters`` (the run would end before tracing it)."""
-    steps = parse_step_range("train.profile", t.profile)
-    if steps and steps[-1] > t.max_iters:
-        raise ConfigError(f"--train.profile={t.profile} traces step {steps[-1]}, but the run "
-                          f"ends at step {t.max_iters} (--train.max_iters): trace steps up "
-                          f"to {t.max_iters}, or raise --train.max_iters")
-    return steps
 
 
 def trace_path(out_dir: Path, rank: int) -> Path:
@@ -53,7 +40,7 @@ class StepTrace:
     trace after the last (or at ``close()``, when the run stopped in between)."""
 
     def __init__(self, steps: range, out_dir: Path, world, log, start_step: int):
-        """``steps``: ``traced_steps``'s; ``start_step``: the steps done before this run
+        """``steps``: ``TrainConfig.traced_steps``; ``start_step``: the steps done before this run
         (a resume); ``log``: rank 0's line printer. Collective when ``steps`` is set: an
         earlier segment's traces go to ``previous-<time>/`` first (nothing is replaced)."""
         self.steps = range(max(steps.start, start_step + 1), steps.stop) if steps else steps

@@ -39,7 +39,7 @@ from hpctrain.train.schedule import learning_rate
 from hpctrain.train.start import load_starting_point
 from hpctrain.train.stop import SignalFlag, StopAgreement
 from hpctrain.train.tensorboard import ScalarSinks
-from hpctrain.train.trace import StepTrace, traced_steps
+from hpctrain.train.trace import StepTrace
 
 
 class Trainer:
@@ -55,7 +55,7 @@ class Trainer:
         self._closed = False
         check_layout(cfg, world.size)
         # Refused on every rank alike, before anything is written (packages, traced steps).
-        self._sinks, self._traced = ScalarSinks.check(cfg), traced_steps(cfg.train)
+        self._sinks, self._traced = ScalarSinks.check(cfg), cfg.train.traced_steps
         # Before anything is written: one run per out_dir (rundir.py).
         self.lock = claim_run_dir(Path(cfg.train.out_dir), cfg.train.resume,
                                   cfg.train.overwrite, world)
