@@ -8,7 +8,7 @@
 Steps, each under its own time limit (``LIMITS``) inside one budget; a step that fails
 or runs out of time is recorded and the others still run:
 
-1. ``environment``: the torch build (never ``+cpu``), the device, MPI, GPU-awareness.
+1. ``environment``: the torch build (never ``+cpu``), the device, MPI.
 2. ``doctor``: ``hpctrain doctor`` at 1 rank, and at 2 ranks sharing a GPU (flagged).
 3. ``equivalence``: a small fp32 training at 1 rank and at 2 ranks (MPI, the device's
    library, tensor parallel with and without sequence parallel): equal to round-off.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from hpctrain.report.trace_summary import summarize_run_traces
 from perf.gpu_runs import Context, train
 from perf.gpu_verdict import FAILED, NOT_POSSIBLE, OK, SKIPPED
 
@@ -79,10 +80,6 @@ def trace(ctx: Context) -> dict:
     """gpt2-124m for a few steps under the torch profiler (``--train.profile``): the top
     kernels and the idle share per rank (``hpctrain.report.trace_summary``), and the
     run's step phases with the clock that timed them."""
-    try:
-        from hpctrain.report.trace_summary import summarize_run_traces
-    except ImportError as e:
-        return {"status": NOT_POSSIBLE, "why": f"no trace summary in this tree ({e})"}
     steps, window = (6, "3-4") if ctx.dry else (8, "5-7")
     shape = GPT2_TINY if ctx.dry else GPT2_ONE_MICRO
     r = train(ctx, "trace", "gpt2-124m", [f"--train.max_iters={steps}",
@@ -93,7 +90,7 @@ def trace(ctx: Context) -> dict:
     if not ranks:
         return {"status": FAILED, "error": f"--train.profile={window} wrote no trace under "
                 f"{r['run_dir']}/trace", "phases_ms": r["phases_ms"], "clock": r["clock"]}
-    per_rank = {str(k): {**s, "top": list(s.get("top") or [])[:15]} for k, s in ranks.items()}
+    per_rank = {str(k): s for k, s in ranks.items()}
     first = per_rank[min(per_rank, key=int)]
     top = first["top"][0] if first["top"] else {}
     return {"profile": window, "ranks": per_rank, "phases_ms": r["phases_ms"],

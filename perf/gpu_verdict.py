@@ -15,6 +15,8 @@ import json
 import time
 from pathlib import Path
 
+from perf.common import table_lines
+
 OK, FAILED, NOT_POSSIBLE, SKIPPED = "ok", "FAILED", "not possible", "skipped"
 MIN_START_S = 20.0
 """A step is not started with less of the budget left than this (it could not even
@@ -93,6 +95,9 @@ def key_words(section: dict, width: int = 60) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+VERDICT_COLUMNS = ["step", "status", "key number", "goal", "met"]
+
+
 def verdict_rows(sections: dict) -> list[list[str]]:
     return [[name, s.get("status", "?") + (" (earlier run)" if s.get("earlier") else ""),
              key_words(s), str(s.get("goal", "-")),
@@ -102,11 +107,4 @@ def verdict_rows(sections: dict) -> list[list[str]]:
 
 def verdict_table(sections: dict) -> str:
     """The plain-text table printed at the very end."""
-    head = ["step", "status", "key number", "goal", "met"]
-    rows = verdict_rows(sections)
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    line = "  ".join
-    out = [line(h.ljust(w) for h, w in zip(head, widths)),
-           line("-" * w for w in widths)]
-    out += [line(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(out)
+    return "\n".join(table_lines(VERDICT_COLUMNS, verdict_rows(sections)))

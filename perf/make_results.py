@@ -28,7 +28,7 @@ from perf.results_format import md_table, provenance  # noqa: E402
 from perf.bench_perfmodel import render_perfmodel  # noqa: E402
 from perf.render_moe import render_moe  # noqa: E402
 from perf.bench_ckpt_files import render_ckpt_files  # noqa: E402
-from perf.gpu_verdict import verdict_rows  # noqa: E402
+from perf.gpu_verdict import VERDICT_COLUMNS, verdict_rows  # noqa: E402
 from hpctrain.sizes import MiB  # noqa: E402
 
 DOC = ROOT / "perf" / "RESULTS.md"
@@ -277,7 +277,7 @@ def render_gpu(d: dict) -> list[str]:
            + (f", NCCL {env['nccl']}" if env.get("nccl") else "") + ". Steps: "
            + ", ".join(f"{k} {v['status']}" for k, v in s.items()) + ".", ""]
     if any("key" in v for v in s.values()):  # a check that writes its verdict per step
-        out += md_table(["step", "status", "key number", "goal", "met"], verdict_rows(s))
+        out += md_table(VERDICT_COLUMNS, verdict_rows(s))
     g = s.get("gpt2_124m", {})
     if g.get("status") == "ok":
         mem = g["device_memory"][0].split("device: ")[-1] if g["device_memory"] else ""

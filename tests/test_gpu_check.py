@@ -142,10 +142,7 @@ def test_fp8_refused_by_the_device_is_not_possible_and_any_other_refusal_fails(
     assert gpu_rows.fp8(ctx)["status"] == FAILED
 
 
-def test_the_trace_step_keeps_each_ranks_top_15_kernels_idle_share_and_clock(
-        monkeypatch, tmp_path):
-    import types
-
+def test_the_trace_step_keeps_each_ranks_summary_and_clock(monkeypatch, tmp_path):
     ctx = Context(device="fake", dry=True, gpt2=tmp_path, small=tmp_path, out=tmp_path)
     seen = {}
 
@@ -155,18 +152,17 @@ def test_the_trace_step_keeps_each_ranks_top_15_kernels_idle_share_and_clock(
                 "clock": "device events", "step_ms_median": 9.0}
 
     top = [{"name": f"kernel{i}", "ms": 20 - i, "count": 1, "share": (20 - i) / 300}
-           for i in range(20)]
-    module = types.ModuleType("hpctrain.report.trace_summary")
-    module.summarize_run_traces = lambda run_dir: {0: {
-        "source": "device", "steps": 2, "span_ms": 40.0, "busy_ms": 30.0,
-        "idle_share": 0.25, "top": top}} if run_dir == tmp_path / "trace" else {}
-    monkeypatch.setitem(sys.modules, "hpctrain.report.trace_summary", module)
+           for i in range(10)]
+    summary = {"source": "device", "steps": 2, "span_ms": 40.0, "busy_ms": 30.0,
+               "idle_share": 0.25, "top": top, "phases_ms": {"forward": 3.0}}
+    monkeypatch.setattr(gpu_rows, "summarize_run_traces", lambda run_dir: {0: summary}
+                        if run_dir == tmp_path / "trace" else {})
     monkeypatch.setattr(gpu_rows, "train", train)
     section = gpu_rows.trace(ctx)
     assert any(o.startswith("--train.profile=") for o in seen["overrides"])
-    assert [k["name"] for k in section["ranks"]["0"]["top"]] == [f"kernel{i}" for i in range(15)]
+    assert section["ranks"]["0"] == summary
     assert section["clock"] == "device events" and "idle 25%" in section["key"]
-    module.summarize_run_traces = lambda run_dir: {}
+    monkeypatch.setattr(gpu_rows, "summarize_run_traces", lambda run_dir: {})
     assert gpu_rows.trace(ctx)["status"] == FAILED  # profiled, yet no trace: a finding
 
 

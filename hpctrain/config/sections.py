@@ -273,11 +273,12 @@ class TrainConfig:
                            "rank<r>.json (Perfetto or chrome://tracing) and `hpctrain "
                            "report` summarises the top kernels and the idle share per rank; "
                            "'' traces nothing")
-    fp8: bool = opt(False, "compute the linear layers' matrix multiplies in FP8 with dynamic "
-                           "scaling (torchao's float8 training; master weights, gradients "
-                           "and their reductions stay as --train.dtype has them); needs "
-                           "--train.dtype=bf16 and a GPU with FP8 units (NVIDIA compute "
-                           "capability 8.9 or newer); `pip install 'hpctrain[gpu]'`")
+    fp8: bool = opt(False, "compute the transformer blocks' linear layers (not the head) "
+                           "in FP8 with dynamic scaling (torchao's float8 training; master "
+                           "weights, gradients and their reductions stay as --train.dtype "
+                           "has them); needs --train.dtype=bf16 and a GPU with FP8 units "
+                           "(NVIDIA compute capability 8.9 or newer, AMD MI300-class); "
+                           "`pip install 'hpctrain[gpu]'`; --train.device=fake emulates it")
 
     @property
     def traced_steps(self) -> range:

@@ -105,10 +105,11 @@ class Fp8Product:
     collectives: the body of torchao's ``Float8Linear.forward`` without the bias (a
     row-parallel layer adds it after the group's sum; hpctrain runs no autocast), called
     with the layer's weight as it is at that moment (the engines may replace it by a
-    bf16 view, ZeRO-3 gathers it). Holds no tensor: nothing to register, save or move."""
+    bf16 view, ZeRO-3 gathers it). Holds no tensor: nothing to register, save or move;
+    one serves every layer (torchao's matmul settings depend on the config alone)."""
 
-    def __init__(self, in_features: int, out_features: int, config, float8):
-        twin = float8.float8_linear.Float8Linear(in_features, out_features, bias=False,
+    def __init__(self, config, float8):
+        twin = float8.float8_linear.Float8Linear(FP8_ALIGN, FP8_ALIGN, bias=False,
                                                  config=config, device="meta")
         self.config, self.mm_config = twin.config, twin.linear_mm_config
         self.matmul = float8.float8_linear.matmul_with_hp_or_float8_args
@@ -148,11 +149,11 @@ def convert_linears(model: torch.nn.Module, *, emulate: bool, seq: int) -> Fp8La
         fits = rows % FP8_ALIGN == 0 and cols % FP8_ALIGN == 0
         (chosen if fits else skipped).append(path)
     config = float8.Float8LinearConfig(emulate=emulate, pad_inner_dim=seq % FP8_ALIGN != 0)
-    wanted = set()
+    wanted, product = set(), Fp8Product(config, float8)
     for path in chosen:
         lin = model.get_submodule(path)
         if isinstance(lin, SPLIT_LINEARS):
-            lin.fp8 = Fp8Product(lin.weight.shape[1], lin.weight.shape[0], config, float8)
+            lin.fp8 = product
         else:
             wanted.add(path)
     float8.convert_to_float8_training(model, config=config,

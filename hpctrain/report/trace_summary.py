@@ -69,15 +69,7 @@ def _number(x) -> bool:
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of ``(start, end)`` intervals: overlaps count once."""
-    total, end = 0.0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
+    return sum(e - s for s, e in _merged(intervals))
 
 
 def outermost(events: list[dict]) -> list[dict]:

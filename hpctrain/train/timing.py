@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 
-from hpctrain.comm.phase_clock import PARTS_OF_BACKWARD, PHASES, PhaseClock
+from hpctrain.comm.phase_clock import PARTS_OF_BACKWARD, PHASES
 
-__all__ = ["PARTS_OF_BACKWARD", "PHASES", "PhaseClock", "peak_rss_bytes", "phase_medians",
+__all__ = ["PARTS_OF_BACKWARD", "PHASES", "peak_rss_bytes", "phase_medians",
            "summarize", "warmup_steps"]
 
 

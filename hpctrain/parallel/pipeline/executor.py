@@ -10,6 +10,7 @@ without a buffer per micro-batch. Time blocked in receives is the stage's bubble
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -190,12 +191,10 @@ class PipelineExecutor:
         # A peer may be waiting for one of our queued sends before it can answer: post
         # them all first (the host would block here anyway).
         self._post_ready(self._sends, block=True)
-        if not bubble:
+        with self.accel.clock.span("bubble") if bubble else contextlib.nullcontext() as idle:
             wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}")
-            return
-        with self.accel.clock.span("bubble") as idle:
-            wait_all(requests, timeout=self.timeout, what=f"pipeline stage {self.s}: {what}")
-        self.stats.bubble_s += idle.host_s
+        if bubble:
+            self.stats.bubble_s += idle.host_s
 
     # ------------------------------------------------------------------- running
     def run(self, actions: list[S.Action], xs: list, ys: list, loss_scale: float,
