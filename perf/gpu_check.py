@@ -47,8 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from perf.common import RESULTS, ROOT, mpiexec, run, run_worker, write_result  # noqa: E402
 from perf import gpu_rows  # noqa: E402
 from perf.gpu_runs import Context, hpctrain  # noqa: E402
-from perf.gpu_verdict import (FAILED, NOT_POSSIBLE, SKIPPED, Check,  # noqa: E402
-                              earlier_sections, parse_only, verdict_table)
+from perf.gpu_verdict import (FAILED, NOT_POSSIBLE, Check,  # noqa: E402
+                              earlier_sections, failed_steps, parse_only,
+                              verdict_table)
 from hpctrain.sizes import GiB  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "gpu_equivalence.py"
@@ -237,10 +238,9 @@ def main() -> int:
                            if k not in check.sections}, **check.sections}
             order = ["environment", "data", *steps(args)]
             sections = {k: sections[k] for k in order if k in sections}
-            failed = [k for k, s in sections.items() if s["status"] in (FAILED, SKIPPED)]
             write_result(slug, {"dry_run": args.dry_run, "budget_s": args.budget,
                                 "only": chosen if args.only else None, "sections": sections,
-                                "failed": failed}, smoke=args.dry_run)
+                                "failed": failed_steps(sections)}, smoke=args.dry_run)
             return sections
 
         try:
@@ -254,7 +254,7 @@ def main() -> int:
                 check.step(step_name, fn, ctx)
         sections = save()
     print("\n" + verdict_table(sections), flush=True)
-    failed = [k for k, s in sections.items() if s["status"] in (FAILED, SKIPPED)]
+    failed = failed_steps(sections)
     if failed:
         again = [k for k in failed if k in steps(args)]
         print(f"gpu-check: FAILED or not run: {', '.join(failed)}" + (

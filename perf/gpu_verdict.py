@@ -57,8 +57,12 @@ class Check:
 
     @property
     def failed(self) -> list[str]:
-        """Steps to run again: those that broke or did not run."""
-        return [n for n, s in self.sections.items() if s["status"] in (FAILED, SKIPPED)]
+        return failed_steps(self.sections)
+
+
+def failed_steps(sections: dict) -> list[str]:
+    """Steps to run again: those that broke or did not run."""
+    return [n for n, s in sections.items() if s["status"] in (FAILED, SKIPPED)]
 
 
 def earlier_sections(path: Path) -> dict:

@@ -123,8 +123,12 @@ class BucketScheduler:
         """One more of ``bucket``'s gradients is final for this backward."""
         if not self.syncing:
             return
+        bucket.pending -= 1
+        buckets = self.sched_buckets
+        next_complete = self._next < len(buckets) and buckets[self._next].pending <= 0
+        if bucket.pending > 0 and not next_complete and not self._inflight:
+            return  # nothing to launch or poll: no span (on a GPU, two events saved)
         with self.clock.span("hooks") as hook:
-            bucket.pending -= 1
             if bucket.pending == 0:
                 self.bucket_ready(bucket)
             launched = self._launch_in_order(block=False)

@@ -26,7 +26,7 @@ from hpctrain.scaling.activations import (activation_bytes_per_layer, layer_inpu
                                           selective_bytes_per_layer, word_bytes)
 from hpctrain.parallel.pipeline.schedules import predicted_bubble
 from hpctrain.scaling.models import ModelShape
-from hpctrain.scaling.rank_memory import (activation_bytes, rank_memory_terms,  # noqa: F401
+from hpctrain.scaling.rank_memory import (activation_bytes, rank_memory_terms,
                                           recomputed_layers)
 from hpctrain.scaling.system_perf import SystemPerf
 from hpctrain.sizes import GiB, MiB
