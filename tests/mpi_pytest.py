@@ -6,10 +6,18 @@ Ranks 1..n-1 send stdout to /dev/null before pytest starts capturing; their fail
 still reach stderr through ``conftest.pytest_runtest_logreport``, which also aborts all
 ranks so that a failure never becomes a hang. They also drop ``--junitxml``: every rank
 runs the same tests, and n ranks writing one file would leave whichever finished last.
+
+Each rank keeps its temporary directories under its own root (``PYTEST_DEBUG_TEMPROOT``):
+pytest's end-of-session cleanup of ``pytest-of-<user>`` is not safe against other pytest
+processes doing the same, and n ranks (plus any leg running beside them) finishing at once
+removed each other's ``pytest-current`` link. A rank's root goes when the run passes and
+stays, for reading, when it fails.
 """
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -34,4 +42,12 @@ if __name__ == "__main__":
     if env_rank() != 0:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         args = without_junitxml(args)
-    sys.exit(pytest.main(args))
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = root = tempfile.mkdtemp(
+        prefix=f"hpctrain-mpi-pytest-rank{env_rank()}-")
+    code = pytest.main(args)
+    if code == 0:
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.COMM_WORLD.Barrier()  # rank 0's directory is every rank's shared_tmp
+        shutil.rmtree(root, ignore_errors=True)
+    sys.exit(code)
