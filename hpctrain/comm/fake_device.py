@@ -15,7 +15,7 @@ from hpctrain.comm.phase_clock import HostMark
 
 # DLPack device types (dlpack.h): what mpi4py is told a buffer's memory is.
 DLPACK_CUDA = 2
-_PRUNE_AT = 4096  # watched tensors before the dead references are dropped
+_PRUNE_AT = 4096  # watched storages before the dead references are dropped
 
 
 class _FakeEvent(Event):
@@ -61,6 +61,28 @@ class _FakeMark(HostMark):
         return super().seconds_to(later)
 
 
+class _StorageSet:
+    """Tensors, held weakly, found by their storage: ``t in s`` when a tensor still alive
+    in the set shares ``t``'s storage (a view of device memory is device memory). Looked
+    up by the storage's address, since every ``.numpy()`` and ``.cpu()`` of the process
+    asks."""
+
+    def __init__(self):
+        self._refs: dict[int, list[weakref.ref]] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        if len(self._refs) >= _PRUNE_AT:
+            self._refs = {k: alive for k, refs in self._refs.items()
+                          if (alive := [r for r in refs if r() is not None])}
+        self._refs.setdefault(t.untyped_storage()._cdata, []).append(weakref.ref(t))
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        storage = t.untyped_storage()._cdata
+        # A freed storage's address can be reused: only a live member with it counts.
+        return any((u := r()) is not None and u.untyped_storage()._cdata == storage
+                   for r in self._refs.get(storage, ()))
+
+
 class _FakeDeviceMemory:
     """A CPU tensor as mpi4py sees device memory: through DLPack, labelled CUDA (so
     mpi4py refuses to treat it as host memory and asks for ``stream=-1``, promising to
@@ -100,8 +122,8 @@ class FakeAccelerator(Accelerator):
 
     def __init__(self, index: int = 0, *, placement: str = ""):
         super().__init__(index, placement=placement)
-        self._device: list[weakref.ref] = []  # device tensors handed to MPI
-        self._host: list[weakref.ref] = []  # staging buffers
+        self._device = _StorageSet()  # device tensors handed to MPI
+        self._host = _StorageSet()  # staging buffers
         self._seq = self.done_seq = 0  # events recorded / passed on the one stream
         _watch_numpy(self)
 
@@ -125,12 +147,12 @@ class FakeAccelerator(Accelerator):
 
     def host_empty(self, shape, dtype):
         t = torch.empty(shape, dtype=dtype)
-        self._host = _append(self._host, t)
+        self._host.add(t)
         return t
 
     def holds(self, x):
         return isinstance(x, torch.Tensor) and x.device.type == "cpu" and \
-            not self._is_in(x, self._host)
+            x not in self._host
 
     def to_device(self, t):
         return t.clone()  # a copy, as a host-to-device transfer is
@@ -139,16 +161,10 @@ class FakeAccelerator(Accelerator):
         return _FakeDeviceMemory(self, t, ready)
 
     def track(self, t):
-        self._device = _append(self._device, t)
+        self._device.add(t)
 
     def is_device_memory(self, t: torch.Tensor) -> bool:
-        return self._is_in(t, self._device)
-
-    @staticmethod
-    def _is_in(t: torch.Tensor, refs: list[weakref.ref]) -> bool:
-        storage = t.untyped_storage()._cdata
-        return any((u := r()) is not None and u.untyped_storage()._cdata == storage
-                   for r in refs)
+        return t in self._device
 
     def event(self):
         return _FakeEvent(self)
@@ -176,13 +192,6 @@ class FakeAccelerator(Accelerator):
 
     def close(self):
         _FAKES.discard(self)
-
-
-def _append(refs: list[weakref.ref], t: torch.Tensor) -> list[weakref.ref]:
-    if len(refs) >= _PRUNE_AT:
-        refs = [r for r in refs if r() is not None]
-    refs.append(weakref.ref(t))
-    return refs
 
 
 # The fake devices alive in this process, watched by the patched Tensor.numpy / .cpu.
