@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-import typing
 from importlib import resources
 from pathlib import Path
 
 from hpctrain.comm.abort import env_rank
-from hpctrain.config.options import coerce
+from hpctrain.config.options import coerce, field_types
 from hpctrain.config.sections import SECTION_TYPES, Config
 from hpctrain.errors import ConfigError
 
@@ -145,7 +144,7 @@ def build_config(recipe: dict, overrides: dict[str, str] | None = None, *,
     for dotted, value in flat.items():
         section, _, key = dotted.partition(".")
         cls = SECTION_TYPES.get(section)
-        hints = typing.get_type_hints(cls) if cls else {}
+        hints = field_types(cls) if cls else {}
         if key not in hints:
             raise _unknown(dotted)
         values[section][key] = coerce(dotted, value, hints[key])
@@ -177,7 +176,7 @@ def describe_options(recipe: str | None = None, overrides: list[str] | None = No
     lines = []
     for section, cls in SECTION_TYPES.items():
         lines.append(f"[{section}]")
-        hints = typing.get_type_hints(cls)
+        hints = field_types(cls)
         for f in dataclasses.fields(cls):
             key = f"{section}.{f.name}"
             value = getattr(getattr(cfg, section), f.name) if cfg else f.default

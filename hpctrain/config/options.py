@@ -10,6 +10,7 @@ sections themselves (``sections.py``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import typing
@@ -64,11 +65,18 @@ def opt(default, help: str, choices: tuple | None = None, bounds: Bounds | None 
                                             "bounds": bounds})
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, type]:
+    """``typing.get_type_hints`` of a config dataclass, resolved once per class: every
+    config built (a test builds thousands) asks for each section's."""
+    return typing.get_type_hints(cls)
+
+
 def check_fields(section, name: str) -> None:
     """Each field of ``section`` (the section called ``name``) against its choices or
     bounds; the message names the option and the valid values, so ``--optim.eps=-1`` or
     ``--comm.timeout=nan`` never reaches training."""
-    hints = typing.get_type_hints(type(section))
+    hints = field_types(type(section))
     for f in dataclasses.fields(section):
         key, value = f"{name}.{f.name}", getattr(section, f.name)
         choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
