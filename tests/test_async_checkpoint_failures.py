@@ -5,6 +5,7 @@ rank, so it dies with it), a full disk (a real tmpfs) and SIGTERM. Each write is
 it is in flight. The previous checkpoint stays ``latest`` and loadable; after SIGTERM
 the in-flight one and the stop's are published too."""
 
+import json
 import os
 import shutil
 import signal
@@ -31,8 +32,8 @@ def _train(dataset_path, out, *extra) -> list[str]:
                                     f"--train.out_dir={out}", *TINY, *extra))
 
 
-def _start(dataset_path, out) -> subprocess.Popen:
-    return subprocess.Popen(_train(dataset_path, out, "--train.max_iters=100000"),
+def _start(dataset_path, out, *extra) -> subprocess.Popen:
+    return subprocess.Popen(_train(dataset_path, out, "--train.max_iters=100000", *extra),
                             env=launcher().environ(OMP_NUM_THREADS="1",
                                                    **{SLOW_SAVE_ENV: str(SLOW_SAVE_S)}),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -59,6 +60,14 @@ def _latest(root) -> str | None:
 def _writing(root, step: int) -> bool:
     """The asynchronous save of ``step`` is in flight (its hidden folder exists)."""
     return any(root.glob(f".step_{step:06d}.*.tmp"))
+
+
+def _logged_past(out, step: int) -> bool:
+    """metrics.jsonl holds a step after ``step``."""
+    path = out / "metrics.jsonl"
+    return path.exists() and any(json.loads(line).get("step", 0) > step
+                                 for line in path.read_text().splitlines()
+                                 if line.endswith("}"))
 
 
 def _after_step_5_while_10_is_written(job, root) -> None:
@@ -137,9 +146,12 @@ def test_sigterm_during_an_async_write_publishes_it_and_the_stops_checkpoint(dat
                     "held 3 s cannot finish")
     out = tmp_path / "run"
     root = out / "checkpoints"
-    job = _start(dataset_path, out)
+    job = _start(dataset_path, out, "--train.log_interval=1")
     try:
-        _wait_for("the save of step 5 in flight", lambda: _writing(root, 5), job)
+        # Past step 5 with its save in flight: a signal that came before the loop's stop
+        # check of step 5 would stop at 5 itself, leaving no second checkpoint to make.
+        _wait_for("a step after 5 while its save is in flight",
+                  lambda: _writing(root, 5) and _logged_past(out, 5), job)
         job.send_signal(signal.SIGTERM)
     finally:
         stdout, stderr = _stop(job)
