@@ -88,9 +88,9 @@ run: $(STAMP) $(if $(filter gpt2-124m,$(RECIPE)),$(GPT2_DATA),$(DATA))
 	@echo "plots of this run: $(VENV)/bin/hpctrain report $$($(PY) -c 'import sys; from hpctrain.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).train.out_dir)' $(RECIPE) $(ARGS))"
 
 # The suite in legs (tests/run_legs.py runs them, tests/README.md lists what each holds):
-#   make test       the tests that are not `slow`: single-process ones beside the MPI tests
-#                   at 2 ranks, then the MPI tests at 4 ranks with the fake device presented
-#                   as the node's accelerator (HPCTRAIN_AUTO_DEVICE=fake); the three `slow`
+#   make test       the tests that are not `slow`: the MPI tests at 2 ranks, then the
+#                   single-process ones beside the MPI tests at 4 ranks with the fake device
+#                   presented as the node's accelerator (HPCTRAIN_AUTO_DEVICE=fake); the `slow`
 #                   MPI tests (torch.compile under ZeRO) run in make test-openmpi
 #   make test-slow  the single-process `slow` tests: long end-to-end runs (trainings under
 #                   mpiexec, signals, job scripts, scaling studies); .ci/run runs it
@@ -105,7 +105,7 @@ MPI_TESTS := $(sort $(wildcard tests/*_mpi.py))
 LEGS_RUN = $(RUN_ENV) MPIEXEC="$(MPIEXEC)" TIME_LIMIT=$(TIME_LIMIT) $(PY) -m tests.run_legs \
 	--select='$(SELECT)'
 test: $(STAMP)
-	@$(LEGS_RUN) unit+mpi2 mpi4
+	@$(LEGS_RUN) mpi2 unit+mpi4
 
 test-slow: $(STAMP)
 	@$(LEGS_RUN) slow

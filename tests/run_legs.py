@@ -1,12 +1,15 @@
 """Run the test suite's legs: some side by side, then the next group; every leg runs even
 when an earlier one failed, and the last lines say which failed and how long each took.
 
-    python -m tests.run_legs unit+mpi2 mpi4            # make test
+    python -m tests.run_legs mpi2 unit+mpi4            # make test
     python -m tests.run_legs slow                       # make test-slow
     python -m tests.run_legs --select='-m "not slow and not report"' unit+mpi2  # test-fast
 
-Each argument is a group of legs joined by ``+`` that run at once (the single-process
-leg keeps one core busy, the 2-rank leg shares the other); groups run one after another.
+Each argument is a group of legs joined by ``+`` that run at once; groups run one after
+another. ``make test`` runs the 2-rank leg first, alone, so that the single-process
+references it computes are there for the 4-rank leg; the single-process leg runs beside
+the 4-rank leg, whose waiting ranks sleep (more ranks than cores) and leave idle time
+that the 2-rank leg's yielding ranks do not (tests/README.md has the times).
 A leg's output goes to ``test-reports/<leg>.log`` and is printed when it ends, its
 JUnit report to ``test-reports/<leg>.xml`` (``make test-audit`` reads them). The
 single-process reference runs are kept in one temporary directory that every leg shares
