@@ -245,7 +245,7 @@ openmpi-install:
 	@MPICC=$(OMPI_MPICC) $(MAKE) --no-print-directory install VENV=$(OMPI_VENV) \
 	  MPI_PACKAGES="--no-binary mpi4py mpi4py"
 
-# As in `make test`, the single-process leg runs beside the 2-rank leg; then 4 ranks, then
+# The single-process leg runs beside the 2-rank leg; then 4 ranks, then
 # the training. --color=no: mpirun gives the ranks a terminal.
 test-openmpi: openmpi-install
 	@export HPCTRAIN_REF_CACHE=$$(mktemp -d) MPIEXEC=$(OMPI_MPIEXEC) $(RUN_ENV); \
