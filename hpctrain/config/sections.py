@@ -9,11 +9,10 @@ Every field carries its help text (``opt(default, help)``, ``options.py``), so
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 
 from hpctrain.config.options import (AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, SHARE, Bounds,
-                                     SwitchOrPath, check_fields, opt, parse_hints,
+                                     SwitchOrPath, check_fields, field_types, opt, parse_hints,
                                      parse_step_range, require)
 from hpctrain.errors import ConfigError
 from hpctrain.config.model_section import ModelConfig
@@ -395,7 +394,7 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTION_TYPES = typing.get_type_hints(Config)
+SECTION_TYPES = field_types(Config)
 """Section name -> its dataclass, in recipe order."""
 _SECTION_NAMES = {cls: name for name, cls in SECTION_TYPES.items()}
 
